@@ -1,0 +1,127 @@
+"""Config dataclass for the divergence-clipping policy losses.
+
+verl rejects keys that no dataclass declares, so the new knobs live in a subclass of
+verl's ``PolicyLossConfig`` that a config selects with ``_target_``::
+
+    actor_rollout_ref.actor.policy_loss._target_=verl_ext.config.DivClipPolicyLossConfig
+    actor_rollout_ref.actor.policy_loss.loss_mode=kl3
+    actor_rollout_ref.actor.policy_loss.delta=0.07
+
+The ratio-clip epsilons are verl's own ``actor.clip_ratio_low`` / ``actor.clip_ratio_high``
+(used by ``clip``, ``gppo``, ``trgppo``'s floor and ``dcpo``'s epsilons), so existing DAPO
+configs keep their meaning.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from verl.workers.config import PolicyLossConfig
+
+CONFIG_TARGET = "verl_ext.config.DivClipPolicyLossConfig"
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass
+class DivClipPolicyLossConfig(PolicyLossConfig):
+    """Knobs of the unified divergence-constrained surrogate (ATR-GRPO Eq. 5) and of ERC.
+
+    Args:
+        delta: Per-token divergence budget delta of the ``kl3`` (ATR-GRPO, Theorem 4.2),
+            ``kl1``, ``kl2``, ``is_kl3`` and ``trgppo`` constraints. Paper default 0.07.
+        dual_clip_c: Dual-clip cap c (Ye et al. 2020): for A < 0 the ratio is capped at c.
+            ``None`` (default) disables it, so ``clip`` is exact PPO / DAPO. verl's
+            ``vanilla`` always applies c = 3.
+        gppo_beta_low: GPPO (Klear-Reasoner, general form) gradient scale beta_1 of tokens
+            clipped at the lower bound (A < 0): their gradient is beta_1 * (1 - eps_low) * A.
+        gppo_beta_high: GPPO scale beta_2 of tokens clipped at the upper bound (A > 0):
+            gradient beta_2 * (1 + eps_high) * A. Both 1.0 in the paper.
+        dcpo_cap: Upper cap of DCPO's dynamic upper bound (DCPO default 10).
+        erc_beta_low: ERC lower band beta_l: tokens with H_new / H_old <= 1 - beta_l lose
+            their gradient (ERC paper Eq. 6, beta = 0.05). ``None`` (default) disables ERC.
+        erc_beta_high: ERC upper band beta_h: tokens with H_new / H_old >= 1 + beta_h lose
+            their gradient. Set together with ``erc_beta_low``.
+        erc_eps: Added to both entropies before the ratio, (H + eps) / (H_old + eps), as the
+            reference ERC code does (1e-8), so zero-entropy tokens get ratio 1, not NaN.
+    """
+
+    delta: float = 0.07
+    dual_clip_c: Optional[float] = None
+    gppo_beta_low: float = 1.0
+    gppo_beta_high: float = 1.0
+    dcpo_cap: float = 10.0
+    erc_beta_low: Optional[float] = None
+    erc_beta_high: Optional[float] = None
+    erc_eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        prefix = "actor_rollout_ref.actor.policy_loss"
+        if not (_finite(self.delta) and self.delta > 0):
+            raise ValueError(f"{prefix}.delta must be a finite number > 0, got {self.delta!r}")
+        if self.dual_clip_c is not None and not (_finite(self.dual_clip_c) and self.dual_clip_c > 1):
+            raise ValueError(
+                f"{prefix}.dual_clip_c must be > 1 (or null to disable dual-clip), got {self.dual_clip_c!r}"
+            )
+        for key in ("gppo_beta_low", "gppo_beta_high"):
+            value = getattr(self, key)
+            if not (_finite(value) and value >= 0):
+                raise ValueError(f"{prefix}.{key} must be a finite number >= 0, got {value!r}")
+        if not (_finite(self.dcpo_cap) and self.dcpo_cap > 1):
+            raise ValueError(f"{prefix}.dcpo_cap must be > 1, got {self.dcpo_cap!r}")
+        if (self.erc_beta_low is None) != (self.erc_beta_high is None):
+            missing = "erc_beta_high" if self.erc_beta_high is None else "erc_beta_low"
+            raise ValueError(
+                f"{prefix}.{missing} is null while the other ERC band is set: set both "
+                "erc_beta_low and erc_beta_high (ERC on) or neither (ERC off)"
+            )
+        if self.erc_beta_low is not None:
+            if not (_finite(self.erc_beta_low) and 0 < self.erc_beta_low < 1):
+                raise ValueError(f"{prefix}.erc_beta_low must lie in (0, 1), got {self.erc_beta_low!r}")
+            if not (_finite(self.erc_beta_high) and self.erc_beta_high > 0):
+                raise ValueError(f"{prefix}.erc_beta_high must be > 0, got {self.erc_beta_high!r}")
+        if not (_finite(self.erc_eps) and self.erc_eps > 0):
+            raise ValueError(f"{prefix}.erc_eps must be a finite number > 0, got {self.erc_eps!r}")
+        self._check_loss_mode(prefix)
+
+    @property
+    def erc_enabled(self) -> bool:
+        return self.erc_beta_low is not None
+
+    def _check_loss_mode(self, prefix: str) -> None:
+        # Imported here: verl_ext.losses imports this module.
+        from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+        from verl_ext.losses import CONSTRAINTS
+
+        known = sorted(set(POLICY_LOSS_REGISTRY) | set(CONSTRAINTS))
+        if self.loss_mode not in known:
+            raise ValueError(f"{prefix}.loss_mode={self.loss_mode!r} is not a registered policy loss; known: {known}")
+        if self.erc_enabled and self.loss_mode not in CONSTRAINTS:
+            raise ValueError(
+                f"{prefix}.erc_beta_low/erc_beta_high (ERC) stack on the divclip modes {sorted(CONSTRAINTS)}, "
+                f"not on verl's loss_mode={self.loss_mode!r}"
+            )
+
+
+def check_clip_ratios(clip_ratio_low: Any, clip_ratio_high: Any) -> tuple[float, float]:
+    """Validate verl's actor clip epsilons as used by the divclip modes: 0 <= eps_low < 1,
+    eps_high >= 0, and a non-empty interval l = 1 - eps_low < u = 1 + eps_high."""
+    prefix = "actor_rollout_ref.actor"
+    for key, value in (("clip_ratio_low", clip_ratio_low), ("clip_ratio_high", clip_ratio_high)):
+        if not _finite(value):
+            raise ValueError(f"{prefix}.{key} must be a finite number, got {value!r}")
+    if not 0 <= clip_ratio_low < 1:
+        raise ValueError(f"{prefix}.clip_ratio_low must lie in [0, 1), got {clip_ratio_low!r}")
+    if clip_ratio_high < 0:
+        raise ValueError(f"{prefix}.clip_ratio_high must be >= 0, got {clip_ratio_high!r}")
+    if 1 - clip_ratio_low >= 1 + clip_ratio_high:
+        raise ValueError(
+            f"{prefix}.clip_ratio_low/clip_ratio_high give an empty ratio interval "
+            f"[{1 - clip_ratio_low}, {1 + clip_ratio_high}]"
+        )
+    return float(clip_ratio_low), float(clip_ratio_high)

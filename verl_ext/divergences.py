@@ -1,0 +1,175 @@
+"""Closed forms that turn a per-token divergence budget into a ratio interval.
+
+Every constraint of the unified framework has the form D(w_t) <= delta, where w_t is the
+importance ratio pi_theta / pi_old of the sampled token. For the estimators used here
+D is convex in log w with D(1) = 0, so {w : D(w) <= delta} is an interval [l, u] that
+contains 1. This module computes those intervals:
+
+* KL3 (ATR-GRPO, Theorem 4.2): w - 1 - log w <= delta  <=>  w in [-W0(-e^{-1-delta}),
+  -W_{-1}(-e^{-1-delta})], e.g. [0.671, 1.422] at delta = 0.07. The interval is skewed
+  upwards: 1 - l < u - 1 for every delta > 0.
+* KL1 (Schulman's k1 = -log w, read as |log w| <= delta): [e^{-delta}, e^{delta}].
+* KL2 (Schulman's k2 = (log w)^2 / 2): [e^{-sqrt(2 delta)}, e^{sqrt(2 delta)}].
+* IS-weighted KL3 (w * k3(1/w) = w log w - w + 1, the importance-weighted k3 estimator of
+  KL(pi_theta || pi_old) from pi_old samples): [e^{1 + W_{-1}((delta-1)/e)},
+  e^{1 + W0((delta-1)/e)}]; the lower end is 0 once delta >= 1.
+* TRGPPO: KL between the old and new Bernoulli "sampled token or not" distributions,
+  per token, solved numerically (no closed form).
+* DCPO: closed-form per-token bounds from the old token probability q.
+
+Scalars are computed once in float64 with an own Halley iteration for Lambert W (tested
+against scipy); per-token quantities are torch tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_INV_E = math.exp(-1.0)
+
+
+def lambert_w(z: float, branch: int = 0) -> float:
+    """Real Lambert W: the solution of w * e^w = z on branch 0 (w >= -1) or -1 (w <= -1).
+
+    Branch 0 is defined for z >= -1/e, branch -1 for -1/e <= z < 0. Halley's iteration from
+    the branch-point series (near z = -1/e) or the usual asymptotic starts converges to
+    machine precision in a handful of steps.
+    """
+    if branch not in (0, -1):
+        raise ValueError(f"lambert_w: branch must be 0 or -1, got {branch}")
+    if math.isnan(z) or z < -_INV_E - 1e-15:
+        raise ValueError(f"lambert_w: z={z!r} is below the branch point -1/e")
+    if branch == -1 and z >= 0.0:
+        raise ValueError(f"lambert_w: branch -1 needs -1/e <= z < 0, got z={z!r}")
+    z = max(z, -_INV_E)
+    if z == -_INV_E:
+        return -1.0
+    # Initial guess.
+    if z < -0.25:
+        p = math.sqrt(max(2.0 * (math.e * z + 1.0), 0.0))
+        p = p if branch == 0 else -p
+        w = -1.0 + p - p * p / 3.0 + 11.0 / 72.0 * p**3
+    elif branch == 0:
+        w = math.log1p(z) if z < 3.0 else math.log(z) - math.log(math.log(z))
+    else:
+        lz = math.log(-z)
+        w = lz - math.log(-lz)
+    for _ in range(64):
+        ew = math.exp(w)
+        f = w * ew - z
+        wp1 = w + 1.0
+        if wp1 == 0.0:
+            break
+        step = f / (ew * wp1 - (w + 2.0) * f / (2.0 * wp1))
+        w -= step
+        if abs(step) <= 1e-15 * (1.0 + abs(w)):
+            break
+    return w
+
+
+def kl3_ratio_bounds(delta: float) -> tuple[float, float]:
+    """Ratio interval of KL3_t = w - 1 - log w <= delta (ATR-GRPO, Theorem 4.2)."""
+    _check_delta(delta)
+    z = -math.exp(-1.0 - delta)
+    return -lambert_w(z, 0), -lambert_w(z, -1)
+
+
+def kl1_ratio_bounds(delta: float) -> tuple[float, float]:
+    """Ratio interval of |k1| = |log w| <= delta."""
+    _check_delta(delta)
+    return math.exp(-delta), math.exp(delta)
+
+
+def kl2_ratio_bounds(delta: float) -> tuple[float, float]:
+    """Ratio interval of k2 = (log w)^2 / 2 <= delta."""
+    _check_delta(delta)
+    r = math.sqrt(2.0 * delta)
+    return math.exp(-r), math.exp(r)
+
+
+def is_kl3_ratio_bounds(delta: float) -> tuple[float, float]:
+    """Ratio interval of w * k3(1/w) = w log w - w + 1 <= delta.
+
+    With y = log(w / e): w (log w - 1) = delta - 1  <=>  y e^y = (delta - 1) / e, so
+    w = e^{1 + W(z)} with z = (delta - 1) / e; branch 0 gives the upper end, branch -1 the
+    lower end. For delta >= 1 the estimator never exceeds delta below w = 1 (it tends to 1
+    as w -> 0), so the lower end is 0.
+    """
+    _check_delta(delta)
+    z = (delta - 1.0) / math.e
+    upper = math.exp(1.0 + lambert_w(z, 0))
+    lower = math.exp(1.0 + lambert_w(z, -1)) if delta < 1.0 else 0.0
+    return lower, upper
+
+
+def _check_delta(delta: float) -> None:
+    if not (isinstance(delta, int | float) and math.isfinite(delta) and delta > 0):
+        raise ValueError(f"policy_loss.delta must be a finite number > 0, got {delta!r}")
+
+
+# --------------------------------------------------------------------------------------
+# Per-token quantities (torch). All take detached tensors.
+# --------------------------------------------------------------------------------------
+
+
+def kl3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """KL3_t = w - 1 - log w, evaluated as expm1(x) - x to keep precision near w = 1."""
+    return torch.expm1(log_ratio) - log_ratio
+
+
+def bernoulli_kl(old_log_prob: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
+    """KL(Bern(q) || Bern(q w)) for the sampled token, q = pi_old, q w = pi_theta.
+
+    = -q log w + (1-q) log((1-q) / (1-q w)). Evaluated in log space (1-q = -expm1(log q))
+    so q -> 1 and q -> 0 stay finite; +inf where q w >= 1 (outside every trust region).
+    """
+    q = torch.exp(old_log_prob)
+    one_minus_q = -torch.expm1(old_log_prob)
+    new_log_prob = old_log_prob + log_ratio
+    feasible = new_log_prob < 0
+    one_minus_qw = -torch.expm1(torch.clamp(new_log_prob, max=-1e-30))
+    kl = -q * log_ratio + torch.xlogy(one_minus_q, one_minus_q) - torch.xlogy(one_minus_q, one_minus_qw)
+    return torch.where(feasible, kl, torch.full_like(kl, math.inf))
+
+
+def trgppo_ratio_bounds(
+    old_log_prob: torch.Tensor, delta: float, iterations: int = 40
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token roots l < 1 < u of KL(Bern(q) || Bern(q w)) = delta (TRGPPO).
+
+    Bisection on x = log w (the KL is convex in x with its minimum 0 at x = 0): the upper
+    root lies in (0, -log q) because q w < 1, the lower root in (-60, 0). Forty halvings give
+    ~1e-10 relative accuracy, far below what a ratio mask can resolve.
+    """
+    a = old_log_prob.detach().double()
+    hi_lo = torch.zeros_like(a)
+    hi_hi = -a  # q w = 1 at x = -log q
+    lo_lo = torch.full_like(a, -60.0)
+    lo_hi = torch.zeros_like(a)
+    for _ in range(iterations):
+        mid = 0.5 * (hi_lo + hi_hi)
+        above = bernoulli_kl(a, mid) > delta
+        hi_hi = torch.where(above, mid, hi_hi)
+        hi_lo = torch.where(above, hi_lo, mid)
+        mid = 0.5 * (lo_lo + lo_hi)
+        above = bernoulli_kl(a, mid) > delta
+        lo_lo = torch.where(above, mid, lo_lo)
+        lo_hi = torch.where(above, lo_hi, mid)
+    dtype = old_log_prob.dtype if old_log_prob.is_floating_point() else torch.float32
+    return torch.exp(0.5 * (lo_lo + lo_hi)).to(dtype), torch.exp(0.5 * (hi_lo + hi_hi)).to(dtype)
+
+
+def dcpo_ratio_bounds(
+    old_log_prob: torch.Tensor, eps_low: float, eps_high: float, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DCPO dynamic bounds from the old token probability q.
+
+    [1/2 + 1/2 sqrt(max(0, 1 - 4 eps_low / q)), min(1/2 + 1/2 sqrt(1 + 4 eps_high / q), cap)]:
+    rare tokens (small q) get wide bounds, the upper one capped.
+    """
+    inv_q = torch.exp(-old_log_prob)  # +inf for q underflow is fine: clamps below handle it
+    lower = 0.5 + 0.5 * torch.sqrt(torch.clamp(1.0 - 4.0 * eps_low * inv_q, min=0.0))
+    upper = torch.clamp(0.5 + 0.5 * torch.sqrt(1.0 + 4.0 * eps_high * inv_q), max=cap)
+    return lower, upper
