@@ -1,0 +1,576 @@
+"""Hang-proof math reward for verl 0.9.1 (``reward.custom_reward_function``).
+
+Configure it as::
+
+    reward.custom_reward_function.path=recipe/reward.py
+    reward.custom_reward_function.name=compute_score
+    # optional: +reward.custom_reward_function.reward_kwargs.think=required
+
+Semantics by ``data_source`` (see docs/data_and_reward.md):
+
+* ``math_dapo`` (DAPO ``Answer:`` template): verl's own ``math_dapo`` check, score +1 / -1.
+* everything else: the answer is extracted from an *anchored* place only (the last
+  ``\\boxed{}`` or the last ``Answer:`` line) and compared with math-verify, score 1 / 0.
+  A bare number elsewhere in the text ("I tried 34 cases") is never taken as the answer.
+* long-CoT models (``think="required"``, or a data source whose name contains ``longcot``):
+  only the text after the last ``</think>`` is scored; a response without a closing
+  ``</think>`` scores ``no_think_close_score`` (-0.5). The opening ``<think>`` is never
+  required, because many chat templates put it in the prompt.
+
+Why worker processes: math-verify (sympy) can spend unbounded time inside C code, e.g.
+evaluating ``5^(5^(5^(5^5)))``, where ``SIGALRM`` cannot interrupt it, and ``SIGALRM`` is not
+usable from the threads verl's reward loop runs us in anyway. Parsing and verification
+therefore run in a small pool of worker processes; a worker that exceeds the hard
+per-item timeout is killed and replaced, and the item scores as wrong (counted in
+:func:`reward_stats`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import functools
+import importlib
+import math
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+CANONICAL_MODULE = "recipe.reward"
+
+#: Only this many trailing characters of the (post-``</think>``) response are searched for the
+#: answer: the final answer sits at the end, and scanning 16k-token responses is wasted work.
+TAIL_CHARS = 4096
+#: Extracted answers longer than this are truncated before they reach math-verify; no real
+#: answer is this long, and it bounds what a worker has to parse.
+MAX_ANSWER_CHARS = 2000
+DEFAULT_TIMEOUT_S = 10.0
+#: Workers start fresh enough to import math-verify; more than this means something is broken.
+WORKER_START_TIMEOUT_S = 60.0
+#: Address-space cap per worker: a runaway bignum raises MemoryError instead of swapping the node.
+WORKER_MEMORY_BYTES = 4 * 1024**3
+
+DAPO_DATA_SOURCES = frozenset({"math_dapo"})
+THINK_MODES = ("auto", "required", "off")
+#: Keyword arguments verl's reward managers inject on their own; accepted and ignored.
+VERL_INJECTED_KWARGS = frozenset({"reward_router_address", "reward_model_tokenizer"})
+
+THINK_CLOSE = "</think>"
+#: ``Answer: 34`` / ``**Final Answer:** 34`` at the start of a line; "our answer: ..." mid-sentence
+#: is prose, not an answer line.
+_ANSWER_LINE = re.compile(r"(?im)^[ \t>#*_]*(?:the[ \t]+)?(?:final[ \t]+)?answer[ \t*_]*[:：][ \t*_]*(\S[^\n]*)")
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+_PLAIN_INTEGER = re.compile(r"-?\d+")
+
+
+# --------------------------------------------------------------------------------------
+# Extraction (parent process; pure string work, linear time, cannot hang)
+# --------------------------------------------------------------------------------------
+
+
+def _braced_argument(text: str, open_idx: int) -> str | None:
+    """Content of the ``{...}`` group opening at ``open_idx``; None when braces never balance."""
+    depth = 0
+    for i in range(open_idx, len(text)):
+        char = text[i]
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                return text[open_idx + 1 : i]
+    return None
+
+
+def last_boxed(text: str) -> tuple[int, str] | None:
+    """Position and content of the last well-formed ``\\boxed{...}`` / ``\\fbox{...}``.
+
+    A box whose braces never close (a truncated response) is skipped in favour of an
+    earlier, complete one rather than guessed at.
+    """
+    end = len(text)
+    while True:
+        start = max(text.rfind(cmd, 0, end) for cmd in _BOX_COMMANDS)
+        if start < 0:
+            return None
+        cmd_len = len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox")
+        rest = start + cmd_len
+        while rest < len(text) and text[rest] == " ":
+            rest += 1
+        if rest < len(text) and text[rest] == "{":
+            content = _braced_argument(text, rest)
+            if content is not None:
+                return start, content
+        elif rest < len(text) and cmd_len == len("\\boxed") and rest > start + cmd_len:
+            # ``\boxed 5``: TeX takes the next token as the argument.
+            token = re.match(r"[^\s$.,]+", text[rest:])
+            if token:
+                return start, token.group(0)
+        end = start
+
+
+def last_answer_line(text: str) -> tuple[int, str] | None:
+    """Position and content of the last ``Answer: ...`` line (DAPO / Minerva style)."""
+    match = None
+    for match in _ANSWER_LINE.finditer(text):
+        pass
+    if match is None:
+        return None
+    content = match.group(1).strip()
+    boxed = last_boxed(content)
+    if boxed is not None:
+        content = boxed[1]
+    return match.start(), content
+
+
+def strip_math_delimiters(answer: str) -> str:
+    """Drop ``$...$`` / ``\\(...\\)`` wrappers and a trailing full stop around an answer."""
+    answer = answer.strip().rstrip(".").strip()
+    for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if len(answer) >= len(left) + len(right) and answer.startswith(left) and answer.endswith(right):
+            answer = answer[len(left) : len(answer) - len(right)].strip()
+    return answer.rstrip(".").strip()
+
+
+def extract_answer(text: str) -> str | None:
+    """The anchored final answer of ``text`` (whichever of box / ``Answer:`` comes last)."""
+    tail = text[-TAIL_CHARS:]
+    candidates = [c for c in (last_boxed(tail), last_answer_line(tail)) if c is not None]
+    if not candidates:
+        return None
+    _, answer = max(candidates, key=lambda c: c[0])
+    answer = strip_math_delimiters(answer)
+    return answer or None
+
+
+_COSMETIC = re.compile(r"\\left|\\right|\\!|\\,|\\;|\\ |\s+|\$")
+
+
+def cosmetic_normal_form(answer: str) -> str:
+    """Answer text with spacing and sizing commands removed, for the exact-match fast path."""
+    return _COSMETIC.sub("", answer.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")).rstrip(".")
+
+
+# --------------------------------------------------------------------------------------
+# Worker processes
+# --------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(gold: str) -> list[Any]:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    boxed = gold if "\\boxed" in gold else "\\boxed{" + gold + "}"
+    return parse(boxed, (LatexExtractionConfig(), ExprExtractionConfig()), parsing_timeout=None)
+
+
+def _verify_in_worker(gold: str, answer: str) -> bool:
+    """math-verify equivalence of an extracted answer with the gold answer (worker side)."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    gold_parsed = _parse_gold(gold)
+    answer_parsed = parse(
+        "\\boxed{" + answer + "}", (LatexExtractionConfig(), ExprExtractionConfig()), parsing_timeout=None
+    )
+    if not gold_parsed or not answer_parsed:
+        return False
+    return bool(verify(gold_parsed, answer_parsed, timeout_seconds=None))
+
+
+def _worker_loop(requests: Connection, replies: Connection, memory_bytes: int) -> None:
+    """Worker loop: answer ``(gold, answer)`` jobs with ``(ok, error)`` until the pipe closes.
+
+    math-verify's own SIGALRM timeouts are disabled (``None``): the parent enforces a hard
+    timeout by killing this process, which also covers C-level hangs SIGALRM cannot stop.
+    """
+    import logging
+
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    except (ImportError, ValueError, OSError):
+        pass  # no address-space cap on this platform; the hard timeout still applies
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    import math_verify  # noqa: F401  (import before signalling ready)
+
+    replies.send(("ready", None))
+    while True:
+        try:
+            gold, answer = requests.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            result: tuple[bool, str | None] = (_verify_in_worker(gold, answer), None)
+        except BaseException as exc:  # noqa: BLE001 - any failure is a wrong answer, not a crash
+            result = (False, f"{type(exc).__name__}: {str(exc)[:200]}")
+        try:
+            replies.send(result)
+        except (EOFError, OSError):
+            return
+
+
+def worker_entry_point(requests_fd: int, replies_fd: int, memory_bytes: int) -> None:
+    """``python -c`` entry of a worker process (see :class:`_Worker`)."""
+    _worker_loop(Connection(requests_fd, writable=False), Connection(replies_fd, readable=False), memory_bytes)
+
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class _Worker:
+    """One worker process and the parent's ends of its two pipes.
+
+    Workers are plain ``subprocess`` children rather than ``multiprocessing`` processes:
+    that is safe from threaded parents (Ray, verl's reward loop), does not re-import the
+    parent's ``__main__``, and works inside daemonic processes, which multiprocessing
+    forbids from having children.
+    """
+
+    def __init__(self) -> None:
+        req_read, req_write = os.pipe()
+        rep_read, rep_write = os.pipe()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH")) if p)
+        code = (
+            "import sys; from recipe.reward import worker_entry_point; "
+            "worker_entry_point(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))"
+        )
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", code, str(req_read), str(rep_write), str(WORKER_MEMORY_BYTES)],
+                pass_fds=(req_read, rep_write),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                env=env,
+            )
+        finally:
+            os.close(req_read)
+            os.close(rep_write)
+        self.requests = Connection(req_write, readable=False)
+        self.replies = Connection(rep_read, writable=False)
+        self.ready = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
+
+    def wait_ready(self) -> bool:
+        """Wait (outside any item's timeout) for the worker to finish importing math-verify."""
+        if self.ready:
+            return True
+        try:
+            if self.replies.poll(WORKER_START_TIMEOUT_S):
+                self.ready = self.replies.recv() == ("ready", None)
+        except (EOFError, OSError):
+            self.ready = False
+        return self.ready
+
+    def kill(self) -> None:
+        try:
+            self.process.kill()
+            self.process.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        self.requests.close()
+        self.replies.close()
+
+
+@dataclass
+class RewardStats:
+    """Counters kept per process, for logging and the benchmark."""
+
+    calls: int = 0
+    fast_path: int = 0
+    worker_jobs: int = 0
+    timeouts: int = 0
+    worker_crashes: int = 0
+    worker_errors: int = 0
+    workers_replaced: int = 0
+    invalid_inputs: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def bump(self, name: str, by: int = 1) -> None:
+        with self.lock:
+            setattr(self, name, getattr(self, name) + by)
+
+    def as_dict(self) -> dict[str, int]:
+        with self.lock:
+            return {k: v for k, v in self.__dict__.items() if k != "lock"}
+
+
+STATS = RewardStats()
+
+
+class WorkerPool:
+    """A fixed number of verification workers shared by all threads of this process.
+
+    Each job takes an idle worker, so a hung job blocks only its own worker; on the hard
+    timeout that worker is killed and a fresh one takes its place before the call returns.
+    """
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"reward worker pool size must be >= 1, got {size}")
+        self.size = size
+        self.owner_pid = os.getpid()
+        self._idle: queue.Queue[_Worker] = queue.Queue()
+        self._all: list[_Worker] = []
+        self._lock = threading.Lock()
+        for _ in range(size):
+            self._idle.put(self._start_worker())
+
+    def _start_worker(self) -> _Worker:
+        worker = _Worker()
+        with self._lock:
+            self._all.append(worker)
+        return worker
+
+    def _retire(self, worker: _Worker) -> _Worker:
+        worker.kill()
+        with self._lock:
+            if worker in self._all:
+                self._all.remove(worker)
+        STATS.bump("workers_replaced")
+        return self._start_worker()
+
+    def worker_pids(self) -> list[int]:
+        with self._lock:
+            return [w.pid for w in self._all]
+
+    def verify(self, gold: str, answer: str, timeout_s: float) -> tuple[bool | None, str | None]:
+        """``(is_equivalent, problem)``; ``is_equivalent`` is None on timeout or worker death."""
+        worker = self._idle.get()
+        try:
+            if not worker.is_alive() or not worker.wait_ready():
+                worker = self._retire(worker)  # died while idle (e.g. killed by the OOM killer)
+                if not worker.wait_ready():
+                    return None, "worker failed to start"
+            STATS.bump("worker_jobs")
+            try:
+                worker.requests.send((gold, answer))
+                if worker.replies.poll(timeout_s):
+                    ok, error = worker.replies.recv()
+                    if error is not None:
+                        STATS.bump("worker_errors")
+                    return ok, error
+            except (EOFError, OSError, BrokenPipeError):
+                STATS.bump("worker_crashes")
+                worker = self._retire(worker)
+                return None, "worker died"
+            STATS.bump("timeouts")
+            worker = self._retire(worker)
+            return None, f"timeout after {timeout_s:g}s"
+        finally:
+            self._idle.put(worker)
+
+    def close(self) -> None:
+        with self._lock:
+            workers, self._all = list(self._all), []
+        for worker in workers:
+            worker.kill()
+
+
+_POOL: WorkerPool | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def default_pool_size() -> int:
+    """``VERL_DIVCLIP_REWARD_WORKERS`` if set, else one worker per core (2 to 8)."""
+    configured = os.environ.get("VERL_DIVCLIP_REWARD_WORKERS")
+    if configured is not None:
+        try:
+            return int(configured)
+        except ValueError as exc:
+            raise ValueError(f"VERL_DIVCLIP_REWARD_WORKERS must be an integer, got {configured!r}") from exc
+    return max(2, min(os.cpu_count() or 2, 8))
+
+
+def get_pool() -> WorkerPool:
+    """The process-wide pool, created on first use (and re-created in a forked child)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL.owner_pid != os.getpid():
+            _POOL = WorkerPool(default_pool_size())
+        return _POOL
+
+
+def shutdown_pool() -> None:
+    """Kill all workers (tests, benchmark); the next call starts a fresh pool."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is not None and _POOL.owner_pid == os.getpid():
+            _POOL.close()
+        _POOL = None
+
+
+atexit.register(shutdown_pool)
+
+
+def reward_stats() -> dict[str, int]:
+    """Counters of this process: calls, fast-path hits, worker jobs, timeouts, replacements."""
+    return STATS.as_dict()
+
+
+# --------------------------------------------------------------------------------------
+# Scoring
+# --------------------------------------------------------------------------------------
+
+
+def _result(score: float, correct: bool, pred: str) -> dict[str, Any]:
+    return {"score": float(score), "acc": bool(correct), "pred": pred[:200]}
+
+
+def _normalise_gold(ground_truth: Any) -> str | None:
+    """Gold answer as text; numbers are accepted (``27.0`` -> ``27``), anything else is invalid."""
+    if isinstance(ground_truth, bool):
+        return None
+    if isinstance(ground_truth, int):
+        return str(ground_truth)
+    if isinstance(ground_truth, float):
+        if not math.isfinite(ground_truth):
+            return None
+        return str(int(ground_truth)) if ground_truth.is_integer() else repr(ground_truth)
+    if isinstance(ground_truth, str):
+        gold = strip_math_delimiters(ground_truth)
+        return gold or None
+    return None
+
+
+def _wants_think(data_source: str, think: str, extra_info: Any) -> bool:
+    if think == "required":
+        return True
+    if think == "off":
+        return False
+    if isinstance(extra_info, dict) and extra_info.get("think") is True:
+        return True
+    return "longcot" in data_source.lower()
+
+
+def _score_math_verify(answer: str | None, gold: str, timeout_s: float, wrong_score: float) -> dict[str, Any]:
+    if answer is None:
+        return _result(wrong_score, False, "")
+    answer = answer[:MAX_ANSWER_CHARS]
+    if cosmetic_normal_form(answer) == cosmetic_normal_form(gold):
+        STATS.bump("fast_path")
+        return _result(1.0, True, answer)
+    if _PLAIN_INTEGER.fullmatch(answer) and _PLAIN_INTEGER.fullmatch(gold):
+        STATS.bump("fast_path")
+        return _result(wrong_score, False, answer)  # two different integers: nothing to verify
+    correct, _problem = get_pool().verify(gold, answer, timeout_s)
+    return _result(1.0 if correct else wrong_score, bool(correct), answer)
+
+
+def _score_dapo(text: str, gold: str) -> dict[str, Any]:
+    from verl.utils.reward_score import math_dapo
+
+    result = math_dapo.compute_score(text, gold)
+    return _result(result["score"], result["acc"], str(result["pred"] or ""))
+
+
+def compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: str,
+    extra_info: dict[str, Any] | None = None,
+    *,
+    think: str = "auto",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    wrong_score: float = 0.0,
+    no_think_close_score: float = -0.5,
+    **verl_kwargs: Any,
+) -> dict[str, Any]:
+    """Score one response; returns ``{"score": float, "acc": bool, "pred": str}``.
+
+    Never raises on bad data (a reward function that raises kills a training step): a
+    ``None`` / non-string response or gold answer scores as wrong and is counted in
+    ``reward_stats()["invalid_inputs"]``. Misconfiguration does raise: an unknown keyword
+    (a typo in ``reward_kwargs``) or an unknown ``think`` mode is a ``TypeError``/``ValueError``.
+    """
+    if __name__ != CANONICAL_MODULE:
+        return _canonical_module().compute_score(
+            data_source,
+            solution_str,
+            ground_truth,
+            extra_info,
+            think=think,
+            timeout_s=timeout_s,
+            wrong_score=wrong_score,
+            no_think_close_score=no_think_close_score,
+            **verl_kwargs,
+        )
+    unknown = set(verl_kwargs) - VERL_INJECTED_KWARGS
+    if unknown:
+        raise TypeError(f"compute_score got unknown keyword arguments {sorted(unknown)}")
+    if think not in THINK_MODES:
+        raise ValueError(f"think must be one of {THINK_MODES}, got {think!r}")
+    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+
+    STATS.bump("calls")
+    source = data_source if isinstance(data_source, str) else ""
+    gold = _normalise_gold(ground_truth)
+    if not isinstance(solution_str, str) or gold is None:
+        STATS.bump("invalid_inputs")
+        return _result(wrong_score if source not in DAPO_DATA_SOURCES else -1.0, False, "")
+
+    text = solution_str
+    if _wants_think(source, think, extra_info):
+        close = text.rfind(THINK_CLOSE)
+        if close < 0:
+            return _result(no_think_close_score, False, "")
+        text = text[close + len(THINK_CLOSE) :]
+    elif think == "auto":
+        close = text.rfind(THINK_CLOSE)
+        if close >= 0:
+            text = text[close + len(THINK_CLOSE) :]
+
+    if source in DAPO_DATA_SOURCES:
+        return _score_dapo(text[-TAIL_CHARS:], gold)
+    return _score_math_verify(extract_answer(text), gold, float(timeout_s), wrong_score)
+
+
+async def compute_score_async(
+    data_source: str,
+    solution_str: str,
+    ground_truth: str,
+    extra_info: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """Coroutine form for verl's async reward loop: the blocking wait runs in a thread,
+    so one slow item never stalls the event loop."""
+    return await asyncio.to_thread(compute_score, data_source, solution_str, ground_truth, extra_info, **kwargs)
+
+
+def _canonical_module() -> Any:
+    """This file imported as ``recipe.reward``.
+
+    verl loads ``custom_reward_function.path`` under a private module name that worker
+    processes cannot import, and would otherwise give each load its own pool. Every call
+    is therefore routed to the one importable copy; the repository root is put on
+    ``sys.path`` when the package is not installed.
+    """
+    try:
+        return importlib.import_module(CANONICAL_MODULE)
+    except ImportError:
+        sys.path.insert(0, _REPO_ROOT)
+        return importlib.import_module(CANONICAL_MODULE)
+
+
+__all__ = [
+    "compute_score",
+    "compute_score_async",
+    "extract_answer",
+    "reward_stats",
+    "shutdown_pool",
+    "get_pool",
+]
