@@ -1,0 +1,109 @@
+"""A deliberately naive reference for the divclip losses: one Python loop over tokens.
+
+Each constraint is evaluated from its *definition* (the divergence against delta, the
+DCPO/clip formulas in plain ``math``), never from the closed-form ratio bounds the
+implementation uses, and Eq. 5's pessimistic min is taken with an explicit comparison.
+Token-mean aggregation only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class RefKnobs:
+    mode: str
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    delta: float = 0.07
+    dual_clip_c: Optional[float] = None
+    gppo_beta_low: float = 1.0
+    gppo_beta_high: float = 1.0
+    dcpo_cap: float = 10.0
+    erc_beta_low: Optional[float] = None
+    erc_beta_high: Optional[float] = None
+    erc_eps: float = 1e-8
+
+
+def _bernoulli_kl(q: float, w: float) -> float:
+    if q * w >= 1.0:
+        return math.inf
+    first = -q * math.log(w)
+    second = 0.0 if q == 1.0 else (1 - q) * math.log((1 - q) / (1 - q * w))
+    return first + second
+
+
+def reference_bounds_dcpo(q: float, knobs: RefKnobs) -> tuple[float, float]:
+    lower = 0.5 + 0.5 * math.sqrt(max(0.0, 1 - 4 * knobs.eps_low / q))
+    upper = min(0.5 + 0.5 * math.sqrt(1 + 4 * knobs.eps_high / q), knobs.dcpo_cap)
+    return lower, upper
+
+
+def reference_inside(w: float, old_log_prob: float, knobs: RefKnobs) -> bool:
+    in_clip = 1 - knobs.eps_low <= w <= 1 + knobs.eps_high
+    mode, delta = knobs.mode, knobs.delta
+    if mode in ("clip", "gppo"):
+        return in_clip
+    if mode == "kl3":
+        return w - 1 - math.log(w) <= delta
+    if mode == "kl1":
+        return abs(-math.log(w)) <= delta
+    if mode == "kl2":
+        return 0.5 * math.log(w) ** 2 <= delta
+    if mode == "is_kl3":
+        return w * math.log(w) - w + 1 <= delta
+    if mode == "trgppo":
+        return in_clip or _bernoulli_kl(math.exp(old_log_prob), w) <= delta
+    if mode == "dcpo":
+        lower, upper = reference_bounds_dcpo(math.exp(old_log_prob), knobs)
+        return lower <= w <= upper
+    raise ValueError(mode)
+
+
+def reference_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    knobs: RefKnobs,
+    old_entropy: Optional[torch.Tensor] = None,
+    entropy: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Token-mean loss built token by token (log_prob may require grad)."""
+    total = log_prob.new_zeros(())
+    count = 0
+    rows, cols = log_prob.shape
+    for i in range(rows):
+        for j in range(cols):
+            if not bool(mask[i, j]):
+                continue
+            count += 1
+            old = float(old_log_prob[i, j])
+            adv = float(advantages[i, j])
+            x = torch.clamp(log_prob[i, j] - old, -20.0, 20.0)
+            w = torch.exp(x)
+            wv = w.item()
+            if reference_inside(wv, old, knobs):
+                surrogate = w * adv
+            elif knobs.mode == "gppo" and ((wv > 1 and adv > 0) or (wv < 1 and adv < 0)):
+                bound, beta = (
+                    (1 + knobs.eps_high, knobs.gppo_beta_high) if wv > 1 else (1 - knobs.eps_low, knobs.gppo_beta_low)
+                )
+                surrogate = bound * adv + beta * bound * adv * (w / wv - 1)
+            else:
+                # Eq. 5: min(w A, 1 * A) with the replacement a constant.
+                surrogate = w * adv if wv * adv <= adv else w.new_tensor(adv)
+            if knobs.dual_clip_c is not None and adv < 0 and wv > knobs.dual_clip_c:
+                surrogate = w.new_tensor(knobs.dual_clip_c * adv)
+            if knobs.erc_beta_low is not None:
+                eps = knobs.erc_eps
+                rho = (float(entropy[i, j]) + eps) / (float(old_entropy[i, j]) + eps)
+                if not (1 - knobs.erc_beta_low < rho < 1 + knobs.erc_beta_high):
+                    surrogate = surrogate.detach()
+            total = total - surrogate
+    return total / max(count, 1)
