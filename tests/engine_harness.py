@@ -1,0 +1,392 @@
+"""Reusable harness: verl 0.9.1's real actor training stack on CPU, for tests and benchmarks.
+
+It drives verl's own ``TrainingWorker`` (``verl/workers/engine_workers.py``), constructed directly
+instead of through Ray, so the code under test is exactly what the v1 trainer runs on a GPU node:
+``TrainingWorker.set_loss_fn`` -> ``train_mini_batch`` -> ``train_batch`` -> ``FSDPEngineWithLMHead``
+(FSDP2) -> the loss function. Only the Ray dispatch layer is skipped.
+
+Pieces (all CPU, no downloads):
+
+* :func:`save_tiny_qwen3` writes a random-weight Qwen3 checkpoint built from a config.
+* :func:`build_actor_worker` builds and initialises the ``TrainingWorker`` (``VERL_PLATFORM=cpu``,
+  FSDP2 on gloo). It initialises the process group itself from ``RANK``/``WORLD_SIZE``/``MASTER_*``
+  like a Ray worker does; :func:`run_ranks` sets those for 1..N spawned ranks.
+* :func:`make_rollout_batch` builds a batch in verl's no-padding ``TensorDict`` layout, as the v1
+  trainer's TransferQueue hands it to ``update_actor`` (nested ``input_ids``/``position_ids`` over
+  prompt+response; nested ``prompts``, ``responses``, ``response_mask``, ``loss_mask``,
+  ``old_log_probs``, ``advantages`` and ``entropy`` (pi_old) over the response).
+* :func:`compute_log_prob` mirrors the trainer's old-log-prob pass (``infer_batch`` with
+  ``calculate_entropy=True``) and :func:`update_actor` its ``_update_actor`` (``train_mini_batch``
+  with the same non-tensor keys).
+* :func:`full_params` gathers full parameters (collective: call on every rank).
+
+Importing this module only registers the ``cpu`` platform; :func:`select_cpu_platform` (called by
+:func:`run_ranks` in each rank and by :func:`single_rank_env`) selects it, so merely importing the
+harness does not change which platform other code in the importing process gets.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+import torch  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+
+from verl_ext.platform_cpu import register_cpu_platform  # noqa: E402
+
+register_cpu_platform()
+
+
+def select_cpu_platform() -> None:
+    """Select verl's ``cpu`` platform for this process (must precede verl's first ``get_platform()``)."""
+    os.environ["VERL_PLATFORM"] = "cpu"
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    register_cpu_platform()
+
+
+QWEN_VOCAB_SIZE = 151_936
+"""Vocabulary size of the Qwen2.5/Qwen3 tokenizers (the logits width that dominates memory)."""
+
+FP32_MIXED_PRECISION: dict[str, str] = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+"""FSDP mixed-precision setting for exact comparisons (verl's default computes in bf16)."""
+
+
+@dataclass(frozen=True)
+class TinyQwen3Spec:
+    """Shape of the random-weight Qwen3 model. Defaults: ~50K parameters, builds in < 1 s."""
+
+    vocab_size: int = 512
+    hidden_size: int = 32
+    intermediate_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 8
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+
+
+def save_tiny_qwen3(path: str | os.PathLike[str], spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int = 0) -> str:
+    """Write a random-weight Qwen3 checkpoint (config + safetensors) to ``path``; return the path.
+
+    verl's engine loads the model with ``from_pretrained(model_config.local_path)``, so the tiny
+    model has to exist on disk: no hub access is needed or attempted.
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**asdict(spec))
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    return str(out)
+
+
+@dataclass
+class WorkerOptions:
+    """Knobs of :func:`build_actor_worker`, named after the verl config keys they set."""
+
+    use_remove_padding: bool = True  # actor_rollout_ref.model.use_remove_padding
+    micro_batch_size_per_gpu: int = 2  # actor.ppo_micro_batch_size_per_gpu
+    use_dynamic_bsz: bool = False  # actor.use_dynamic_bsz
+    max_token_len_per_gpu: int = 16384  # actor.ppo_max_token_len_per_gpu
+    mixed_precision: Optional[dict[str, str]] = field(default_factory=lambda: dict(FP32_MIXED_PRECISION))
+    optimizer: str = "AdamW"  # actor.optim.optimizer ("SGD" makes the update exactly -lr * grad)
+    lr: float = 1e-2  # actor.optim.lr
+    weight_decay: float = 0.0  # actor.optim.weight_decay
+    clip_grad: float = 1.0  # actor.optim.clip_grad
+    entropy_from_logits_with_chunking: bool = False  # actor.fsdp_config.entropy_from_logits_with_chunking
+    entropy_checkpointing: bool = False  # actor.fsdp_config.entropy_checkpointing
+    enable_gradient_checkpointing: bool = False  # actor_rollout_ref.model.enable_gradient_checkpointing
+    attn_implementation: str = "sdpa"  # flash-attn does not exist on CPU
+    seed: int = 42
+
+
+def build_actor_worker(model_path: str, options: WorkerOptions = WorkerOptions()) -> Any:
+    """Build and initialise verl's ``TrainingWorker`` for the actor on the CPU platform (FSDP2).
+
+    Needs ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` in the environment (set by
+    :func:`run_ranks`, or :func:`single_rank_env` for an in-process rank).
+    """
+    from verl.plugin.platform import get_platform
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import (
+        FSDPEngineConfig,
+        FSDPOptimizerConfig,
+        HFModelConfig,
+        TrainingWorkerConfig,
+    )
+    from verl.workers.engine_workers import TrainingWorker
+
+    if get_platform().device_name != "cpu":
+        raise RuntimeError(
+            f"verl resolved platform {get_platform().device_name!r} before tests.engine_harness selected "
+            "VERL_PLATFORM=cpu; import the harness before anything calls verl's get_platform()."
+        )
+    model_config = HFModelConfig(
+        path=model_path,
+        load_tokenizer=False,
+        use_remove_padding=options.use_remove_padding,
+        enable_gradient_checkpointing=options.enable_gradient_checkpointing,
+        override_config={"attn_implementation": options.attn_implementation},
+    )
+    engine_config = FSDPEngineConfig(
+        strategy="fsdp2",
+        use_torch_compile=False,  # inductor on CPU compiles C++ for minutes; eager is verl's fallback
+        mixed_precision=options.mixed_precision,
+        use_dynamic_bsz=options.use_dynamic_bsz,
+        max_token_len_per_gpu=options.max_token_len_per_gpu,
+        micro_batch_size_per_gpu=options.micro_batch_size_per_gpu,
+        infer_max_token_len_per_gpu=options.max_token_len_per_gpu,
+        infer_micro_batch_size_per_gpu=options.micro_batch_size_per_gpu,
+        entropy_from_logits_with_chunking=options.entropy_from_logits_with_chunking,
+        entropy_checkpointing=options.entropy_checkpointing,
+        seed=options.seed,
+    )
+    optimizer_config = FSDPOptimizerConfig(
+        optimizer=options.optimizer,
+        lr=options.lr,
+        weight_decay=options.weight_decay,
+        clip_grad=options.clip_grad,
+    )
+    worker = TrainingWorker(
+        TrainingWorkerConfig(
+            model_type="language_model",
+            model_config=model_config,
+            engine_config=engine_config,
+            optimizer_config=optimizer_config,
+            checkpoint_config=CheckpointConfig(),
+        )
+    )
+    worker.reset()  # TrainingWorker builds the model/optimizer here (Engine.initialize)
+    return worker
+
+
+def make_actor_config(**overrides: Any) -> Any:
+    """An ``FSDPActorConfig`` for loss functions (``ppo_loss``-style ``config=``). Defaults: fsdp2,
+    fixed micro-batches, token-mean aggregation, vanilla PPO clip 0.2."""
+    from verl.workers.config import FSDPActorConfig
+
+    kwargs: dict[str, Any] = dict(
+        strategy="fsdp2",
+        ppo_mini_batch_size=4,
+        ppo_micro_batch_size_per_gpu=2,
+        use_dynamic_bsz=False,
+        rollout_n=1,
+    )
+    kwargs.update(overrides)
+    return FSDPActorConfig(**kwargs)
+
+
+def ppo_loss_fn(actor_config: Any) -> Callable[..., Any]:
+    """verl's own ``ppo_loss`` bound to ``actor_config``, as ``ActorRolloutRefWorker`` installs it."""
+    from verl.workers.utils.losses import ppo_loss
+
+    return functools.partial(ppo_loss, config=actor_config)
+
+
+def _nested(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.nested.as_nested_tensor(list(tensors), layout=torch.jagged)
+
+
+def make_rollout_batch(
+    prompt_lens: Sequence[int],
+    response_lens: Sequence[int],
+    vocab_size: int,
+    seed: int = 0,
+    old_entropy: Optional[Sequence[torch.Tensor]] = None,
+    old_log_probs: Optional[Sequence[torch.Tensor]] = None,
+    advantages: Optional[Sequence[torch.Tensor]] = None,
+) -> TensorDict:
+    """A batch in verl's no-padding layout, as the v1 trainer passes it to ``update_actor``.
+
+    Per-sample lengths are given explicitly so tests control the ragged shape. Unspecified
+    per-response tensors are random: ``old_log_probs`` in [-6, -3] (a uniform-ish random
+    policy over a few-hundred-token vocabulary), ``advantages`` ~ N(0, 1), ``entropy`` (pi_old)
+    in [0.5 ln V, ln V]. Any of them can be given as a list of 1-D tensors (one per sample).
+    """
+    if len(prompt_lens) != len(response_lens):
+        raise ValueError(f"prompt_lens ({len(prompt_lens)}) and response_lens ({len(response_lens)}) differ")
+    if min(prompt_lens) < 1 or min(response_lens) < 1:
+        raise ValueError("every prompt and response needs at least one token (verl's no_padding_2_padding)")
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab_size, (p,), generator=gen) for p in prompt_lens]
+    responses = [torch.randint(0, vocab_size, (r,), generator=gen) for r in response_lens]
+    log_v = float(torch.log(torch.tensor(float(vocab_size))))
+    if old_log_probs is None:
+        old_log_probs = [-3.0 - 3.0 * torch.rand(r, generator=gen) for r in response_lens]
+    if advantages is None:
+        advantages = [torch.randn(r, generator=gen) for r in response_lens]
+    if old_entropy is None:
+        old_entropy = [log_v * (0.5 + 0.5 * torch.rand(r, generator=gen)) for r in response_lens]
+    masks = [torch.ones(r, dtype=torch.int64) for r in response_lens]
+    batch = TensorDict(
+        {
+            "prompts": _nested(prompts),
+            "responses": _nested(responses),
+            "input_ids": _nested([torch.cat([p, r]) for p, r in zip(prompts, responses)]),
+            "position_ids": _nested([torch.arange(p + r) for p, r in zip(prompt_lens, response_lens)]),
+            "response_mask": _nested(masks),
+            "loss_mask": _nested([m.clone() for m in masks]),
+            "old_log_probs": _nested([t.float() for t in old_log_probs]),
+            "advantages": _nested([t.float() for t in advantages]),
+            "entropy": _nested([t.float() for t in old_entropy]),
+        },
+        batch_size=[len(prompt_lens)],
+    )
+    return batch
+
+
+def shard_for_rank(batch: TensorDict, rank: int, world_size: int) -> TensorDict:
+    """The contiguous slice of ``batch`` that verl's dispatch sends to data-parallel ``rank``."""
+    from verl.utils import tensordict_utils as tu
+
+    n = batch.batch_size[0]
+    if n % world_size:
+        raise ValueError(f"batch size {n} is not divisible by world size {world_size}")
+    return tu.chunk_tensordict(batch, world_size)[rank]
+
+
+def update_actor(
+    worker: Any,
+    batch: TensorDict,
+    *,
+    calculate_entropy: bool,
+    global_batch_size: Optional[int] = None,
+    temperature: float = 1.0,
+) -> dict[str, Any]:
+    """One actor update, mirroring ``trainer/ppo/v1/trainer_base.py::_update_actor``.
+
+    ``batch`` is this rank's shard. The whole shard is one mini-batch (one optimizer step), split
+    into micro-batches by the worker's ``micro_batch_size_per_gpu``. Returns the metrics dict.
+    """
+    from verl.utils import tensordict_utils as tu
+
+    data = batch.clone()
+    n_local = data.batch_size[0]
+    world = torch.distributed.get_world_size()
+    global_bs = int(global_batch_size or n_local * world)
+    tu.assign_non_tensor(
+        data,
+        calculate_entropy=calculate_entropy,
+        distillation_use_topk=False,
+        distillation_only=False,
+        global_batch_size=global_bs,
+        mini_batch_size=global_bs,
+        epochs=1,
+        seed=0,
+        dataloader_kwargs={"shuffle": False},
+        temperature=temperature,
+    )
+    output = worker.train_mini_batch(data)
+    return dict(tu.get(output, "metrics"))
+
+
+def compute_log_prob(worker: Any, batch: TensorDict, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+    """pi_old pass, mirroring ``_compute_old_log_prob``: returns response-layout nested
+    ``old_log_probs`` and ``entropy`` for this rank's shard (no loss, no gradient)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import response_from_nested
+
+    data = batch.clone()
+    tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False, temperature=temperature)
+    output = worker.infer_batch(data)
+    return {
+        "old_log_probs": response_from_nested(output["log_probs"], batch["response_mask"]),
+        "entropy": response_from_nested(output["entropy"], batch["response_mask"]),
+    }
+
+
+def full_params(worker: Any) -> dict[str, torch.Tensor]:
+    """Full (unsharded) copies of the actor's parameters. Collective under FSDP2: call on all ranks."""
+    out: dict[str, torch.Tensor] = {}
+    for name, param in worker.engine.module.named_parameters():
+        data = param.detach()
+        if hasattr(data, "full_tensor"):
+            data = data.full_tensor()
+        out[name] = data.clone()
+    return out
+
+
+def param_delta(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``after - before`` per parameter (with ``WorkerOptions(optimizer="SGD", clip_grad=big)`` this is
+    exactly ``-lr * grad``)."""
+    return {k: after[k] - before[k] for k in before}
+
+
+# ----------------------------------------------------------------------------------------------
+# Ranks
+# ----------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for MASTER_PORT)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def single_rank_env(port: Optional[int] = None) -> None:
+    """Environment for an in-process single rank (what Ray would set for a 1-worker group)."""
+    select_cpu_platform()
+    os.environ.update(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port or free_port()),
+    )
+
+
+def _rank_entry(rank: int, world_size: int, port: int, out_dir: str, job: Callable[..., Any], args: tuple) -> None:
+    select_cpu_platform()
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size))),
+    )
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    result = job(rank, world_size, *args)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def run_ranks(job: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Run ``job(rank, world_size, *args)`` in ``world_size`` spawned processes (gloo on loopback)
+    and return each rank's (picklable) result, rank order. ``job`` must be a module-level function.
+
+    Each rank is a fresh interpreter, so the platform choice and process group never leak into the
+    caller (pytest) process. A failing rank raises here with its traceback.
+    """
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="engine_harness_") as out_dir:
+        mp.start_processes(
+            _rank_entry,
+            args=(world_size, port, out_dir, job, args),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
