@@ -38,7 +38,7 @@ import re
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass, field
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -47,12 +47,16 @@ CANONICAL_MODULE = "recipe.reward"
 #: Only this many trailing characters of the (post-``</think>``) response are searched for the
 #: answer: the final answer sits at the end, and scanning 16k-token responses is wasted work.
 TAIL_CHARS = 4096
-#: Extracted answers longer than this are truncated before they reach math-verify; no real
-#: answer is this long, and it bounds what a worker has to parse.
-MAX_ANSWER_CHARS = 2000
+#: Answers (extracted or gold) beyond these bounds are not sent to math-verify at all: no
+#: real answer is that long or that deeply nested, and such inputs are what makes the
+#: LaTeX parser crawl. They are compared as strings only (cheap, cannot hang).
+MAX_ANSWER_CHARS = 1000
+MAX_BRACE_DEPTH = 24
 DEFAULT_TIMEOUT_S = 10.0
 #: Workers start fresh enough to import math-verify; more than this means something is broken.
 WORKER_START_TIMEOUT_S = 60.0
+#: Consecutive start failures after which the pool gives up and calls raise (misconfiguration).
+MAX_START_FAILURES = 3
 #: Address-space cap per worker: a runaway bignum raises MemoryError instead of swapping the node.
 WORKER_MEMORY_BYTES = 4 * 1024**3
 
@@ -285,27 +289,29 @@ class _Worker:
         self.replies.close()
 
 
-@dataclass
 class RewardStats:
-    """Counters kept per process, for logging and the benchmark."""
+    """Counters kept per process, for logging and the benchmark.
 
-    calls: int = 0
-    fast_path: int = 0
-    worker_jobs: int = 0
-    timeouts: int = 0
-    worker_crashes: int = 0
-    worker_errors: int = 0
-    workers_replaced: int = 0
-    invalid_inputs: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    A plain class, not a dataclass: verl executes this file under a module name that is
+    not in ``sys.modules``, where ``dataclasses`` cannot resolve postponed annotations.
+    """
+
+    NAMES = (
+        "calls", "fast_path", "worker_jobs", "timeouts", "worker_crashes", "worker_errors",
+        "workers_replaced", "no_worker", "invalid_inputs", "too_complex",
+    )
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(self.NAMES, 0)
 
     def bump(self, name: str, by: int = 1) -> None:
-        with self.lock:
-            setattr(self, name, getattr(self, name) + by)
+        with self._lock:
+            self._counts[name] += by
 
     def as_dict(self) -> dict[str, int]:
-        with self.lock:
-            return {k: v for k, v in self.__dict__.items() if k != "lock"}
+        with self._lock:
+            return dict(self._counts)
 
 
 STATS = RewardStats()
@@ -314,8 +320,10 @@ STATS = RewardStats()
 class WorkerPool:
     """A fixed number of verification workers shared by all threads of this process.
 
-    Each job takes an idle worker, so a hung job blocks only its own worker; on the hard
-    timeout that worker is killed and a fresh one takes its place before the call returns.
+    Each job takes an idle, ready worker, so a hung job blocks only its own worker. On the
+    hard timeout that worker is killed and a replacement is brought up in the background:
+    the timed-out call returns at once, and only ready workers are ever handed out, so
+    worker start-up never counts against an item's timeout.
     """
 
     def __init__(self, size: int) -> None:
@@ -326,54 +334,90 @@ class WorkerPool:
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._all: list[_Worker] = []
         self._lock = threading.Lock()
+        self._closed = False
+        self._broken = False
+        self._start_failures = 0
         for _ in range(size):
-            self._idle.put(self._start_worker())
+            self._bring_up()
 
-    def _start_worker(self) -> _Worker:
+    def _bring_up(self) -> None:
+        """Start a worker; a helper thread hands it out once it has imported math-verify."""
         worker = _Worker()
         with self._lock:
             self._all.append(worker)
-        return worker
 
-    def _retire(self, worker: _Worker) -> _Worker:
+        def wait_then_offer() -> None:
+            if worker.wait_ready():
+                self._start_failures = 0
+                if not self._closed:
+                    self._idle.put(worker)
+                return
+            self._start_failures += 1
+            if self._start_failures >= MAX_START_FAILURES:
+                self._broken = True  # e.g. recipe.reward not importable; see the workers' stderr
+                worker.kill()
+            elif not self._closed:
+                self._replace(worker)
+
+        threading.Thread(target=wait_then_offer, name="reward-worker-startup", daemon=True).start()
+
+    def _replace(self, worker: _Worker) -> None:
         worker.kill()
         with self._lock:
             if worker in self._all:
                 self._all.remove(worker)
         STATS.bump("workers_replaced")
-        return self._start_worker()
+        if not self._closed:
+            self._bring_up()
 
     def worker_pids(self) -> list[int]:
+        """Pids of all workers, ready or starting (tests kill one to check it is replaced)."""
         with self._lock:
             return [w.pid for w in self._all]
 
+    def _acquire(self) -> _Worker | None:
+        deadline = time.monotonic() + WORKER_START_TIMEOUT_S
+        while (remaining := deadline - time.monotonic()) > 0:
+            if self._broken and self._idle.empty():
+                raise RuntimeError(
+                    f"reward workers failed to start {MAX_START_FAILURES} times in a row "
+                    f"({sys.executable} -c 'import recipe.reward'); their stderr has the cause"
+                )
+            try:
+                worker = self._idle.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            if worker.is_alive():
+                return worker
+            STATS.bump("worker_crashes")  # died while idle (killed from outside, OOM killer)
+            self._replace(worker)
+        return None
+
     def verify(self, gold: str, answer: str, timeout_s: float) -> tuple[bool | None, str | None]:
         """``(is_equivalent, problem)``; ``is_equivalent`` is None on timeout or worker death."""
-        worker = self._idle.get()
+        worker = self._acquire()
+        if worker is None:
+            STATS.bump("no_worker")
+            return None, "no reward worker became ready"
+        STATS.bump("worker_jobs")
         try:
-            if not worker.is_alive() or not worker.wait_ready():
-                worker = self._retire(worker)  # died while idle (e.g. killed by the OOM killer)
-                if not worker.wait_ready():
-                    return None, "worker failed to start"
-            STATS.bump("worker_jobs")
-            try:
-                worker.requests.send((gold, answer))
-                if worker.replies.poll(timeout_s):
-                    ok, error = worker.replies.recv()
-                    if error is not None:
-                        STATS.bump("worker_errors")
-                    return ok, error
-            except (EOFError, OSError, BrokenPipeError):
-                STATS.bump("worker_crashes")
-                worker = self._retire(worker)
-                return None, "worker died"
-            STATS.bump("timeouts")
-            worker = self._retire(worker)
-            return None, f"timeout after {timeout_s:g}s"
-        finally:
-            self._idle.put(worker)
+            worker.requests.send((gold, answer))
+            if worker.replies.poll(timeout_s):
+                ok, error = worker.replies.recv()
+                if error is not None:
+                    STATS.bump("worker_errors")
+                self._idle.put(worker)
+                return ok, error
+        except (EOFError, OSError):
+            STATS.bump("worker_crashes")
+            self._replace(worker)
+            return None, "worker died"
+        STATS.bump("timeouts")
+        self._replace(worker)
+        return None, f"timeout after {timeout_s:g}s"
 
     def close(self) -> None:
+        self._closed = True
         with self._lock:
             workers, self._all = list(self._all), []
         for worker in workers:
@@ -456,13 +500,31 @@ def _wants_think(data_source: str, think: str, extra_info: Any) -> bool:
     return "longcot" in data_source.lower()
 
 
+def brace_depth(text: str) -> int:
+    """Deepest ``{``/``(``/``[`` nesting in ``text`` (unbalanced closers are ignored)."""
+    depth = deepest = 0
+    for char in text:
+        if char in "{([":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "})]" and depth:
+            depth -= 1
+    return deepest
+
+
+def too_complex(answer: str) -> bool:
+    return len(answer) > MAX_ANSWER_CHARS or brace_depth(answer) > MAX_BRACE_DEPTH
+
+
 def _score_math_verify(answer: str | None, gold: str, timeout_s: float, wrong_score: float) -> dict[str, Any]:
     if answer is None:
         return _result(wrong_score, False, "")
-    answer = answer[:MAX_ANSWER_CHARS]
     if cosmetic_normal_form(answer) == cosmetic_normal_form(gold):
         STATS.bump("fast_path")
         return _result(1.0, True, answer)
+    if too_complex(answer) or too_complex(gold):
+        STATS.bump("too_complex")
+        return _result(wrong_score, False, answer)
     if _PLAIN_INTEGER.fullmatch(answer) and _PLAIN_INTEGER.fullmatch(gold):
         STATS.bump("fast_path")
         return _result(wrong_score, False, answer)  # two different integers: nothing to verify
