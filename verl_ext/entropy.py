@@ -44,9 +44,10 @@ import torch
 ENTROPY_REQUIRES_GRAD_ATTR = "entropy_requires_grad"
 """Attribute a loss function sets to ``False`` to declare it uses the current entropy only as a mask."""
 
-DEFAULT_CHUNK_SIZE = 1024
-"""Rows of logits processed at once: bounds the temporary at ``chunk x vocab`` fp32 (~0.6 GB for Qwen's
-151,936-token vocabulary at 1024 rows)."""
+DEFAULT_CHUNK_ROWS = 128
+"""Rows of logits processed at once by the detached path. The temporaries are two ``rows x vocab``
+fp32 buffers: ~156 MB for Qwen's 151,936-token vocabulary. verl's ``entropy_from_logits_chunk_size``
+(2048 by default) is sized for its autograd path and would cost 2.5 GB here, so it is not used."""
 
 _INSTALLED_MARK = "_verl_ext_detached_entropy_installed"
 
@@ -55,20 +56,24 @@ _INSTALLED_MARK = "_verl_ext_detached_entropy_installed"
 def detached_entropy_from_logits(logits: torch.Tensor, chunk_size: Optional[int] = None) -> torch.Tensor:
     """Shannon entropy of ``softmax(logits)`` over the last dim, without building an autograd graph.
 
-    Same formula as verl's ``entropy_from_logits`` (``logsumexp(x) - sum(softmax(x) * x)``), computed
-    in float32 over row chunks so the only temporaries are ``chunk x vocab``. Accepts ``(..., vocab)``
-    and returns ``(...)`` in float32 with ``requires_grad=False``.
+    Same quantity as verl's ``entropy_from_logits`` (``logsumexp(x) - sum(softmax(x) * x)``), written
+    as ``-sum(p * log p)`` with ``log p = x - logsumexp(x)`` computed in place in float32 over row
+    chunks, so the only temporaries are two ``chunk x vocab`` buffers. ``chunk_size`` is accepted for
+    call compatibility with verl's ``entropy_from_logits_with_chunking`` but the row count is
+    :data:`DEFAULT_CHUNK_ROWS` unless a smaller value is passed. Accepts ``(..., vocab)``; returns
+    ``(...)`` in float32 with ``requires_grad=False``.
     """
-    chunk = int(chunk_size or DEFAULT_CHUNK_SIZE)
-    if chunk <= 0:
-        raise ValueError(f"chunk_size must be positive (engine config entropy_from_logits_chunk_size), got {chunk}")
+    rows = min(int(chunk_size), DEFAULT_CHUNK_ROWS) if chunk_size else DEFAULT_CHUNK_ROWS
+    if rows <= 0:
+        raise ValueError(f"chunk_size must be positive (engine config entropy_from_logits_chunk_size), got {rows}")
     lead_shape = logits.shape[:-1]
     flat = logits.reshape(-1, logits.shape[-1])
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
-    for start in range(0, flat.shape[0], chunk):
-        x = flat[start : start + chunk].float()
-        p = torch.softmax(x, dim=-1)
-        out[start : start + chunk] = torch.logsumexp(x, dim=-1) - (p * x).sum(dim=-1)
+    for start in range(0, flat.shape[0], rows):
+        log_p = flat[start : start + rows].to(torch.float32, copy=True)  # copy: never touch the logits
+        log_p -= torch.logsumexp(log_p, dim=-1, keepdim=True)
+        p = log_p.exp()
+        out[start : start + rows] = -(p.mul_(log_p)).sum(dim=-1)
     return out.reshape(lead_shape)
 
 
@@ -101,8 +106,7 @@ def _detached_entropy_swapped(engine: Any) -> Iterator[None]:
     """Point both of verl's entropy call sites at the detached function, restoring them on exit."""
     import verl.utils.torch_functional as verl_F
 
-    chunk_size = getattr(getattr(engine, "engine_config", None), "entropy_from_logits_chunk_size", None)
-    detached = functools.partial(_detached_with_chunk_default, default_chunk=chunk_size)
+    detached = _detached_call_compatible
     had_instance_attr = "compute_entropy_from_logits" in vars(engine)
     saved_instance = vars(engine).get("compute_entropy_from_logits")
     saved_module = verl_F.entropy_from_logits
@@ -118,11 +122,10 @@ def _detached_entropy_swapped(engine: Any) -> Iterator[None]:
             del engine.compute_entropy_from_logits
 
 
-def _detached_with_chunk_default(
-    logits: torch.Tensor, chunk_size: Optional[int] = None, *, default_chunk: Optional[int]
-) -> torch.Tensor:
-    """verl calls the entropy function with or without ``chunk_size``; honour the engine's setting."""
-    return detached_entropy_from_logits(logits, chunk_size=chunk_size or default_chunk)
+def _detached_call_compatible(logits: torch.Tensor, chunk_size: Optional[int] = None) -> torch.Tensor:
+    """Accepts verl's two call forms (with and without ``chunk_size``); the row count stays bounded
+    by :data:`DEFAULT_CHUNK_ROWS` (see there)."""
+    return detached_entropy_from_logits(logits, chunk_size=chunk_size)
 
 
 def _wrap_forward_step(forward_step: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,0 +1,192 @@
+"""Peak host memory of one actor update with and without the current-policy entropy.
+
+``python -m recipe.bench entropy-memory [--json] [--tokens 4096] [--vocab 151936]``
+
+Runs verl 0.9.1's real actor stack on the CPU platform (``TrainingWorker`` -> ``FSDPEngineWithLMHead``,
+FSDP2 on gloo, verl's default bf16 mixed precision, one rank) on a tiny Qwen3 with the real Qwen
+vocabulary, one micro-batch of ``--tokens`` tokens, one optimizer step, verl's ``ppo_loss``
+(``entropy_coeff=0``). Variants, each in its own fresh process so peaks do not mix:
+
+* ``a_no_entropy``    ``calculate_entropy=False``: the floor.
+* ``b_verl_entropy``  ``calculate_entropy=True`` through verl's engine: entropy with autograd.
+* ``c_detached``      ``calculate_entropy=True`` with ``verl_ext.entropy`` (``install_detached_entropy``
+  + ``entropy_as_mask``): the entropy ERC needs, computed without a graph.
+
+Each variant reports the peak RSS of its process (``ru_maxrss``) and the RSS just before the update;
+ratios are against ``a_no_entropy`` measured in the same run. Only ratios within one run compare.
+Children run with ``MALLOC_MMAP_THRESHOLD_=1048576`` so freed large buffers leave RSS at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+VARIANTS: tuple[str, ...] = ("a_no_entropy", "b_verl_entropy", "c_detached")
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss_bytes() -> int:
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: int) -> dict[str, Any]:
+    """Inside the child process: build the actor, run one update, return the memory figures."""
+    import tempfile
+    import time
+
+    # The engine harness lives with the tests; the benchmark runs from the repository checkout.
+    if str(_ROOT) not in sys.path:
+        sys.path.insert(0, str(_ROOT))
+    from tests.engine_harness import (
+        TinyQwen3Spec,
+        WorkerOptions,
+        build_actor_worker,
+        make_actor_config,
+        make_rollout_batch,
+        ppo_loss_fn,
+        save_tiny_qwen3,
+        single_rank_env,
+        update_actor,
+    )
+
+    single_rank_env()
+    if tokens % sequences:
+        raise ValueError(f"--tokens ({tokens}) must be divisible by --sequences ({sequences})")
+    seq_len = tokens // sequences
+    prompt_len = max(1, seq_len // 4)
+    spec = TinyQwen3Spec(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=max(8192, seq_len),
+    )
+    with tempfile.TemporaryDirectory(prefix="entropy_memory_") as tmp:
+        model_path = save_tiny_qwen3(tmp, spec, seed=0)
+        options = WorkerOptions(
+            micro_batch_size_per_gpu=sequences,  # the whole update is one micro-batch of `tokens`
+            max_token_len_per_gpu=tokens,
+            mixed_precision=None,  # verl's default: bf16 compute, fp32 reduce
+        )
+        worker = build_actor_worker(model_path, options)
+        actor_config = make_actor_config(ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences)
+        loss_fn = ppo_loss_fn(actor_config)
+        if variant == "c_detached":
+            from verl_ext.entropy import entropy_as_mask, install_detached_entropy
+
+            install_detached_entropy()
+            loss_fn = entropy_as_mask(loss_fn, entropy_coeff=actor_config.entropy_coeff)
+        worker.set_loss_fn(loss_fn)
+        batch = make_rollout_batch([prompt_len] * sequences, [seq_len - prompt_len] * sequences, vocab, seed=0)
+
+        rss_before = _rss_bytes()
+        start = time.perf_counter()
+        metrics = update_actor(worker, batch, calculate_entropy=variant != "a_no_entropy")
+        seconds = time.perf_counter() - start
+    return {
+        "variant": variant,
+        "tokens": tokens,
+        "vocab_size": vocab,
+        "peak_rss_bytes": _peak_rss_bytes(),
+        "rss_before_update_bytes": rss_before,
+        "update_seconds": round(seconds, 2),
+        "loss": float(metrics["loss"][0]),
+    }
+
+
+def _spawn(variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipe.bench.entropy_memory",
+        "--_child",
+        variant,
+        "--tokens",
+        str(args.tokens),
+        "--vocab",
+        str(args.vocab),
+        "--hidden",
+        str(args.hidden),
+        "--sequences",
+        str(args.sequences),
+    ]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))
+    # glibc keeps freed heap memory mapped (per-thread arenas, a dynamic mmap threshold), so the RSS
+    # peak would depend on allocation history rather than on what is alive at once. Serving every
+    # allocation over 1 MiB with mmap returns it to the OS on free: the peak then tracks live memory.
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    env.setdefault("MALLOC_ARENA_MAX", "2")
+    proc = subprocess.run(cmd, cwd=_ROOT, env=env, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise RuntimeError(f"variant {variant} failed with exit code {proc.returncode}")
+    return json.loads(lines[-1])
+
+
+def _gib(n: int) -> float:
+    return round(n / 2**30, 3)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recipe.bench entropy-memory", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object per variant")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens in the update's micro-batch")
+    parser.add_argument("--vocab", type=int, default=151_936, help="vocabulary size (Qwen: 151936)")
+    parser.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny model")
+    parser.add_argument("--sequences", type=int, default=4, help="sequences the tokens are split into")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset to run")
+    parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args._child is not None:
+        print(json.dumps(_run_variant(args._child, args.tokens, args.vocab, args.hidden, args.sequences)))
+        return 0
+
+    chosen = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(chosen) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown --variants {unknown}; choose from {list(VARIANTS)}")
+    results = [_spawn(v, args) for v in chosen]
+    base = next((r for r in results if r["variant"] == "a_no_entropy"), None)
+    date = _dt.date.today().isoformat()
+    for r in results:
+        r["date"] = date
+        r["peak_rss_gib"] = _gib(r["peak_rss_bytes"])
+        r["update_increment_gib"] = _gib(r["peak_rss_bytes"] - r["rss_before_update_bytes"])
+        if base is not None:
+            r["peak_ratio_vs_a"] = round(r["peak_rss_bytes"] / base["peak_rss_bytes"], 3)
+            base_inc = base["peak_rss_bytes"] - base["rss_before_update_bytes"]
+            inc = r["peak_rss_bytes"] - r["rss_before_update_bytes"]
+            r["increment_ratio_vs_a"] = round(inc / base_inc, 3) if base_inc > 0 else None
+    if args.json:
+        for r in results:
+            print(json.dumps(r))
+    else:
+        print(f"{'variant':<16} {'peak RSS GiB':>12} {'update +GiB':>11} {'peak/a':>7} {'incr/a':>7} {'seconds':>8}")
+        for r in results:
+            print(
+                f"{r['variant']:<16} {r['peak_rss_gib']:>12.3f} {r['update_increment_gib']:>11.3f} "
+                f"{r.get('peak_ratio_vs_a', float('nan')):>7.3f} {r.get('increment_ratio_vs_a') or float('nan'):>7.3f} "
+                f"{r['update_seconds']:>8.1f}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
