@@ -229,6 +229,19 @@ def test_trgppo_roots_solve_the_bernoulli_kl():
         assert lo < 1 < up < 1 / q
 
 
+@pytest.mark.parametrize("delta", [0.01, 0.07, 0.3])
+def test_trgppo_interpolated_bounds_match_bisection(delta):
+    old = -torch.rand(5000, generator=torch.Generator().manual_seed(1), dtype=torch.float64) ** 2 * 24.9 - 1e-6
+    exact = divergences.trgppo_ratio_bounds(old, delta, iterations=60)
+    interpolated = divergences.trgppo_ratio_bounds_interpolated(old, delta)
+    for e, i in zip(exact, interpolated):
+        log_e, log_i = e.log().clamp(-20, 20), i.log()
+        assert (log_i - log_e).abs().max() < 1e-2
+        moderate = log_e.abs() < 15
+        assert moderate.sum() > 1000
+        assert (log_i - log_e)[moderate].abs().max() < 1e-3
+
+
 # ----------------------------------------------------------------------------------------
 # Every mode against the naive reference: values and gradients, at and beyond every bound.
 # ----------------------------------------------------------------------------------------
@@ -381,6 +394,10 @@ def test_metrics_report_bounds_and_fractions():
     kl3 = (w - 1 - torch.log(w))[valid]
     assert metrics["actor/divclip/kl3_mean"] == pytest.approx(kl3.mean().item())
     assert metrics["actor/divclip/kl3_max"] == pytest.approx(kl3.max().item())
+    _, _, trgppo_metrics = run_registry_loss("trgppo", old, new, adv, mask, actor_config("trgppo"))
+    tl, tu = divergences.trgppo_ratio_bounds(old[valid], 0.07)  # < 1024 tokens: all of them
+    assert trgppo_metrics["actor/divclip/ratio_lower"] == pytest.approx(torch.clamp(tl, max=0.8).mean().item(), rel=1e-3)
+    assert trgppo_metrics["actor/divclip/ratio_upper"] == pytest.approx(torch.clamp(tu, min=1.28).mean().item(), rel=1e-3)
     _, _, dcpo_metrics = run_registry_loss("dcpo", old, new, adv, mask, actor_config("dcpo"))
     dl, du = divergences.dcpo_ratio_bounds(old, 0.2, 0.28, 10.0)
     assert dcpo_metrics["actor/divclip/ratio_lower"] == pytest.approx(dl[valid].mean().item())

@@ -51,6 +51,7 @@ class ConstraintInputs:
     log_ratio: torch.Tensor
     ratio: torch.Tensor
     old_log_prob: torch.Tensor
+    response_mask: torch.Tensor
     clip_ratio_low: float
     clip_ratio_high: float
     policy: DivClipPolicyLossConfig
@@ -58,11 +59,18 @@ class ConstraintInputs:
 
 @dataclass(frozen=True)
 class TrustRegion:
-    """Where C_t(theta) holds, and the ratio interval it amounts to (scalars or per token)."""
+    """Where C_t(theta) holds, and the ratio interval it amounts to.
+
+    ``lower``/``upper`` are scalars or per-token tensors shaped like ``inside``. A constraint
+    whose bounds are expensive and not needed to decide ``inside`` may instead return them
+    for a sample of valid tokens (1-D) with ``bounds_sampled=True``; they then only feed the
+    ``ratio_lower/upper`` metrics, and the constraint cannot use ``preserve`` violations.
+    """
 
     inside: torch.Tensor
     lower: torch.Tensor | float
     upper: torch.Tensor | float
+    bounds_sampled: bool = False
 
 
 ConstraintFn = Callable[[ConstraintInputs], TrustRegion]
@@ -204,14 +212,25 @@ def trgppo_region(inputs: ConstraintInputs) -> TrustRegion:
 
     Both intervals contain 1, so membership of their union is decided without solving for
     l and u: the Bernoulli KL is within budget, or the ratio is within the epsilon clip.
-    The per-token roots are only computed for the ``ratio_lower/upper`` metrics.
+    The per-token roots are only needed for the ``ratio_lower/upper`` metrics; they are
+    interpolated from a per-delta table for an evenly strided sample of at most
+    ``TRGPPO_METRIC_SAMPLE`` valid tokens.
     """
     eps_inside = (inputs.ratio >= 1.0 - inputs.clip_ratio_low) & (inputs.ratio <= 1.0 + inputs.clip_ratio_high)
-    kl_inside = divergences.bernoulli_kl(inputs.old_log_prob, inputs.log_ratio) <= inputs.policy.delta
-    lower, upper = divergences.trgppo_ratio_bounds(inputs.old_log_prob, inputs.policy.delta)
+    # Only tokens outside the epsilon band can be rescued by the KL budget -- usually few --
+    # so the Bernoulli KL is evaluated on that subset and scattered back.
+    beyond_eps = ~eps_inside
+    kl_ok = divergences.bernoulli_kl(inputs.old_log_prob[beyond_eps], inputs.log_ratio[beyond_eps]) <= inputs.policy.delta
+    inside = eps_inside.masked_scatter(beyond_eps, kl_ok)
+    valid_old = inputs.old_log_prob[inputs.response_mask]
+    stride = max(1, -(-valid_old.numel() // TRGPPO_METRIC_SAMPLE))
+    lower, upper = divergences.trgppo_ratio_bounds_interpolated(valid_old[::stride], inputs.policy.delta)
     lower = torch.clamp(lower, max=1.0 - inputs.clip_ratio_low)
     upper = torch.clamp(upper, min=1.0 + inputs.clip_ratio_high)
-    return TrustRegion(eps_inside | kl_inside, lower, upper)
+    return TrustRegion(inside, lower, upper, bounds_sampled=True)
+
+
+TRGPPO_METRIC_SAMPLE = 1024
 
 
 @register_constraint("dcpo")
@@ -298,7 +317,7 @@ def constrained_policy_loss(
     log_ratio_d, ratio_d = log_ratio.detach(), ratio.detach()
 
     region = spec.region(
-        ConstraintInputs(log_ratio_d, ratio_d, old_log_prob, clip_ratio_low, clip_ratio_high, policy)
+        ConstraintInputs(log_ratio_d, ratio_d, old_log_prob, mask, clip_ratio_low, clip_ratio_high, policy)
     )
     outside = ~region.inside
     positive, negative = advantages > 0, advantages < 0
@@ -309,6 +328,8 @@ def constrained_policy_loss(
     clipped = clipped_upper | clipped_lower
 
     if spec.on_violation == "preserve":
+        if region.bounds_sampled:
+            raise ValueError(f"constraint {mode!r} reports sampled bounds and cannot preserve gradients")
         bound = torch.where(clipped_upper, _as_tensor(region.upper, ratio), _as_tensor(region.lower, ratio))
         beta = torch.where(clipped_upper, policy.gppo_beta_high, policy.gppo_beta_low)
         # value 1, d/dlog_ratio 1: the forward value stays `bound` (Clip-Higher), the gradient
@@ -393,8 +414,14 @@ def _metrics(
         scalar_bounds = {}
         for name, bound in (("ratio_lower", region.lower), ("ratio_upper", region.upper)):
             if isinstance(bound, torch.Tensor):  # per-token bounds: report their mean
-                names.append(name)
-                rows.append(torch.clamp(bound, math.exp(-LOG_RATIO_CLAMP), math.exp(LOG_RATIO_CLAMP)))
+                # beyond e^{+-20} a bound is no bound (log-ratios are clamped there)
+                bound = torch.clamp(bound, math.exp(-LOG_RATIO_CLAMP), math.exp(LOG_RATIO_CLAMP))
+                if region.bounds_sampled:
+                    if bound.numel():  # no valid token, no sample: the metric is left out
+                        scalar_bounds[name] = bound.mean().item()
+                else:
+                    names.append(name)
+                    rows.append(bound)
             else:
                 scalar_bounds[name] = float(bound)
         if dual is not None:

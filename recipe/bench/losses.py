@@ -1,0 +1,121 @@
+"""``python -m recipe.bench losses [--json]``: forward+backward time of every divclip mode
+against verl's ``vanilla`` policy loss, interleaved in one process.
+
+Each round times one forward+backward of every variant in turn (so drift in machine load
+hits all of them alike); the figure per variant is the median over rounds, and the ratio is
+against ``vanilla``'s median from the same rounds. ERC variants get the per-token entropies
+as inputs (their cost in the trainer is the entropy computation, benchmarked separately by
+``entropy-memory``). fp32 on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import verl  # noqa: F401  (loads the divclip plugin)
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
+from verl.workers.config import FSDPActorConfig, PolicyLossConfig
+
+from verl_ext.config import DivClipPolicyLossConfig
+from verl_ext.losses import CONSTRAINTS
+
+SHAPES: tuple[tuple[int, int], ...] = ((64, 4096), (8, 16384))
+TARGET_RATIO = 1.25
+
+
+def _actor_config(policy: PolicyLossConfig) -> FSDPActorConfig:
+    return FSDPActorConfig(
+        strategy="fsdp2",
+        rollout_n=8,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        policy_loss=policy,
+    )
+
+
+def _variants() -> dict[str, tuple[str, FSDPActorConfig, bool]]:
+    """name -> (registry mode, actor config, needs entropies)."""
+    variants = {"vanilla": ("vanilla", _actor_config(PolicyLossConfig(loss_mode="vanilla")), False)}
+    for mode in CONSTRAINTS:
+        variants[mode] = (mode, _actor_config(DivClipPolicyLossConfig(loss_mode=mode)), False)
+    for mode in CONSTRAINTS:
+        policy = DivClipPolicyLossConfig(loss_mode=mode, erc_beta_low=0.05, erc_beta_high=0.05)
+        variants[f"{mode}+erc"] = (mode, _actor_config(policy), True)
+    return variants
+
+
+def _make_step(shape: tuple[int, int], mode: str, config: FSDPActorConfig, with_entropy: bool, seed: int) -> Callable[[], None]:
+    gen = torch.Generator().manual_seed(seed)
+    rows, cols = shape
+    old = -torch.rand(rows, cols, generator=gen) * 3 - 0.01
+    new = (old + torch.randn(rows, cols, generator=gen) * 0.3).clamp(max=0.0)
+    adv = torch.randn(rows, 1, generator=gen).expand(rows, cols).contiguous()
+    mask = torch.ones(rows, cols)
+    mask[:, cols - cols // 8 :] = 0  # some padding, as in real batches
+    old_entropy = torch.rand(rows, cols, generator=gen) * 2
+    entropy = old_entropy * (1 + 0.1 * torch.randn(rows, cols, generator=gen))
+    loss_fn = get_policy_loss_fn(mode)
+    extra = {"old_entropy": old_entropy, "entropy": entropy} if with_entropy else {}
+
+    def step() -> None:
+        log_prob = new.clone().requires_grad_(True)
+        loss, _ = loss_fn(
+            old_log_prob=old, log_prob=log_prob, advantages=adv, response_mask=mask,
+            loss_agg_mode="token-mean", config=config, **extra,
+        )
+        loss.backward()
+
+    return step
+
+
+def run(rounds: int, warmup: int, shapes: tuple[tuple[int, int], ...] = SHAPES) -> list[dict]:
+    results = []
+    variants = _variants()
+    for shape in shapes:
+        steps = {name: _make_step(shape, mode, cfg, ent, seed=0) for name, (mode, cfg, ent) in variants.items()}
+        times: dict[str, list[float]] = {name: [] for name in steps}
+        for r in range(warmup + rounds):
+            for name, step in steps.items():
+                start = time.perf_counter()
+                step()
+                elapsed = time.perf_counter() - start
+                if r >= warmup:
+                    times[name].append(elapsed)
+        base = statistics.median(times["vanilla"])
+        for name, samples in times.items():
+            median = statistics.median(samples)
+            results.append({
+                "mode": name,
+                "shape": list(shape),
+                "median_ms": round(median * 1e3, 3),
+                "vanilla_median_ms": round(base * 1e3, 3),
+                "ratio_vs_vanilla": round(median / base, 3),
+                "target": TARGET_RATIO,
+                "meets_target": median / base <= TARGET_RATIO,
+                "rounds": rounds,
+                "threads": torch.get_num_threads(),
+            })
+    return results
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recipe.bench losses", description=__doc__)
+    parser.add_argument("--json", action="store_true", help="one JSON object per (mode, shape)")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args(argv)
+    results = run(args.rounds, args.warmup)
+    if args.json:
+        for row in results:
+            print(json.dumps(row))
+    else:
+        print(f"{'mode':<14}{'shape':<14}{'median ms':>10}{'ratio':>8}")
+        for row in results:
+            print(f"{row['mode']:<14}{str(tuple(row['shape'])):<14}{row['median_ms']:>10.2f}{row['ratio_vs_vanilla']:>8.3f}")
+    return 0
