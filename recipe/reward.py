@@ -556,7 +556,8 @@ def compute_score(
     Never raises on bad data (a reward function that raises kills a training step): a
     ``None`` / non-string response or gold answer scores as wrong and is counted in
     ``reward_stats()["invalid_inputs"]``. Misconfiguration does raise: an unknown keyword
-    (a typo in ``reward_kwargs``) or an unknown ``think`` mode is a ``TypeError``/``ValueError``.
+    (a typo in ``reward_kwargs``) or an unknown ``think`` mode is a ``TypeError``/``ValueError``,
+    and workers that fail to start three times in a row are a ``RuntimeError``.
     """
     if __name__ != CANONICAL_MODULE:
         return _canonical_module().compute_score(
