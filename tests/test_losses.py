@@ -399,9 +399,21 @@ def test_metrics_report_bounds_and_fractions():
     assert trgppo_metrics["actor/divclip/ratio_lower"] == pytest.approx(torch.clamp(tl, max=0.8).mean().item(), rel=1e-3)
     assert trgppo_metrics["actor/divclip/ratio_upper"] == pytest.approx(torch.clamp(tu, min=1.28).mean().item(), rel=1e-3)
     _, _, dcpo_metrics = run_registry_loss("dcpo", old, new, adv, mask, actor_config("dcpo"))
-    dl, du = divergences.dcpo_ratio_bounds(old, 0.2, 0.28, 10.0)
+    dl, du = divergences.dcpo_ratio_bounds(old, 0.2, 0.28, 10.0)  # < 1024 valid tokens: all sampled
     assert dcpo_metrics["actor/divclip/ratio_lower"] == pytest.approx(dl[valid].mean().item())
     assert dcpo_metrics["actor/divclip/ratio_upper"] == pytest.approx(du[valid].mean().item())
+
+
+def test_bound_metrics_of_large_batches_use_a_strided_sample():
+    from verl_ext.losses import METRIC_SAMPLE
+
+    old, new, adv, mask = random_batch(9, rows=8, cols=1000)
+    _, _, metrics = run_registry_loss("dcpo", old, new, adv, mask, actor_config("dcpo"))
+    stride = -(-old.numel() // METRIC_SAMPLE)
+    sample = old.reshape(-1)[::stride][mask.bool().reshape(-1)[::stride]]
+    assert 0 < sample.numel() <= METRIC_SAMPLE
+    dl, _ = divergences.dcpo_ratio_bounds(sample, 0.2, 0.28, 10.0)
+    assert metrics["actor/divclip/ratio_lower"] == pytest.approx(dl.mean().item())
 
 
 def test_bf16_inputs_give_finite_loss_and_bf16_gradient():

@@ -212,36 +212,59 @@ def trgppo_region(inputs: ConstraintInputs) -> TrustRegion:
 
     Both intervals contain 1, so membership of their union is decided without solving for
     l and u: the Bernoulli KL is within budget, or the ratio is within the epsilon clip.
-    The per-token roots are only needed for the ``ratio_lower/upper`` metrics; they are
-    interpolated from a per-delta table for an evenly strided sample of at most
-    ``TRGPPO_METRIC_SAMPLE`` valid tokens.
+    The roots only feed the ``ratio_lower/upper`` metrics (see ``metric_sample``), where
+    they are interpolated from a per-delta table.
     """
     eps_inside = (inputs.ratio >= 1.0 - inputs.clip_ratio_low) & (inputs.ratio <= 1.0 + inputs.clip_ratio_high)
     # Only tokens outside the epsilon band can be rescued by the KL budget -- usually few --
     # so the Bernoulli KL is evaluated on that subset and scattered back.
-    beyond_eps = ~eps_inside
-    kl_ok = divergences.bernoulli_kl(inputs.old_log_prob[beyond_eps], inputs.log_ratio[beyond_eps]) <= inputs.policy.delta
-    inside = eps_inside.masked_scatter(beyond_eps, kl_ok)
-    valid_old = inputs.old_log_prob[inputs.response_mask]
-    stride = max(1, -(-valid_old.numel() // TRGPPO_METRIC_SAMPLE))
-    lower, upper = divergences.trgppo_ratio_bounds_interpolated(valid_old[::stride], inputs.policy.delta)
+    # (one nonzero + index_put: boolean-mask indexing costs tens of elementwise passes on CPU)
+    beyond_eps = (~eps_inside).reshape(-1).nonzero().squeeze(1)
+    kl = divergences.bernoulli_kl(inputs.old_log_prob.reshape(-1)[beyond_eps], inputs.log_ratio.reshape(-1)[beyond_eps])
+    inside = eps_inside.reshape(-1).index_put((beyond_eps,), kl <= inputs.policy.delta).view_as(eps_inside)
+    lower, upper = divergences.trgppo_ratio_bounds_interpolated(metric_sample(inputs), inputs.policy.delta)
     lower = torch.clamp(lower, max=1.0 - inputs.clip_ratio_low)
     upper = torch.clamp(upper, min=1.0 + inputs.clip_ratio_high)
     return TrustRegion(inside, lower, upper, bounds_sampled=True)
 
 
-TRGPPO_METRIC_SAMPLE = 1024
-
-
 @register_constraint("dcpo")
 def dcpo_region(inputs: ConstraintInputs) -> TrustRegion:
-    """DCPO dynamic clipping: per-token bounds from q = pi_old(token) with
-    eps_low/eps_high = actor.clip_ratio_low/high and cap = policy_loss.dcpo_cap."""
-    lower, upper = divergences.dcpo_ratio_bounds(
-        inputs.old_log_prob, inputs.clip_ratio_low, inputs.clip_ratio_high, inputs.policy.dcpo_cap
-    )
+    """DCPO dynamic clipping with eps_low/eps_high = actor.clip_ratio_low/high and
+    cap = policy_loss.dcpo_cap: w in [1/2 + 1/2 sqrt(max(0, 1 - 4 eps_low/q)),
+    min(1/2 + 1/2 sqrt(1 + 4 eps_high/q), cap)], q = pi_old(token).
+
+    Squaring the bounds gives a root-free test: for w >= 1/2 the interval is
+    -eps_low <= q w (w - 1) <= eps_high (and w <= cap). The closed-form bounds only feed
+    the ``ratio_lower/upper`` metrics (see ``metric_sample``).
+    """
     ratio = inputs.ratio
-    return TrustRegion((ratio >= lower) & (ratio <= upper), lower, upper)
+    spread = torch.exp(inputs.old_log_prob) * ratio * (ratio - 1.0)
+    inside = (
+        (ratio >= 0.5)
+        & (ratio <= inputs.policy.dcpo_cap)
+        & (spread >= -inputs.clip_ratio_low)
+        & (spread <= inputs.clip_ratio_high)
+    )
+    lower, upper = divergences.dcpo_ratio_bounds(
+        metric_sample(inputs), inputs.clip_ratio_low, inputs.clip_ratio_high, inputs.policy.dcpo_cap
+    )
+    return TrustRegion(inside, lower, upper, bounds_sampled=True)
+
+
+METRIC_SAMPLE = 1024
+
+
+def metric_sample(inputs: ConstraintInputs) -> torch.Tensor:
+    """Old log-probs of the valid tokens among at most ``METRIC_SAMPLE`` evenly strided
+    positions of the batch.
+
+    Per-token bounds whose mask test needs no bounds (TRGPPO, DCPO) are reported as their
+    mean over this sample, so the metric costs O(METRIC_SAMPLE), not a pass over the batch.
+    """
+    old = inputs.old_log_prob.reshape(-1)
+    stride = max(1, -(-old.numel() // METRIC_SAMPLE))
+    return old[::stride][inputs.response_mask.reshape(-1)[::stride]]
 
 
 _SCALAR_BOUNDS: dict[str, Callable[[float], tuple[float, float]]] = {
@@ -319,53 +342,56 @@ def constrained_policy_loss(
     region = spec.region(
         ConstraintInputs(log_ratio_d, ratio_d, old_log_prob, mask, clip_ratio_low, clip_ratio_high, policy)
     )
-    outside = ~region.inside
-    positive, negative = advantages > 0, advantages < 0
     # Pessimistic min of Eq. 5: a violation matters only when it lies on the side the
-    # advantage pushes towards; on the other side min() keeps w * A and its gradient.
-    clipped_upper = outside & (ratio_d > 1.0) & positive
-    clipped_lower = outside & (ratio_d < 1.0) & negative
-    clipped = clipped_upper | clipped_lower
+    # advantage pushes towards, i.e. (w - 1) * A > 0; on the other side min() keeps w * A
+    # and its gradient.
+    clipped = ~region.inside & ((ratio_d - 1.0) * advantages > 0)
+    upper_side = ratio_d > 1.0
 
     if spec.on_violation == "preserve":
         if region.bounds_sampled:
             raise ValueError(f"constraint {mode!r} reports sampled bounds and cannot preserve gradients")
-        bound = torch.where(clipped_upper, _as_tensor(region.upper, ratio), _as_tensor(region.lower, ratio))
-        beta = torch.where(clipped_upper, policy.gppo_beta_high, policy.gppo_beta_low)
-        # value 1, d/dlog_ratio 1: the forward value stays `bound` (Clip-Higher), the gradient
-        # is beta * bound * A -- GPPO's bound / sg(w) * w in its general beta form.
-        grad_carrier = torch.exp(log_ratio - log_ratio_d)
-        clipped_coef = bound * (1.0 + beta * (grad_carrier - 1.0))
-        no_grad = torch.zeros_like(mask)
+        # 0-d tensors of the compute dtype: where() on two Python floats would yield float32
+        as_tensor = lambda v: torch.as_tensor(v, dtype=ratio.dtype, device=ratio.device)  # noqa: E731
+        bound = torch.where(upper_side, as_tensor(region.upper), as_tensor(region.lower))
+        slope = torch.where(
+            upper_side,
+            as_tensor(policy.gppo_beta_high * region.upper),
+            as_tensor(policy.gppo_beta_low * region.lower),
+        )
+        # GPPO's bound / sg(w) * w in its general beta form: the forward value stays `bound`
+        # (Clip-Higher) and d coef / d log pi = beta * bound. (x - sg(x)) is 0 with slope 1.
+        coef = torch.where(clipped, bound + slope * (log_ratio - log_ratio_d), ratio)
+        no_grad = None
     else:
-        clipped_coef = torch.ones_like(ratio)  # w(theta_old) = 1, a constant
+        coef = torch.where(clipped, 1.0, ratio)  # w(theta_old) = 1, a constant
         no_grad = clipped
-    coef = torch.where(clipped, clipped_coef, ratio)
 
     dual = None
     if policy.dual_clip_c is not None:
-        dual = negative & (ratio_d > policy.dual_clip_c)
-        coef = torch.where(dual, torch.full_like(coef, policy.dual_clip_c), coef)
-        no_grad = no_grad | dual
+        dual = (advantages < 0) & (ratio_d > policy.dual_clip_c)
+        coef = torch.where(dual, policy.dual_clip_c, coef)
+        no_grad = dual if no_grad is None else no_grad | dual
 
     erc = None
     if policy.erc_enabled:
         erc = _entropy_ratio_band(old_entropy, entropy, policy, compute_dtype)
         erc_out = erc[1] | erc[2]
         coef = torch.where(erc_out, coef.detach(), coef)  # hard: value kept, gradient gone
-        no_grad = no_grad | erc_out
+        no_grad = erc_out if no_grad is None else no_grad | erc_out
 
-    loss_mat = -advantages * coef
+    # agg_loss is linear in the loss matrix: aggregate A * coef and negate the scalar.
+    surrogate = advantages * coef
     if rollout_is_weights is not None:
-        loss_mat = loss_mat * rollout_is_weights.detach().to(compute_dtype)
+        surrogate = surrogate * rollout_is_weights.detach().to(compute_dtype)
 
     batch_info = dict(global_batch_info or {})
     if not batch_info.get("batch_num_tokens") and not batch_info.get("global_batch_size") and not mask.any():
         # A micro-batch without a single valid token: agg_loss would divide 0 by 0.
-        loss = (loss_mat * 0.0).sum()
+        loss = (surrogate * 0.0).sum()
     else:
-        loss = agg_loss(loss_mat=loss_mat, loss_mask=mask, loss_agg_mode=loss_agg_mode, **batch_info)
-    metrics = _metrics(mask, log_ratio_d, region, clipped_upper, clipped_lower, no_grad, dual, erc)
+        loss = -agg_loss(loss_mat=surrogate, loss_mask=mask, loss_agg_mode=loss_agg_mode, **batch_info)
+    metrics = _metrics(mask, log_ratio_d, region, clipped, upper_side, no_grad, dual, erc)
     return loss, metrics
 
 
@@ -376,10 +402,6 @@ _ERC_NEEDS_ENTROPY = (
     "loss on the actor workers with set_loss_fn and sets actor.calculate_entropy=True), or set "
     "erc_beta_low/erc_beta_high to null."
 )
-
-
-def _as_tensor(value: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
-    return value if isinstance(value, torch.Tensor) else torch.full_like(like, value)
 
 
 def _entropy_ratio_band(
@@ -398,55 +420,69 @@ def _metrics(
     mask: torch.Tensor,
     log_ratio: torch.Tensor,
     region: TrustRegion,
-    clipped_upper: torch.Tensor,
-    clipped_lower: torch.Tensor,
-    no_grad: torch.Tensor,
+    clipped: torch.Tensor,
+    upper_side: torch.Tensor,
+    no_grad: Optional[torch.Tensor],
     dual: Optional[torch.Tensor],
     erc: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
 ) -> dict[str, float]:
-    """Per-micro-batch means over valid tokens, reduced with a single host sync."""
-    with torch.no_grad():
-        weight = mask.to(log_ratio.dtype)
-        count = weight.sum()
-        kl3 = divergences.kl3(log_ratio)
-        names = ["clipfrac_upper", "clipfrac_lower", "no_grad_frac", "kl3_mean", "ppo_kl"]
-        rows = [clipped_upper, clipped_lower, no_grad, kl3, -log_ratio]
-        scalar_bounds = {}
-        for name, bound in (("ratio_lower", region.lower), ("ratio_upper", region.upper)):
-            if isinstance(bound, torch.Tensor):  # per-token bounds: report their mean
-                # beyond e^{+-20} a bound is no bound (log-ratios are clamped there)
-                bound = torch.clamp(bound, math.exp(-LOG_RATIO_CLAMP), math.exp(LOG_RATIO_CLAMP))
-                if region.bounds_sampled:
-                    if bound.numel():  # no valid token, no sample: the metric is left out
-                        scalar_bounds[name] = bound.mean().item()
-                else:
-                    names.append(name)
-                    rows.append(bound)
-            else:
-                scalar_bounds[name] = float(bound)
-        if dual is not None:
-            names.append("dualclip_frac")
-            rows.append(dual)
-        if erc is not None:
-            names += ["erc/ratio_mean", "erc/clipfrac_upper", "erc/clipfrac_lower"]
-            rows += list(erc)
-        stacked = torch.stack([row.to(weight.dtype) for row in rows])
-        sums = (stacked * weight).flatten(1).sum(-1) / count.clamp(min=1)
-        extremes = [torch.where(mask, kl3, torch.zeros_like(kl3)).max()]
-        if erc is not None:
-            rho = erc[0]
-            extremes += [torch.where(mask, rho, torch.full_like(rho, math.inf)).min(),
-                         torch.where(mask, rho, torch.full_like(rho, -math.inf)).max()]
-        values = torch.cat([sums, torch.stack(extremes), count.reshape(1)]).tolist()
+    """Means over valid tokens, reduced with a single host sync.
 
-    n_valid = values[-1]
-    metrics = {f"actor/divclip/{name}": value for name, value in zip(names, values)}
+    Fractions are counted on byte masks and per-token quantities summed once, so the
+    metrics cost a few passes over the batch rather than one float tensor per metric.
+    """
+    with torch.no_grad():
+        clipped_valid = clipped & mask
+        sums: dict[str, torch.Tensor] = {
+            "n_valid": mask.sum(),
+            "clipfrac_upper": (clipped_valid & upper_side).sum(),
+            "clipfrac_total": clipped_valid.sum(),
+            "ppo_kl": -(log_ratio * mask).sum(),
+        }
+        kl3 = torch.where(mask, divergences.kl3(log_ratio), 0.0)
+        sums["kl3_mean"] = kl3.sum()
+        sums["kl3_max"] = kl3.max() if kl3.numel() else kl3.new_zeros(())
+        if no_grad is not None:
+            sums["no_grad_frac"] = (no_grad & mask).sum()
+        if dual is not None:
+            sums["dualclip_frac"] = (dual & mask).sum()
+        scalar_bounds: dict[str, float] = {}
+        for name, bound in (("ratio_lower", region.lower), ("ratio_upper", region.upper)):
+            if not isinstance(bound, torch.Tensor):
+                scalar_bounds[name] = float(bound)
+                continue
+            # beyond e^{+-20} a bound is no bound (log-ratios are clamped there)
+            bound = torch.clamp(bound, math.exp(-LOG_RATIO_CLAMP), math.exp(LOG_RATIO_CLAMP))
+            if not region.bounds_sampled:
+                sums[name] = (bound * mask).sum()
+            elif bound.numel():  # a 1-D sample of valid tokens; none: the metric is left out
+                sums[name] = bound.mean()
+        if erc is not None and mask.numel():
+            rho, upper, lower = erc
+            rho_or_zero = torch.where(mask, rho, 0.0)  # rho > 0, so 0 is neutral for max too
+            sums["erc/ratio_mean"] = rho_or_zero.sum()
+            sums["erc/clipfrac_upper"] = (upper & mask).sum()
+            sums["erc/clipfrac_lower"] = (lower & mask).sum()
+            sums["erc/ratio_min"] = torch.where(mask, rho, math.inf).amin()
+            sums["erc/ratio_max"] = rho_or_zero.amax()
+        values = dict(zip(sums, torch.stack([v.double() for v in sums.values()]).tolist()))
+
+    n_valid = values.pop("n_valid")
+    if n_valid == 0:  # extremes of an empty set are not reported
+        values.pop("erc/ratio_min", None)
+        values.pop("erc/ratio_max", None)
+    n_valid = max(n_valid, 1.0)
+    not_averaged = {"kl3_max", "erc/ratio_min", "erc/ratio_max"}
+    if region.bounds_sampled:
+        not_averaged |= {"ratio_lower", "ratio_upper"}
+    metrics = {
+        f"actor/divclip/{name}": value if name in not_averaged else value / n_valid for name, value in values.items()
+    }
     metrics.update({f"actor/divclip/{name}": value for name, value in scalar_bounds.items()})
-    metrics["actor/divclip/kl3_max"] = values[len(names)]
-    if erc is not None and n_valid > 0:
-        metrics["actor/divclip/erc/ratio_min"] = values[len(names) + 1]
-        metrics["actor/divclip/erc/ratio_max"] = values[len(names) + 2]
+    clipfrac_total = metrics.pop("actor/divclip/clipfrac_total")
+    metrics["actor/divclip/clipfrac_lower"] = clipfrac_total - metrics["actor/divclip/clipfrac_upper"]
+    metrics.setdefault("actor/divclip/no_grad_frac", 0.0)  # gradient-preserving, no dual-clip or ERC
     # verl's standard names, so existing dashboards keep working.
-    metrics["actor/pg_clipfrac"] = metrics["actor/divclip/clipfrac_upper"] + metrics["actor/divclip/clipfrac_lower"]
+    metrics["actor/pg_clipfrac"] = clipfrac_total
     metrics["actor/ppo_kl"] = metrics.pop("actor/divclip/ppo_kl")
     return metrics
