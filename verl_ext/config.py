@@ -48,6 +48,12 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
             their gradient. Set together with ``erc_beta_low``.
         erc_eps: Added to both entropies before the ratio, (H + eps) / (H_old + eps), as the
             reference ERC code does (1e-8), so zero-entropy tokens get ratio 1, not NaN.
+        correct_nll_coef: Weight of an extra negative log-likelihood term on the responses
+            whose summed token-level reward equals ``correct_reward`` (the released ERC
+            scripts used 0.1; the paper text has none). 0 (default) = off. Only the
+            entropy-aware actor loss installed by ``recipe.main`` applies it.
+        correct_reward: Summed token-level reward that marks a response as correct for the
+            NLL term (1.0 with this project's rewards).
     """
 
     delta: float = 0.07
@@ -58,6 +64,8 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
     erc_beta_low: Optional[float] = None
     erc_beta_high: Optional[float] = None
     erc_eps: float = 1e-8
+    correct_nll_coef: float = 0.0
+    correct_reward: float = 1.0
 
     def __post_init__(self) -> None:
         prefix = "actor_rollout_ref.actor.policy_loss"
@@ -86,6 +94,10 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
                 raise ValueError(f"{prefix}.erc_beta_high must be > 0, got {self.erc_beta_high!r}")
         if not (_finite(self.erc_eps) and self.erc_eps > 0):
             raise ValueError(f"{prefix}.erc_eps must be a finite number > 0, got {self.erc_eps!r}")
+        if not (_finite(self.correct_nll_coef) and self.correct_nll_coef >= 0):
+            raise ValueError(f"{prefix}.correct_nll_coef must be a finite number >= 0, got {self.correct_nll_coef!r}")
+        if not _finite(self.correct_reward):
+            raise ValueError(f"{prefix}.correct_reward must be a finite number, got {self.correct_reward!r}")
         self._check_loss_mode(prefix)
 
     @property

@@ -1,0 +1,195 @@
+"""The entropy-aware actor loss installed on verl's actor workers with ``set_loss_fn``.
+
+verl's policy-loss registry passes only log-probs, advantages and the mask, so Entropy Ratio
+Clipping cannot be reached through it. This loss has the signature of verl's
+``verl.workers.utils.losses.ppo_loss`` and the same behaviour (entropy bonus, KL loss,
+metric aggregation), and additionally hands the per-token entropies of pi_old
+(``data["entropy"]``, kept by the v1 trainer from the old-log-prob pass) and of pi_theta
+(``model_output["entropy"]``) to the divclip core. verl's own loss modes (``vanilla``,
+``sapo``, ``clip_cov``, ...) go through their registry functions unchanged, so one actor loss
+serves every baseline.
+
+Importing this module in a worker (which happens when Ray unpickles the loss sent by
+``set_loss_fn``) installs :func:`verl_ext.entropy.install_detached_entropy`: inert for any
+loss that does not opt in, and for ERC (``build_actor_loss`` with ``entropy_coeff == 0``) it
+computes the current entropy without an autograd graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import torch
+from tensordict import TensorDict
+from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
+from verl.utils.metric import AggregationType, Metric
+from verl.workers.config import ActorConfig
+from verl.workers.utils.padding import no_padding_2_padding
+
+from verl_ext.config import DivClipPolicyLossConfig, check_clip_ratios
+from verl_ext.entropy import entropy_as_mask, install_detached_entropy
+from verl_ext.losses import CONSTRAINTS, constrained_policy_loss, resolve_policy_config
+
+
+def divclip_actor_loss(
+    config: ActorConfig, model_output: dict[str, Any], data: TensorDict, dp_group: Any = None
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """verl ``ppo_loss`` with per-token entropies routed into the divclip core (ERC).
+
+    Args:
+        config: the actor config; ``config.policy_loss`` selects the mode.
+        model_output: the engine's output for the micro-batch: ``log_probs`` (nested,
+            no-padding layout) and, with ``calculate_entropy``, ``entropy``.
+        data: the micro-batch: ``old_log_probs``, ``advantages``, ``response_mask``, the
+            global batch sizes, and ``entropy`` (pi_old) when ERC is on.
+    """
+    log_prob = no_padding_2_padding(model_output["log_probs"], data)
+    entropy = model_output.get("entropy", None)
+    if entropy is not None:
+        entropy = no_padding_2_padding(entropy, data)
+
+    config.global_batch_info["dp_size"] = data["dp_size"]
+    config.global_batch_info["batch_num_tokens"] = data["batch_num_tokens"]
+    config.global_batch_info["global_batch_size"] = data["global_batch_size"]
+    config.global_batch_info["loss_scale_factor"] = config.loss_scale_factor
+    # Same rule as verl's ppo_loss: globally normalised losses are summed across micro-batches.
+    global_norm = (
+        data["dp_size"] > 1
+        or data["batch_num_tokens"] is not None
+        or data["global_batch_size"] is not None
+        or config.loss_scale_factor is not None
+    )
+    metric_aggregation = AggregationType.SUM if global_norm else AggregationType.MEAN
+
+    mode = config.policy_loss.get("loss_mode", "vanilla")
+    policy = resolve_policy_config(config) if mode in CONSTRAINTS else None
+    erc = policy is not None and policy.erc_enabled
+    needs_rewards = policy is not None and policy.correct_nll_coef > 0
+
+    fields = ["response_mask", "old_log_probs", "advantages"]
+    optional = {"rollout_is_weights": True, "ref_log_prob": config.use_kl_loss}
+    fields += [name for name, wanted in optional.items() if wanted and name in data]
+    if erc:
+        fields.append(_require(data, "entropy", "ERC needs pi_old's per-token entropy (data['entropy'])"))
+        if entropy is None:
+            raise ValueError(
+                "ERC needs the current per-token entropy, but the engine returned none: set "
+                "actor_rollout_ref.actor.calculate_entropy=True"
+            )
+    if needs_rewards:
+        fields.append(_require(data, "token_level_rewards", "policy_loss.correct_nll_coef > 0 needs token_level_rewards"))
+    padded = data.select(*fields).to_padded_tensor()
+    response_mask = padded["response_mask"].to(bool)
+    loss_agg_mode = config.loss_agg_mode
+
+    if policy is not None:
+        clip_low, clip_high = check_clip_ratios(*_clip_ratios(config))
+        pg_loss, pg_metrics = constrained_policy_loss(
+            padded["old_log_probs"],
+            log_prob,
+            padded["advantages"],
+            response_mask,
+            mode=mode,
+            policy=policy,
+            clip_ratio_low=clip_low,
+            clip_ratio_high=clip_high,
+            loss_agg_mode=loss_agg_mode,
+            global_batch_info=config.global_batch_info,
+            rollout_is_weights=padded.get("rollout_is_weights", None),
+            old_entropy=padded["entropy"] if erc else None,
+            entropy=entropy if erc else None,
+        )
+    else:
+        pg_loss, pg_metrics = get_policy_loss_fn(mode)(
+            old_log_prob=padded["old_log_probs"],
+            log_prob=log_prob,
+            advantages=padded["advantages"],
+            response_mask=response_mask,
+            loss_agg_mode=loss_agg_mode,
+            config=config,
+            rollout_is_weights=padded.get("rollout_is_weights", None),
+        )
+
+    metrics: dict[str, Any] = dict(Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN))
+    metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=metric_aggregation)
+    policy_loss = pg_loss
+
+    if entropy is not None:  # verl's entropy bonus (a no-op term at entropy_coeff=0)
+        entropy_loss = agg_loss(
+            loss_mat=entropy, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info
+        )
+        policy_loss = policy_loss - config.entropy_coeff * entropy_loss
+        metrics["actor/entropy_loss"] = Metric(value=entropy_loss, aggregation=metric_aggregation)
+
+    if config.use_kl_loss:
+        kld = kl_penalty(logprob=log_prob, ref_logprob=padded["ref_log_prob"], kl_penalty=config.kl_loss_type)
+        kl_loss = agg_loss(loss_mat=kld, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info)
+        policy_loss = policy_loss + kl_loss * config.kl_loss_coef
+        metrics["kl_loss"] = Metric(value=kl_loss, aggregation=metric_aggregation)
+        metrics["kl_coef"] = config.kl_loss_coef
+
+    if needs_rewards:
+        nll_loss, correct_fraction = _correct_response_nll(
+            log_prob, padded["token_level_rewards"], response_mask, policy, config
+        )
+        policy_loss = policy_loss + policy.correct_nll_coef * nll_loss
+        metrics["actor/divclip/correct_nll"] = Metric(value=nll_loss, aggregation=metric_aggregation)
+        metrics["actor/divclip/correct_fraction"] = Metric(value=correct_fraction, aggregation=AggregationType.MEAN)
+
+    return policy_loss, metrics
+
+
+def _correct_response_nll(
+    log_prob: torch.Tensor,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    policy: DivClipPolicyLossConfig,
+    config: ActorConfig,
+) -> tuple[torch.Tensor, float]:
+    """NLL over the tokens of correct responses (released ERC scripts, coefficient 0.1).
+
+    Normalised like the policy loss (verl's ``agg_loss`` with the global batch info), so it
+    is invariant to data parallelism and micro-batching; the reference normalised by the
+    correct tokens of each micro-batch instead, which differs by the fraction of tokens
+    that belong to correct responses.
+    """
+    correct = token_level_rewards.sum(-1) == policy.correct_reward
+    mask = response_mask & correct.unsqueeze(-1)
+    nll = agg_loss(loss_mat=-log_prob, loss_mask=mask, loss_agg_mode=config.loss_agg_mode, **config.global_batch_info)
+    return nll, correct.float().mean().item()
+
+
+def _require(data: TensorDict, key: str, why: str) -> str:
+    if key not in data:
+        raise KeyError(f"{why}, but the micro-batch has no '{key}' (fields: {sorted(data.keys())})")
+    return key
+
+
+def _clip_ratios(config: ActorConfig) -> tuple[float, float]:
+    low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
+    high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+    return low, high
+
+
+def build_actor_loss(actor_config: ActorConfig) -> Callable[..., Any]:
+    """The loss to install with ``actor_rollout_ref_wg.set_loss_fn``: a picklable partial.
+
+    With ERC on and no entropy bonus (``entropy_coeff == 0``) the current entropy is only a
+    mask, so the loss opts into the detached-entropy path; with a bonus verl's autograd
+    entropy is kept, since the bonus needs its gradient.
+    """
+    loss = functools.partial(divclip_actor_loss, config=actor_config)
+    mode = actor_config.policy_loss.get("loss_mode", "vanilla")
+    if mode in CONSTRAINTS and resolve_policy_config(actor_config).erc_enabled and actor_config.entropy_coeff == 0:
+        loss = entropy_as_mask(loss, entropy_coeff=actor_config.entropy_coeff)
+    return loss
+
+
+def entropy_is_detached(loss: Optional[Callable[..., Any]]) -> bool:
+    """Whether ``loss`` opted into the detached-entropy path (for logs and tests)."""
+    return getattr(loss, "entropy_requires_grad", True) is False
+
+
+# Runs in every process that unpickles the loss (the actor workers): see the module docstring.
+install_detached_entropy()
