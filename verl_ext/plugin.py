@@ -1,7 +1,7 @@
 """verl plugin: imported by ``import verl`` through the ``verl.plugins`` entry point.
 
-Registers the divclip policy-loss modes (and the CPU platform) in every process that imports
-verl, Ray workers included, so configs can say ``policy_loss.loss_mode=kl3`` anywhere.
+Registers the divclip policy-loss modes in every process that imports verl, Ray workers
+included, so configs can say ``policy_loss.loss_mode=kl3`` anywhere.
 
 verl swallows plugin import errors at DEBUG level; :func:`require_registered` is the loud
 check that entry points (``recipe.main``) call before anything is scheduled.
@@ -9,11 +9,22 @@ check that entry points (``recipe.main``) call before anything is scheduled.
 
 from __future__ import annotations
 
+import os
+
 import verl_ext.losses  # noqa: F401  (registers the modes with verl's POLICY_LOSS_REGISTRY)
+
+ENTRY_POINT_NAME = "divclip"
+ENTRY_POINT_VALUE = "verl_ext.plugin"
 
 
 def require_registered() -> None:
-    """Raise with the real cause if the divclip modes are missing from verl's registry."""
+    """Raise with the cause unless every process that runs ``import verl`` gets the modes.
+
+    Checks this process's registry, and that the ``verl.plugins`` entry point is installed
+    and not disabled by ``VERL_USE_EXTERNAL_PLUGINS`` -- a Ray worker only imports verl.
+    """
+    from importlib.metadata import entry_points
+
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
     from verl_ext.losses import CONSTRAINTS
@@ -24,4 +35,18 @@ def require_registered() -> None:
             f"verl_ext policy losses are not registered with verl (missing: {missing or 'all'}). "
             "Is verl-divclip installed in this environment (`pip install -e .`) so that its "
             "`verl.plugins` entry point runs, and is VERL_USE_EXTERNAL_PLUGINS not 'none'?"
+        )
+    installed = [ep for ep in entry_points(group="verl.plugins") if ep.value == ENTRY_POINT_VALUE]
+    if not installed:
+        raise RuntimeError(
+            f"the `verl.plugins` entry point {ENTRY_POINT_NAME} = {ENTRY_POINT_VALUE} is not installed, so Ray "
+            "workers that only `import verl` will not know the divclip modes: install the project "
+            "(`pip install -e .`) in the environment every node uses"
+        )
+    policy = os.getenv("VERL_USE_EXTERNAL_PLUGINS", "auto").strip().lower()
+    allowed = {name.strip() for name in policy.split(",") if name.strip()}
+    if policy == "none" or (policy != "auto" and installed[0].name not in allowed):
+        raise RuntimeError(
+            f"VERL_USE_EXTERNAL_PLUGINS={policy!r} keeps verl from loading the '{installed[0].name}' plugin in "
+            f"Ray workers: unset it, or include '{installed[0].name}' in the list"
         )

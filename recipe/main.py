@@ -1,0 +1,72 @@
+"""``python -m recipe.main [--dry-run] [hydra overrides...]``: the one training entry point.
+
+Composes ``configs/divclip_trainer.yaml`` (verl's ``ppo_trainer`` plus the divclip keys),
+validates it -- ours first, then verl's -- before Ray allocates anything, and runs verl's v1
+trainer with :class:`recipe.trainer.DivClipTrainer` through verl's own ``run_ppo``.
+
+``--dry-run`` (or ``divclip.dry_run=true``) stops after validation and prints the resolved
+config as YAML on stdout, nothing else: no model, data, GPU or Ray needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def validate(config: DictConfig) -> None:
+    """Our checks (naming keys), then verl's ``validate_config``."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+    from verl.utils.device import auto_set_device
+
+    from recipe.validation import validate_divclip_config
+
+    auto_set_device(config)
+    validate_divclip_config(config)
+    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+
+
+def run(config: DictConfig) -> None:
+    if config.divclip.dry_run:
+        # verl's validation prints to stdout; the dry run's stdout is the YAML alone
+        with contextlib.redirect_stdout(sys.stderr):
+            validate(config)
+    else:
+        validate(config)
+    if config.divclip.dry_run:
+        OmegaConf.resolve(config)
+        sys.stdout.write(OmegaConf.to_yaml(config))
+        return
+    from verl.trainer.main_ppo import run_ppo
+
+    from recipe.trainer import DivClipTaskRunner
+
+    run_ppo(config, task_runner_class=DivClipTaskRunner)
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name="divclip_trainer", version_base=None)
+def _hydra_main(config: DictConfig) -> None:
+    run(config)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--dry-run" in argv:
+        argv = [a for a in argv if a != "--dry-run"] + ["divclip.dry_run=true"]
+        # stdout carries only the YAML: keep Hydra's and verl's logging on stderr / off
+        argv += ["hydra/job_logging=none", "hydra/hydra_logging=none", "hydra.output_subdir=null", "hydra.run.dir=."]
+        logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+    sys.argv = [sys.argv[0]] + argv
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The entry point composes, validates (naming keys) and dry-runs; the trainer subclass installs
+the divclip actor loss once, after verl's own on_init_end."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+
+from recipe.main import CONFIG_DIR
+from recipe.validation import ConfigError, validate_divclip_config
+
+ROOT = Path(__file__).resolve().parents[1]
+ERC = ["actor_rollout_ref.actor.policy_loss.erc_beta_low=0.05", "actor_rollout_ref.actor.policy_loss.erc_beta_high=0.05"]
+
+
+def dry_run(*overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "recipe.main", "--dry-run", *overrides],
+        cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300,
+    )
+
+
+def compose_config(*overrides: str) -> Any:
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        return compose(config_name="divclip_trainer", overrides=list(overrides))
+
+
+def test_dry_run_prints_only_the_resolved_yaml():
+    proc = dry_run("actor_rollout_ref.actor.policy_loss.delta=0.05", "actor_rollout_ref.actor.calculate_entropy=true", *ERC)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    config = yaml.safe_load(proc.stdout)  # stdout is YAML and nothing else
+    policy = config["actor_rollout_ref"]["actor"]["policy_loss"]
+    assert policy["_target_"] == "verl_ext.config.DivClipPolicyLossConfig"
+    assert policy["loss_mode"] == "kl3" and policy["delta"] == 0.05 and policy["erc_beta_low"] == 0.05
+    assert config["trainer"]["v1"]["trainer_mode"] == "sync" and config["trainer"]["use_v1"] is True
+    assert "${" not in proc.stdout  # resolved
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (ERC, r"set actor_rollout_ref\.actor\.calculate_entropy=True"),
+        ([*ERC, "actor_rollout_ref.actor.calculate_entropy=true", "algorithm.rollout_correction.bypass_mode=true"],
+         r"algorithm\.rollout_correction\.bypass_mode"),
+        (["actor_rollout_ref.actor.policy_loss.loss_mode=kl4"], r"policy_loss\.loss_mode='kl4' is not a registered"),
+        (["actor_rollout_ref.actor.policy_loss.delta=0"], r"policy_loss\.delta must be"),
+        (["actor_rollout_ref.actor.clip_ratio_low=1.5"], r"actor_rollout_ref\.actor\.clip_ratio_low must lie in"),
+        (["actor_rollout_ref.actor.policy_loss._target_=verl.workers.config.PolicyLossConfig"],
+         r"needs actor_rollout_ref\.actor\.policy_loss\._target_=verl_ext\.config\.DivClipPolicyLossConfig"),
+    ],
+)
+def test_config_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_divclip_config(compose_config(*overrides))
+
+
+def test_misspelt_key_is_rejected_by_hydra_with_its_name():
+    proc = dry_run("actor_rollout_ref.actor.policy_loss.detla=0.05")
+    assert proc.returncode != 0
+    assert "detla" in proc.stderr
+
+
+def test_disabled_plugins_fail_fast_before_ray():
+    proc = dry_run(env={"VERL_USE_EXTERNAL_PLUGINS": "none"})
+    assert proc.returncode != 0
+    assert "VERL_USE_EXTERNAL_PLUGINS='none'" in proc.stderr
+    assert "ray init" not in proc.stdout + proc.stderr
+
+
+def test_verl_modes_compose_through_the_same_entry_point():
+    config = compose_config("actor_rollout_ref.actor.policy_loss.loss_mode=sapo")
+    assert validate_divclip_config(config).policy_loss.loss_mode == "sapo"
+
+
+class FakeWorkerGroup:
+    def __init__(self) -> None:
+        self.loss_fns: list[Any] = []
+
+    def set_loss_fn(self, loss_fn: Any) -> None:
+        self.loss_fns.append(loss_fn)
+
+
+@pytest.mark.parametrize("erc", [False, True])
+def test_trainer_installs_the_actor_loss_once_after_verl_init(monkeypatch, erc):
+    from verl.trainer.ppo.v1 import PPOTrainerSync
+
+    from recipe.trainer import DivClipTrainer
+    from verl_ext.actor_loss import divclip_actor_loss, entropy_is_detached
+
+    overrides = ["actor_rollout_ref.actor.calculate_entropy=true", *ERC] if erc else []
+    trainer = object.__new__(DivClipTrainer)  # no Ray, no GPUs: only what on_init_end touches
+    trainer.config = compose_config(*overrides)
+    trainer.actor_rollout_wg = FakeWorkerGroup()
+    calls: list[str] = []
+    monkeypatch.setattr(PPOTrainerSync, "on_init_end", lambda self: calls.append(f"verl:{len(self.actor_rollout_wg.loss_fns)}"))
+    trainer.on_init_end()
+    assert calls == ["verl:0"]  # verl's hook (weight sync) ran first, before the loss was installed
+    (loss,) = trainer.actor_rollout_wg.loss_fns
+    assert isinstance(loss, functools.partial) and loss.func is divclip_actor_loss
+    assert loss.keywords["config"].policy_loss.loss_mode == "kl3"
+    assert entropy_is_detached(loss) is erc
+    import pickle
+
+    assert pickle.loads(pickle.dumps(loss)).func is divclip_actor_loss  # survives Ray's transport
