@@ -1,7 +1,8 @@
 """verl plugin: imported by ``import verl`` through the ``verl.plugins`` entry point.
 
-Registers the divclip policy-loss modes in every process that imports verl, Ray workers
-included, so configs can say ``policy_loss.loss_mode=kl3`` anywhere.
+Registers the divclip policy-loss modes and the CPU platform in every process that imports
+verl, Ray workers included, so configs can say ``policy_loss.loss_mode=kl3`` (or run with
+``VERL_PLATFORM=cpu``) anywhere.
 
 verl swallows plugin import errors at DEBUG level; :func:`require_registered` is the loud
 check that entry points (``recipe.main``) call before anything is scheduled.
@@ -12,6 +13,10 @@ from __future__ import annotations
 import os
 
 import verl_ext.losses  # noqa: F401  (registers the modes with verl's POLICY_LOSS_REGISTRY)
+from verl_ext.platform_cpu import register_cpu_platform
+
+# The `cpu` platform (VERL_PLATFORM=cpu) and the FSDP2 engine for device "cpu"; inert otherwise.
+register_cpu_platform()
 
 ENTRY_POINT_NAME = "divclip"
 ENTRY_POINT_VALUE = "verl_ext.plugin"
