@@ -32,7 +32,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -528,8 +528,8 @@ Checkpoint = dict[str, list[ProblemSamples]]
 _DUMP_KEYS = ("input", "output", "gts", "score", "step")
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
+def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-blank line; bad JSON or a non-object names the line."""
     with open(path, encoding="utf-8") as handle:
         for lineno, line in enumerate(handle, 1):
             if not line.strip():
@@ -540,7 +540,11 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
                 raise ValueError(f"{path} line {lineno}: not valid JSON ({exc.msg})") from exc
             if not isinstance(row, dict):
                 raise ValueError(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
+            yield lineno, row
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = [row for _, row in iter_jsonl(path)]
     if not rows:
         raise ValueError(f"{path}: empty file")
     return rows

@@ -1,0 +1,133 @@
+"""Opt-in, rate-limited per-token dump for the ERC Figure 3 scatter.
+
+ERC's Figure 3 plots, per sampled token, the probability the old policy gave it against the
+entropy ratio rho_t = (H_new + eps) / (H_old + eps), with the tokens ERC clipped in another
+colour. Those are per-token quantities that verl never logs (its file logger only takes
+scalars), so the actor loss calls :meth:`TokenDumpWriter.maybe_dump` and this module writes a
+*small* random sample of tokens to a JSONL file that ``python -m recipe.plots scatter`` reads.
+
+Why rate-limited: a training step has millions of response tokens; dumping all of them would
+cost more I/O than the step itself and produce gigabytes. The writer only acts on every
+``every_n_steps``-th step and writes at most ``max_tokens_per_step`` tokens of that step (the
+budget is shared by all calls of the step, i.e. all micro-batches of one process), sampled
+uniformly from the valid tokens of each call with a generator seeded by the step, so a rerun
+dumps the same tokens.
+
+File format, one JSON object per line::
+
+    {"step": 12, "prob": 0.8731, "entropy_ratio": 1.043, "clipped": false}
+
+``prob`` is ``exp(old_log_prob)`` of the sampled token; ``clipped`` is whatever mask the
+caller passes (ERC's "outside the entropy-ratio band" mask). Tokens with a non-finite
+probability or entropy ratio cannot be written as JSON numbers; they are left out and counted
+in :attr:`TokenDumpWriter.skipped_nonfinite`.
+
+Each process should write its own file: a ``{rank}`` in ``path`` is replaced with the
+``RANK`` environment variable (``0`` when unset, i.e. a single process). Rows of one call are
+appended with a single ``write`` on a file opened in append mode, and the file is closed again
+after each call, so the writer holds no file handle across Ray/fork boundaries.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+__all__ = ["TokenDumpWriter", "DUMP_KEYS"]
+
+#: Keys of every dumped row, in order.
+DUMP_KEYS = ("step", "prob", "entropy_ratio", "clipped")
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"TokenDumpWriter: {name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+class TokenDumpWriter:
+    """Append a bounded random sample of per-token (prob, entropy ratio, clipped) rows.
+
+    Args:
+        path: output JSONL file; ``{rank}`` is replaced by ``$RANK`` (default ``0``). Parent
+            folders are created. Existing content is kept (rows are appended).
+        every_n_steps: dump only on steps with ``step % every_n_steps == 0``.
+        max_tokens_per_step: at most this many rows per dumped step, over all calls.
+        seed: base seed of the token sampling (combined with the step).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], every_n_steps: int, max_tokens_per_step: int, seed: int = 0):
+        self.every_n_steps = _positive_int("every_n_steps", every_n_steps)
+        self.max_tokens_per_step = _positive_int("max_tokens_per_step", max_tokens_per_step)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"TokenDumpWriter: seed must be an integer, got {seed!r}")
+        self.seed = seed
+        raw = os.fspath(path)
+        if not raw:
+            raise ValueError("TokenDumpWriter: path is empty")
+        self.path = Path(raw.replace("{rank}", os.environ.get("RANK", "0")))
+        self.skipped_nonfinite = 0
+        self._written_at_step: dict[int, int] = {}
+
+    def wants(self, step: int) -> bool:
+        """Whether ``step`` is a dump step with budget left (lets callers skip work early)."""
+        return step % self.every_n_steps == 0 and self._written_at_step.get(step, 0) < self.max_tokens_per_step
+
+    def maybe_dump(
+        self,
+        step: int,
+        old_log_prob: torch.Tensor,
+        entropy_ratio: torch.Tensor,
+        clipped_mask: torch.Tensor,
+        response_mask: torch.Tensor,
+    ) -> int:
+        """Write up to the step's remaining budget of valid tokens; returns the rows written.
+
+        All four tensors must have the same shape (``(batch, response_length)`` in the loss);
+        only positions where ``response_mask`` is true are candidates. Nothing is computed
+        on steps that are not dumped.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"TokenDumpWriter.maybe_dump: step must be an integer >= 0, got {step!r}")
+        if not self.wants(step):
+            return 0
+        shapes = {
+            "old_log_prob": tuple(old_log_prob.shape),
+            "entropy_ratio": tuple(entropy_ratio.shape),
+            "clipped_mask": tuple(clipped_mask.shape),
+            "response_mask": tuple(response_mask.shape),
+        }
+        if len(set(shapes.values())) != 1:
+            raise ValueError(f"TokenDumpWriter.maybe_dump: tensors must share one shape, got {shapes}")
+
+        with torch.no_grad():
+            valid = response_mask.detach().bool().reshape(-1)
+            index = valid.nonzero().squeeze(1).cpu()
+            budget = self.max_tokens_per_step - self._written_at_step.get(step, 0)
+            if index.numel() > budget:
+                generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+                pick = torch.randperm(index.numel(), generator=generator)[:budget]
+                index = index[pick].sort().values
+            probs = old_log_prob.detach().reshape(-1).cpu()[index].double().exp().tolist()
+            ratios = entropy_ratio.detach().reshape(-1).cpu()[index].double().tolist()
+            clipped = clipped_mask.detach().reshape(-1).cpu()[index].bool().tolist()
+
+        lines = []
+        for prob, ratio, clip in zip(probs, ratios, clipped):
+            if not (math.isfinite(prob) and math.isfinite(ratio)):
+                self.skipped_nonfinite += 1
+                continue
+            lines.append(json.dumps({"step": step, "prob": prob, "entropy_ratio": ratio, "clipped": clip}))
+        # The budget counts the tokens considered, so a burst of non-finite values cannot make
+        # a step dump more than max_tokens_per_step candidates.
+        # Only the current step's count is needed; older steps are forgotten (bounded memory).
+        self._written_at_step = {step: self._written_at_step.get(step, 0) + len(probs)}
+        if lines:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.write("\n".join(lines) + "\n")
+        return len(lines)
