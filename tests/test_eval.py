@@ -374,3 +374,13 @@ def test_render_table_final_best_and_missing_cells() -> None:
     assert "| a | 50.0 | 25.0 | 37.5 |" in table
     assert "| b | 40.0 | – | – |" in table  # no average over a partial row
     assert "| final (best) | 40.0 (50.0) | – (25.0) | – (37.5) |" in table
+
+
+def test_verl_best_at_k_is_a_bootstrap_not_pass_at_k() -> None:
+    """The docs' claim: verl's best@8 with 1 correct of 8 is ~1 - (7/8)^8, pass@8 is 1."""
+    import numpy as np
+    from verl.trainer.ppo.metric_utils import bootstrap_metric
+
+    [(best_at_8, _)] = bootstrap_metric([1] + [0] * 7, 8, [np.max], n_bootstrap=1000, seed=42)
+    assert best_at_8 == pytest.approx(1 - (7 / 8) ** 8, abs=0.03)
+    assert ev.pass_at_k(8, 1, 8) == 1.0
