@@ -14,7 +14,7 @@ vocabulary, one micro-batch of ``--tokens`` tokens, one optimizer step, verl's `
 
 Each variant reports the peak RSS of its process (``ru_maxrss``) and the RSS just before the update;
 ratios are against ``a_no_entropy`` measured in the same run. Only ratios within one run compare.
-Children run with ``MALLOC_MMAP_THRESHOLD_=1048576`` so freed large buffers leave RSS at once.
+Children run with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed buffers leave RSS at once (see ``_spawn``).
 """
 
 from __future__ import annotations
@@ -128,8 +128,11 @@ def _spawn(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))
     # glibc keeps freed heap memory mapped (per-thread arenas, a dynamic mmap threshold), so the RSS
     # peak would depend on allocation history rather than on what is alive at once. Serving every
-    # allocation over 1 MiB with mmap returns it to the OS on free: the peak then tracks live memory.
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    # allocation over 64 KiB with mmap returns it to the OS on free: the peak then tracks live memory.
+    # The threshold must sit below one bf16 vocabulary row (151,936 x 2 B = 297 KiB): verl's bf16
+    # log-prob path allocates one such buffer per token, and with a 1 MiB threshold those rows
+    # stayed in the heap and moved the no-entropy baseline between 4.8 and 5.5 GiB from run to run.
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 << 10))
     env.setdefault("MALLOC_ARENA_MAX", "2")
     proc = subprocess.run(cmd, cwd=_ROOT, env=env, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
