@@ -95,6 +95,14 @@ def job_single_rank(rank: int, world_size: int, model_path: str) -> dict[str, An
     for mode in ("clip", "kl3", "gppo"):
         out[f"erc/{mode}"] = run_update(model_path, actor_config(mode, erc_beta_low=0.05, erc_beta_high=0.05), batch)
         out[f"zeroed/{mode}"] = run_update(model_path, actor_config(mode), with_zero_advantages(batch, outside))
+    dump = str(Path(model_path).parent / "tokens_{rank}.jsonl")
+    out["dump_path"] = dump.replace("{rank}", "0")
+    out["dump/kl3"] = run_update(
+        model_path,
+        actor_config("kl3", erc_beta_low=0.05, erc_beta_high=0.05, token_dump_path=dump,
+                     token_dump_every_n_steps=1, token_dump_max_tokens=1000),
+        batch,
+    )
     out["wide/kl3"] = run_update(model_path, actor_config("kl3", erc_beta_low=0.99, erc_beta_high=1e6), batch)
     out["erc/kl3/padded"] = run_update(
         model_path, actor_config("kl3", erc_beta_low=0.05, erc_beta_high=0.05), batch, rmpad=False
@@ -168,3 +176,16 @@ def test_two_ranks_match_one_rank(model_path: str, single: dict[str, Any]) -> No
     rank0, rank1 = run_ranks(job_two_ranks, 2, model_path, single["batch"])
     assert_same_delta(rank0["delta"], rank1["delta"], atol=0.0)
     assert_same_delta(rank0["delta"], single["erc/kl3"]["delta"], atol=1e-6)
+
+
+def test_token_dump_writes_the_erc_scatter_rows(single: dict[str, Any]) -> None:
+    import json
+
+    rows = [json.loads(line) for line in Path(single["dump_path"]).read_text().splitlines()]
+    assert len(rows) == sum(RESPONSE_LENS)  # budget 1000 > tokens: every valid token once
+    ratios = sorted(r["entropy_ratio"] for r in rows)
+    torch.testing.assert_close(torch.tensor(ratios), single["rho"].sort().values, rtol=1e-4, atol=1e-6)
+    for r in rows:
+        assert r["clipped"] == (r["entropy_ratio"] <= 0.95 or r["entropy_ratio"] >= 1.05)
+        assert 0.0 < r["prob"] <= 1.0
+    assert_same_delta(single["dump/kl3"]["delta"], single["erc/kl3"]["delta"], atol=0.0)  # dumping changes nothing

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 from tensordict import TensorDict
 from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
+from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.config import ActorConfig
 from verl.workers.utils.padding import no_padding_2_padding
@@ -30,6 +31,7 @@ from verl.workers.utils.padding import no_padding_2_padding
 from verl_ext.config import DivClipPolicyLossConfig, check_clip_ratios
 from verl_ext.entropy import entropy_as_mask, install_detached_entropy
 from verl_ext.losses import CONSTRAINTS, constrained_policy_loss, resolve_policy_config
+from verl_ext.token_dump import TokenDumpWriter
 
 
 def divclip_actor_loss(
@@ -111,6 +113,9 @@ def divclip_actor_loss(
             rollout_is_weights=padded.get("rollout_is_weights", None),
         )
 
+    if erc and policy.token_dump_path is not None:
+        _dump_tokens(policy, data, padded["old_log_probs"], padded["entropy"], entropy, response_mask)
+
     metrics: dict[str, Any] = dict(Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN))
     metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=metric_aggregation)
     policy_loss = pg_loss
@@ -158,6 +163,35 @@ def _correct_response_nll(
     mask = response_mask & correct.unsqueeze(-1)
     nll = agg_loss(loss_mat=-log_prob, loss_mask=mask, loss_agg_mode=config.loss_agg_mode, **config.global_batch_info)
     return nll, correct.float().mean().item()
+
+
+_DUMP_WRITERS: dict[str, TokenDumpWriter] = {}
+_UPDATE_CALLS = [0]
+
+
+def _dump_tokens(
+    policy: DivClipPolicyLossConfig,
+    data: TensorDict,
+    old_log_prob: torch.Tensor,
+    old_entropy: torch.Tensor,
+    entropy: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> None:
+    """Opt-in per-token dump (ERC Figure 3). The step is verl's ``global_steps`` when the batch
+    carries it, else this process's count of loss calls (documented in docs/evaluation.md)."""
+    writer = _DUMP_WRITERS.get(policy.token_dump_path)
+    if writer is None:
+        writer = TokenDumpWriter(policy.token_dump_path, policy.token_dump_every_n_steps, policy.token_dump_max_tokens)
+        _DUMP_WRITERS[policy.token_dump_path] = writer
+    _UPDATE_CALLS[0] += 1
+    step = tu.get_non_tensor_data(data=data, key="global_steps", default=None)
+    step = int(step) if step is not None else _UPDATE_CALLS[0]
+    if not writer.wants(step):
+        return
+    with torch.no_grad():
+        rho = (entropy.float() + policy.erc_eps) / (old_entropy.float() + policy.erc_eps)
+        clipped = (rho <= 1.0 - policy.erc_beta_low) | (rho >= 1.0 + policy.erc_beta_high)
+        writer.maybe_dump(step, old_log_prob.float(), rho, clipped, response_mask)
 
 
 def _require(data: TensorDict, key: str, why: str) -> str:

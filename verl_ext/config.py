@@ -54,6 +54,11 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
             entropy-aware actor loss installed by ``recipe.main`` applies it.
         correct_reward: Summed token-level reward that marks a response as correct for the
             NLL term (1.0 with this project's rewards).
+        token_dump_path: Opt-in per-token JSONL dump for the ERC Figure 3 scatter
+            (``python -m recipe.plots scatter``); ``{rank}`` becomes the process rank. ``None``
+            (default) = off. Needs ERC on.
+        token_dump_every_n_steps: Dump on every n-th training step only.
+        token_dump_max_tokens: At most this many tokens per dumped step and process.
     """
 
     delta: float = 0.07
@@ -66,6 +71,9 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
     erc_eps: float = 1e-8
     correct_nll_coef: float = 0.0
     correct_reward: float = 1.0
+    token_dump_path: Optional[str] = None
+    token_dump_every_n_steps: int = 10
+    token_dump_max_tokens: int = 2048
 
     def __post_init__(self) -> None:
         prefix = "actor_rollout_ref.actor.policy_loss"
@@ -98,6 +106,14 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
             raise ValueError(f"{prefix}.correct_nll_coef must be a finite number >= 0, got {self.correct_nll_coef!r}")
         if not _finite(self.correct_reward):
             raise ValueError(f"{prefix}.correct_reward must be a finite number, got {self.correct_reward!r}")
+        for key in ("token_dump_every_n_steps", "token_dump_max_tokens"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{prefix}.{key} must be an integer >= 1, got {value!r}")
+        if self.token_dump_path is not None and not self.erc_enabled:
+            raise ValueError(
+                f"{prefix}.token_dump_path dumps ERC's per-token entropy ratios: set erc_beta_low/erc_beta_high too"
+            )
         self._check_loss_mode(prefix)
 
     @property
