@@ -1,0 +1,290 @@
+"""A synthetic verifiable task, a tiny Qwen3 model and a chat tokenizer, all generated locally.
+
+This is the workload for running verl's real trainer end to end on a 2-core CPU machine
+(``docs/cpu_end_to_end.md``): nothing is downloaded, everything is built from code in seconds.
+
+Task (``last_digit``, the default)
+    The prompt is a string of digits, e.g. ``"4071"``; the answer is its last digit,
+    written ``\\boxed{1}``. ``sum_mod10`` (answer = sum of the digits mod 10) is a harder
+    variant for longer runs.
+
+Why this task learns in minutes from *random* weights
+    RL can only reinforce what the policy already samples. A random ~100K-parameter model
+    samples near-uniformly from its vocabulary, so a well-formed answer must be cheap to hit
+    by chance. The tokenizer therefore has one whole-word token per boxed answer
+    (``\\boxed{0}`` .. ``\\boxed{9}``, the way a real BPE vocabulary has multi-character
+    tokens for common strings) and a vocabulary of only ~35 tokens. Of the 8 sampled
+    response tokens, nearly every response contains a boxed token; the *last* one is what
+    ``recipe.reward.compute_score`` scores, and it is right 1 time in 10. So the initial
+    mean reward is ~0.1, a group of 8 samples usually contains a success, GRPO gets a
+    non-zero advantage from step 1, and the policy only has to learn (a) to put the boxed
+    token for the right digit last and (b) to stop. ``last_digit`` is a copy at a fixed
+    offset from the end of the prompt (the chat template's trailing tokens are constant),
+    which one attention head learns quickly.
+
+Reward conventions
+    ``data_source`` is ``smoke_last_digit`` / ``smoke_sum_mod10``: not ``math_dapo``, so
+    ``recipe.reward.compute_score`` takes its math-verify route: the anchored answer (the
+    last complete ``\\boxed{}``) against ``ground_truth``; equal plain integers score 1 on the
+    exact-match fast path and different ones 0, so no math-verify worker is ever needed.
+
+Files written by :func:`build_smoke_assets`::
+
+    <out>/model/       config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
+                       special_tokens_map.json, generation_config.json, chat_template.jinja
+    <out>/data/train.parquet, <out>/data/val.parquet   (verl RL schema, see docs/data_and_reward.md)
+
+Command line: ``python -m recipe.smoke_task --out DIR [--task last_digit] [--train 512] [--val 64]``
+prints the paths as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+TASKS: tuple[str, ...] = ("last_digit", "sum_mod10")
+"""Supported synthetic tasks (see module docstring)."""
+
+PAD_TOKEN = "<|endoftext|>"
+BOS_TOKEN = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+UNK_TOKEN = "<unk>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
+ROLE_TOKENS: tuple[str, ...] = ("system", "user", "assistant")
+ANSWER_TOKENS: tuple[str, ...] = tuple(f"\\boxed{{{d}}}" for d in range(10))
+"""One token per boxed answer: a well-formed answer is one sample away (module docstring)."""
+CHAR_TOKENS: tuple[str, ...] = ("\n", " ", *"0123456789", "+", "=", "?", ":")
+"""Character-level vocabulary for everything else (prompts use digits only)."""
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+"""ChatML, as Qwen uses it (without the default system prompt, to keep prompts short)."""
+
+
+@dataclass(frozen=True)
+class SmokeModelSpec:
+    """Shape of the random-weight Qwen3 policy (~100K parameters; one step of 128 x 20 tokens
+    costs milliseconds on CPU). ``vocab_size`` is filled in from the tokenizer."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    max_position_embeddings: int = 256
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+
+
+@dataclass(frozen=True)
+class SmokeAssets:
+    """Paths produced by :func:`build_smoke_assets`."""
+
+    model_path: str
+    train_file: str
+    val_file: str
+    task: str
+    data_source: str
+    vocab_size: int
+    num_parameters: int
+
+
+def data_source_for(task: str) -> str:
+    """The ``data_source`` written for ``task`` (routes ``compute_score`` to math-verify)."""
+    _check_task(task)
+    return f"smoke_{task}"
+
+
+def _check_task(task: str) -> None:
+    if task not in TASKS:
+        raise ValueError(f"unknown smoke task {task!r}; choose one of {TASKS}")
+
+
+def answer_for(task: str, digits: str) -> str:
+    """Ground truth for a digit-string prompt."""
+    _check_task(task)
+    if not digits or not digits.isdigit():
+        raise ValueError(f"prompt must be a non-empty digit string, got {digits!r}")
+    if task == "last_digit":
+        return digits[-1]
+    return str(sum(int(c) for c in digits) % 10)
+
+
+def format_answer(answer: str) -> str:
+    """The response text a perfect policy emits (one answer token, then ``<|im_end|>``)."""
+    return f"\\boxed{{{answer}}}"
+
+
+def build_tokenizer() -> Any:
+    """A char-level ``PreTrainedTokenizerFast`` with ChatML specials and a chat template.
+
+    Built with the ``tokenizers`` library (WordLevel model, one token per character, plus
+    whole-word added tokens for the specials, the role names and the boxed answers);
+    decoding concatenates tokens (``Fuse``), so ``decode(encode(s)) == s``.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab: dict[str, int] = {}
+    for token in (*SPECIAL_TOKENS, *CHAR_TOKENS):
+        vocab.setdefault(token, len(vocab))
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        additional_special_tokens=[BOS_TOKEN, EOS_TOKEN],
+        model_max_length=256,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.add_tokens(list(ROLE_TOKENS) + list(ANSWER_TOKENS))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_model(tokenizer: Any, spec: SmokeModelSpec = SmokeModelSpec(), seed: int = 0) -> Any:
+    """A random-weight ``Qwen3ForCausalLM`` whose vocabulary is exactly the tokenizer's.
+
+    The vocabulary must not be padded: a sampled id with no token would decode to nothing.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **asdict(spec),
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return model
+
+
+def save_model_and_tokenizer(path: str | os.PathLike[str], spec: SmokeModelSpec = SmokeModelSpec(), seed: int = 0) -> str:
+    """Write the tiny Qwen3 checkpoint and its tokenizer to ``path`` (a HF model dir); return it."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, spec, seed)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+def make_rows(task: str, n: int, *, split: str, seed: int, digits: int = 4, exclude: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """``n`` distinct prompts of ``digits`` random digits in verl's RL schema (none in ``exclude``)."""
+    _check_task(task)
+    if n > 10**digits - len(set(exclude)):
+        raise ValueError(f"cannot draw {n} distinct {digits}-digit prompts")
+    rng = random.Random(seed)
+    taken = set(exclude)
+    rows: list[dict[str, Any]] = []
+    source = data_source_for(task)
+    while len(rows) < n:
+        problem = "".join(rng.choice("0123456789") for _ in range(digits))
+        if problem in taken:
+            continue
+        taken.add(problem)
+        rows.append(
+            {
+                "data_source": source,
+                "prompt": [{"role": "user", "content": problem}],
+                "ability": "arithmetic",
+                "reward_model": {"style": "rule", "ground_truth": answer_for(task, problem)},
+                "extra_info": {"index": len(rows), "split": split, "problem": problem, "task": task},
+            }
+        )
+    return rows
+
+
+def write_smoke_data(out_dir: str | os.PathLike[str], task: str = "last_digit", n_train: int = 512, n_val: int = 64, seed: int = 0, digits: int = 4) -> tuple[str, str]:
+    """Write disjoint ``train.parquet`` / ``val.parquet`` to ``out_dir``; return their paths."""
+    from data_prep.convert import write_parquet
+
+    train = make_rows(task, n_train, split="train", seed=seed, digits=digits)
+    val = make_rows(task, n_val, split="test", seed=seed + 1, digits=digits, exclude=[r["extra_info"]["problem"] for r in train])
+    out = Path(out_dir)
+    return str(write_parquet(train, out / "train.parquet")), str(write_parquet(val, out / "val.parquet"))
+
+
+def build_smoke_assets(
+    out_dir: str | os.PathLike[str],
+    task: str = "last_digit",
+    n_train: int = 512,
+    n_val: int = 64,
+    seed: int = 0,
+    spec: SmokeModelSpec = SmokeModelSpec(),
+) -> SmokeAssets:
+    """Model, tokenizer and data for the smoke run under ``out_dir`` (``model/``, ``data/``)."""
+    out = Path(out_dir)
+    model_path = save_model_and_tokenizer(out / "model", spec, seed)
+    train_file, val_file = write_smoke_data(out / "data", task, n_train, n_val, seed)
+    with open(Path(model_path) / "config.json") as f:
+        vocab_size = int(json.load(f)["vocab_size"])
+    return SmokeAssets(
+        model_path=model_path,
+        train_file=train_file,
+        val_file=val_file,
+        task=task,
+        data_source=data_source_for(task),
+        vocab_size=vocab_size,
+        num_parameters=_count_parameters(model_path),
+    )
+
+
+def _count_parameters(model_path: str) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(Path(model_path) / "model.safetensors"), framework="pt") as f:
+        for key in f.keys():
+            total += _prod(f.get_slice(key).get_shape())
+    return total
+
+
+def _prod(shape: Sequence[int]) -> int:
+    result = 1
+    for dim in shape:
+        result *= int(dim)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recipe.smoke_task", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="output folder (model/ and data/ are created in it)")
+    parser.add_argument("--task", default="last_digit", choices=TASKS)
+    parser.add_argument("--train", type=int, default=512, help="training prompts")
+    parser.add_argument("--val", type=int, default=64, help="validation prompts (disjoint from training)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    assets = build_smoke_assets(args.out, args.task, args.train, args.val, args.seed)
+    print(json.dumps(asdict(assets), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
