@@ -6,7 +6,8 @@
 #
 # Usage: launch/run_smoke_cpu_groundwork.sh [OUT_DIR] [extra hydra overrides...]
 #   OUT_DIR (default /tmp/verl_cpu_smoke) gets model/, data/, ckpt/ and the run log.
-#   STEPS=6 (default) training steps; TASK=last_digit|sum_mod10; N_DEVICES=1|2 FSDP ranks.
+#   STEPS=6 (default) training steps; TASK=echo|last_digit|sum_mod10; N_DEVICES=1|2 FSDP ranks;
+#   TEST_FREQ=5, SAVE_FREQ=5 (validation / checkpoint every N steps); ROLLOUT_N=8, BATCH=16, LR=5e-3, RESPONSE_LEN=4.
 #   Re-running with the same OUT_DIR and a larger STEPS resumes from the last checkpoint
 #   (trainer.resume_mode=auto).
 set -euo pipefail
@@ -16,7 +17,7 @@ PY="${PYTHON:-$ROOT/.venv/bin/python}"
 OUT="${1:-/tmp/verl_cpu_smoke}"
 shift || true
 STEPS="${STEPS:-6}"
-TASK="${TASK:-last_digit}"
+TASK="${TASK:-echo}"
 N_DEVICES="${N_DEVICES:-1}"
 ROLLOUT_N="${ROLLOUT_N:-8}"
 BATCH="${BATCH:-16}"
@@ -83,8 +84,8 @@ exec "$PY" -m verl.trainer.main_ppo \
   trainer.total_training_steps="$STEPS" \
   trainer.total_epochs=100 \
   trainer.val_before_train=True \
-  trainer.test_freq=3 \
-  trainer.save_freq=3 \
+  trainer.test_freq="${TEST_FREQ:-5}" \
+  trainer.save_freq="${SAVE_FREQ:-5}" \
   trainer.resume_mode=auto \
   trainer.default_local_dir="$OUT/ckpt" \
   trainer.logger='[console,file]' \
@@ -97,8 +98,8 @@ exec "$PY" -m verl.trainer.main_ppo \
   data.train_files="$OUT/data/train.parquet" \
   data.val_files="$OUT/data/val.parquet" \
   data.train_batch_size="$BATCH" \
-  data.max_prompt_length=16 \
-  data.max_response_length=8 \
+  data.max_prompt_length=24 \
+  data.max_response_length="${RESPONSE_LEN:-4}" \
   data.filter_overlong_prompts=False \
   data.truncation=error \
   data.dataloader_num_workers=0 \
@@ -112,7 +113,7 @@ exec "$PY" -m verl.trainer.main_ppo \
   actor_rollout_ref.actor.fsdp_config.use_torch_compile=False \
   +actor_rollout_ref.actor.fsdp_config.mixed_precision='{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}' \
   actor_rollout_ref.actor.use_torch_compile=False \
-  actor_rollout_ref.actor.optim.lr=3e-3 \
+  actor_rollout_ref.actor.optim.lr="${LR:-5e-3}" \
   actor_rollout_ref.actor.ppo_mini_batch_size="$BATCH" \
   actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64 \
   actor_rollout_ref.actor.ppo_epochs=1 \

@@ -3,27 +3,29 @@
 This is the workload for running verl's real trainer end to end on a 2-core CPU machine
 (``docs/cpu_end_to_end.md``): nothing is downloaded, everything is built from code in seconds.
 
-Task (``last_digit``, the default)
-    The prompt is a string of digits, e.g. ``"4071"``; the answer is its last digit,
-    written ``\\boxed{1}``. ``sum_mod10`` (answer = sum of the digits mod 10) is a harder
-    variant for longer runs.
+Tasks
+    ``echo`` (the default): the prompt is one digit repeated 1-6 times (``"7777"``); the answer
+    is that digit, written ``\\boxed{7}``. Validation holds out the lengths 7 and 8.
+    ``last_digit`` (answer = last digit of 4 random digits) and ``sum_mod10`` (sum of the digits
+    mod 10) are harder variants for longer runs: they need positional attention, and at this
+    scale ``last_digit`` showed no learning within 60 steps (docs/cpu_end_to_end.md).
 
-Why this task learns in minutes from *random* weights
-    RL can only reinforce what the policy already samples. A random ~100K-parameter model
+Why ``echo`` learns in minutes from *random* weights
+    RL can only reinforce what the policy already samples. A random ~80K-parameter model
     samples near-uniformly from its vocabulary, so a well-formed answer must be cheap to hit
     by chance. The tokenizer therefore has one whole-word token per boxed answer
     (``\\boxed{0}`` .. ``\\boxed{9}``, the way a real BPE vocabulary has multi-character
-    tokens for common strings) and a vocabulary of only ~35 tokens. Of the 8 sampled
-    response tokens, nearly every response contains a boxed token; the *last* one is what
-    ``recipe.reward.compute_score`` scores, and it is right 1 time in 10. So the initial
-    mean reward is ~0.1, a group of 8 samples usually contains a success, GRPO gets a
-    non-zero advantage from step 1, and the policy only has to learn (a) to put the boxed
-    token for the right digit last and (b) to stop. ``last_digit`` is a copy at a fixed
-    offset from the end of the prompt (the chat template's trailing tokens are constant),
-    which one attention head learns quickly.
+    tokens for common strings) and a vocabulary of only 33 tokens. In a 4-token response most
+    samples contain a boxed token; the *last* one is what ``recipe.reward.compute_score``
+    scores, and it is right 1 time in 10. So the initial mean reward is ~0.1, a group of 8
+    samples often contains a success, and GRPO gets a non-zero advantage from step 1. In
+    ``echo`` every content token of the prompt is the answer digit, so even the random model's
+    near-uniform attention carries it to the answer position: the policy only has to learn a
+    digit -> boxed-digit map (and to stop), not where to look. Measured: mean reward ~0.1 ->
+    0.6-0.8 within ~40 steps of 16 prompts x 8 samples at lr 5e-3.
 
 Reward conventions
-    ``data_source`` is ``smoke_last_digit`` / ``smoke_sum_mod10``: not ``math_dapo``, so
+    ``data_source`` is ``smoke_<task>`` (e.g. ``smoke_echo``): not ``math_dapo``, so
     ``recipe.reward.compute_score`` takes its math-verify route: the anchored answer (the
     last complete ``\\boxed{}``) against ``ground_truth``; equal plain integers score 1 on the
     exact-match fast path and different ones 0, so no math-verify worker is ever needed.
@@ -34,7 +36,7 @@ Files written by :func:`build_smoke_assets`::
                        special_tokens_map.json, generation_config.json, chat_template.jinja
     <out>/data/train.parquet, <out>/data/val.parquet   (verl RL schema, see docs/data_and_reward.md)
 
-Command line: ``python -m recipe.smoke_task --out DIR [--task last_digit] [--train 512] [--val 64]``
+Command line: ``python -m recipe.smoke_task --out DIR [--task echo] [--train 512] [--val 20]``
 prints the paths as JSON.
 """
 
@@ -49,7 +51,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-TASKS: tuple[str, ...] = ("last_digit", "sum_mod10")
+TASKS: tuple[str, ...] = ("echo", "last_digit", "sum_mod10")
 """Supported synthetic tasks (see module docstring)."""
 
 PAD_TOKEN = "<|endoftext|>"
@@ -74,7 +76,7 @@ CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class SmokeModelSpec:
-    """Shape of the random-weight Qwen3 policy (~100K parameters; one step of 128 x 20 tokens
+    """Shape of the random-weight Qwen3 policy (~80K parameters; one step of 128 x 20 tokens
     costs milliseconds on CPU). ``vocab_size`` is filled in from the tokenizer."""
 
     hidden_size: int = 64
@@ -117,6 +119,10 @@ def answer_for(task: str, digits: str) -> str:
     _check_task(task)
     if not digits or not digits.isdigit():
         raise ValueError(f"prompt must be a non-empty digit string, got {digits!r}")
+    if task == "echo":
+        if len(set(digits)) != 1:
+            raise ValueError(f"echo prompts repeat one digit, got {digits!r}")
+        return digits[0]
     if task == "last_digit":
         return digits[-1]
     return str(sum(int(c) for c in digits) % 10)
@@ -195,34 +201,53 @@ def save_model_and_tokenizer(path: str | os.PathLike[str], spec: SmokeModelSpec 
     return str(out)
 
 
+ECHO_TRAIN_LENGTHS: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
+ECHO_VAL_LENGTHS: tuple[int, ...] = (7, 8)
+"""``echo`` prompt lengths: validation uses lengths never seen in training."""
+
+
+def _row(task: str, problem: str, index: int, split: str) -> dict[str, Any]:
+    return {
+        "data_source": data_source_for(task),
+        "prompt": [{"role": "user", "content": problem}],
+        "ability": "arithmetic",
+        "reward_model": {"style": "rule", "ground_truth": answer_for(task, problem)},
+        "extra_info": {"index": index, "split": split, "problem": problem, "task": task},
+    }
+
+
 def make_rows(task: str, n: int, *, split: str, seed: int, digits: int = 4, exclude: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """``n`` distinct prompts of ``digits`` random digits in verl's RL schema (none in ``exclude``)."""
+    """``n`` rows in verl's RL schema.
+
+    ``echo``: training rows (``split="train"``) draw a digit and a length from
+    :data:`ECHO_TRAIN_LENGTHS` with replacement (there are only 60 such prompts); other splits
+    cycle through all 20 prompts of :data:`ECHO_VAL_LENGTHS`. Other tasks: ``n`` distinct
+    prompts of ``digits`` random digits, none in ``exclude``.
+    """
     _check_task(task)
+    rng = random.Random(seed)
+    if task == "echo":
+        if split == "train":
+            problems = [rng.choice("0123456789") * rng.choice(ECHO_TRAIN_LENGTHS) for _ in range(n)]
+        else:
+            pool = [d * k for k in ECHO_VAL_LENGTHS for d in "0123456789"]
+            problems = [pool[i % len(pool)] for i in range(n)]
+        return [_row(task, p, i, split) for i, p in enumerate(problems)]
     if n > 10**digits - len(set(exclude)):
         raise ValueError(f"cannot draw {n} distinct {digits}-digit prompts")
-    rng = random.Random(seed)
     taken = set(exclude)
     rows: list[dict[str, Any]] = []
-    source = data_source_for(task)
     while len(rows) < n:
         problem = "".join(rng.choice("0123456789") for _ in range(digits))
         if problem in taken:
             continue
         taken.add(problem)
-        rows.append(
-            {
-                "data_source": source,
-                "prompt": [{"role": "user", "content": problem}],
-                "ability": "arithmetic",
-                "reward_model": {"style": "rule", "ground_truth": answer_for(task, problem)},
-                "extra_info": {"index": len(rows), "split": split, "problem": problem, "task": task},
-            }
-        )
+        rows.append(_row(task, problem, len(rows), split))
     return rows
 
 
-def write_smoke_data(out_dir: str | os.PathLike[str], task: str = "last_digit", n_train: int = 512, n_val: int = 64, seed: int = 0, digits: int = 4) -> tuple[str, str]:
-    """Write disjoint ``train.parquet`` / ``val.parquet`` to ``out_dir``; return their paths."""
+def write_smoke_data(out_dir: str | os.PathLike[str], task: str = "echo", n_train: int = 512, n_val: int = 20, seed: int = 0, digits: int = 4) -> tuple[str, str]:
+    """Write ``train.parquet`` / ``val.parquet`` (disjoint prompts) to ``out_dir``; return their paths."""
     from data_prep.convert import write_parquet
 
     train = make_rows(task, n_train, split="train", seed=seed, digits=digits)
@@ -233,9 +258,9 @@ def write_smoke_data(out_dir: str | os.PathLike[str], task: str = "last_digit", 
 
 def build_smoke_assets(
     out_dir: str | os.PathLike[str],
-    task: str = "last_digit",
+    task: str = "echo",
     n_train: int = 512,
-    n_val: int = 64,
+    n_val: int = 20,
     seed: int = 0,
     spec: SmokeModelSpec = SmokeModelSpec(),
 ) -> SmokeAssets:
@@ -276,9 +301,9 @@ def _prod(shape: Sequence[int]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipe.smoke_task", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="output folder (model/ and data/ are created in it)")
-    parser.add_argument("--task", default="last_digit", choices=TASKS)
+    parser.add_argument("--task", default="echo", choices=TASKS)
     parser.add_argument("--train", type=int, default=512, help="training prompts")
-    parser.add_argument("--val", type=int, default=64, help="validation prompts (disjoint from training)")
+    parser.add_argument("--val", type=int, default=20, help="validation prompts (disjoint from training)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     assets = build_smoke_assets(args.out, args.task, args.train, args.val, args.seed)

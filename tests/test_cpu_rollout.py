@@ -1,0 +1,320 @@
+"""The ``hf_cpu`` rollout backend and the Ray CPU resource check, in isolation (no trainer).
+
+* Sampling and batched generation (``generate_batch``): greedy batched generation with left
+  padding and a KV cache equals a cache-free token-by-token reference for every prompt; the
+  returned log-probs are the model's; top-k / top-p / temperature masks; EOS and max_tokens.
+* ``HFCpuServer`` driven directly in asyncio (no Ray): concurrent requests are batched, outputs
+  follow verl's ``TokenOutput`` contract, bad sampling params fail loudly.
+* Weight sync through the real Ray path: a server launched by ``HFCpuReplica.launch_servers``
+  on a local (loopback) Ray, and ``HFCpuServerAdapter.update_weights`` fed a weight generator
+  as ``ActorRolloutRefWorker.update_weights`` feeds it: the server ends with exactly the sent
+  weights, and its greedy outputs change.
+* Registration in verl's registries, and ``enable_cpu_ray`` (no-op off the cpu platform, the
+  CPU-count check on it, signature guard).
+
+Runs in well under 2 minutes on 2 cores (the Ray test starts a 2-CPU local cluster once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+from recipe.smoke_task import build_tokenizer, save_model_and_tokenizer  # noqa: E402
+from verl_ext import rollout_cpu  # noqa: E402
+from verl_ext.rollout_cpu import (  # noqa: E402
+    SamplingSpec,
+    generate_batch,
+    process_logits,
+    register_cpu_rollout,
+    sampling_spec_from_params,
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return save_model_and_tokenizer(tmp_path_factory.mktemp("hf_cpu") / "model")
+
+
+@pytest.fixture(scope="module")
+def model(model_dir: str) -> torch.nn.Module:
+    return rollout_cpu.load_hf_model(model_dir, "float32")
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return build_tokenizer()
+
+
+def _prompt(tokenizer: Any, digits: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": digits}], add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _rollout_config(**overrides: Any) -> Any:
+    from verl.workers.config import RolloutConfig
+
+    kwargs: dict[str, Any] = dict(name="hf_cpu", tensor_model_parallel_size=1, prompt_length=16, response_length=8, dtype="float32")
+    kwargs.update(overrides)
+    return RolloutConfig(**kwargs)
+
+
+def _model_config(model_dir: str) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({"path": model_dir})
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling and generation
+# ----------------------------------------------------------------------------------------------
+
+
+def test_sampling_params_follow_vllm_conventions() -> None:
+    spec = sampling_spec_from_params({"temperature": 0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False})
+    assert spec.greedy and spec.top_k == -1 and not spec.want_logprobs
+    spec = sampling_spec_from_params({"temperature": 0.7, "top_p": 0.9, "top_k": 5, "logprobs": True, "max_tokens": 3})
+    assert (spec.temperature, spec.top_p, spec.top_k, spec.want_logprobs) == (0.7, 0.9, 5, True)
+    with pytest.raises(NotImplementedError, match="stop"):
+        sampling_spec_from_params({"temperature": 1.0, "stop": ["x"]})
+    with pytest.raises(ValueError, match="top_p"):
+        sampling_spec_from_params({"top_p": 0.0})
+
+
+def test_process_logits_masks_top_k_and_top_p() -> None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    kept = torch.isfinite(process_logits(logits, SamplingSpec(temperature=1.0, top_k=2)))
+    assert kept.tolist() == [[True, True, False, False, False]]
+    probs = torch.softmax(logits, -1)[0]  # 0.64, 0.24, 0.09, ...
+    kept = torch.isfinite(process_logits(logits, SamplingSpec(temperature=1.0, top_p=float(probs[0]) + 1e-3)))
+    assert kept.tolist() == [[True, True, False, False, False]]
+    kept = torch.isfinite(process_logits(logits, SamplingSpec(temperature=1.0, top_p=0.01)))
+    assert kept.tolist() == [[True, False, False, False, False]]  # the top token always stays
+    scaled = process_logits(logits, SamplingSpec(temperature=2.0))
+    assert torch.allclose(scaled, logits / 2)
+
+
+def _reference_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Cache-free, unpadded greedy decoding (the definition the batched path must match)."""
+    ids = list(prompt)
+    out, logps = [], []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+            token = int(logits.argmax())
+            out.append(token)
+            logps.append(float(torch.log_softmax(logits, -1)[token]))
+            ids.append(token)
+    return out, logps
+
+
+def test_batched_greedy_matches_unbatched_reference(model: torch.nn.Module, tokenizer: Any) -> None:
+    # prompts of different lengths: exercises left padding, position ids and the KV cache
+    prompts = [_prompt(tokenizer, d) for d in ("7", "4071", "123456", "99")]
+    results = generate_batch(
+        model, prompts, [6] * len(prompts), SamplingSpec(temperature=0.0, want_logprobs=True),
+        eos_ids=[], pad_id=tokenizer.pad_token_id, logprobs_mode="raw_logprobs",
+    )
+    for prompt, (tokens, logps, finish) in zip(prompts, results, strict=True):
+        ref_tokens, ref_logps = _reference_greedy(model, prompt, 6)
+        assert tokens == ref_tokens
+        assert logps == pytest.approx(ref_logps, abs=1e-4)
+        assert finish == "length"
+
+
+def test_sampled_logprobs_are_the_models(model: torch.nn.Module, tokenizer: Any) -> None:
+    prompt = _prompt(tokenizer, "4071")
+    gen = torch.Generator().manual_seed(0)
+    [(tokens, logps, _)] = generate_batch(
+        model, [prompt], [5], SamplingSpec(temperature=1.0, want_logprobs=True),
+        eos_ids=[], pad_id=tokenizer.pad_token_id, generator=gen,
+    )
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
+    expected = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+    assert logps == pytest.approx(expected.tolist(), abs=1e-4)
+
+
+def test_eos_and_max_tokens(model: torch.nn.Module, tokenizer: Any) -> None:
+    prompt = _prompt(tokenizer, "55")
+    [(greedy, _, _)] = generate_batch(model, [prompt], [6], SamplingSpec(temperature=0.0), eos_ids=[], pad_id=0)
+    eos = greedy[2]  # declare the 3rd greedy token an EOS id: generation must stop right there
+    first = greedy.index(eos)
+    [(tokens, logps, finish)] = generate_batch(model, [prompt], [6], SamplingSpec(temperature=0.0), eos_ids=[eos], pad_id=0)
+    assert tokens == greedy[: first + 1] and finish == "stop" and logps is None
+    [(tokens, _, finish)] = generate_batch(model, [prompt], [6], SamplingSpec(temperature=0.0), eos_ids=[eos], pad_id=0, ignore_eos=True)
+    assert tokens == greedy and finish == "length"
+    results = generate_batch(model, [prompt, prompt], [2, 4], SamplingSpec(temperature=0.0), eos_ids=[], pad_id=0)
+    assert [len(t) for t, _, _ in results] == [2, 4]
+
+
+# ----------------------------------------------------------------------------------------------
+# The server, without Ray
+# ----------------------------------------------------------------------------------------------
+
+
+def test_server_batches_concurrent_requests(model_dir: str, tokenizer: Any) -> None:
+    from verl.workers.rollout.replica import RolloutMode, TokenOutput
+
+    server = rollout_cpu.HFCpuServer(_rollout_config(calculate_log_probs=True), _model_config(model_dir), RolloutMode.HYBRID, 0)
+    prompt = _prompt(tokenizer, "4071")
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+
+    async def run() -> list[TokenOutput]:
+        await server.set_global_steps(3)
+        return await asyncio.gather(*[server.generate(prompt_ids=prompt, sampling_params=dict(params), request_id=str(i)) for i in range(32)])
+
+    outputs = asyncio.run(run())
+    assert server.stats["requests"] == 32 and server.stats["batches"] <= 2  # one wave, batched
+    for out in outputs:
+        assert 1 <= len(out.token_ids) <= 8  # response_length
+        assert len(out.log_probs) == len(out.token_ids)
+        assert out.stop_reason == "completed" and out.extra_fields["global_steps"] == 3
+        if len(out.token_ids) < 8:
+            assert out.token_ids[-1] in server.eos_ids
+    assert len({tuple(o.token_ids) for o in outputs}) > 1  # sampled, not greedy
+
+    async def bad() -> None:
+        await server.generate(prompt_ids=prompt, sampling_params={"temperature": 1.0, "n": 2})
+
+    with pytest.raises(NotImplementedError):
+        asyncio.run(bad())
+
+
+# ----------------------------------------------------------------------------------------------
+# Weight sync through Ray (replica -> server actor; adapter -> server), as in the trainer
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Any:
+    import ray
+
+    if ray.is_initialized():
+        pytest.skip("a Ray instance is already initialised in this process")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(_ROOT)}})
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def test_weight_sync_changes_rollout_outputs(local_ray: Any, model_dir: str, tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    register_cpu_rollout()
+    replica = rollout_cpu.HFCpuReplica(replica_rank=0, config=_rollout_config(), model_config=_model_config(model_dir), gpus_per_node=1)
+    asyncio.run(replica.init_hybrid(SimpleNamespace(workers=[])))  # no actor workers: server on this node
+    server = replica.server_handle
+    assert replica.server_address.startswith("hf_cpu-replica-0")
+
+    greedy = {"temperature": 0, "top_p": 1.0, "top_k": -1, "logprobs": False}
+    prompts = [_prompt(tokenizer, d) for d in ("4071", "123", "98765")]
+
+    def outputs() -> list[list[int]]:
+        return [local_ray.get(server.generate.remote(prompt_ids=p, sampling_params=dict(greedy))).token_ids for p in prompts]
+
+    before = outputs()
+    assert before == outputs()  # greedy is deterministic
+
+    # new weights, streamed the way ActorRolloutRefWorker.update_weights streams the engine's
+    torch.manual_seed(1)
+    reference = rollout_cpu.load_hf_model(model_dir, "float32").state_dict()
+    new_weights = {k: v + 0.5 * torch.randn_like(v) if v.is_floating_point() else v for k, v in reference.items()}
+
+    monkeypatch.setenv("RANK", "0")
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import HFModelConfig
+
+    # in the actor worker the adapter gets the dataclass (ActorRolloutRefWorker.init_model)
+    hf_model_config = omega_conf_to_dataclass(_model_config(model_dir), dataclass_type=HFModelConfig)
+    adapter = rollout_cpu.HFCpuServerAdapter(config=_rollout_config(), model_config=hf_model_config, device_mesh=None)
+    assert adapter.replica_rank == 0 and adapter.is_leader_rank
+
+    async def sync() -> None:
+        await adapter.release()
+        await adapter.resume(tags=["weights"])
+        await adapter.update_weights(((k, v) for k, v in new_weights.items()), global_steps=7)
+
+    asyncio.run(sync())
+    synced = local_ray.get(server.get_weights.remote())
+    assert set(synced) == set(new_weights)
+    for name, tensor in new_weights.items():
+        assert torch.equal(synced[name], tensor), name
+    stats = local_ray.get(server.get_stats.remote())
+    assert stats["weight_updates"] == 1 and stats["global_steps"] == 7
+    after = outputs()
+    assert after != before
+
+    # a weight the rollout model does not have is an error, not a silent skip
+    async def bad_sync() -> None:
+        await adapter.update_weights(iter([("model.nonexistent.weight", torch.zeros(1))]))
+
+    with pytest.raises(Exception, match="nonexistent"):
+        asyncio.run(bad_sync())
+
+
+# ----------------------------------------------------------------------------------------------
+# Registration and the Ray CPU resource check
+# ----------------------------------------------------------------------------------------------
+
+
+def test_registered_where_verl_looks() -> None:
+    from verl.workers.rollout.base import get_rollout_class
+    from verl.workers.rollout.replica import get_rollout_replica_class
+
+    register_cpu_rollout()
+    register_cpu_rollout()  # idempotent
+    assert get_rollout_replica_class("hf_cpu") is rollout_cpu.HFCpuReplica
+    assert get_rollout_class("hf_cpu", "async") is rollout_cpu.HFCpuServerAdapter
+
+
+def test_enable_cpu_ray_only_on_cpu_platform(monkeypatch: pytest.MonkeyPatch) -> None:
+    from verl.single_controller.ray.base import ResourcePoolManager
+
+    from verl_ext import ray_cpu
+
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    assert ray_cpu.enable_cpu_ray() is False
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    assert ray_cpu.enable_cpu_ray() is True and ray_cpu.enable_cpu_ray() is True
+    assert getattr(ResourcePoolManager._check_resource_available, "__verl_ext_cpu__", False)
+
+
+def test_cpu_resource_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    from verl_ext import ray_cpu
+
+    manager = SimpleNamespace(resource_pool_spec={"global_pool": [2]})
+    assert ray_cpu.required_cpus(manager.resource_pool_spec) == 3
+    monkeypatch.setattr(ray._private.state, "available_resources_per_node", lambda: {"n0": {"CPU": 2.0}})
+    with pytest.raises(ValueError, match="ray_init.num_cpus"):
+        ray_cpu._check_cpu_resources_available(manager)
+    monkeypatch.setattr(ray._private.state, "available_resources_per_node", lambda: {"n0": {"CPU": 6.0}})
+    ray_cpu._check_cpu_resources_available(manager)
+
+
+def test_resource_check_patch_refuses_unknown_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    from verl.single_controller.ray import base
+
+    from verl_ext import ray_cpu
+
+    class FakeManager:
+        def _check_resource_available(self, strict: bool = True) -> None:  # a changed verl signature
+            return None
+
+    monkeypatch.setattr(base, "ResourcePoolManager", FakeManager)
+    with pytest.raises(RuntimeError, match="expected \\['self'\\]"):
+        ray_cpu._patch_resource_check()
