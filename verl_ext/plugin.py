@@ -13,10 +13,12 @@ from __future__ import annotations
 import os
 
 import verl_ext.losses  # noqa: F401  (registers the modes with verl's POLICY_LOSS_REGISTRY)
-from verl_ext.platform_cpu import register_cpu_platform
+from verl_ext.ray_cpu import setup_cpu_process
 
-# The `cpu` platform (VERL_PLATFORM=cpu) and the FSDP2 engine for device "cpu"; inert otherwise.
-register_cpu_platform()
+# With VERL_PLATFORM=cpu: the `cpu` platform and FSDP2 engine, Ray's CPU resource check and the
+# `hf_cpu` rollout, in every process that imports verl (driver, TaskRunner, workers). A no-op
+# otherwise, so GPU clusters import nothing of it.
+setup_cpu_process()
 
 ENTRY_POINT_NAME = "divclip"
 ENTRY_POINT_VALUE = "verl_ext.plugin"

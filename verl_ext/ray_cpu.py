@@ -137,10 +137,18 @@ def setup_cpu_process() -> None:
     """
     if not cpu_platform_selected():
         return
-    from verl_ext.platform_cpu import register_cpu_platform
+    import sys
+
     from verl_ext.rollout_cpu import register_cpu_rollout
 
-    register_cpu_platform()
+    platform_module = sys.modules.get("verl_ext.platform_cpu")
+    if platform_module is None or hasattr(platform_module, "register_cpu_platform"):
+        from verl_ext.platform_cpu import register_cpu_platform
+
+        register_cpu_platform()
+    # else: verl_ext.platform_cpu is itself importing verl right now (its importer registers the
+    # platform once it has finished importing, e.g. tests/engine_harness.py); calling into the
+    # half-initialised module here would fail.
     enable_cpu_ray()
     register_cpu_rollout()
 
