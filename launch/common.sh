@@ -1,0 +1,111 @@
+# Shared launcher logic, sourced by launch/run_*.sh and launch/sweep_atr_baselines.sh.
+#
+#   source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+#   divclip_launch <experiment> [--dry-run] [hydra overrides...]
+#
+# runs `python -m recipe.main +experiments=<experiment> <env overrides> <overrides>` from the
+# repository root (configs/experiments/<experiment>.yaml). Explicit Hydra overrides come last,
+# so they win over the environment ones.
+#
+# Environment (each maps to one Hydra key; unset = the experiment config's value):
+#   MODEL_PATH       actor_rollout_ref.model.path
+#   TRAIN_FILES      data.train_files   (one path, "a,b" or "a b", or a Hydra list "[a,b]")
+#   VAL_FILES        data.val_files     (same forms)
+#   NNODES           trainer.nnodes
+#   GPUS_PER_NODE    trainer.n_gpus_per_node
+#   CKPT_DIR         trainer.default_local_dir
+#   PROJECT_NAME     trainer.project_name
+#   EXPERIMENT_NAME  trainer.experiment_name
+#   DATA_DIR         folder of the `python -m data_prep` parquets (default: <repo>/data), used by
+#                    the configs' default train/val files (exported as DIVCLIP_DATA_DIR)
+#   PYTHON           interpreter (default: <repo>/.venv/bin/python if present, else python3)
+
+DIVCLIP_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+DIVCLIP_EXPERIMENTS_DIR="$DIVCLIP_ROOT/configs/experiments"
+
+divclip_die() {
+    echo "$(basename "$0"): $*" >&2
+    exit 2
+}
+
+divclip_python() {
+    if [[ -n "${PYTHON:-}" ]]; then
+        echo "$PYTHON"
+    elif [[ -x "$DIVCLIP_ROOT/.venv/bin/python" ]]; then
+        echo "$DIVCLIP_ROOT/.venv/bin/python"
+    else
+        echo python3
+    fi
+}
+
+# A Hydra single-quoted string (paths may hold '=', ',', spaces).
+divclip_quoted() {
+    [[ "$2" != *"'"* ]] || divclip_die "$1: a value with a single quote is not supported: $2"
+    echo "'$2'"
+}
+
+# "a,b" / "a b" / "[a,b]" -> a Hydra list with each path single-quoted; a single path stays a path.
+divclip_files_value() {
+    local var="$1" value="$2" item out=() items
+    if [[ "$value" == \[* ]]; then
+        echo "$value"
+        return
+    fi
+    IFS=$', \t\n' read -r -a items <<< "$value"
+    [[ ${#items[@]} -gt 0 ]] || divclip_die "$var is set but empty"
+    for item in "${items[@]}"; do
+        out+=("$(divclip_quoted "$var" "$item")")
+    done
+    if [[ ${#out[@]} -eq 1 ]]; then
+        echo "${out[0]}"
+    else
+        local IFS=,
+        echo "[${out[*]}]"
+    fi
+}
+
+divclip_positive_int() {
+    local var="$1" value="$2"
+    [[ "$value" =~ ^[1-9][0-9]*$ ]] || divclip_die "$var must be a positive integer, got '$value'"
+}
+
+# Fills the global array DIVCLIP_ENV_OVERRIDES from the environment.
+divclip_env_overrides() {
+    DIVCLIP_ENV_OVERRIDES=()
+    if [[ -n "${MODEL_PATH:-}" ]]; then DIVCLIP_ENV_OVERRIDES+=("actor_rollout_ref.model.path=$(divclip_quoted MODEL_PATH "$MODEL_PATH")"); fi
+    if [[ -n "${TRAIN_FILES:-}" ]]; then
+        DIVCLIP_ENV_OVERRIDES+=("data.train_files=$(divclip_files_value TRAIN_FILES "$TRAIN_FILES")")
+    fi
+    if [[ -n "${VAL_FILES:-}" ]]; then
+        DIVCLIP_ENV_OVERRIDES+=("data.val_files=$(divclip_files_value VAL_FILES "$VAL_FILES")")
+    fi
+    if [[ -n "${NNODES:-}" ]]; then
+        divclip_positive_int NNODES "$NNODES"
+        DIVCLIP_ENV_OVERRIDES+=("trainer.nnodes=$NNODES")
+    fi
+    if [[ -n "${GPUS_PER_NODE:-}" ]]; then
+        divclip_positive_int GPUS_PER_NODE "$GPUS_PER_NODE"
+        DIVCLIP_ENV_OVERRIDES+=("trainer.n_gpus_per_node=$GPUS_PER_NODE")
+    fi
+    if [[ -n "${CKPT_DIR:-}" ]]; then DIVCLIP_ENV_OVERRIDES+=("trainer.default_local_dir=$(divclip_quoted CKPT_DIR "$CKPT_DIR")"); fi
+    if [[ -n "${PROJECT_NAME:-}" ]]; then DIVCLIP_ENV_OVERRIDES+=("trainer.project_name=$(divclip_quoted PROJECT_NAME "$PROJECT_NAME")"); fi
+    if [[ -n "${EXPERIMENT_NAME:-}" ]]; then DIVCLIP_ENV_OVERRIDES+=("trainer.experiment_name=$(divclip_quoted EXPERIMENT_NAME "$EXPERIMENT_NAME")"); fi
+    return 0
+}
+
+divclip_check_experiment() {
+    [[ -f "$DIVCLIP_EXPERIMENTS_DIR/$1.yaml" ]] \
+        || divclip_die "no experiment config configs/experiments/$1.yaml"
+}
+
+# divclip_launch <experiment> [--dry-run] [hydra overrides...]; replaces the shell.
+divclip_launch() {
+    local experiment="$1"
+    shift
+    divclip_check_experiment "$experiment"
+    divclip_env_overrides
+    if [[ -n "${DATA_DIR:-}" ]]; then export DIVCLIP_DATA_DIR="$DATA_DIR"; fi
+    export DIVCLIP_DATA_DIR="${DIVCLIP_DATA_DIR:-$DIVCLIP_ROOT/data}"
+    cd "$DIVCLIP_ROOT"   # relative paths in the configs (recipe/reward.py) are repo-relative
+    exec "$(divclip_python)" -m recipe.main "+experiments=$experiment" "${DIVCLIP_ENV_OVERRIDES[@]}" "$@"
+}

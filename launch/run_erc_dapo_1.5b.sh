@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# ERC paper Table 1: ERC-DAPO (clip-higher 0.2/0.28 + ERC beta 0.05/0.05), DeepSeek-R1-Distill-Qwen-1.5B.
+# Config: configs/experiments/erc_dapo_1.5b.yaml. Usage and environment: launch/common.sh, docs/experiments.md.
+#   [MODEL_PATH=... TRAIN_FILES=... VAL_FILES=... NNODES=... GPUS_PER_NODE=...] bash launch/run_erc_dapo_1.5b.sh [--dry-run] [hydra overrides...]
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+divclip_launch erc_dapo_1.5b "$@"
