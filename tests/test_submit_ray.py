@@ -1,0 +1,151 @@
+"""launch/submit.sh against a real Ray cluster: a head started here on 127.0.0.1 (with its
+dashboard, which serves the job API), a dry-run job submitted through the script, its output
+and runtime env checked, the head stopped. Plus submit.sh's input errors."""
+
+from __future__ import annotations
+
+import base64
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SUBMIT = ROOT / "launch" / "submit.sh"
+
+# A head on loopback (`ray start` would replace 127.0.0.1 by the routable address). Closing
+# stdin shuts it down; its whole process group is killed afterwards in any case.
+HEAD = """
+import sys, ray
+ray.init(_node_ip_address="127.0.0.1", include_dashboard=True, dashboard_host="127.0.0.1",
+         dashboard_port=int(sys.argv[1]), num_cpus=2, num_gpus=0, _temp_dir=sys.argv[2],
+         log_to_driver=False)
+print("READY", flush=True)
+sys.stdin.read()
+ray.shutdown()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    # no token auth (a ~/.ray/auth_token would otherwise switch it on), no usage stats
+    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    return env
+
+
+def _wait_for_job_agent(address: str, timeout_s: float = 120) -> None:
+    """The dashboard answers before its node's job agent registers: probe with a no-op job."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    client = JobSubmissionClient(address)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            job = client.submit_job(entrypoint="true")
+            break
+        except RuntimeError as error:
+            if "No available agent" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+    while client.get_job_status(job) not in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+        assert time.monotonic() < deadline, "the probe job did not finish"
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    port = _free_port()
+    temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths are length-limited
+    head = subprocess.Popen([sys.executable, "-c", HEAD, str(port), temp_dir], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_ray_env(),
+                            start_new_session=True)
+    try:
+        ready, _, _ = select.select([head.stdout], [], [], 180)
+        line = head.stdout.readline() if ready else ""
+        assert line.strip() == "READY", f"Ray head did not start within 180 s (exit {head.poll()})"
+        address = f"http://127.0.0.1:{port}"
+        _wait_for_job_agent(address)
+        yield address
+    finally:
+        try:
+            head.stdin.close()
+            head.wait(timeout=60)
+        except (subprocess.TimeoutExpired, OSError):
+            pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # the head's process group: raylet, gcs, dashboard
+            try:
+                os.killpg(head.pid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(2)
+        if head.poll() is None:
+            head.wait(timeout=30)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_submit_runs_a_dry_run_job(ray_head):
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    submission_id = f"divclip-test-{os.getpid()}"
+    env = {**_ray_env(), "RAY_ADDRESS": ray_head, "PYTHON": sys.executable, "SUBMIT_ID": submission_id,
+           "EXPERIMENT_NAME": "erc dapo $HOME", "NNODES": "2"}
+    proc = subprocess.run(["bash", str(SUBMIT), "run_erc_dapo_7b.sh", "--dry-run",
+                           "trainer.project_name='p q'", "actor_rollout_ref.actor.optim.lr=3e-6"],
+                          cwd="/", capture_output=True, text=True, env=env, timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the job's output is the dry run's YAML: the script's config, the env and the overrides
+    assert "experiment_name: erc dapo $HOME" in out  # travelled unexpanded
+    assert "project_name: p q" in out and "lr: 3.0e-06" in out and "nnodes: 2" in out
+    assert "erc_beta_low: 0.05" in out and "_target_: verl_ext.config.DivClipPolicyLossConfig" in out
+
+    client = JobSubmissionClient(ray_head)
+    info = client.get_job_info(submission_id)
+    assert info.status == JobStatus.SUCCEEDED
+    assert info.entrypoint == "bash launch/submit.sh --job-entry run_erc_dapo_7b.sh"
+    runtime_env = info.runtime_env
+    assert runtime_env["working_dir"].startswith("gcs://")  # this checkout, uploaded to the cluster
+    assert ".venv" in runtime_env["excludes"] and ".git" in runtime_env["excludes"]
+    assert runtime_env["env_vars"]["VERL_USE_EXTERNAL_MODULES"] == "verl_ext.plugin"
+    # launcher variables and arguments travel encoded (Ray would expand $VAR in env_vars)
+    job_script = base64.b64decode(runtime_env["env_vars"]["DIVCLIP_JOB_B64"]).decode()
+    assert "export NNODES=2" in job_script and "HOME" in job_script
+
+
+def test_plugin_module_alone_registers_the_losses():
+    """What the job's runtime env relies on where the entry point is not installed."""
+    code = ("import verl; from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R; "
+            "assert {'kl3', 'clip', 'gppo', 'is_kl3'} <= set(R), sorted(R)")
+    env = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "none", "VERL_USE_EXTERNAL_MODULES": "verl_ext.plugin"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    env["VERL_USE_EXTERNAL_MODULES"] = ""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode != 0  # the control: without either mechanism the modes are missing
+
+
+@pytest.mark.parametrize("args, env, message", [
+    ([], {"RAY_ADDRESS": "http://127.0.0.1:1"}, "usage: RAY_ADDRESS="),
+    (["run_nope.sh"], {"RAY_ADDRESS": "http://127.0.0.1:1"}, "unknown script 'run_nope.sh'"),
+    (["common.sh"], {"RAY_ADDRESS": "http://127.0.0.1:1"}, "not a training launch script"),
+    (["run_dapo_7b.sh"], {}, "RAY_ADDRESS is not set"),
+    (["run_dapo_7b"], {"RAY_ADDRESS": "http://127.0.0.1:1", "SUBMIT_ENV": "A-B"}, "'A-B' is not a variable name"),
+])
+def test_submit_input_errors(args, env, message):
+    base = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "SUBMIT_ENV")}
+    proc = subprocess.run(["bash", str(SUBMIT), *args], capture_output=True, text=True, env={**base, **env}, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr
