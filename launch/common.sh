@@ -98,7 +98,29 @@ divclip_check_experiment() {
         || divclip_die "no experiment config configs/experiments/$1.yaml"
 }
 
-# divclip_launch <experiment> [--dry-run] [hydra overrides...]; replaces the shell.
+# Splits arguments into flags (--dry-run, Hydra's --config-name X, -cn X, ...) and overrides into
+# the global arrays DIVCLIP_FLAGS / DIVCLIP_OVERRIDES: Hydra's parser needs every flag before
+# the first override, and the launcher puts its own overrides first.
+divclip_split_args() {
+    DIVCLIP_FLAGS=()
+    DIVCLIP_OVERRIDES=()
+    while [[ $# -gt 0 ]]; do
+        case "$1" in
+            --config-name | -cn | --config-path | -cp | --config-dir | -cd | --cfg | -c | --package | -p | \
+                --experimental-rerun)
+                [[ $# -ge 2 ]] || divclip_die "$1 needs a value"
+                DIVCLIP_FLAGS+=("$1" "$2")
+                shift
+                ;;
+            -*) DIVCLIP_FLAGS+=("$1") ;;
+            *) DIVCLIP_OVERRIDES+=("$1") ;;
+        esac
+        shift
+    done
+    return 0
+}
+
+# divclip_launch <experiment> [--dry-run] [hydra flags] [hydra overrides...]; replaces the shell.
 divclip_launch() {
     local experiment="$1"
     shift
@@ -107,5 +129,7 @@ divclip_launch() {
     if [[ -n "${DATA_DIR:-}" ]]; then export DIVCLIP_DATA_DIR="$DATA_DIR"; fi
     export DIVCLIP_DATA_DIR="${DIVCLIP_DATA_DIR:-$DIVCLIP_ROOT/data}"
     cd "$DIVCLIP_ROOT"   # relative paths in the configs (recipe/reward.py) are repo-relative
-    exec "$(divclip_python)" -m recipe.main "+experiments=$experiment" "${DIVCLIP_ENV_OVERRIDES[@]}" "$@"
+    divclip_split_args "$@"
+    exec "$(divclip_python)" -m recipe.main "${DIVCLIP_FLAGS[@]}" "+experiments=$experiment" \
+        "${DIVCLIP_ENV_OVERRIDES[@]}" "${DIVCLIP_OVERRIDES[@]}"
 }

@@ -95,7 +95,9 @@ def dry_runs() -> dict[str, Any]:
     """All dry runs, two at a time (the sweep's own rows two at a time as well)."""
     jobs = {script: (script, ("--dry-run",), None) for script in [*ERC_SCRIPTS, *ATR_SCRIPTS, "run_quickstart_1gpu.sh"]}
     jobs["run_atr_grpo_qwen3_8b.sh"] = ("run_atr_grpo_qwen3_8b.sh", ("--dry-run",), {"DATA_DIR": "/srv/divclip data"})
-    jobs["env"] = ("run_erc_dapo_7b.sh", ("--dry-run", "actor_rollout_ref.actor.optim.lr=2e-6", "trainer.nnodes=3"),
+    # Hydra's flags pass through, wherever they are given
+    jobs["env"] = ("run_erc_dapo_7b.sh", ("actor_rollout_ref.actor.optim.lr=2e-6", "--dry-run", "--config-name",
+                                          "divclip_trainer", "trainer.nnodes=3"),
                    OVERRIDE_ENV)
     jobs["sweep"] = ("sweep_atr_baselines.sh", ("--dry-run", "--only", ",".join(SWEEP_DRY_RUN), "trainer.save_freq=7"),
                      {"SWEEP_JOBS": "2"})
