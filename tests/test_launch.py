@@ -91,7 +91,7 @@ def _load(proc: subprocess.CompletedProcess) -> Any:
 
 
 @pytest.fixture(scope="module")
-def dry_runs() -> dict[str, Any]:
+def dry_runs() -> dict[str, subprocess.CompletedProcess]:
     """All dry runs, two at a time (the sweep's own rows two at a time as well)."""
     jobs = {script: (script, ("--dry-run",), None) for script in [*ERC_SCRIPTS, *ATR_SCRIPTS, "run_quickstart_1gpu.sh"]}
     jobs["run_atr_grpo_qwen3_8b.sh"] = ("run_atr_grpo_qwen3_8b.sh", ("--dry-run",), {"DATA_DIR": "/srv/divclip data"})
@@ -105,16 +105,17 @@ def dry_runs() -> dict[str, Any]:
         futures = {key: pool.submit(run_script, script, *args, env=env)
                    for key, (script, args, env) in sorted(jobs.items(), key=lambda kv: kv[0] != "sweep")}
         procs = {key: future.result() for key, future in futures.items()}
-    results: dict[str, Any] = {}
-    for key, proc in procs.items():
-        assert proc.returncode == 0, f"{key}: {proc.stderr[-3000:]}"
-        if key == "sweep":
-            docs = list(yaml.safe_load_all(proc.stdout))
-            names = re.findall(r"^--- # (\S+)$", proc.stdout, flags=re.M)
-            results[key] = dict(zip(names, docs, strict=True))
-        else:
-            results[key] = yaml.safe_load(proc.stdout)
-    return results
+    return procs
+
+
+def _config(dry_runs: dict[str, subprocess.CompletedProcess], key: str) -> Any:
+    """The parsed YAML of one dry run (each test fails on its own run only)."""
+    proc = dry_runs[key]
+    assert proc.returncode == 0, f"{key}: {proc.stderr[-3000:]}"
+    if key != "sweep":
+        return yaml.safe_load(proc.stdout)
+    names = re.findall(r"^--- # (\S+)$", proc.stdout, flags=re.M)
+    return dict(zip(names, yaml.safe_load_all(proc.stdout), strict=True))
 
 
 def _actor(config: Any) -> Any:
@@ -124,7 +125,7 @@ def _actor(config: Any) -> Any:
 @pytest.mark.parametrize("script", sorted(ERC_SCRIPTS))
 def test_erc_rows(dry_runs, script):
     model, mode, eps_low, eps_high, erc = ERC_SCRIPTS[script]
-    config = dry_runs[script]
+    config = _config(dry_runs, script)
     actor, rollout, data = _actor(config), config["actor_rollout_ref"]["rollout"], config["data"]
     policy = actor["policy_loss"]
     assert config["actor_rollout_ref"]["model"]["path"] == f"deepseek-ai/{model}"
@@ -159,7 +160,7 @@ def test_erc_rows(dry_runs, script):
 
 @pytest.mark.parametrize("script", sorted(ATR_SCRIPTS))
 def test_atr_rows(dry_runs, script):
-    config = dry_runs[script]
+    config = _config(dry_runs, script)
     actor, rollout, data, model = (_actor(config), config["actor_rollout_ref"]["rollout"], config["data"],
                                    config["actor_rollout_ref"]["model"])
     assert model["path"] == ATR_SCRIPTS[script]
@@ -185,13 +186,13 @@ def test_atr_rows(dry_runs, script):
 
 
 def test_data_dir_feeds_the_default_files(dry_runs):
-    data = dry_runs["run_atr_grpo_qwen3_8b.sh"]["data"]
+    data = _config(dry_runs, "run_atr_grpo_qwen3_8b.sh")["data"]
     assert data["train_files"] == "/srv/divclip data/dapo-math-17k.parquet"
     assert data["val_files"][0] == "/srv/divclip data/amc23.parquet"
 
 
 def test_quickstart(dry_runs):
-    config = dry_runs["run_quickstart_1gpu.sh"]
+    config = _config(dry_runs, "run_quickstart_1gpu.sh")
     actor, trainer = _actor(config), config["trainer"]
     assert config["actor_rollout_ref"]["model"]["path"] == "Qwen/Qwen3-0.6B"
     assert (trainer["nnodes"], trainer["n_gpus_per_node"], trainer["total_training_steps"]) == (1, 1, 5)
@@ -202,7 +203,7 @@ def test_quickstart(dry_runs):
 
 
 def test_environment_overrides_and_extra_hydra_overrides(dry_runs):
-    config = dry_runs["env"]
+    config = _config(dry_runs, "env")
     trainer, data = config["trainer"], config["data"]
     assert config["actor_rollout_ref"]["model"]["path"] == "/models/my model"
     assert data["train_files"] == "/d/train.parquet" and data["val_files"] == ["/d/a.parquet", "/d/b=c.parquet"]
@@ -236,7 +237,7 @@ def _check_sweep_row(name: str, config: Any) -> None:
 
 
 def test_sweep_dry_run(dry_runs):
-    rows = dry_runs["sweep"]
+    rows = _config(dry_runs, "sweep")
     assert list(rows) == list(SWEEP_DRY_RUN)
     for name, config in rows.items():
         _check_sweep_row(name, config)
