@@ -27,11 +27,12 @@ def validate(config: DictConfig) -> None:
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
 
-    from recipe.validation import validate_divclip_config
+    from recipe.validation import lora_rank_check_without_vllm, validate_divclip_config
 
     auto_set_device(config)
     validate_divclip_config(config)
-    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    with lora_rank_check_without_vllm():
+        validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
 
 
 def run(config: DictConfig) -> None:

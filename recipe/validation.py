@@ -8,6 +8,11 @@ Every error names the config key to change.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from omegaconf import DictConfig
@@ -74,3 +79,41 @@ def _root_message(error: BaseException) -> str:
     while error.__cause__ is not None:
         error = error.__cause__
     return str(error)
+
+
+# verl's own fallback when vLLM's MaxLoRARanks cannot be imported (verl/workers/rollout/vllm_rollout/utils.py).
+VERL_FALLBACK_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+_VLLM_UTILS = "verl.workers.rollout.vllm_rollout.utils"
+
+
+def _max_lora_rank_without_vllm(lora_rank: int) -> int:
+    """The smallest allowed vLLM LoRA rank >= ``lora_rank``, from verl's fallback list."""
+    if lora_rank <= 0:
+        raise ValueError(f"actor_rollout_ref.model.lora_rank must be > 0, got {lora_rank}")
+    for rank in VERL_FALLBACK_LORA_RANKS:
+        if lora_rank <= rank:
+            return rank
+    raise ValueError(
+        f"actor_rollout_ref.model.lora_rank must be <= {VERL_FALLBACK_LORA_RANKS[-1]} for vLLM, got {lora_rank}"
+    )
+
+
+@contextmanager
+def lora_rank_check_without_vllm() -> Iterator[None]:
+    """Let verl's ``validate_config`` check a vLLM LoRA rank on machines without vLLM.
+
+    For ``lora_rank > 0`` with ``rollout.name=vllm`` verl imports ``vllm_rollout.utils`` -- which
+    imports vLLM and fails without it -- only to read vLLM's allowed ranks. Where vLLM is not
+    installed (CPU machines, ``--dry-run``) that one module is stood in for, for the duration of
+    the check, by verl's own fallback list; with vLLM installed nothing changes.
+    """
+    if importlib.util.find_spec("vllm") is not None or _VLLM_UTILS in sys.modules:
+        yield
+        return
+    stand_in = types.ModuleType(_VLLM_UTILS)
+    stand_in.get_vllm_max_lora_rank = _max_lora_rank_without_vllm  # type: ignore[attr-defined]
+    sys.modules[_VLLM_UTILS] = stand_in
+    try:
+        yield
+    finally:
+        sys.modules.pop(_VLLM_UTILS, None)

@@ -110,3 +110,21 @@ def test_trainer_installs_the_actor_loss_once_after_verl_init(monkeypatch, erc):
     import pickle
 
     assert pickle.loads(pickle.dumps(loss)).func is divclip_actor_loss  # survives Ray's transport
+
+
+def test_lora_rank_is_checked_without_vllm():
+    """verl's check of a vLLM LoRA rank imports vLLM; without it we use verl's fallback list."""
+    import importlib.util
+    import sys
+
+    from recipe.validation import _VLLM_UTILS, lora_rank_check_without_vllm
+
+    assert importlib.util.find_spec("vllm") is None  # the CPU machines this suite runs on
+    proc = dry_run("actor_rollout_ref.model.lora_rank=32", "actor_rollout_ref.rollout.name=vllm")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert yaml.safe_load(proc.stdout)["actor_rollout_ref"]["model"]["lora_rank"] == 32
+    proc = dry_run("actor_rollout_ref.model.lora_rank=1024", "actor_rollout_ref.rollout.name=vllm")
+    assert proc.returncode != 0 and "lora_rank must be <= 512" in proc.stderr
+    with lora_rank_check_without_vllm():
+        assert sys.modules[_VLLM_UTILS].get_vllm_max_lora_rank(20) == 32
+    assert _VLLM_UTILS not in sys.modules  # the stand-in is gone afterwards

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The main job on a CPU default: verl 0.9.1's v1 trainer end to end through `python -m recipe.main`
+# (local Ray, FSDP2 actor on the cpu platform, hf_cpu rollouts, our reward, GRPO advantages, the
+# divclip losses, validation, checkpoints) on a synthetic task and a tiny random Qwen3 it generates.
+# Nothing is downloaded. See docs/cpu_end_to_end.md.
+#
+#   bash launch/run_smoke_cpu.sh [extra hydra overrides...]
+#
+# Environment:
+#   LOSS=erc_dapo|kl3 (default erc_dapo)   STEPS=40   SMOKE_OUT=outputs/smoke/$LOSS
+#   TASK=echo   N_DEVICES=1   BATCH=16 prompts x ROLLOUT_N=8   LR=5e-3   TEST_FREQ=5   SAVE_FREQ=10
+#   REQUIRE_MARGIN=1: exit non-zero unless the last-5 mean reward beats the first-5 clearly.
+# Re-running with the same SMOKE_OUT and a larger STEPS resumes from the last checkpoint.
+# Writes $SMOKE_OUT/metrics.jsonl (verl file-logger lines, all attempts merged), curves.png and
+# report.json.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+if [[ -z "${PYTHON:-}" ]]; then
+  bash "$ROOT/launch/setup_venv.sh"
+  PYTHON="$ROOT/.venv/bin/python"
+fi
+LOSS="${LOSS:-erc_dapo}"
+STEPS="${STEPS:-40}"
+TASK="${TASK:-echo}"
+SMOKE_OUT="$(mkdir -p "${SMOKE_OUT:-outputs/smoke/$LOSS}" && cd "${SMOKE_OUT:-outputs/smoke/$LOSS}" && pwd)"
+N_DEVICES="${N_DEVICES:-1}"
+BATCH="${BATCH:-16}"
+
+case "$LOSS" in
+  erc_dapo)  # ERC on DAPO clip-higher (ERC paper), beta 0.05/0.05
+    LOSS_ARGS=(actor_rollout_ref.actor.policy_loss.loss_mode=clip
+               actor_rollout_ref.actor.clip_ratio_low=0.2 actor_rollout_ref.actor.clip_ratio_high=0.28
+               actor_rollout_ref.actor.policy_loss.erc_beta_low=0.05 actor_rollout_ref.actor.policy_loss.erc_beta_high=0.05
+               actor_rollout_ref.actor.calculate_entropy=True) ;;
+  kl3)       # ATR-GRPO, delta 0.07
+    LOSS_ARGS=(actor_rollout_ref.actor.policy_loss.loss_mode=kl3 actor_rollout_ref.actor.policy_loss.delta=0.07) ;;
+  *) echo "run_smoke_cpu.sh: LOSS must be erc_dapo or kl3, got '$LOSS'" >&2; exit 2 ;;
+esac
+
+export VERL_PLATFORM=cpu              # the cpu platform, Ray CPU pools and hf_cpu rollout (verl_ext plugin)
+export TOKENIZERS_PARALLELISM=false RAY_DEDUP_LOGS=0 RAY_USAGE_STATS_ENABLED=0
+# verl's file logger truncates its file on open: each attempt gets its own log, merged afterwards.
+mkdir -p "$SMOKE_OUT/logs"
+export VERL_FILE_LOGGER_PATH="$SMOKE_OUT/logs/attempt-$(date +%Y%m%d-%H%M%S)-$$.jsonl"
+
+# 1. Task, model and tokenizer, generated locally.
+if [[ ! -f "$SMOKE_OUT/assets/model/config.json" || ! -f "$SMOKE_OUT/assets/data/train.parquet" ]]; then
+  "$PYTHON" -m recipe.smoke_task --out "$SMOKE_OUT/assets" --task "$TASK"
+fi
+
+# A local Ray of our own unless we run inside a Ray job (then Ray owns the resources).
+# VERL_PLATFORM travels in Ray's runtime env too: on a cluster started by `ray start`, workers do
+# not inherit this shell's environment.
+RAY_ARGS=(+ray_kwargs.ray_init.include_dashboard=False +ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM=cpu)
+if [[ -z "${RAY_ADDRESS:-}" ]]; then
+  # Ray's CPU count is logical: 8 oversubscribes 2 cores on purpose (TaskRunner, workers, rollout,
+  # reward and TransferQueue each hold one).
+  RAY_ARGS+=(ray_kwargs.ray_init.num_cpus=8 +ray_kwargs.ray_init._node_ip_address=127.0.0.1)
+fi
+
+# 2. verl's trainer through the recipe's entry point. Two PPO mini-batches a step make the second
+#    update off-policy, as in the papers, so ERC's entropy ratio and KL3's ratio leave 1.
+"$PYTHON" -m recipe.main \
+  trainer.device=cpu trainer.nnodes=1 trainer.n_gpus_per_node="$N_DEVICES" \
+  trainer.total_training_steps="$STEPS" trainer.total_epochs=1000 \
+  trainer.val_before_train=True trainer.test_freq="${TEST_FREQ:-5}" trainer.save_freq="${SAVE_FREQ:-10}" \
+  trainer.resume_mode=auto trainer.default_local_dir="$SMOKE_OUT/ckpt" \
+  trainer.logger='[console,file]' trainer.project_name=divclip_smoke trainer.experiment_name="$LOSS" \
+  "${RAY_ARGS[@]}" \
+  transfer_queue.backend.SimpleStorage.num_data_storage_units=1 \
+  data.train_files="$SMOKE_OUT/assets/data/train.parquet" data.val_files="$SMOKE_OUT/assets/data/val.parquet" \
+  data.train_batch_size="$BATCH" data.max_prompt_length=24 data.max_response_length="${RESPONSE_LEN:-4}" \
+  data.filter_overlong_prompts=False data.truncation=error data.dataloader_num_workers=0 \
+  algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False \
+  actor_rollout_ref.model.path="$SMOKE_OUT/assets/model" actor_rollout_ref.model.use_remove_padding=True \
+  +actor_rollout_ref.model.override_config.attn_implementation=sdpa \
+  actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.actor.use_torch_compile=False \
+  actor_rollout_ref.actor.fsdp_config.use_torch_compile=False \
+  +actor_rollout_ref.actor.fsdp_config.mixed_precision='{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}' \
+  actor_rollout_ref.actor.optim.lr="${LR:-5e-3}" \
+  actor_rollout_ref.actor.ppo_mini_batch_size=$((BATCH / 2)) actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64 \
+  actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.actor.entropy_coeff=0 \
+  actor_rollout_ref.actor.loss_agg_mode=token-mean \
+  actor_rollout_ref.actor.checkpoint.save_contents='[model,optimizer,extra]' \
+  "${LOSS_ARGS[@]}" \
+  actor_rollout_ref.rollout.name=hf_cpu actor_rollout_ref.rollout.mode=async \
+  actor_rollout_ref.rollout.n="${ROLLOUT_N:-8}" actor_rollout_ref.rollout.temperature=1.0 \
+  actor_rollout_ref.rollout.tensor_model_parallel_size=1 actor_rollout_ref.rollout.dtype=float32 \
+  actor_rollout_ref.rollout.calculate_log_probs=True actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64 \
+  actor_rollout_ref.rollout.agent.num_workers=1 \
+  actor_rollout_ref.rollout.val_kwargs.temperature=0 actor_rollout_ref.rollout.val_kwargs.do_sample=False \
+  actor_rollout_ref.rollout.val_kwargs.n=1 \
+  reward.num_workers=1 \
+  reward.custom_reward_function.path="$ROOT/recipe/reward.py" reward.custom_reward_function.name=compute_score \
+  "$@"
+
+# 3. Merge the attempts' logs, plot, and report the learning margin.
+REPORT_ARGS=()
+[[ "${REQUIRE_MARGIN:-0}" == 1 ]] && REPORT_ARGS+=(--require-margin)
+"$PYTHON" -m recipe.smoke_report "$SMOKE_OUT" "${REPORT_ARGS[@]}"
