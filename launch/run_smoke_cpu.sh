@@ -51,9 +51,11 @@ if [[ ! -f "$SMOKE_OUT/assets/model/config.json" || ! -f "$SMOKE_OUT/assets/data
 fi
 
 # A local Ray of our own unless we run inside a Ray job (then Ray owns the resources).
-# VERL_PLATFORM travels in Ray's runtime env too: on a cluster started by `ray start`, workers do
-# not inherit this shell's environment.
-RAY_ARGS=(+ray_kwargs.ray_init.include_dashboard=False +ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM=cpu)
+# These variables travel in Ray's runtime env too: on a cluster started by `ray start` (a Ray job),
+# the TaskRunner and workers do not inherit this shell's environment.
+RAY_ARGS=(+ray_kwargs.ray_init.include_dashboard=False
+          +ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM=cpu
+          "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH=$VERL_FILE_LOGGER_PATH")
 if [[ -z "${RAY_ADDRESS:-}" ]]; then
   # Ray's CPU count is logical: 8 oversubscribes 2 cores on purpose (TaskRunner, workers, rollout,
   # reward and TransferQueue each hold one).

@@ -21,6 +21,9 @@
 #   DATA_DIR ATR_MODEL SWEEP_JOBS
 #                   forwarded to the job when set (see launch/common.sh); paths must be valid
 #                   on the cluster (shared storage)
+#   LOSS STEPS SMOKE_OUT TASK N_DEVICES BATCH ROLLOUT_N LR TEST_FREQ SAVE_FREQ REQUIRE_MARGIN
+#                   forwarded for launch/run_smoke_cpu.sh (the CPU smoke as a Ray job; give
+#                   PYTHON and an absolute SMOKE_OUT, the job's working dir is temporary)
 #   SUBMIT_ENV      more variables to set on every node, space-separated names (e.g. "HF_HOME
 #                   WANDB_API_KEY"); these go into runtime_env.env_vars, where Ray expands $VAR
 #   SUBMIT_ID       the Ray submission id (default: Ray picks one)
@@ -30,11 +33,12 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 FORWARDED=(PYTHON MODEL_PATH TRAIN_FILES VAL_FILES NNODES GPUS_PER_NODE CKPT_DIR PROJECT_NAME
-           EXPERIMENT_NAME DATA_DIR ATR_MODEL SWEEP_JOBS)
+           EXPERIMENT_NAME DATA_DIR ATR_MODEL SWEEP_JOBS
+           LOSS STEPS SMOKE_OUT TASK N_DEVICES BATCH ROLLOUT_N LR TEST_FREQ SAVE_FREQ REQUIRE_MARGIN)
 
 usage() {
     echo "usage: RAY_ADDRESS=http://HEAD:8265 bash launch/submit.sh <script> [--dry-run] [hydra overrides...]" >&2
-    echo "scripts: $(cd "$DIVCLIP_ROOT/launch" && ls run_*.sh sweep_*.sh | grep -v '^run_smoke_cpu' | tr '\n' ' ')" >&2
+    echo "scripts: $(cd "$DIVCLIP_ROOT/launch" && ls run_*.sh sweep_*.sh | tr '\n' ' ')" >&2
     exit 2
 }
 
@@ -44,7 +48,7 @@ resolve_script() {
     name="$(basename "$1")"
     [[ "$name" == *.sh ]] || name="$name.sh"
     case "$name" in
-        common.sh | submit.sh | setup_venv.sh | run_smoke_cpu*)
+        common.sh | submit.sh | setup_venv.sh)
             echo "submit.sh: $name is not a training launch script" >&2
             usage
             ;;

@@ -22,11 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SUBMIT = ROOT / "launch" / "submit.sh"
 
 # A head on loopback (`ray start` would replace 127.0.0.1 by the routable address). Closing
-# stdin shuts it down; its whole process group is killed afterwards in any case.
+# stdin shuts it down; its whole process group is killed afterwards in any case. 8 logical CPUs,
+# as the CPU smoke's TaskRunner, workers, rollout server, reward and TransferQueue each hold one.
 HEAD = """
 import sys, ray
 ray.init(_node_ip_address="127.0.0.1", include_dashboard=True, dashboard_host="127.0.0.1",
-         dashboard_port=int(sys.argv[1]), num_cpus=2, num_gpus=0, _temp_dir=sys.argv[2],
+         dashboard_port=int(sys.argv[1]), num_cpus=8, num_gpus=0, _temp_dir=sys.argv[2],
          log_to_driver=False)
 print("READY", flush=True)
 sys.stdin.read()
@@ -149,3 +150,24 @@ def test_submit_input_errors(args, env, message):
     base = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "SUBMIT_ENV")}
     proc = subprocess.run(["bash", str(SUBMIT), *args], capture_output=True, text=True, env={**base, **env}, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_submit_runs_the_cpu_smoke_as_a_ray_job(ray_head, tmp_path):
+    """The real trainer (not a dry run) as a Ray job on the loopback head: one ERC-DAPO step."""
+    env = {
+        **_ray_env(),
+        "RAY_ADDRESS": ray_head,
+        "PYTHON": sys.executable,
+        "SMOKE_OUT": str(tmp_path / "smoke"),
+        "STEPS": "1",
+        "TEST_FREQ": "-1",
+        "SAVE_FREQ": "-1",
+    }
+    proc = subprocess.run(["bash", str(SUBMIT), "run_smoke_cpu.sh"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "succeeded" in output.lower()
+    assert "[smoke] 1 training steps" in output
+    metrics = (tmp_path / "smoke" / "metrics.jsonl").read_text()
+    assert '"step": 1' in metrics and "actor/divclip/erc/ratio_mean" in metrics

@@ -1,0 +1,109 @@
+"""The CPU end-to-end smoke, shortened for CI: verl's real v1 trainer through `python -m recipe.main`
+(local Ray, FSDP2 on the cpu platform, hf_cpu rollouts, our reward, validation, checkpoints) for a
+few steps, then a resume. No learning margin here: the full run is `bash launch/run_smoke_cpu.sh`
+(docs/cpu_end_to_end.md has its figures)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipe.smoke_report import margin_test, merge_attempts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_smoke(out: Path, loss: str, steps: int, **env: str) -> subprocess.CompletedProcess:
+    full_env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "SMOKE_OUT": str(out),
+        "LOSS": loss,
+        "STEPS": str(steps),
+        **env,
+    }
+    full_env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "launch/run_smoke_cpu.sh")], cwd=ROOT, env=full_env,
+        capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def training_steps(log: Path) -> list[int]:
+    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    return sorted({r["step"] for r in rows if "critic/score/mean" in r["data"]})
+
+
+@pytest.fixture(scope="module")
+def erc_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("smoke_erc")
+    run_smoke(out, "erc_dapo", 2, SAVE_FREQ="2", TEST_FREQ="2")
+    first_logs = sorted((out / "logs").glob("*.jsonl"))
+    run_smoke(out, "erc_dapo", 3, SAVE_FREQ="2", TEST_FREQ="2")  # resume from the step-2 checkpoint
+    (out / "first_attempt").write_text(str(first_logs[0]))
+    return out
+
+
+def test_trainer_runs_erc_dapo_end_to_end(erc_run: Path) -> None:
+    metrics = {json.loads(line)["step"]: json.loads(line)["data"] for line in (erc_run / "metrics.jsonl").read_text().splitlines()}
+    assert {1, 2, 3} <= set(metrics)
+    for step in (1, 2, 3):
+        data = metrics[step]
+        assert 0.0 <= data["critic/score/mean"] <= 1.0
+        # our actor loss ran, with ERC on and both entropies available
+        assert "actor/divclip/erc/ratio_mean" in data and data["actor/divclip/erc/ratio_mean"] > 0
+        assert "actor/divclip/kl3_mean" in data
+    assert any(k.startswith("val-core/") for k in metrics[0])  # validation before training
+    assert (erc_run / "curves.png").stat().st_size > 10_000
+    report = json.loads((erc_run / "report.json").read_text())
+    assert report["steps"] == [1, 2, 3] and "too few" in report["verdict"]
+
+
+def test_resume_continues_from_the_checkpoint_with_optimizer_state(erc_run: Path) -> None:
+    first = Path((erc_run / "first_attempt").read_text())
+    second = [p for p in (erc_run / "logs").glob("*.jsonl") if p != first]
+    assert len(second) == 1
+    assert training_steps(first) == [1, 2]
+    assert training_steps(second[0]) == [3]  # step 3 only: steps 1-2 came from the checkpoint
+    step_dir = erc_run / "ckpt" / "global_step_2" / "actor"
+    assert any("optim" in p.name for p in step_dir.iterdir()), sorted(p.name for p in step_dir.iterdir())
+    # verl also checkpoints the final step, so the resumed attempt ends with step 3 saved
+    assert (erc_run / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+
+def test_trainer_runs_kl3_end_to_end(tmp_path: Path) -> None:
+    run_smoke(tmp_path, "kl3", 1, SAVE_FREQ="-1", TEST_FREQ="-1")
+    (line,) = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"step": 1' in x]
+    data = line["data"]
+    assert data["actor/divclip/ratio_lower"] == pytest.approx(0.671, abs=1e-3)
+    assert data["actor/divclip/ratio_upper"] == pytest.approx(1.422, abs=1e-3)
+    assert "actor/divclip/erc/ratio_mean" not in data
+
+
+def test_margin_test_arithmetic() -> None:
+    result = margin_test([0.1, 0.1, 0.2, 0.1, 0.0, 0.3, 0.4, 0.3, 0.5, 0.5])
+    assert result["margin"] == pytest.approx(0.4 - 0.1)
+    se = ((0.005 / 5) + (0.01 / 5)) ** 0.5  # sample variances 0.005 and 0.01
+    assert result["stderr"] == pytest.approx(se)
+    assert result["t"] == pytest.approx(0.3 / se)
+    with pytest.raises(ValueError, match="at least 10"):
+        margin_test([0.1] * 9)
+
+
+def test_merge_attempts_prefers_the_later_attempt(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "a.jsonl").write_text('{"step": 1, "data": {"x": 1}}\n{"step": 2, "data": {"x": 2}}\n')
+    os.utime(logs / "a.jsonl", (1, 1))
+    (logs / "b.jsonl").write_text('{"step": 2, "data": {"x": 20, "y": 1}}\n')
+    assert merge_attempts(tmp_path) == {1: {"x": 1}, 2: {"x": 20, "y": 1}}
+    (logs / "c.jsonl").write_text("not json\n")
+    with pytest.raises(ValueError, match=r"c\.jsonl:1"):
+        merge_attempts(tmp_path)
