@@ -394,27 +394,35 @@ class WorkerPool:
         return None
 
     def verify(self, gold: str, answer: str, timeout_s: float) -> tuple[bool | None, str | None]:
-        """``(is_equivalent, problem)``; ``is_equivalent`` is None on timeout or worker death."""
-        worker = self._acquire()
-        if worker is None:
-            STATS.bump("no_worker")
-            return None, "no reward worker became ready"
-        STATS.bump("worker_jobs")
-        try:
-            worker.requests.send((gold, answer))
-            if worker.replies.poll(timeout_s):
-                ok, error = worker.replies.recv()
-                if error is not None:
-                    STATS.bump("worker_errors")
-                self._idle.put(worker)
-                return ok, error
-        except (EOFError, OSError):
-            STATS.bump("worker_crashes")
+        """``(is_equivalent, problem)``; ``is_equivalent`` is None on timeout or repeated worker death.
+
+        A worker that dies under a job (killed from outside, OOM killer; ``is_alive`` can still
+        say yes for a moment after a SIGKILL) says nothing about the item, so the job is retried
+        on another worker, up to ``size + 1`` attempts. A timeout is the item's own verdict and
+        is final.
+        """
+        for _ in range(self.size + 1):
+            worker = self._acquire()
+            if worker is None:
+                STATS.bump("no_worker")
+                return None, "no reward worker became ready"
+            STATS.bump("worker_jobs")
+            try:
+                worker.requests.send((gold, answer))
+                if worker.replies.poll(timeout_s):
+                    ok, error = worker.replies.recv()
+                    if error is not None:
+                        STATS.bump("worker_errors")
+                    self._idle.put(worker)
+                    return ok, error
+            except (EOFError, OSError):
+                STATS.bump("worker_crashes")
+                self._replace(worker)
+                continue
+            STATS.bump("timeouts")
             self._replace(worker)
-            return None, "worker died"
-        STATS.bump("timeouts")
-        self._replace(worker)
-        return None, f"timeout after {timeout_s:g}s"
+            return None, f"timeout after {timeout_s:g}s"
+        return None, "worker died"
 
     def close(self) -> None:
         self._closed = True
