@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig
 from verl.utils.config import omega_conf_to_dataclass
 
-from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig, check_clip_ratios
+from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig, actor_clip_ratios
 from verl_ext.losses import CONSTRAINTS
 from verl_ext.plugin import require_registered
 
@@ -51,7 +51,7 @@ def validate_divclip_config(config: DictConfig) -> Any:
     policy = actor.policy_loss
     if mode in CONSTRAINTS:
         try:
-            check_clip_ratios(*_clip_ratios(actor))
+            actor_clip_ratios(actor)
         except ValueError as error:
             raise ConfigError(str(error)) from error
     if isinstance(policy, DivClipPolicyLossConfig) and policy.erc_enabled:
@@ -67,12 +67,6 @@ def validate_divclip_config(config: DictConfig) -> Any:
                 "algorithm.rollout_correction.bypass_mode=True skips it. Set it to False or turn ERC off."
             )
     return actor
-
-
-def _clip_ratios(actor: Any) -> tuple[float, float]:
-    low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
-    high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
-    return low, high
 
 
 def _root_message(error: BaseException) -> str:

@@ -28,7 +28,7 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.config import ActorConfig
 from verl.workers.utils.padding import no_padding_2_padding
 
-from verl_ext.config import DivClipPolicyLossConfig, check_clip_ratios
+from verl_ext.config import DivClipPolicyLossConfig, actor_clip_ratios
 from verl_ext.entropy import entropy_as_mask, install_detached_entropy
 from verl_ext.losses import CONSTRAINTS, constrained_policy_loss, resolve_policy_config
 from verl_ext.token_dump import TokenDumpWriter
@@ -86,7 +86,7 @@ def divclip_actor_loss(
     loss_agg_mode = config.loss_agg_mode
 
     if policy is not None:
-        clip_low, clip_high = check_clip_ratios(*_clip_ratios(config))
+        clip_low, clip_high = actor_clip_ratios(config)
         pg_loss, pg_metrics = constrained_policy_loss(
             padded["old_log_probs"],
             log_prob,
@@ -198,12 +198,6 @@ def _require(data: TensorDict, key: str, why: str) -> str:
     if key not in data:
         raise KeyError(f"{why}, but the micro-batch has no '{key}' (fields: {sorted(data.keys())})")
     return key
-
-
-def _clip_ratios(config: ActorConfig) -> tuple[float, float]:
-    low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
-    high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
-    return low, high
 
 
 def build_actor_loss(actor_config: ActorConfig) -> Callable[..., Any]:

@@ -153,3 +153,11 @@ def check_clip_ratios(clip_ratio_low: Any, clip_ratio_high: Any) -> tuple[float,
             f"[{1 - clip_ratio_low}, {1 + clip_ratio_high}]"
         )
     return float(clip_ratio_low), float(clip_ratio_high)
+
+
+def actor_clip_ratios(actor_config: Any) -> tuple[float, float]:
+    """The actor's validated (eps_low, eps_high): ``clip_ratio_low/high``, each falling back to
+    ``clip_ratio`` when null, as verl's own losses read them."""
+    low = actor_config.clip_ratio_low if actor_config.clip_ratio_low is not None else actor_config.clip_ratio
+    high = actor_config.clip_ratio_high if actor_config.clip_ratio_high is not None else actor_config.clip_ratio
+    return check_clip_ratios(low, high)

@@ -38,7 +38,7 @@ import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
 from verl_ext import divergences
-from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig, check_clip_ratios
+from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig, actor_clip_ratios
 
 # Same clamp as verl's losses: keeps exp() finite for any log-prob difference.
 LOG_RATIO_CLAMP = 20.0
@@ -140,9 +140,7 @@ def _make_registry_loss(mode: str) -> Callable[..., tuple[torch.Tensor, dict[str
     ) -> tuple[torch.Tensor, dict[str, float]]:
         if config is None:
             raise ValueError(f"policy loss {mode!r} needs the actor config (config=None)")
-        clip_low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
-        clip_high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
-        low, high = check_clip_ratios(clip_low, clip_high)
+        low, high = actor_clip_ratios(config)
         return constrained_policy_loss(
             old_log_prob,
             log_prob,
