@@ -115,6 +115,11 @@ class WorkerOptions:
     seed: int = 42
 
 
+EXACT_SGD: dict[str, Any] = dict(optimizer="SGD", lr=0.5, clip_grad=1e9)
+"""``WorkerOptions`` overrides under which an update is exactly ``-lr * grad`` (SGD, clipping off),
+so tests can compare gradients by comparing parameter updates."""
+
+
 def build_actor_worker(model_path: str, options: WorkerOptions = WorkerOptions()) -> Any:
     """Build and initialise verl's ``TrainingWorker`` for the actor on the CPU platform (FSDP2).
 

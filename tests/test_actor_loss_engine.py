@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.engine_harness import (
+    EXACT_SGD,
     TinyQwen3Spec,
     WorkerOptions,
     build_actor_worker,
@@ -36,7 +37,7 @@ from tests.engine_harness import (
 SPEC = TinyQwen3Spec()
 PROMPT_LENS = [3, 5, 4, 6]
 RESPONSE_LENS = [9, 4, 7, 6]
-SGD = dict(optimizer="SGD", lr=0.5, clip_grad=1e9)  # update = -lr * grad exactly
+SGD = EXACT_SGD  # update = -lr * grad, so "same update" means "same gradient"
 DIVCLIP_MODES = ["clip", "gppo", "kl3", "kl1", "kl2", "is_kl3", "trgppo", "dcpo"]
 ENTROPY_SCALES = torch.tensor([0.5, 0.97, 1.0, 1.03, 1.5, 0.9, 1.2])  # H_new / H_old per token (cycled)
 

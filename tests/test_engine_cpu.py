@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.engine_harness import (
+    EXACT_SGD,
     TinyQwen3Spec,
     WorkerOptions,
     build_actor_worker,
@@ -39,8 +40,7 @@ SPEC = TinyQwen3Spec()
 PROMPT_LENS = [3, 5, 4, 6]
 RESPONSE_LENS = [9, 4, 7, 6]
 BAND = (0.9, 1.1)  # entropy-ratio band of the masking test loss
-# SGD without clipping makes the update exactly -lr * grad, so "same update" means "same gradient".
-SGD = dict(optimizer="SGD", lr=0.5, clip_grad=1e9)
+SGD = EXACT_SGD  # update = -lr * grad, so "same update" means "same gradient"
 
 
 class RecordingLoss:
