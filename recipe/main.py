@@ -36,11 +36,8 @@ def validate(config: DictConfig) -> None:
 
 
 def run(config: DictConfig) -> None:
-    if config.divclip.dry_run:
-        # verl's validation prints to stdout; the dry run's stdout is the YAML alone
-        with contextlib.redirect_stdout(sys.stderr):
-            validate(config)
-    else:
+    # verl's validation prints to stdout; a dry run's stdout is the YAML alone
+    with contextlib.redirect_stdout(sys.stderr) if config.divclip.dry_run else contextlib.nullcontext():
         validate(config)
     if config.divclip.dry_run:
         OmegaConf.resolve(config)
