@@ -78,17 +78,24 @@ class TinyQwen3Spec:
     tie_word_embeddings: bool = False
 
 
-def save_tiny_qwen3(path: str | os.PathLike[str], spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int = 0) -> str:
+def save_tiny_qwen3(
+    path: str | os.PathLike[str], spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int = 0, head_scale: float = 1.0
+) -> str:
     """Write a random-weight Qwen3 checkpoint (config + safetensors) to ``path``; return the path.
 
     verl's engine loads the model with ``from_pretrained(model_config.local_path)``, so the tiny
-    model has to exist on disk: no hub access is needed or attempted.
+    model has to exist on disk: no hub access is needed or attempted. ``head_scale`` multiplies the
+    output head: a large value makes the policy confident, so many tokens have an entropy of 1e-6
+    nats or less, as a trained reasoning model's do (where bf16 entropy formulas break down).
     """
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(**asdict(spec))
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
+    if head_scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(head_scale)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
@@ -103,6 +110,8 @@ class WorkerOptions:
     micro_batch_size_per_gpu: int = 2  # actor.ppo_micro_batch_size_per_gpu
     use_dynamic_bsz: bool = False  # actor.use_dynamic_bsz
     max_token_len_per_gpu: int = 16384  # actor.ppo_max_token_len_per_gpu
+    infer_max_token_len_per_gpu: Optional[int] = None  # rollout.log_prob_max_token_len_per_gpu (None: as above)
+    infer_micro_batch_size_per_gpu: Optional[int] = None  # rollout.log_prob_micro_batch_size_per_gpu (None: as above)
     mixed_precision: Optional[dict[str, str]] = field(default_factory=lambda: dict(FP32_MIXED_PRECISION))
     optimizer: str = "AdamW"  # actor.optim.optimizer ("SGD" makes the update exactly -lr * grad)
     lr: float = 1e-2  # actor.optim.lr
@@ -155,8 +164,8 @@ def build_actor_worker(model_path: str, options: WorkerOptions = WorkerOptions()
         use_dynamic_bsz=options.use_dynamic_bsz,
         max_token_len_per_gpu=options.max_token_len_per_gpu,
         micro_batch_size_per_gpu=options.micro_batch_size_per_gpu,
-        infer_max_token_len_per_gpu=options.max_token_len_per_gpu,
-        infer_micro_batch_size_per_gpu=options.micro_batch_size_per_gpu,
+        infer_max_token_len_per_gpu=options.infer_max_token_len_per_gpu or options.max_token_len_per_gpu,
+        infer_micro_batch_size_per_gpu=options.infer_micro_batch_size_per_gpu or options.micro_batch_size_per_gpu,
         entropy_from_logits_with_chunking=options.entropy_from_logits_with_chunking,
         entropy_checkpointing=options.entropy_checkpointing,
         seed=options.seed,

@@ -10,9 +10,11 @@ metric aggregation), and additionally hands the per-token entropies of pi_old
 serves every baseline.
 
 Importing this module in a worker (which happens when Ray unpickles the loss sent by
-``set_loss_fn``) installs :func:`verl_ext.entropy.install_detached_entropy`: inert for any
-loss that does not opt in, and for ERC (``build_actor_loss`` with ``entropy_coeff == 0``) it
-computes the current entropy without an autograd graph.
+``set_loss_fn``) installs :func:`verl_ext.entropy.install_divclip_entropy`: inert for any
+loss that does not opt in; for ERC (``build_actor_loss`` with ``entropy_coeff == 0``) the
+worker's engine then computes the entropy of *both* passes (pi_old in the old-log-prob pass,
+pi_theta in the update) with the same float32, graph-free function, so on-policy the entropy
+ratio is exactly 1.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from verl.workers.config import ActorConfig
 from verl.workers.utils.padding import no_padding_2_padding
 
 from verl_ext.config import DivClipPolicyLossConfig, actor_clip_ratios
-from verl_ext.entropy import entropy_as_mask, install_detached_entropy
+from verl_ext.entropy import EntropyPath, entropy_as_mask, install_divclip_entropy, loss_entropy_path
 from verl_ext.losses import CONSTRAINTS, constrained_policy_loss, resolve_policy_config
 from verl_ext.token_dump import TokenDumpWriter
 
@@ -121,10 +123,17 @@ def divclip_actor_loss(
     policy_loss = pg_loss
 
     if entropy is not None:  # verl's entropy bonus (a no-op term at entropy_coeff=0)
+        # ERC without a bonus uses the entropy only as a mask: report it, but keep it out of the
+        # graph (with verl's fused kernels its backward would otherwise run for nothing).
+        entropy_is_mask = erc and config.entropy_coeff == 0
         entropy_loss = agg_loss(
-            loss_mat=entropy, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info
+            loss_mat=entropy.detach() if entropy_is_mask else entropy,
+            loss_mask=response_mask,
+            loss_agg_mode=loss_agg_mode,
+            **config.global_batch_info,
         )
-        policy_loss = policy_loss - config.entropy_coeff * entropy_loss
+        if not entropy_is_mask:
+            policy_loss = policy_loss - config.entropy_coeff * entropy_loss
         metrics["actor/entropy_loss"] = Metric(value=entropy_loss, aggregation=metric_aggregation)
 
     if config.use_kl_loss:
@@ -204,8 +213,9 @@ def build_actor_loss(actor_config: ActorConfig) -> Callable[..., Any]:
     """The loss to install with ``actor_rollout_ref_wg.set_loss_fn``: a picklable partial.
 
     With ERC on and no entropy bonus (``entropy_coeff == 0``) the current entropy is only a
-    mask, so the loss opts into the detached-entropy path; with a bonus verl's autograd
-    entropy is kept, since the bonus needs its gradient.
+    mask, so the loss opts into the divclip entropy path (one float32 graph-free function for
+    pi_old and pi_theta); with a bonus verl's autograd entropy is kept, since the bonus needs
+    its gradient (validation refuses that combination for ERC).
     """
     loss = functools.partial(divclip_actor_loss, config=actor_config)
     mode = actor_config.policy_loss.get("loss_mode", "vanilla")
@@ -215,9 +225,9 @@ def build_actor_loss(actor_config: ActorConfig) -> Callable[..., Any]:
 
 
 def entropy_is_detached(loss: Optional[Callable[..., Any]]) -> bool:
-    """Whether ``loss`` opted into the detached-entropy path (for logs and tests)."""
-    return getattr(loss, "entropy_requires_grad", True) is False
+    """Whether ``loss`` opted into the divclip (float32, graph-free, both passes) entropy path."""
+    return loss_entropy_path(loss) is EntropyPath.DIVCLIP_FP32
 
 
 # Runs in every process that unpickles the loss (the actor workers): see the module docstring.
-install_detached_entropy()
+install_divclip_entropy()
