@@ -23,7 +23,8 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.import_utils import load_class_from_fqn
 from verl.utils.logging_utils import configure_verl_logging
 
-from verl_ext.actor_loss import build_actor_loss, entropy_is_detached
+from verl_ext.actor_loss import build_actor_loss
+from verl_ext.entropy import describe_entropy_path, loss_entropy_path, resolve_entropy_path
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +40,14 @@ class DivClipTrainer(PPOTrainerSync):
         actor_config = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
         loss = build_actor_loss(actor_config)
         self.actor_rollout_wg.set_loss_fn(loss)
+        path = resolve_entropy_path(
+            loss_entropy_path(loss),
+            use_fused_kernels=bool(self.config.actor_rollout_ref.model.get("use_fused_kernels", False)),
+        )
         logger.info(
-            "divclip actor loss installed: loss_mode=%s, detached entropy=%s",
+            "divclip actor loss installed: loss_mode=%s, per-token entropy: %s",
             actor_config.policy_loss.get("loss_mode", "vanilla"),
-            entropy_is_detached(loss),
+            describe_entropy_path(path),
         )
 
 

@@ -60,6 +60,12 @@ def validate_divclip_config(config: DictConfig) -> Any:
                 f"ERC ({ACTOR}.policy_loss.erc_beta_low/erc_beta_high set) needs the current per-token entropy: "
                 f"set {ACTOR}.calculate_entropy=True"
             )
+        if actor.entropy_coeff != 0:
+            raise ConfigError(
+                f"ERC computes both entropies with one graph-free float32 function (pi_old and pi_theta must be "
+                f"the same number on-policy), so an entropy bonus has no gradient to follow: "
+                f"{ACTOR}.entropy_coeff={actor.entropy_coeff} must be 0 with ERC"
+            )
         rollout_correction = config.algorithm.get("rollout_correction", None) or {}
         if rollout_correction.get("bypass_mode", False):
             raise ConfigError(

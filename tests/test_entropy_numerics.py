@@ -310,3 +310,35 @@ def test_detached_entropy_restores_inplace_backward(on_policy: dict[str, Any]) -
     assert calls and all(calls)
     verl_calls = on_policy["verl_inplace_backward"]
     assert verl_calls and not any(verl_calls)
+
+
+def test_engine_path_selection_and_fused_kernels() -> None:
+    """The loss asks, the engine decides: with verl's fused kernels the kernel's entropy serves both
+    passes (consistent), the fp32 path stays inactive, and the log says so."""
+    from types import SimpleNamespace
+
+    from verl_ext.entropy import (
+        EntropyPath,
+        describe_entropy_path,
+        entropy_as_mask,
+        entropy_fp32,
+        entropy_path_of,
+        loss_entropy_path,
+        mark_engine,
+    )
+
+    def loss(**_: Any) -> None: ...
+
+    assert loss_entropy_path(loss) is EntropyPath.VERL
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.entropy_coeff=0\.01"):
+        entropy_as_mask(loss, entropy_coeff=0.01)
+    masked = entropy_as_mask(loss, entropy_coeff=0.0)
+    assert loss_entropy_path(masked) is EntropyPath.DIVCLIP_FP32
+
+    plain = SimpleNamespace(engine_config=SimpleNamespace(use_fused_kernels=False, use_torch_compile=False))
+    fused = SimpleNamespace(engine_config=SimpleNamespace(use_fused_kernels=True, use_torch_compile=False))
+    mark_engine(plain, loss_entropy_path(masked))
+    mark_engine(fused, loss_entropy_path(masked))
+    assert entropy_path_of(plain) is EntropyPath.DIVCLIP_FP32 and plain._divclip_entropy_fn is entropy_fp32
+    assert entropy_path_of(fused) is EntropyPath.FUSED_KERNEL and fused._divclip_entropy_fn is None
+    assert "use_fused_kernels=True" in describe_entropy_path(EntropyPath.FUSED_KERNEL)

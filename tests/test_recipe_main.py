@@ -50,6 +50,8 @@ def test_dry_run_prints_only_the_resolved_yaml():
         (ERC, r"set actor_rollout_ref\.actor\.calculate_entropy=True"),
         ([*ERC, "actor_rollout_ref.actor.calculate_entropy=true", "algorithm.rollout_correction.bypass_mode=true"],
          r"algorithm\.rollout_correction\.bypass_mode"),
+        ([*ERC, "actor_rollout_ref.actor.calculate_entropy=true", "actor_rollout_ref.actor.entropy_coeff=0.001"],
+         r"actor_rollout_ref\.actor\.entropy_coeff=0\.001 must be 0 with ERC"),
         (["actor_rollout_ref.actor.policy_loss.loss_mode=kl4"], r"policy_loss\.loss_mode='kl4' is not a registered"),
         (["actor_rollout_ref.actor.policy_loss.delta=0"], r"policy_loss\.delta must be"),
         (["actor_rollout_ref.actor.clip_ratio_low=1.5"], r"actor_rollout_ref\.actor\.clip_ratio_low must lie in"),
@@ -128,3 +130,23 @@ def test_lora_rank_is_checked_without_vllm():
     with lora_rank_check_without_vllm():
         assert sys.modules[_VLLM_UTILS].get_vllm_max_lora_rank(20) == 32
     assert _VLLM_UTILS not in sys.modules  # the stand-in is gone afterwards
+
+
+@pytest.mark.parametrize("fused, expected", [(False, "divclip entropy_fp32 in both passes"),
+                                             (True, "fused-kernel entropy in both passes")])
+def test_trainer_logs_which_entropy_path_is_active(monkeypatch, caplog, fused, expected):
+    import logging
+
+    from verl.trainer.ppo.v1 import PPOTrainerSync
+
+    from recipe.trainer import DivClipTrainer
+
+    trainer = object.__new__(DivClipTrainer)
+    trainer.config = compose_config(
+        "actor_rollout_ref.actor.calculate_entropy=true", *ERC, f"actor_rollout_ref.model.use_fused_kernels={fused}"
+    )
+    trainer.actor_rollout_wg = FakeWorkerGroup()
+    monkeypatch.setattr(PPOTrainerSync, "on_init_end", lambda self: None)
+    with caplog.at_level(logging.INFO, logger="recipe.trainer"):
+        trainer.on_init_end()
+    assert expected in caplog.text

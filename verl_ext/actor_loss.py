@@ -11,7 +11,7 @@ serves every baseline.
 
 Importing this module in a worker (which happens when Ray unpickles the loss sent by
 ``set_loss_fn``) installs :func:`verl_ext.entropy.install_divclip_entropy`: inert for any
-loss that does not opt in; for ERC (``build_actor_loss`` with ``entropy_coeff == 0``) the
+loss that does not opt in; for ERC (``build_actor_loss``) the
 worker's engine then computes the entropy of *both* passes (pi_old in the old-log-prob pass,
 pi_theta in the update) with the same float32, graph-free function, so on-policy the entropy
 ratio is exactly 1.
@@ -212,15 +212,15 @@ def _require(data: TensorDict, key: str, why: str) -> str:
 def build_actor_loss(actor_config: ActorConfig) -> Callable[..., Any]:
     """The loss to install with ``actor_rollout_ref_wg.set_loss_fn``: a picklable partial.
 
-    With ERC on and no entropy bonus (``entropy_coeff == 0``) the current entropy is only a
-    mask, so the loss opts into the divclip entropy path (one float32 graph-free function for
-    pi_old and pi_theta); with a bonus verl's autograd entropy is kept, since the bonus needs
-    its gradient (validation refuses that combination for ERC).
+    With ERC on, the current entropy is only a mask, so the loss opts into the divclip entropy
+    path (one float32 graph-free function for pi_old and pi_theta); an entropy bonus
+    (``entropy_coeff != 0``) would need the entropy's gradient, so that combination raises
+    (``recipe.validation`` refuses it before Ray starts).
     """
     loss = functools.partial(divclip_actor_loss, config=actor_config)
     mode = actor_config.policy_loss.get("loss_mode", "vanilla")
-    if mode in CONSTRAINTS and resolve_policy_config(actor_config).erc_enabled and actor_config.entropy_coeff == 0:
-        loss = entropy_as_mask(loss, entropy_coeff=actor_config.entropy_coeff)
+    if mode in CONSTRAINTS and resolve_policy_config(actor_config).erc_enabled:
+        loss = entropy_as_mask(loss, entropy_coeff=actor_config.entropy_coeff)  # raises on an entropy bonus
     return loss
 
 
