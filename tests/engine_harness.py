@@ -122,6 +122,9 @@ class WorkerOptions:
     enable_gradient_checkpointing: bool = False  # actor_rollout_ref.model.enable_gradient_checkpointing
     attn_implementation: str = "sdpa"  # flash-attn does not exist on CPU
     seed: int = 42
+    device: str = "cpu"  # verl platform the worker must run on ("cuda" for the GPU probe)
+    use_torch_compile: bool = False  # actor.fsdp_config.use_torch_compile (verl's GPU default: True)
+    use_fused_kernels: bool = False  # actor_rollout_ref.model.use_fused_kernels
 
 
 EXACT_SGD: dict[str, Any] = dict(optimizer="SGD", lr=0.5, clip_grad=1e9)
@@ -145,10 +148,10 @@ def build_actor_worker(model_path: str, options: WorkerOptions = WorkerOptions()
     )
     from verl.workers.engine_workers import TrainingWorker
 
-    if get_platform().device_name != "cpu":
+    if get_platform().device_name != options.device:
         raise RuntimeError(
-            f"verl resolved platform {get_platform().device_name!r} before tests.engine_harness selected "
-            "VERL_PLATFORM=cpu; import the harness before anything calls verl's get_platform()."
+            f"verl resolved platform {get_platform().device_name!r}, the worker wants {options.device!r}: on CPU, "
+            "import the harness (which selects VERL_PLATFORM=cpu) before anything calls verl's get_platform()."
         )
     model_config = HFModelConfig(
         path=model_path,
@@ -156,10 +159,11 @@ def build_actor_worker(model_path: str, options: WorkerOptions = WorkerOptions()
         use_remove_padding=options.use_remove_padding,
         enable_gradient_checkpointing=options.enable_gradient_checkpointing,
         override_config={"attn_implementation": options.attn_implementation},
+        use_fused_kernels=options.use_fused_kernels,
     )
     engine_config = FSDPEngineConfig(
         strategy="fsdp2",
-        use_torch_compile=False,  # inductor on CPU compiles C++ for minutes; eager is verl's fallback
+        use_torch_compile=options.use_torch_compile,  # off by default: inductor on CPU compiles C++ for minutes
         mixed_precision=options.mixed_precision,
         use_dynamic_bsz=options.use_dynamic_bsz,
         max_token_len_per_gpu=options.max_token_len_per_gpu,
@@ -353,9 +357,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def single_rank_env(port: Optional[int] = None) -> None:
-    """Environment for an in-process single rank (what Ray would set for a 1-worker group)."""
-    select_cpu_platform()
+def single_rank_env(port: Optional[int] = None, device: str = "cpu") -> None:
+    """Environment for an in-process single rank (what Ray would set for a 1-worker group).
+    ``device="cuda"`` leaves verl's platform detection alone (one GPU, NCCL)."""
+    if device == "cpu":
+        select_cpu_platform()
     os.environ.update(
         RANK="0",
         LOCAL_RANK="0",

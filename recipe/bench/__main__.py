@@ -9,6 +9,7 @@ BENCHMARKS: dict[str, str] = {
     "losses": "recipe.bench.losses",
     "entropy-memory": "recipe.bench.entropy_memory",
     "reward": "recipe.bench.reward",
+    "gpu": "recipe.bench.gpu",
 }
 
 

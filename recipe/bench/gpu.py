@@ -1,0 +1,275 @@
+"""GPU probe: ERC's entropy path against verl's on one CUDA GPU, at verl's default bf16 precision.
+
+``python -m recipe.bench gpu [--json] [--out results.json] [--tokens 16384] [--sequences 8] ...``
+
+Builds a model locally from a config (R1-Distill-Qwen-1.5B's shape by default, random weights with a
+scaled output head so that most tokens are confident, as a reasoning model's are; nothing is
+downloaded), then, for each variant in its own process, runs verl 0.9.1's real actor stack
+(``TrainingWorker`` -> ``FSDPEngineWithLMHead``, FSDP2, one rank, verl's default bf16 mixed
+precision, remove-padding, gradient checkpointing, AdamW): the old-log-prob pass, then updates of
+one ``--tokens`` micro-batch.
+
+Variants (``--variants``, comma-separated):
+
+* ``no_entropy``            verl's ``ppo_loss``, ``calculate_entropy=False`` in the update: the baseline.
+* ``verl_compiled``         verl's ``ppo_loss`` with verl's entropy, ``use_torch_compile=True`` (verl's GPU default).
+* ``verl_eager``            the same with ``use_torch_compile=False``.
+* ``divclip_erc``           the divclip ERC-DAPO loss: ``entropy_fp32`` compiled, in both passes.
+* ``divclip_erc_eager``     the same with ``use_torch_compile=False`` (eager float32 chunks).
+* ``divclip_erc_fused``     ERC with ``use_fused_kernels=True`` (verl's fused kernel's entropy in both
+                            passes; needs verl's kernel backend; not in the default list).
+
+Per variant: peak GPU memory of the updates (``torch.cuda.max_memory_allocated``; peak RSS on CPU),
+the median update time over ``--repeats`` updates after ``--warmup`` ones, both as ratios against
+``no_entropy`` measured in the same run, and for the ERC variants the on-policy invariant of the first
+update (before any optimizer step): ``erc/ratio_min == erc/ratio_max == 1`` and nothing masked.
+``--device cpu`` runs the same code on the CPU platform (small shapes; used by the test suite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parents[2]
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "no_entropy": dict(erc=False, entropy=False, compile=True, fused=False),
+    "verl_compiled": dict(erc=False, entropy=True, compile=True, fused=False),
+    "verl_eager": dict(erc=False, entropy=True, compile=False, fused=False),
+    "divclip_erc": dict(erc=True, entropy=True, compile=True, fused=False),
+    "divclip_erc_eager": dict(erc=True, entropy=True, compile=False, fused=False),
+    "divclip_erc_fused": dict(erc=True, entropy=True, compile=True, fused=True),
+}
+DEFAULT_VARIANTS = ("no_entropy", "verl_compiled", "verl_eager", "divclip_erc", "divclip_erc_eager")
+
+R1_DISTILL_QWEN_1_5B = dict(  # DeepSeek-R1-Distill-Qwen-1.5B's config.json (Qwen2 architecture)
+    vocab_size=151_936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    max_position_embeddings=131_072,
+    rope_theta=10_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+ERC_METRICS = ("actor/divclip/erc/ratio_min", "actor/divclip/erc/ratio_max", "actor/divclip/erc/clipfrac_upper",
+               "actor/divclip/erc/clipfrac_lower", "actor/ppo_kl")
+
+
+def build_model(path: Path, args: argparse.Namespace) -> None:
+    """Write a random-weight Qwen2 model of the chosen shape to ``path`` (bf16 safetensors)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(R1_DISTILL_QWEN_1_5B)
+    if args.layers is not None:
+        shape["num_hidden_layers"] = args.layers
+    if args.hidden is not None:
+        shape.update(hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                     num_attention_heads=max(1, args.hidden // 128), num_key_value_heads=1)
+    shape["vocab_size"] = args.vocab
+    torch.manual_seed(0)
+    device = "cuda" if args.device == "cuda" else "cpu"
+    with torch.device(device):
+        model = Qwen2ForCausalLM(Qwen2Config(**shape))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(args.head_scale)
+    model.to(torch.bfloat16).save_pretrained(path)
+
+
+def _erc_actor_config(sequences: int) -> Any:
+    from tests.engine_harness import make_actor_config
+    from verl_ext.config import DivClipPolicyLossConfig
+
+    policy = DivClipPolicyLossConfig(loss_mode="clip", erc_beta_low=0.05, erc_beta_high=0.05)
+    return make_actor_config(policy_loss=policy, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0,
+                             ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences)
+
+
+def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Inside the child process: one variant's passes and updates; returns its figures."""
+    if str(_ROOT) not in sys.path:
+        sys.path.insert(0, str(_ROOT))
+    from tests.engine_harness import (
+        WorkerOptions,
+        build_actor_worker,
+        compute_log_prob,
+        make_actor_config,
+        make_rollout_batch,
+        ppo_loss_fn,
+        single_rank_env,
+        update_actor,
+    )
+
+    spec = VARIANTS[name]
+    single_rank_env(device=args.device)
+    import torch
+
+    from verl_ext.actor_loss import build_actor_loss
+    from verl_ext.entropy import entropy_path_of
+
+    seq_len = args.tokens // args.sequences
+    prompt_len = max(1, seq_len // 8)
+    worker = build_actor_worker(model_path, WorkerOptions(
+        device=args.device,
+        mixed_precision=None,  # verl's default: bf16 compute, fp32 reduce
+        micro_batch_size_per_gpu=args.sequences,  # the update is one micro-batch of --tokens
+        max_token_len_per_gpu=args.tokens,
+        enable_gradient_checkpointing=True,
+        use_torch_compile=spec["compile"] and args.device == "cuda",  # inductor on CPU: minutes of C++
+        use_fused_kernels=spec["fused"],
+        lr=1e-6,
+    ))
+    if spec["erc"]:
+        loss = build_actor_loss(_erc_actor_config(args.sequences))
+    else:
+        loss = ppo_loss_fn(make_actor_config(ppo_mini_batch_size=args.sequences,
+                                             ppo_micro_batch_size_per_gpu=args.sequences))
+    worker.set_loss_fn(loss)
+    batch = make_rollout_batch([prompt_len] * args.sequences, [seq_len - prompt_len] * args.sequences,
+                               args.vocab, seed=0)
+    cuda = args.device == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    sync()
+    start = time.perf_counter()
+    old = compute_log_prob(worker, batch)
+    sync()
+    old_seconds = time.perf_counter() - start
+    batch["old_log_probs"], batch["entropy"] = old["old_log_probs"], old["entropy"]
+    old_entropy = old["entropy"].values().float()
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    seconds: list[float] = []
+    first: dict[str, Any] = {}
+    for step in range(args.warmup + args.repeats):
+        sync()
+        start = time.perf_counter()
+        metrics = update_actor(worker, batch, calculate_entropy=spec["entropy"])
+        sync()
+        if step == 0:
+            first = {k: [float(v) for v in metrics[k]] for k in ERC_METRICS if k in metrics}
+        if step >= args.warmup:
+            seconds.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result: dict[str, Any] = {
+        "variant": name,
+        "entropy_path": entropy_path_of(worker.engine).value,
+        "peak_bytes": int(peak),
+        "update_seconds_median": statistics.median(seconds),
+        "update_seconds": [round(s, 4) for s in seconds],
+        "old_log_prob_seconds": round(old_seconds, 4),
+        "share_entropy_below_1e-3": float((old_entropy < 1e-3).float().mean()),
+        "share_entropy_below_1e-6": float((old_entropy < 1e-6).float().mean()),
+    }
+    if spec["erc"]:
+        result["first_update"] = first
+        result["on_policy_invariant"] = bool(
+            all(v == 1.0 for v in first["actor/divclip/erc/ratio_min"] + first["actor/divclip/erc/ratio_max"])
+            and all(v == 0.0 for v in first["actor/divclip/erc/clipfrac_upper"] + first["actor/divclip/erc/clipfrac_lower"])
+        )
+    return result
+
+
+def _spawn(name: str, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "recipe.bench.gpu", "--_child", name, "--_model", model_path, *args.child_argv]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(cmd, cwd=_ROOT, env=env, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stderr[-6000:])
+        return {"variant": name, "error": f"exit code {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"}
+    return json.loads(lines[-1])
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m recipe.bench gpu", description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object per variant")
+    p.add_argument("--out", type=Path, default=None, help="also write all results to this JSON file")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"subset of {list(VARIANTS)}")
+    p.add_argument("--tokens", type=int, default=16_384, help="tokens in the update's micro-batch")
+    p.add_argument("--sequences", type=int, default=8, help="sequences the tokens are split into")
+    p.add_argument("--vocab", type=int, default=R1_DISTILL_QWEN_1_5B["vocab_size"])
+    p.add_argument("--layers", type=int, default=None, help="override the model's layer count")
+    p.add_argument("--hidden", type=int, default=None, help="override the model's hidden size (small probes)")
+    p.add_argument("--head-scale", type=float, default=50.0, help="multiplies the random output head (peakiness)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed updates first (the on-policy one included)")
+    p.add_argument("--repeats", type=int, default=3, help="timed updates (the median is reported)")
+    p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_model", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.tokens % args.sequences:
+        parser.error(f"--tokens ({args.tokens}) must be divisible by --sequences ({args.sequences})")
+    if args.warmup < 1 or args.repeats < 1:
+        parser.error("--warmup and --repeats must be >= 1 (the first update checks the on-policy invariant)")
+    if args._child is not None:
+        print(json.dumps(run_variant(args._child, args._model, args)))
+        return 0
+    chosen = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(chosen) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown --variants {unknown}; choose from {list(VARIANTS)}")
+    if "no_entropy" not in chosen:
+        chosen.insert(0, "no_entropy")  # ratios need the baseline measured in the same run
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("no CUDA device: this probe needs one GPU (or --device cpu for a small CPU run)")
+    args.child_argv = [a for a in argv if a not in ("--json",)]
+    if args.out is not None:
+        i = args.child_argv.index("--out")
+        del args.child_argv[i : i + 2]
+    with tempfile.TemporaryDirectory(prefix="divclip_gpu_probe_") as tmp:
+        build_model(Path(tmp), args)
+        results = [_spawn(name, tmp, args) for name in chosen]
+    base = next((r for r in results if r["variant"] == "no_entropy" and "error" not in r), None)
+    for r in results:
+        r["date"] = _dt.date.today().isoformat()
+        if base is not None and "error" not in r:
+            r["time_vs_no_entropy"] = round(r["update_seconds_median"] / base["update_seconds_median"], 3)
+            r["peak_vs_no_entropy"] = round(r["peak_bytes"] / base["peak_bytes"], 3)
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=1))
+    if args.json:
+        for r in results:
+            print(json.dumps(r))
+    else:
+        print(f"{'variant':<20} {'path':<13} {'peak GiB':>8} {'x base':>7} {'update s':>9} {'x base':>7}  on-policy ERC")
+        for r in results:
+            if "error" in r:
+                print(f"{r['variant']:<20} failed: {r['error']}")
+                continue
+            invariant = {True: "ratio 1, nothing masked", False: f"VIOLATED {r.get('first_update')}"}.get(
+                r.get("on_policy_invariant"), "-")
+            print(f"{r['variant']:<20} {r['entropy_path']:<13} {r['peak_bytes'] / 2**30:>8.2f} "
+                  f"{r.get('peak_vs_no_entropy', float('nan')):>7.3f} {r['update_seconds_median']:>9.3f} "
+                  f"{r.get('time_vs_no_entropy', float('nan')):>7.3f}  {invariant}")
+    return 1 if any("error" in r for r in results) or any(r.get("on_policy_invariant") is False for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
