@@ -8,6 +8,7 @@ Every error names the config key to change.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 import types
@@ -17,6 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.config import PolicyLossConfig
 
 from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig, actor_clip_ratios
 from verl_ext.losses import CONSTRAINTS
@@ -47,6 +49,8 @@ def validate_divclip_config(config: DictConfig) -> Any:
         raise ConfigError(
             f"{ACTOR}.policy_loss.loss_mode={mode!r} needs {ACTOR}.policy_loss._target_={CONFIG_TARGET} (got {target!r})"
         )
+    if target != CONFIG_TARGET:
+        _drop_unset_divclip_keys(actor_cfg.policy_loss, target)
     actor = build_actor_config(config)
     policy = actor.policy_loss
     if mode in CONSTRAINTS:
@@ -73,6 +77,26 @@ def validate_divclip_config(config: DictConfig) -> Any:
                 "algorithm.rollout_correction.bypass_mode=True skips it. Set it to False or turn ERC off."
             )
     return actor
+
+
+def _drop_unset_divclip_keys(policy_loss: DictConfig, target: Any) -> None:
+    """With verl's own policy-loss class selected, the divclip knobs (declared in
+    configs/divclip_trainer.yaml) must be at their defaults: those are dropped so verl's dataclass
+    builds; a set one (ERC on a verl mode, say) is an error naming it, since only
+    ``DivClipPolicyLossConfig`` carries it."""
+    from omegaconf import open_dict
+
+    defaults = {f.name: f.default for f in dataclasses.fields(DivClipPolicyLossConfig)}
+    ours = set(defaults) - {f.name for f in dataclasses.fields(PolicyLossConfig)}
+    for key in sorted(ours & set(policy_loss.keys())):
+        if policy_loss[key] != defaults[key]:
+            raise ConfigError(
+                f"{ACTOR}.policy_loss.{key}={policy_loss[key]!r} is a divclip knob: it needs "
+                f"{ACTOR}.policy_loss._target_={CONFIG_TARGET} (got {target!r}); verl's modes accept it there too"
+            )
+    with open_dict(policy_loss):
+        for key in ours & set(policy_loss.keys()):
+            del policy_loss[key]
 
 
 def _root_message(error: BaseException) -> str:

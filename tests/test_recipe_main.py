@@ -52,6 +52,13 @@ def test_dry_run_prints_only_the_resolved_yaml():
          r"algorithm\.rollout_correction\.bypass_mode"),
         ([*ERC, "actor_rollout_ref.actor.calculate_entropy=true", "actor_rollout_ref.actor.entropy_coeff=0.001"],
          r"actor_rollout_ref\.actor\.entropy_coeff=0\.001 must be 0 with ERC"),
+        ([*ERC, "actor_rollout_ref.actor.calculate_entropy=true", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+          "actor_rollout_ref.actor.policy_loss._target_=verl.workers.config.PolicyLossConfig"],
+         r"actor_rollout_ref\.actor\.policy_loss\.erc_beta_high=0\.05 is a divclip knob: it needs "
+         r"actor_rollout_ref\.actor\.policy_loss\._target_=verl_ext\.config\.DivClipPolicyLossConfig"),
+        ([*ERC, "actor_rollout_ref.actor.calculate_entropy=true", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+          "actor_rollout_ref.actor.policy_loss.dual_clip_c=10"],
+         r"policy_loss\.dual_clip_c applies to the divclip modes and to verl's \['vanilla'\]"),
         (["actor_rollout_ref.actor.policy_loss.loss_mode=kl4"], r"policy_loss\.loss_mode='kl4' is not a registered"),
         (["actor_rollout_ref.actor.policy_loss.delta=0"], r"policy_loss\.delta must be"),
         (["actor_rollout_ref.actor.clip_ratio_low=1.5"], r"actor_rollout_ref\.actor\.clip_ratio_low must lie in"),
@@ -80,6 +87,24 @@ def test_disabled_plugins_fail_fast_before_ray():
 def test_verl_modes_compose_through_the_same_entry_point():
     config = compose_config("actor_rollout_ref.actor.policy_loss.loss_mode=sapo")
     assert validate_divclip_config(config).policy_loss.loss_mode == "sapo"
+
+
+def test_erc_on_a_verl_mode_goes_through_the_divclip_config():
+    from verl_ext.config import DivClipPolicyLossConfig
+
+    config = compose_config("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.calculate_entropy=true", *ERC)
+    policy = validate_divclip_config(config).policy_loss
+    assert isinstance(policy, DivClipPolicyLossConfig) and policy.loss_mode == "gspo" and policy.erc_enabled
+
+
+def test_verls_own_policy_loss_class_still_works_without_divclip_knobs():
+    from verl.workers.config import PolicyLossConfig
+
+    config = compose_config("actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+                            "actor_rollout_ref.actor.policy_loss._target_=verl.workers.config.PolicyLossConfig")
+    policy = validate_divclip_config(config).policy_loss
+    assert type(policy) is PolicyLossConfig and policy.loss_mode == "gspo"
+    assert "delta" not in config.actor_rollout_ref.actor.policy_loss  # unset divclip knobs were dropped
 
 
 class FakeWorkerGroup:

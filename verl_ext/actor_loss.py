@@ -20,20 +20,22 @@ ratio is exactly 1.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
 from tensordict import TensorDict
-from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
+from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.config import ActorConfig
 from verl.workers.utils.padding import no_padding_2_padding
 
-from verl_ext.config import DivClipPolicyLossConfig, actor_clip_ratios
+from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig, actor_clip_ratios
 from verl_ext.entropy import EntropyPath, entropy_as_mask, install_divclip_entropy, loss_entropy_path
 from verl_ext.losses import CONSTRAINTS, constrained_policy_loss, resolve_policy_config
 from verl_ext.token_dump import TokenDumpWriter
+from verl_ext.verl_modes import verl_policy_loss
 
 
 def divclip_actor_loss(
@@ -67,7 +69,7 @@ def divclip_actor_loss(
     metric_aggregation = AggregationType.SUM if global_norm else AggregationType.MEAN
 
     mode = config.policy_loss.get("loss_mode", "vanilla")
-    policy = resolve_policy_config(config) if mode in CONSTRAINTS else None
+    policy = divclip_policy_config(config)
     erc = policy is not None and policy.erc_enabled
     needs_rewards = policy is not None and policy.correct_nll_coef > 0
 
@@ -87,7 +89,7 @@ def divclip_actor_loss(
     response_mask = padded["response_mask"].to(bool)
     loss_agg_mode = config.loss_agg_mode
 
-    if policy is not None:
+    if mode in CONSTRAINTS:
         clip_low, clip_high = actor_clip_ratios(config)
         pg_loss, pg_metrics = constrained_policy_loss(
             padded["old_log_probs"],
@@ -104,15 +106,19 @@ def divclip_actor_loss(
             old_entropy=padded["entropy"] if erc else None,
             entropy=entropy if erc else None,
         )
-    else:
-        pg_loss, pg_metrics = get_policy_loss_fn(mode)(
+    else:  # verl's own mode, with ERC / dual-clip composed on top when the divclip config sets them
+        pg_loss, pg_metrics = verl_policy_loss(
+            mode,
             old_log_prob=padded["old_log_probs"],
             log_prob=log_prob,
             advantages=padded["advantages"],
             response_mask=response_mask,
             loss_agg_mode=loss_agg_mode,
             config=config,
+            policy=policy,
             rollout_is_weights=padded.get("rollout_is_weights", None),
+            old_entropy=padded["entropy"] if erc else None,
+            entropy=entropy if erc else None,
         )
 
     if erc and policy.token_dump_path is not None:
@@ -218,10 +224,23 @@ def build_actor_loss(actor_config: ActorConfig) -> Callable[..., Any]:
     (``recipe.validation`` refuses it before Ray starts).
     """
     loss = functools.partial(divclip_actor_loss, config=actor_config)
-    mode = actor_config.policy_loss.get("loss_mode", "vanilla")
-    if mode in CONSTRAINTS and resolve_policy_config(actor_config).erc_enabled:
+    policy = divclip_policy_config(actor_config)
+    if policy is not None and policy.erc_enabled:
         loss = entropy_as_mask(loss, entropy_coeff=actor_config.entropy_coeff)  # raises on an entropy bonus
     return loss
+
+
+def divclip_policy_config(config: ActorConfig) -> Optional[DivClipPolicyLossConfig]:
+    """The actor's ``DivClipPolicyLossConfig``: always for the divclip modes (an error if the config
+    is verl's plain one), and for verl's modes when selected with the divclip ``_target_``."""
+    mode = config.policy_loss.get("loss_mode", "vanilla")
+    if mode in CONSTRAINTS:
+        return resolve_policy_config(config)
+    policy = config.policy_loss
+    is_divclip = isinstance(policy, DivClipPolicyLossConfig) or (
+        isinstance(policy, Mapping) and policy.get("_target_") == CONFIG_TARGET
+    )
+    return resolve_policy_config(config) if is_divclip else None
 
 
 def entropy_is_detached(loss: Optional[Callable[..., Any]]) -> bool:

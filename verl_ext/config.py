@@ -36,7 +36,8 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
             ``kl1``, ``kl2``, ``is_kl3`` and ``trgppo`` constraints. Paper default 0.07.
         dual_clip_c: Dual-clip cap c (Ye et al. 2020): for A < 0 the ratio is capped at c.
             ``None`` (default) disables it, so ``clip`` is exact PPO / DAPO. verl's
-            ``vanilla`` always applies c = 3.
+            ``vanilla`` always applies ``actor.clip_ratio_c`` (3); set here, ``dual_clip_c``
+            replaces it. Other verl modes have no dual-clip rule and refuse the key.
         gppo_beta_low: GPPO (Klear-Reasoner, general form) gradient scale beta_1 of tokens
             clipped at the lower bound (A < 0): their gradient is beta_1 * (1 - eps_low) * A.
         gppo_beta_high: GPPO scale beta_2 of tokens clipped at the upper bound (A > 0):
@@ -44,6 +45,7 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
         dcpo_cap: Upper cap of DCPO's dynamic upper bound (DCPO default 10).
         erc_beta_low: ERC lower band beta_l: tokens with H_new / H_old <= 1 - beta_l lose
             their gradient (ERC paper Eq. 6, beta = 0.05). ``None`` (default) disables ERC.
+            Stacks on every divclip mode and on verl's own modes (``verl_ext.verl_modes``).
         erc_beta_high: ERC upper band beta_h: tokens with H_new / H_old >= 1 + beta_h lose
             their gradient. Set together with ``erc_beta_low``.
         erc_eps: Added to both entropies before the ratio, (H + eps) / (H_old + eps), as the
@@ -129,11 +131,10 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
         known = sorted(set(POLICY_LOSS_REGISTRY) | set(CONSTRAINTS))
         if self.loss_mode not in known:
             raise ValueError(f"{prefix}.loss_mode={self.loss_mode!r} is not a registered policy loss; known: {known}")
-        if self.erc_enabled and self.loss_mode not in CONSTRAINTS:
-            raise ValueError(
-                f"{prefix}.erc_beta_low/erc_beta_high (ERC) stack on the divclip modes {sorted(CONSTRAINTS)}, "
-                f"not on verl's loss_mode={self.loss_mode!r}"
-            )
+        if self.loss_mode not in CONSTRAINTS:  # verl's own mode: ERC / dual-clip compose with it
+            from verl_ext.verl_modes import check_verl_mode_options
+
+            check_verl_mode_options(self)
 
 
 def check_clip_ratios(clip_ratio_low: Any, clip_ratio_high: Any) -> tuple[float, float]:

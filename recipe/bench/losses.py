@@ -3,7 +3,8 @@ against verl's ``vanilla`` policy loss, interleaved in one process.
 
 Each round times one forward+backward of every variant in turn (so drift in machine load
 hits all of them alike); the figure per variant is the median over rounds, and the ratio is
-against ``vanilla``'s median from the same rounds. ERC variants get the per-token entropies
+against ``vanilla``'s median from the same rounds. ``<verl mode>+erc`` rows are verl's own
+losses with ERC composed on top (``verl_ext.verl_modes``). ERC variants get the per-token entropies
 as inputs (their cost in the trainer is the entropy computation, benchmarked separately by
 ``entropy-memory``). fp32 on CPU.
 """
@@ -11,6 +12,7 @@ as inputs (their cost in the trainer is the entropy computation, benchmarked sep
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -23,8 +25,11 @@ from verl.workers.config import FSDPActorConfig, PolicyLossConfig
 
 from verl_ext.config import DivClipPolicyLossConfig
 from verl_ext.losses import CONSTRAINTS
+from verl_ext.verl_modes import verl_policy_loss
 
 SHAPES: tuple[tuple[int, int], ...] = ((64, 4096), (8, 16384))
+VERL_MODES_WITH_ERC: tuple[str, ...] = ("vanilla", "gspo", "sapo")
+"""verl's own modes benchmarked with ERC composed on top (``verl_ext.verl_modes``)."""
 TARGET_RATIO = 1.25
 
 
@@ -44,7 +49,7 @@ def _variants() -> dict[str, tuple[str, FSDPActorConfig, bool]]:
     variants = {"vanilla": ("vanilla", _actor_config(PolicyLossConfig(loss_mode="vanilla")), False)}
     for mode in CONSTRAINTS:
         variants[mode] = (mode, _actor_config(DivClipPolicyLossConfig(loss_mode=mode)), False)
-    for mode in CONSTRAINTS:
+    for mode in (*CONSTRAINTS, *VERL_MODES_WITH_ERC):
         policy = DivClipPolicyLossConfig(loss_mode=mode, erc_beta_low=0.05, erc_beta_high=0.05)
         variants[f"{mode}+erc"] = (mode, _actor_config(policy), True)
     return variants
@@ -62,6 +67,8 @@ def _make_step(shape: tuple[int, int], mode: str, config: FSDPActorConfig, with_
     entropy = old_entropy * (1 + 0.1 * torch.randn(rows, cols, generator=gen))
     loss_fn = get_policy_loss_fn(mode)
     extra = {"old_entropy": old_entropy, "entropy": entropy} if with_entropy else {}
+    if with_entropy and mode not in CONSTRAINTS:  # ERC on a verl mode: the composition, not the registry
+        loss_fn = functools.partial(verl_policy_loss, mode, policy=config.policy_loss)
 
     def step() -> None:
         log_prob = new.clone().requires_grad_(True)

@@ -1,0 +1,147 @@
+"""ERC and dual-clip on verl's own policy losses (``vanilla``, ``gspo``, ``sapo``, ``clip_cov``, ...).
+
+The divclip modes apply ERC inside the unified operator (Eq. 5) as a *hard* violation. verl's own
+losses are separate functions in its registry; ERC composes with any of them the same way the ERC
+paper describes it ("integrates orthogonally with various reinforcement learning objectives", §3.2;
+"orthogonal [to sequence-level clipping] and can be used simultaneously", §5.7):
+
+    rho_t = (H(pi_theta, t) + eps) / (H(pi_old, t) + eps)
+    log pi_theta(y_t)  ->  sg[log pi_theta(y_t)]   where rho_t <= 1 - beta_l or rho_t >= 1 + beta_h
+
+A token outside the entropy band therefore contributes **no gradient through its own log-prob**,
+while every forward value -- its loss term, its place in the aggregation denominator, and any
+sequence-level quantity it enters (GSPO's sequence ratio, geo_mean's geometric mean) -- is exactly
+verl's. For token-separable losses (vanilla, sapo, cispo, gpg, dro, dppo_*) the other tokens'
+gradients are unchanged; for GSPO the masked tokens drop out of the gradient of the sequence ratio
+but not out of its value; for clip_cov / kl_cov the covariance selection is computed from values,
+so it is unchanged. Per-mode readings: docs/losses.md.
+
+Dual-clip (``policy_loss.dual_clip_c``) makes sense for verl's ``vanilla`` only, which always applies
+dual-clip with ``actor.clip_ratio_c`` (default 3): ``dual_clip_c`` replaces that c for the call. For
+every other verl mode :func:`check_verl_mode_options` raises, naming the key.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Optional
+
+import torch
+from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, get_policy_loss_fn
+
+from verl_ext.config import DivClipPolicyLossConfig
+
+DUAL_CLIP_MODES = frozenset({"vanilla"})
+"""verl modes whose own dual-clip constant (``actor.clip_ratio_c``) ``dual_clip_c`` replaces."""
+
+NOT_COMPOSABLE = frozenset({"bypass_mode"})
+"""verl modes ERC cannot stack on: bypass mode skips the old-log-prob pass that yields H(pi_old)."""
+
+
+def check_verl_mode_options(policy: DivClipPolicyLossConfig) -> None:
+    """Raise ``ValueError`` naming the key if ``policy``'s ERC / dual-clip knobs cannot apply to its
+    verl ``loss_mode``. Called by :class:`DivClipPolicyLossConfig` for every non-divclip mode."""
+    prefix = "actor_rollout_ref.actor.policy_loss"
+    mode = policy.loss_mode
+    if mode not in POLICY_LOSS_REGISTRY:
+        return  # the config's own loss-mode check reports unknown modes
+    if policy.erc_enabled and mode in NOT_COMPOSABLE:
+        raise ValueError(
+            f"{prefix}.erc_beta_low/erc_beta_high (ERC) cannot stack on loss_mode={mode!r}: it skips the "
+            "old-log-prob pass that gives pi_old's entropy"
+        )
+    if policy.dual_clip_c is not None and mode not in DUAL_CLIP_MODES:
+        raise ValueError(
+            f"{prefix}.dual_clip_c applies to the divclip modes and to verl's {sorted(DUAL_CLIP_MODES)} "
+            f"(where it replaces actor.clip_ratio_c); verl's loss_mode={mode!r} has no dual-clip rule to "
+            "set: remove dual_clip_c"
+        )
+
+
+def erc_band_class(
+    old_entropy: torch.Tensor, entropy: torch.Tensor, policy: DivClipPolicyLossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ERC's entropy ratio rho_t = (H_new + eps) / (H_old + eps) (float32) and its band class per
+    token: 0 below (rho <= 1 - beta_l), 1 inside, 2 above (rho >= 1 + beta_h) -- one ``bucketize``
+    instead of two comparisons and their masks (the lower edge is moved up by one float32 ulp so
+    that rho == 1 - beta_l falls below, as the band's closed edges require)."""
+    eps = policy.erc_eps
+    rho = (entropy.detach().float() + eps) / (old_entropy.detach().float() + eps)
+    lower = torch.tensor(1.0 - policy.erc_beta_low, dtype=torch.float32)
+    edges = torch.stack([torch.nextafter(lower, torch.tensor(math.inf)),
+                         torch.tensor(1.0 + policy.erc_beta_high, dtype=torch.float32)]).to(rho.device)
+    return rho, torch.bucketize(rho, edges, right=True)
+
+
+def verl_policy_loss(
+    mode: str,
+    *,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: Any,
+    policy: Optional[DivClipPolicyLossConfig],
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    old_entropy: Optional[torch.Tensor] = None,
+    entropy: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """verl's registered ``mode`` with the divclip ERC band and dual-clip applied (see module doc).
+
+    ``policy`` is None for a plain verl config: the call is then exactly verl's. With ERC on,
+    ``old_entropy``/``entropy`` (padded like ``log_prob``) are required and ``actor/divclip/erc/*``
+    metrics are added under the same names as the divclip modes report them.
+    """
+    erc_metrics: dict[str, Any] = {}
+    if policy is not None and policy.erc_enabled:
+        if old_entropy is None or entropy is None:
+            raise ValueError(f"ERC on loss_mode={mode!r} needs pi_old's and pi_theta's per-token entropies")
+        rho, band = erc_band_class(old_entropy, entropy, policy)
+        mask = response_mask.bool()
+        log_prob = torch.where((band != 1) & mask, log_prob.detach(), log_prob)
+        erc_metrics = _erc_metrics(rho, band, mask)
+    if policy is not None and policy.dual_clip_c is not None:
+        config = _with_clip_ratio_c(config, policy.dual_clip_c)
+    pg_loss, pg_metrics = get_policy_loss_fn(mode)(
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        loss_agg_mode=loss_agg_mode,
+        config=config,
+        rollout_is_weights=rollout_is_weights,
+    )
+    return pg_loss, {**pg_metrics, **erc_metrics}
+
+
+def _with_clip_ratio_c(config: Any, clip_ratio_c: float) -> Any:
+    """A shallow copy of the (frozen) actor config with another ``clip_ratio_c``. Shallow on
+    purpose: ``global_batch_info``, filled per micro-batch by the actor loss, stays shared."""
+    view = copy.copy(config)
+    object.__setattr__(view, "clip_ratio_c", float(clip_ratio_c))
+    return view
+
+
+def _erc_metrics(rho: torch.Tensor, band: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """ERC metrics as the divclip operator names them (means over valid tokens; min/max extremes),
+    with one host sync."""
+    with torch.no_grad():
+        rho_valid = rho[mask]
+        if rho_valid.numel() == 0:
+            return {}
+        counts = torch.bincount(band[mask], minlength=3).to(torch.float64)
+        low, high = torch.aminmax(rho_valid)
+        values = torch.cat([
+            torch.stack([rho_valid.sum(dtype=torch.float64), low.double(), high.double()]), counts,
+        ]).tolist()
+    total, ratio_min, ratio_max, below, _inside, above = values
+    n = float(rho_valid.numel())
+    return {
+        "actor/divclip/erc/ratio_mean": total / n,
+        "actor/divclip/erc/clipfrac_upper": above / n,
+        "actor/divclip/erc/clipfrac_lower": below / n,
+        "actor/divclip/erc/ratio_min": ratio_min,
+        "actor/divclip/erc/ratio_max": ratio_max,
+    }
