@@ -232,9 +232,10 @@ def mark_engine(engine: Any, path: EntropyPath) -> None:
     ``TrainingWorker.set_loss_fn``; tests and benches may call it directly."""
     use_fused = bool(getattr(getattr(engine, "engine_config", None), "use_fused_kernels", False))
     path = resolve_entropy_path(path, use_fused_kernels=use_fused)
+    changed = getattr(engine, _ENGINE_PATH_ATTR, EntropyPath.VERL.value) != path.value
     setattr(engine, _ENGINE_PATH_ATTR, path.value)
     setattr(engine, _ENGINE_FN_ATTR, _entropy_fn_for(engine) if path is EntropyPath.DIVCLIP_FP32 else None)
-    if path is not EntropyPath.VERL:
+    if changed:  # a loss re-installed every step (adaptive delta) logs once
         logger.info("divclip: per-token entropy = %s", describe_entropy_path(path))
 
 
