@@ -154,14 +154,35 @@ def _correct_response_nll(
 ) -> tuple[torch.Tensor, float]:
     """NLL over the tokens of correct responses (released ERC scripts, coefficient 0.1).
 
-    Normalised like the policy loss (verl's ``agg_loss`` with the global batch info), so it
-    is invariant to data parallelism and micro-batching; the reference normalised by the
-    correct tokens of each micro-batch instead, which differs by the fraction of tokens
-    that belong to correct responses.
+    ``policy.correct_nll_norm`` picks the normalisation:
+
+    * ``"global"`` (default): like the policy loss, verl's ``agg_loss`` with the global batch
+      info -- invariant to data parallelism and micro-batching. With ``token-mean`` the divisor
+      is every response token of the mini-batch, not only the correct ones.
+    * ``"micro_batch"``: as the released ERC code -- the token mean over the correct responses of
+      this micro-batch (``agg_loss`` without global info; 0 when it has none), times the
+      micro-batch's share of the mini-batch's sequences, ``n_micro / (global_batch_size /
+      dp_size)``, the factor the reference scaled its per-micro-batch policy loss by. Summed over
+      micro-batches and averaged over ranks this is sum_mb (n_mb / N) * mean_correct_tokens(mb).
     """
     correct = token_level_rewards.sum(-1) == policy.correct_reward
     mask = response_mask & correct.unsqueeze(-1)
-    nll = agg_loss(loss_mat=-log_prob, loss_mask=mask, loss_agg_mode=config.loss_agg_mode, **config.global_batch_info)
+    batch_info = config.global_batch_info
+    if policy.correct_nll_norm == "micro_batch":
+        if not mask.any():
+            nll = (log_prob * mask).sum()  # zero, on the graph
+        else:
+            nll = agg_loss(
+                loss_mat=-log_prob,
+                loss_mask=mask,
+                loss_agg_mode=config.loss_agg_mode,
+                loss_scale_factor=batch_info.get("loss_scale_factor"),
+            )
+        global_batch_size = batch_info.get("global_batch_size")
+        if global_batch_size:
+            nll = nll * (log_prob.shape[0] * batch_info.get("dp_size", 1) / global_batch_size)
+    else:
+        nll = agg_loss(loss_mat=-log_prob, loss_mask=mask, loss_agg_mode=config.loss_agg_mode, **batch_info)
     return nll, correct.float().mean().item()
 
 
