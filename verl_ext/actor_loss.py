@@ -80,7 +80,10 @@ def divclip_actor_loss(
                 "actor_rollout_ref.actor.calculate_entropy=True"
             )
     if needs_rewards:
-        fields.append(_require(data, "token_level_rewards", "policy_loss.correct_nll_coef > 0 needs token_level_rewards"))
+        # verl's v1 trainer stores the rule reward as rm_scores and writes token_level_rewards back
+        # only with algorithm.use_kl_in_reward (then it holds the KL-penalised reward).
+        reward_field = "token_level_rewards" if "token_level_rewards" in data else "rm_scores"
+        fields.append(_require(data, reward_field, "policy_loss.correct_nll_coef > 0 needs token_level_rewards or rm_scores"))
     padded = data.select(*fields).to_padded_tensor()
     response_mask = padded["response_mask"].to(bool)
     loss_agg_mode = config.loss_agg_mode
@@ -135,9 +138,7 @@ def divclip_actor_loss(
         metrics["kl_coef"] = config.kl_loss_coef
 
     if needs_rewards:
-        nll_loss, correct_fraction = _correct_response_nll(
-            log_prob, padded["token_level_rewards"], response_mask, policy, config
-        )
+        nll_loss, correct_fraction = _correct_response_nll(log_prob, padded[reward_field], response_mask, policy, config)
         policy_loss = policy_loss + policy.correct_nll_coef * nll_loss
         metrics["actor/divclip/correct_nll"] = Metric(value=nll_loss, aggregation=metric_aggregation)
         metrics["actor/divclip/correct_fraction"] = Metric(value=correct_fraction, aggregation=AggregationType.MEAN)
