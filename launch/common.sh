@@ -98,6 +98,25 @@ divclip_check_experiment() {
         || divclip_die "no experiment config configs/experiments/$1.yaml"
 }
 
+# A `+profile=<name>` override must name configs/profile/<name>.yaml: checked here, before Python
+# starts, so a typo exits 2 naming the key instead of reaching Hydra (or a cluster queue).
+divclip_check_profiles() {
+    local arg name known
+    for arg in "$@"; do
+        case "$arg" in
+            +profile=* | ++profile=* | profile=*)
+                name="${arg#*=}"
+                if [[ ! -f "$DIVCLIP_ROOT/configs/profile/$name.yaml" ]]; then
+                    known="$(cd "$DIVCLIP_ROOT/configs/profile" && ls -- *.yaml 2>/dev/null | sed 's/\.yaml$//' | tr '\n' ' ')"
+                    divclip_die "+profile=$name: no configs/profile/$name.yaml; profiles: ${known% }" \
+                        "(default without +profile: the paper-text configs)"
+                fi
+                ;;
+        esac
+    done
+    return 0
+}
+
 # Splits arguments into flags (--dry-run, Hydra's --config-name X, -cn X, ...) and overrides into
 # the global arrays DIVCLIP_FLAGS / DIVCLIP_OVERRIDES: Hydra's parser needs every flag before
 # the first override, and the launcher puts its own overrides first.
@@ -130,6 +149,7 @@ divclip_launch() {
     export DIVCLIP_DATA_DIR="${DIVCLIP_DATA_DIR:-$DIVCLIP_ROOT/data}"
     cd "$DIVCLIP_ROOT"   # relative paths in the configs (recipe/reward.py) are repo-relative
     divclip_split_args "$@"
+    divclip_check_profiles "${DIVCLIP_OVERRIDES[@]}"
     exec "$(divclip_python)" -m recipe.main "${DIVCLIP_FLAGS[@]}" "+experiments=$experiment" \
         "${DIVCLIP_ENV_OVERRIDES[@]}" "${DIVCLIP_OVERRIDES[@]}"
 }

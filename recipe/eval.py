@@ -160,7 +160,10 @@ DISPLAY_NAMES = {
     "olympiadbench": "OlympiadBench",
 }
 
-_ERC_LONG = SamplingSpec(n=32, temperature=0.6, top_p=0.95, max_tokens=32768)
+# ERC paper section 4.1: avg@32 with 32k tokens on AIME24/AIME25, avg@32 with 16k on HMMT25 and
+# AMC23, avg@4 with 16k on MATH-500 and OlympiadBench; T 0.6, top-p 0.95 throughout.
+_ERC_AIME = SamplingSpec(n=32, temperature=0.6, top_p=0.95, max_tokens=32768)
+_ERC_32_AT_16K = SamplingSpec(n=32, temperature=0.6, top_p=0.95, max_tokens=16384)
 _ERC_SHORT = SamplingSpec(n=4, temperature=0.6, top_p=0.95, max_tokens=16384)
 # The ATR paper gives 8 samples at T=0.3, top-p 0.95, but no generation length: the user
 # must pass --max-tokens (the training response length) rather than get a guess.
@@ -168,10 +171,10 @@ _ATR = SamplingSpec(n=8, temperature=0.3, top_p=0.95, max_tokens=None)
 
 PRESETS: dict[str, dict[str, SamplingSpec]] = {
     "erc": {
-        "aime24": _ERC_LONG,
-        "aime25": _ERC_LONG,
-        "hmmt25": _ERC_LONG,
-        "amc23": _ERC_LONG,
+        "aime24": _ERC_AIME,
+        "aime25": _ERC_AIME,
+        "hmmt25": _ERC_32_AT_16K,
+        "amc23": _ERC_32_AT_16K,
         "math500": _ERC_SHORT,
         "olympiadbench": _ERC_SHORT,
     },

@@ -14,6 +14,7 @@ import sys
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -51,6 +52,8 @@ def validate_divclip_config(config: DictConfig) -> Any:
         )
     if target != CONFIG_TARGET:
         _drop_unset_divclip_keys(actor_cfg.policy_loss, target)
+    validate_profile(config)
+    validate_filter_groups(config)
     actor = build_actor_config(config)
     policy = actor.policy_loss
     if mode in CONSTRAINTS:
@@ -97,6 +100,53 @@ def _drop_unset_divclip_keys(policy_loss: DictConfig, target: Any) -> None:
     with open_dict(policy_loss):
         for key in ours & set(policy_loss.keys()):
             del policy_loss[key]
+
+
+#: ``+profile=<name>`` options: configs/profile/<name>.yaml; ``paper`` (the paper text) is the default.
+PROFILE_DIR = Path(__file__).resolve().parents[1] / "configs" / "profile"
+DEFAULT_PROFILE = "paper"
+#: The paper whose experiments each profile belongs to (``divclip.paper``, set by the base configs).
+PROFILE_PAPER = {"released": "erc"}
+
+
+def known_profiles() -> list[str]:
+    return [DEFAULT_PROFILE, *sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))]
+
+
+def validate_profile(config: DictConfig) -> None:
+    """``divclip.profile`` names a real profile, applied to the experiments it was written for."""
+    divclip = config.get("divclip", None) or {}
+    profile = divclip.get("profile", DEFAULT_PROFILE)
+    if profile not in known_profiles():
+        raise ConfigError(
+            f"divclip.profile={profile!r} is not a profile; known: {known_profiles()} "
+            "(select one with +profile=<name>, which also applies its settings)"
+        )
+    paper = PROFILE_PAPER.get(profile)
+    if paper is not None and divclip.get("paper", None) != paper:
+        raise ConfigError(
+            f"+profile={profile} (configs/profile/{profile}.yaml) is for the {paper.upper()} experiments "
+            f"(configs/experiments/base/{paper}.yaml), but this config has divclip.paper={divclip.get('paper', None)!r}"
+        )
+
+
+def validate_filter_groups(config: DictConfig) -> None:
+    """Dynamic sampling keys that verl 0.9.1's v1 trainer would only warn about and ignore."""
+    filter_groups = config.algorithm.get("filter_groups", None) or {}
+    if not filter_groups.get("enable", False):
+        return
+    if filter_groups.get("max_num_gen_batches", 0) > 0:
+        raise ConfigError(
+            "algorithm.filter_groups.max_num_gen_batches is ignored by verl 0.9.1's v1 trainer (its replay buffer "
+            "refills dropped groups until data.train_batch_size remain); set it to 0 and bound generation with "
+            "algorithm.filter_groups.max_inflight_gen_batches (in units of data.train_batch_size)"
+        )
+    gen_batch_size = config.data.get("gen_batch_size", None)
+    if gen_batch_size not in (None, 1):
+        raise ConfigError(
+            f"data.gen_batch_size={gen_batch_size} is replaced by 1 in verl 0.9.1's v1 trainer when "
+            "algorithm.filter_groups.enable=true; unset it and use algorithm.filter_groups.max_inflight_gen_batches"
+        )
 
 
 def _root_message(error: BaseException) -> str:

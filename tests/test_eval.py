@@ -384,3 +384,85 @@ def test_verl_best_at_k_is_a_bootstrap_not_pass_at_k() -> None:
     [(best_at_8, _)] = bootstrap_metric([1] + [0] * 7, 8, [np.max], n_bootstrap=1000, seed=42)
     assert best_at_8 == pytest.approx(1 - (7 / 8) ** 8, abs=0.03)
     assert ev.pass_at_k(8, 1, 8) == 1.0
+
+
+# ---------------------------------------------------------------- ERC section 4.1 protocol on the real benchmark files
+
+EVAL_DIR = Path(__file__).resolve().parents[1].parent / "shared/data/eval"
+REAL_ERC_FILES = {  # data_prep dataset -> file in ../shared/data/eval/, problem count
+    "aime24": ("aime24.klear.jsonl", 30),
+    "aime25": ("aime25.klear.jsonl", 30),
+    "hmmt25": ("hmmt_feb_2025.klear.jsonl", 30),
+    "amc23": ("amc23.qwen.jsonl", 40),
+    "math500": ("math500.h4.jsonl", 500),
+}
+# ERC paper section 4.1: (n, max_tokens) per benchmark, T 0.6 / top-p 0.95 throughout
+ERC_PROTOCOL = {
+    "aime24": (32, 32768),
+    "aime25": (32, 32768),
+    "hmmt25": (32, 16384),
+    "amc23": (32, 16384),
+    "math500": (4, 16384),
+    "olympiadbench": (4, 16384),
+}
+
+
+@pytest.fixture(scope="module")
+def real_erc_parquets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The real benchmark rows (../shared/data/eval/) converted by data_prep."""
+    if not EVAL_DIR.is_dir():
+        pytest.fail(f"real eval data absent: {EVAL_DIR}")
+    from data_prep.convert import convert
+
+    out = tmp_path_factory.mktemp("erc_real")
+    return {name: Path(convert(name, str(EVAL_DIR / filename), out).output)
+            for name, (filename, _count) in REAL_ERC_FILES.items()}
+
+
+def test_erc_preset_is_the_papers_section_4_1() -> None:
+    for benchmark, (n, max_tokens) in ERC_PROTOCOL.items():
+        spec = ev.resolve_sampling(benchmark, "erc")
+        assert (spec.n, spec.temperature, spec.top_p, spec.max_tokens) == (n, 0.6, 0.95, max_tokens), benchmark
+    assert set(ev.PRESETS["erc"]) == set(ERC_PROTOCOL)
+
+
+def test_erc_preset_plans_the_real_benchmarks(real_erc_parquets: dict[str, Path]) -> None:
+    plans = ev.plan_generation(list(real_erc_parquets.values()), "erc", ["n", 4])
+    by_name = {plan.benchmark: plan for plan in plans}
+    assert set(by_name) == set(REAL_ERC_FILES)
+    for name, plan in by_name.items():
+        assert len(plan.problems) == REAL_ERC_FILES[name][1], name
+        assert (plan.sampling.n, plan.sampling.max_tokens) == ERC_PROTOCOL[name], name
+    # avg@32 is available on HMMT25 and AMC23, avg@4 only on MATH-500
+    ev.plan_generation([real_erc_parquets["hmmt25"], real_erc_parquets["amc23"]], "erc", [32])
+    with pytest.raises(ValueError, match=r"'math500': k=32 needs n >= k.*n=4"):
+        ev.plan_generation([real_erc_parquets["math500"]], "erc", [32])
+
+
+def test_erc_generate_writes_16k_rows_for_hmmt25_and_amc23(tmp_path: Path, real_erc_parquets: dict[str, Path]) -> None:
+    """Real HMMT25 / AMC23 problems through run_generate: the sampler is asked for 32 x 16k, the
+    rows record it, and our reward scores the gold answer right and a wrong one wrong."""
+    import dataclasses
+
+    plans = ev.plan_generation([real_erc_parquets["hmmt25"], real_erc_parquets["amc23"]], "erc")
+    plans = [dataclasses.replace(plan, problems=plan.problems[:3]) for plan in plans]
+    seen: list[ev.SamplingSpec] = []
+
+    def sampler(conversations: list[list[dict[str, str]]], spec: ev.SamplingSpec) -> list[list[str]]:
+        seen.append(spec)
+        gold = {p.messages[-1]["content"]: p.ground_truth for plan in plans for p in plan.problems}
+        return [[f"</think> so \\boxed{{{gold[m[-1]['content']]}}}"] + ["</think> \\boxed{-12345}"] * (spec.n - 1)
+                for m in conversations]
+
+    written = ev.run_generate(plans, sampler, tmp_path / "gen", scorer=ev.reward_scorer(think="required"))
+    assert seen == [ev.SamplingSpec(32, 0.6, 0.95, 16384)] * 2
+    for path in written:
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len(rows) == 3
+        for row in rows:
+            assert row["sampling"] == {"n": 32, "temperature": 0.6, "top_p": 0.95, "max_tokens": 16384}
+            assert row["acc"] == [True] + [False] * 31, (path.name, row["ground_truth"], row["preds"][:1])
+    scored = ev.score_runs(ev.load_runs([tmp_path / "gen"]), ["n"])
+    for bench in ("hmmt25", "amc23"):
+        cell = scored["results"]["gen"][bench]
+        assert (cell["k_of_n"], cell["mean@n"]) == (32, pytest.approx(1 / 32))  # avg@32

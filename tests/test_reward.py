@@ -285,3 +285,56 @@ def test_killed_worker_is_replaced(reward: Any) -> None:
     assert victim not in pool.worker_pids()
     assert len(pool.worker_pids()) == pool.size
     assert reward.reward_stats()["workers_replaced"] > replaced
+
+
+# ----------------------------------------------------------------------------- ERC reward profiles
+
+
+def _erc_reward_kwargs(*overrides: str) -> dict[str, Any]:
+    """reward_kwargs of the ERC-DAPO 7B config as recipe.main composes it (paper text or a profile)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from recipe.main import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        config = compose(config_name="divclip_trainer", overrides=["+experiments=erc_dapo_7b", *overrides])
+    return OmegaConf.to_container(config.reward.custom_reward_function.reward_kwargs, resolve=True)
+
+
+@pytest.fixture(scope="module")
+def real_benchmark_rows(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[str, str]]:
+    """(data_source, ground_truth) of the real AIME24 / HMMT25 / AMC23 rows, converted by data_prep."""
+    import pandas as pd
+
+    from data_prep.convert import convert
+
+    if not EVAL_DIR.is_dir():
+        pytest.fail(f"real eval data absent: {EVAL_DIR}")
+    out = tmp_path_factory.mktemp("erc_reward")
+    rows = []
+    for dataset, filename in (("aime24", "aime24.klear.jsonl"), ("hmmt25", "hmmt_feb_2025.klear.jsonl"),
+                              ("amc23", "amc23.qwen.jsonl")):
+        frame = pd.read_parquet(convert(dataset, str(EVAL_DIR / filename), out).output)
+        rows += [(source, reward_model["ground_truth"]) for source, reward_model in zip(frame["data_source"], frame["reward_model"])]
+    assert len(rows) == 100
+    return rows
+
+
+@pytest.mark.parametrize(("profile", "want"), [
+    ((), {"right": 1.0, "wrong": 0.0, "no_think": -0.5}),  # paper text (documented choice)
+    (("+profile=released",), {"right": 1.0, "wrong": -1.0, "no_think": -0.5}),  # released scripts
+])
+def test_erc_profiles_reward_values_on_real_rows(
+    reward: Any, real_benchmark_rows: list[tuple[str, str]], profile: tuple[str, ...], want: dict[str, float]
+) -> None:
+    kwargs = _erc_reward_kwargs(*profile)
+    assert kwargs["think"] == "required"
+    for source, gold in real_benchmark_rows:
+        responses = {
+            "right": f"<think>Let me work it out.</think>\nThe answer is $\\boxed{{{gold}}}$.",
+            "wrong": "<think>Let me work it out.</think>\nThe answer is $\\boxed{-12345}$.",
+            "no_think": f"<think>Let me work it out, the answer is \\boxed{{{gold}}} maybe",  # truncated at 16k
+        }
+        got = {name: reward.compute_score(source, text, gold, **kwargs)["score"] for name, text in responses.items()}
+        assert got == want, (source, gold, got)

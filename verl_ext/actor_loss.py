@@ -84,7 +84,10 @@ def divclip_actor_loss(
                 "actor_rollout_ref.actor.calculate_entropy=True"
             )
     if needs_rewards:
-        fields.append(_require(data, "token_level_rewards", "policy_loss.correct_nll_coef > 0 needs token_level_rewards"))
+        # verl's v1 trainer stores the rule reward as rm_scores and writes token_level_rewards back
+        # only with algorithm.use_kl_in_reward (then it holds the KL-penalised reward).
+        reward_field = "token_level_rewards" if "token_level_rewards" in data else "rm_scores"
+        fields.append(_require(data, reward_field, "policy_loss.correct_nll_coef > 0 needs token_level_rewards or rm_scores"))
     padded = data.select(*fields).to_padded_tensor()
     response_mask = padded["response_mask"].to(bool)
     loss_agg_mode = config.loss_agg_mode
@@ -150,9 +153,7 @@ def divclip_actor_loss(
         metrics["kl_coef"] = config.kl_loss_coef
 
     if needs_rewards:
-        nll_loss, correct_fraction = _correct_response_nll(
-            log_prob, padded["token_level_rewards"], response_mask, policy, config
-        )
+        nll_loss, correct_fraction = _correct_response_nll(log_prob, padded[reward_field], response_mask, policy, config)
         policy_loss = policy_loss + policy.correct_nll_coef * nll_loss
         metrics["actor/divclip/correct_nll"] = Metric(value=nll_loss, aggregation=metric_aggregation)
         metrics["actor/divclip/correct_fraction"] = Metric(value=correct_fraction, aggregation=AggregationType.MEAN)
@@ -169,14 +170,35 @@ def _correct_response_nll(
 ) -> tuple[torch.Tensor, float]:
     """NLL over the tokens of correct responses (released ERC scripts, coefficient 0.1).
 
-    Normalised like the policy loss (verl's ``agg_loss`` with the global batch info), so it
-    is invariant to data parallelism and micro-batching; the reference normalised by the
-    correct tokens of each micro-batch instead, which differs by the fraction of tokens
-    that belong to correct responses.
+    ``policy.correct_nll_norm`` picks the normalisation:
+
+    * ``"global"`` (default): like the policy loss, verl's ``agg_loss`` with the global batch
+      info -- invariant to data parallelism and micro-batching. With ``token-mean`` the divisor
+      is every response token of the mini-batch, not only the correct ones.
+    * ``"micro_batch"``: as the released ERC code -- the token mean over the correct responses of
+      this micro-batch (``agg_loss`` without global info; 0 when it has none), times the
+      micro-batch's share of the mini-batch's sequences, ``n_micro / (global_batch_size /
+      dp_size)``, the factor the reference scaled its per-micro-batch policy loss by. Summed over
+      micro-batches and averaged over ranks this is sum_mb (n_mb / N) * mean_correct_tokens(mb).
     """
     correct = token_level_rewards.sum(-1) == policy.correct_reward
     mask = response_mask & correct.unsqueeze(-1)
-    nll = agg_loss(loss_mat=-log_prob, loss_mask=mask, loss_agg_mode=config.loss_agg_mode, **config.global_batch_info)
+    batch_info = config.global_batch_info
+    if policy.correct_nll_norm == "micro_batch":
+        if not mask.any():
+            nll = (log_prob * mask).sum()  # zero, on the graph
+        else:
+            nll = agg_loss(
+                loss_mat=-log_prob,
+                loss_mask=mask,
+                loss_agg_mode=config.loss_agg_mode,
+                loss_scale_factor=batch_info.get("loss_scale_factor"),
+            )
+        global_batch_size = batch_info.get("global_batch_size")
+        if global_batch_size:
+            nll = nll * (log_prob.shape[0] * batch_info.get("dp_size", 1) / global_batch_size)
+    else:
+        nll = agg_loss(loss_mat=-log_prob, loss_mask=mask, loss_agg_mode=config.loss_agg_mode, **batch_info)
     return nll, correct.float().mean().item()
 
 

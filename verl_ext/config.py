@@ -21,6 +21,8 @@ from typing import Any, Optional
 from verl.workers.config import PolicyLossConfig
 
 CONFIG_TARGET = "verl_ext.config.DivClipPolicyLossConfig"
+#: ``correct_nll_norm`` values: verl's global normalisation, or the released ERC code's per micro-batch one.
+CORRECT_NLL_NORMS = ("global", "micro_batch")
 
 
 def _finite(value: Any) -> bool:
@@ -56,6 +58,13 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
             entropy-aware actor loss installed by ``recipe.main`` applies it.
         correct_reward: Summed token-level reward that marks a response as correct for the
             NLL term (1.0 with this project's rewards).
+        correct_nll_norm: How the NLL term is normalised. ``"global"`` (default): like the
+            policy loss, verl's ``agg_loss`` with the global batch info (for ``token-mean``: the
+            sum over correct-response tokens divided by *all* response tokens of the mini-batch),
+            invariant to data parallelism and micro-batching. ``"micro_batch"``: as the released
+            ERC code -- the token mean over the correct responses of each micro-batch, weighted
+            by the micro-batch's share of the mini-batch's sequences (the reference's
+            ``loss_scale_factor``), so it depends on how micro-batches are formed.
         token_dump_path: Opt-in per-token JSONL dump for the ERC Figure 3 scatter
             (``python -m recipe.plots scatter``); ``{rank}`` becomes the process rank. ``None``
             (default) = off. Needs ERC on.
@@ -73,6 +82,7 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
     erc_eps: float = 1e-8
     correct_nll_coef: float = 0.0
     correct_reward: float = 1.0
+    correct_nll_norm: str = "global"
     token_dump_path: Optional[str] = None
     token_dump_every_n_steps: int = 10
     token_dump_max_tokens: int = 2048
@@ -108,6 +118,10 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
             raise ValueError(f"{prefix}.correct_nll_coef must be a finite number >= 0, got {self.correct_nll_coef!r}")
         if not _finite(self.correct_reward):
             raise ValueError(f"{prefix}.correct_reward must be a finite number, got {self.correct_reward!r}")
+        if self.correct_nll_norm not in CORRECT_NLL_NORMS:
+            raise ValueError(
+                f"{prefix}.correct_nll_norm must be one of {CORRECT_NLL_NORMS}, got {self.correct_nll_norm!r}"
+            )
         for key in ("token_dump_every_n_steps", "token_dump_max_tokens"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
