@@ -174,12 +174,16 @@ def test_atr_rows(dry_runs, script):
     assert rollout["n"] == 8 and (rollout["temperature"], rollout["top_p"]) == (1.0, 1.0)
     optim = actor["optim"]
     assert (optim["optimizer"], optim["lr"], optim["weight_decay"]) == ("AdamW", 5e-6, 1e-3)
-    # TRL 8 completions/device x 4 accumulation x 8 devices = 256 completions = 32 prompts per update,
-    # two updates per rollout (mu = 2): 500 rollouts = 1,000 optimizer steps, validation every 50 of them
-    assert data["train_batch_size"] == 32 and actor["ppo_mini_batch_size"] == 32 and actor["ppo_epochs"] == 2
+    # ATR Appendix B / Table 4: one A100, TRL 8 completions x 4 accumulation = 32 completions = 4 prompts
+    # x group 8 per update, two updates per rollout (mu = 2): 500 rollouts = 1,000 optimizer steps,
+    # validation every 50 of them
+    assert (config["trainer"]["nnodes"], config["trainer"]["n_gpus_per_node"]) == (1, 1)
+    assert data["train_batch_size"] == 4 and actor["ppo_mini_batch_size"] == 4 and actor["ppo_epochs"] == 2
+    assert actor["ppo_mini_batch_size"] * rollout["n"] == 32
     assert config["trainer"]["total_training_steps"] * actor["ppo_epochs"] == 1000
     assert config["trainer"]["test_freq"] * actor["ppo_epochs"] == 50
-    assert [Path(f).name for f in data["val_files"]] == ["amc23.parquet", "aime24.parquet", "aime25.parquet"]
+    # ATR Table 2's AMC is the 83-problem AI-MO set (AMC 2022 + 2023)
+    assert [Path(f).name for f in data["val_files"]] == ["aimo_amc.parquet", "aime24.parquet", "aime25.parquet"]
     val = rollout["val_kwargs"]
     assert (val["n"], val["temperature"], val["top_p"], val["do_sample"]) == (8, 0.3, 0.95, True)
     assert data["apply_chat_template_kwargs"] == {"enable_thinking": False}
@@ -188,7 +192,7 @@ def test_atr_rows(dry_runs, script):
 def test_data_dir_feeds_the_default_files(dry_runs):
     data = _config(dry_runs, "run_atr_grpo_qwen3_8b.sh")["data"]
     assert data["train_files"] == "/srv/divclip data/dapo-math-17k.parquet"
-    assert data["val_files"][0] == "/srv/divclip data/amc23.parquet"
+    assert data["val_files"][0] == "/srv/divclip data/aimo_amc.parquet"
 
 
 def test_quickstart(dry_runs):
@@ -289,3 +293,60 @@ def test_every_experiment_config_has_its_script_and_doc_row():
         assert f"launch/run_{name}.sh" in doc, name
     for name in SWEEP:
         assert f"`{name}`" in doc, name
+
+
+# ------------------------------------------------------------------ issue 10, ATR half (items 1, 3, 6)
+
+# one 80 GB GPU: tokens per micro-batch, parameter offload, vLLM's share of the GPU
+ATR_ONE_GPU = {"run_atr_grpo_qwen3_1.7b.sh": (16384, False, 0.5), "run_atr_grpo_qwen3_8b.sh": (8192, True, 0.5)}
+
+
+@pytest.mark.parametrize("script", sorted(ATR_SCRIPTS))
+def test_atr_one_gpu_memory_and_seed(dry_runs, script):
+    config = _config(dry_runs, script)
+    actor, rollout = _actor(config), config["actor_rollout_ref"]["rollout"]
+    tokens, offload, vllm_share = ATR_ONE_GPU[script]
+    assert actor["ppo_max_token_len_per_gpu"] == tokens and actor["use_dynamic_bsz"] is True
+    assert actor["fsdp_config"]["param_offload"] is offload
+    assert rollout["gpu_memory_utilization"] == vllm_share and rollout["tensor_model_parallel_size"] == 1
+    assert config["actor_rollout_ref"]["model"]["enable_gradient_checkpointing"] is True
+    # one seed drives data order, the LoRA init and vLLM sampling
+    assert config["data"]["seed"] == actor["fsdp_config"]["seed"] == rollout["seed"] == 42
+
+
+@pytest.mark.parametrize("script", sorted(ATR_SCRIPTS))
+def test_atr_reward_is_one_or_zero(dry_runs, script):
+    """ATR section 6.1: +1 for a correct final answer, 0 otherwise (tests/test_reward_scores.py scores rows)."""
+    kwargs = _config(dry_runs, script)["reward"]["custom_reward_function"]["reward_kwargs"]
+    assert kwargs == {"think": "auto", "correct_score": 1.0, "wrong_score": 0.0, "unparseable_score": 0.0,
+                      "truncated_score": 0.0}
+
+
+def test_atr_gpus_per_node_is_the_one_scaling_knob():
+    """GPUS_PER_NODE=D spreads the paper's 32-completion optimizer step over D GPUs; the step is unchanged."""
+    proc = run_script("run_atr_grpo_qwen3_1.7b.sh", "--dry-run", env={"GPUS_PER_NODE": "8"})
+    config = _load(proc)
+    actor = _actor(config)
+    assert config["trainer"]["n_gpus_per_node"] == 8
+    assert config["data"]["train_batch_size"] == 4 and actor["ppo_mini_batch_size"] == 4 and actor["ppo_epochs"] == 2
+
+
+def test_sweep_seeds():
+    """--seeds runs every row once per seed, each named <row>_seed<S> with data.seed=S."""
+    proc = run_script("sweep_atr_baselines.sh", "--dry-run", "--only", "atr", "--seeds", "1,2", env={"SWEEP_JOBS": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = re.findall(r"^--- # (\S+)$", proc.stdout, flags=re.M)
+    configs = dict(zip(names, yaml.safe_load_all(proc.stdout), strict=True))
+    assert list(configs) == ["atr_seed1", "atr_seed2"]
+    for seed in (1, 2):
+        config = configs[f"atr_seed{seed}"]
+        assert config["trainer"]["experiment_name"] == f"atr_1.7b_atr_seed{seed}"
+        assert config["data"]["seed"] == seed and config["actor_rollout_ref"]["rollout"]["seed"] == seed
+        assert _actor(config)["fsdp_config"]["seed"] == seed
+        _check_sweep_row("atr", {**config, "trainer": {**config["trainer"], "experiment_name": "atr_1.7b_atr"}})
+
+
+@pytest.mark.parametrize("seeds, message", [("1,x", "'x' is not a non-negative integer"), ("1,1", "seed 1 given twice")])
+def test_sweep_bad_seeds(seeds, message):
+    proc = run_script("sweep_atr_baselines.sh", "--list", "--seeds", seeds)
+    assert proc.returncode == 2 and message in proc.stderr
