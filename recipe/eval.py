@@ -144,6 +144,9 @@ BENCHMARK_ALIASES = {
     "hmmt_feb_2025": "hmmt25",
     "hmmt-202502": "hmmt25",
     "amc23": "amc23",
+    "aimo_amc": "aimo_amc",
+    "aimo-amc": "aimo_amc",
+    "aimo-validation-amc": "aimo_amc",
     "math500": "math500",
     "math-500": "math500",
     "olympiadbench": "olympiadbench",
@@ -158,13 +161,13 @@ DISPLAY_NAMES = {
     "math500": "MATH-500",
     "amc23": "AMC23",
     "olympiadbench": "OlympiadBench",
+    "aimo_amc": "AMC22+23",
 }
 
 _ERC_LONG = SamplingSpec(n=32, temperature=0.6, top_p=0.95, max_tokens=32768)
 _ERC_SHORT = SamplingSpec(n=4, temperature=0.6, top_p=0.95, max_tokens=16384)
-# The ATR paper gives 8 samples at T=0.3, top-p 0.95, but no generation length: the user
-# must pass --max-tokens (the training response length) rather than get a guess.
-_ATR = SamplingSpec(n=8, temperature=0.3, top_p=0.95, max_tokens=None)
+# ATR paper, Table 4: 8 samples at T 0.3, top-p 0.95, at most 32,768 new tokens (Mean@8 / Pass@8).
+_ATR = SamplingSpec(n=8, temperature=0.3, top_p=0.95, max_tokens=32768)
 
 PRESETS: dict[str, dict[str, SamplingSpec]] = {
     "erc": {
@@ -177,6 +180,27 @@ PRESETS: dict[str, dict[str, SamplingSpec]] = {
     },
     "atr": {name: _ATR for name in DISPLAY_NAMES},
 }
+
+#: Chat-template keywords of a preset, passed to vLLM's ``LLM.chat(chat_template_kwargs=...)``:
+#: a checkpoint is evaluated in the mode it was trained in. The ATR runs train Qwen3 in
+#: non-thinking mode (``data.apply_chat_template_kwargs.enable_thinking=false``).
+PRESET_CHAT_TEMPLATE_KWARGS: dict[str, dict[str, Any]] = {
+    "erc": {},
+    "atr": {"enable_thinking": False},
+}
+
+
+def resolve_chat_template_kwargs(preset: str | None, given: str | None) -> dict[str, Any]:
+    """``--chat-template-kwargs`` (a JSON object) if given, else the preset's; ValueError names the flag."""
+    if given is None:
+        return dict(PRESET_CHAT_TEMPLATE_KWARGS.get(preset or "", {}))
+    try:
+        value = json.loads(given)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--chat-template-kwargs must be a JSON object, e.g. '{{\"enable_thinking\": false}}': {exc.msg}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"--chat-template-kwargs must be a JSON object, got {type(value).__name__}: {given!r}")
+    return value
 
 
 def canonical_benchmark(name: str) -> str:
@@ -414,8 +438,18 @@ def check_model_path(model: str | os.PathLike[str]) -> Path:
     return path
 
 
-def vllm_sampler(model: str, tensor_parallel_size: int = 1, seed: int = 0, max_model_len: int | None = None) -> Sampler:
+def vllm_sampler(
+    model: str,
+    tensor_parallel_size: int = 1,
+    seed: int = 0,
+    max_model_len: int | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> Sampler:
     """The real sampler: one vLLM engine, chat-templated prompts, ``n`` samples per prompt.
+
+    ``chat_template_kwargs`` reach the model's chat template through vLLM's
+    ``LLM.chat(chat_template_kwargs=...)`` (Qwen3: ``{"enable_thinking": False}`` ends the prompt
+    with an empty ``<think></think>`` block, the mode the ATR runs train in).
 
     vLLM is imported here, not at module level, so everything else in this module (argument
     validation, scoring, tests) works on machines without a GPU or vLLM.
@@ -431,7 +465,7 @@ def vllm_sampler(model: str, tensor_parallel_size: int = 1, seed: int = 0, max_m
         params = SamplingParams(
             n=spec.n, temperature=spec.temperature, top_p=spec.top_p, max_tokens=spec.max_tokens, seed=seed
         )
-        outputs = llm.chat(conversations, params, use_tqdm=True)
+        outputs = llm.chat(conversations, params, use_tqdm=True, chat_template_kwargs=dict(chat_template_kwargs or {}))
         return [[completion.text for completion in request.outputs] for request in outputs]
 
     return sample
@@ -848,7 +882,9 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--n", type=int, help="samples per problem (overrides the preset)")
     gen.add_argument("--temperature", type=float)
     gen.add_argument("--top-p", type=float)
-    gen.add_argument("--max-tokens", type=int, help="generation length (required with --preset atr)")
+    gen.add_argument("--max-tokens", type=int, help="generation length (overrides the preset)")
+    gen.add_argument("--chat-template-kwargs", help="JSON object for the chat template (default: the preset's; "
+                     "atr: {\"enable_thinking\": false})")
     gen.add_argument("--k", default="n", help="k-values you will score, checked against n (e.g. 1,8,32)")
     gen.add_argument("--think", default="auto", choices=("auto", "required", "off"), help="reward think mode")
     gen.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -896,8 +932,11 @@ def _generate_cli(args: argparse.Namespace, sampler_factory: Callable[..., Sampl
     for plan in plans:
         s = plan.sampling
         print(f"{plan.benchmark}: {len(plan.problems)} problems, n={s.n}, T={s.temperature}, top_p={s.top_p}, max_tokens={s.max_tokens}")
+    chat_kwargs = resolve_chat_template_kwargs(args.preset, args.chat_template_kwargs)
+    print(f"chat_template_kwargs: {json.dumps(chat_kwargs)}")
     sampler = sampler_factory(
-        model=str(model), tensor_parallel_size=args.tensor_parallel_size, seed=args.seed, max_model_len=args.max_model_len
+        model=str(model), tensor_parallel_size=args.tensor_parallel_size, seed=args.seed, max_model_len=args.max_model_len,
+        chat_template_kwargs=chat_kwargs,
     )
     written = run_generate(plans, sampler, out, reward_scorer(args.think), model=str(model), overwrite=args.overwrite)
     for path in written:
