@@ -94,3 +94,182 @@ def test_aimo_amc_duplicate_problem_is_an_error(tmp_path: Path) -> None:
     rows.append({**rows[0], "id": 99})
     with pytest.raises(DataPrepError, match="duplicate problem"):
         convert("aimo-amc", str(write_aimo(tmp_path / "dup.parquet", rows)), tmp_path)
+
+
+# ---------------------------------------------------------------- OpenMathReasoning (SFT set)
+
+from data_prep.openmath import (  # noqa: E402
+    EVAL_OVERLAP, NO_THINK_CLOSE, NO_VERIFIABLE_ANSWER, NOT_COT, OTHER_SOLUTION, TOO_LONG, convert_openmath,
+)
+
+#: nvidia/OpenMathReasoning's columns and dtypes (dataset card, splits cot/tir/genselect/additional_problems)
+OMR_SCHEMA = pa.schema([
+    ("expected_answer", pa.string()), ("problem_type", pa.string()), ("problem_source", pa.string()),
+    ("generation_model", pa.string()), ("pass_rate_72b_tir", pa.string()), ("problem", pa.string()),
+    ("generated_solution", pa.string()), ("inference_mode", pa.string()), ("used_in_kaggle", pa.bool_()),
+])
+QWEN3_STYLE_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
+def omr_row(problem: str, answer: str | None, solution: str, mode: str = "cot",
+            problem_type: str = "has_answer_extracted") -> dict[str, Any]:  # fmt: skip
+    return {"expected_answer": answer, "problem_type": problem_type, "problem_source": "aops_c4_high_school_math",
+            "generation_model": "DeepSeek-R1", "pass_rate_72b_tir": "0.5", "problem": problem,
+            "generated_solution": solution, "inference_mode": mode, "used_in_kaggle": False}  # fmt: skip
+
+
+def char_tokenizer(chat_template: str) -> Any:
+    """A character-level tokenizer over printable ASCII with ChatML specials (decode(encode(s)) == s),
+    built locally: no hub. One token per character, so token counts are character counts."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    vocab = {token: i for i, token in enumerate([*specials, *dict.fromkeys(string.printable)])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        unk_token="<unk>", additional_special_tokens=specials[1:3],
+                                        model_max_length=100_000, clean_up_tokenization_spaces=False)  # fmt: skip
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def qwen3_like_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tok")
+    char_tokenizer(QWEN3_STYLE_TEMPLATE).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def eval_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("evalsets")
+    assert cli_main(["aime24", "--input", str(EVAL_DIR / "aime24.klear.jsonl"), "--output", str(out)]) == 0
+    return out
+
+
+def omr_fixture(path: Path) -> tuple[Path, str]:
+    aime_problem = json.loads((EVAL_DIR / "aime24.klear.jsonl").read_text().splitlines()[0])["messages"][0]["content"]
+    rows = [
+        omr_row("Find 1+1.", "2", "<think>\nlong trace 1+1...\n</think>\nWe add: 1+1=2, so \\boxed{2}."),
+        omr_row("Find 1+1.", "2", "<think>\nother\n</think>\n1+1 = \\boxed{2}."),  # shorter: this one is kept
+        omr_row("Find 2+3.", "5", "<think>\n...\n</think>\nThe sum is \\boxed{5}.", mode="tir"),
+        omr_row("Find 2+4.", "6", "<think>\n...\n</think>\nThe sum is \\boxed{6}.", problem_type="no_answer_extracted"),
+        omr_row("Find 3+4.", "7", "<think>\nnever closed"),
+        omr_row(aime_problem.replace("$", " $ "), "73", "<think>x</think>\nThe answer is \\boxed{73}."),
+        omr_row("Find 9+9.", "18", "<think>x</think>\n" + "Add the numbers carefully. " * 200 + "\\boxed{18}"),
+        omr_row("Compute 6*7.", "42", "<think>x</think>\n6*7 = \\boxed{42}."),
+    ]
+    pq.write_table(pa.Table.from_pylist(rows, schema=OMR_SCHEMA), path)
+    return path, aime_problem
+
+
+def test_openmathreasoning_sft_rows(tmp_path: Path, qwen3_like_tokenizer: Path, eval_dir: Path) -> None:
+    source, _ = omr_fixture(tmp_path / "cot-00000-of-00144.parquet")
+    summary = convert_openmath(str(source), tmp_path / "out", str(qwen3_like_tokenizer), [str(eval_dir)],
+                               sample=10, max_tokens=2048)  # fmt: skip
+    assert summary.rows_read == 8 and summary.rows_written == 2
+    assert summary.dropped == {NOT_COT: 1, NO_VERIFIABLE_ANSWER: 1, NO_THINK_CLOSE: 1, EVAL_OVERLAP: 1,
+                               OTHER_SOLUTION: 1, TOO_LONG: 1}  # fmt: skip
+    assert summary.excluded_problems == 30
+    out = pd.read_parquet(summary.output)
+    assert Path(summary.output).name == "openmathreasoning_sft.parquet"
+    by_problem = {row["extra_info"]["problem"]: row for _, row in out.iterrows()}
+    assert set(by_problem) == {"Find 1+1.", "Compute 6*7."}
+    row = by_problem["Find 1+1."]
+    user, assistant = row["messages"]
+    # the RL prompt's text (DAPO-Math Answer: instruction), the shortest solution, the Answer: line
+    assert user["role"] == "user" and user["content"].startswith("Solve the following math problem step by step.")
+    assert "Find 1+1." in user["content"] and user["content"].endswith('after "Answer:".')
+    assert assistant == {"role": "assistant", "content": "1+1 = \\boxed{2}.\n\nAnswer: 2"}
+    assert not row["enable_thinking"] and row["data_source"] == "openmathreasoning"
+    assert all(r["extra_info"]["num_tokens"] <= 2048 for _, r in out.iterrows())
+
+
+def test_openmathreasoning_sample_is_deterministic_and_bounded(tmp_path: Path, qwen3_like_tokenizer: Path,
+                                                               eval_dir: Path) -> None:  # fmt: skip
+    rows = [omr_row(f"Find {i}+{i}.", str(2 * i), f"<think>t</think>\nIt is \\boxed{{{2 * i}}}.") for i in range(50)]
+    forward, backward = tmp_path / "f.parquet", tmp_path / "b.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=OMR_SCHEMA), forward)
+    pq.write_table(pa.Table.from_pylist(rows[::-1], schema=OMR_SCHEMA), backward)
+    picked = []
+    for source, out in ((forward, tmp_path / "o1"), (backward, tmp_path / "o2")):
+        summary = convert_openmath(str(source), out, str(qwen3_like_tokenizer), [str(eval_dir)], sample=7)
+        assert summary.rows_written == 7 and sum(summary.dropped.values()) == 43
+        picked.append([r["extra_info"]["problem"] for _, r in pd.read_parquet(summary.output).iterrows()])
+    assert picked[0] == picked[1]  # the sample does not depend on the input order
+
+
+def test_openmathreasoning_bad_input_is_a_clear_error(tmp_path: Path, qwen3_like_tokenizer: Path,
+                                                      eval_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    out = tmp_path / "out"
+    good, _ = omr_fixture(tmp_path / "good.parquet")
+    convert_openmath(str(good), out, str(qwen3_like_tokenizer), [str(eval_dir)])
+    before = (out / "openmathreasoning_sft.parquet").read_bytes()
+    wrong = tmp_path / "wrong.jsonl"  # a solutions file with other column names
+    wrong.write_text(json.dumps({"question": "Find 1+1.", "solution": "2", "answer": "2"}) + "\n")
+    argv = ["openmathreasoning", "--input", str(wrong), "--output", str(out), "--tokenizer", str(qwen3_like_tokenizer),
+            "--exclude", str(eval_dir)]  # fmt: skip
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "wrong.jsonl: not the nvidia/OpenMathReasoning layout" in err and "'generated_solution'" in err
+    assert (out / "openmathreasoning_sft.parquet").read_bytes() == before  # nothing already written is lost
+    with pytest.raises(DataPrepError, match="needs --exclude"):
+        convert_openmath(str(good), out, str(qwen3_like_tokenizer), [])
+    with pytest.raises(DataPrepError, match="--tokenizer .* could not be loaded"):
+        convert_openmath(str(good), out, str(tmp_path / "no-such-model"), [str(eval_dir)])
+
+
+def test_sft_dataset_feeds_the_rl_prompt(tmp_path: Path, qwen3_like_tokenizer: Path, eval_dir: Path) -> None:
+    """verl's SFT trainer reads the rows through recipe.sft_dataset: prompt = the RL rollout's prompt
+    (chat template + non-thinking generation prompt), loss on the target and its end-of-turn only."""
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from recipe.sft_dataset import RLPromptSFTDataset
+
+    source, _ = omr_fixture(tmp_path / "cot.parquet")
+    summary = convert_openmath(str(source), tmp_path / "out", str(qwen3_like_tokenizer), [str(eval_dir)])
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_like_tokenizer)
+    config = OmegaConf.create({"max_length": 2048, "truncation": "error", "pad_mode": "no_padding",
+                               "apply_chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
+    dataset = RLPromptSFTDataset(summary.output, tokenizer, config)
+    row = pd.read_parquet(summary.output).iloc[0]
+    item = dataset[0]
+    ids, loss = item["input_ids"].tolist(), item["loss_mask"].tolist()
+    user, assistant = row["messages"]
+    rl_prompt = tokenizer.apply_chat_template([{"role": "user", "content": user["content"]}], add_generation_prompt=True,
+                                              tokenize=False, enable_thinking=False)  # fmt: skip
+    assert rl_prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    n_prompt = loss.index(1)
+    assert tokenizer.decode(ids[:n_prompt]) == rl_prompt
+    assert tokenizer.decode(ids[n_prompt:]) == assistant["content"] + "<|im_end|>"
+    assert loss == [0] * n_prompt + [1] * (len(ids) - n_prompt)
+    assert len(ids) == row["extra_info"]["num_tokens"]
+
+
+def test_sft_dataset_rejects_other_conversations(tmp_path: Path, qwen3_like_tokenizer: Path) -> None:
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from recipe.sft_dataset import RLPromptSFTDataset
+
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist([{"messages": [{"role": "assistant", "content": "x"},
+                                                       {"role": "user", "content": "y"}]}]), path)  # fmt: skip
+    dataset = RLPromptSFTDataset(str(path), AutoTokenizer.from_pretrained(qwen3_like_tokenizer),
+                                 OmegaConf.create({"pad_mode": "no_padding"}))  # fmt: skip
+    with pytest.raises(ValueError, match=r"must be \[user, assistant\]; expected role 'user'"):
+        dataset[0]
