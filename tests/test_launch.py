@@ -29,7 +29,9 @@ ERC_SCRIPTS = {  # script -> (model, loss_mode, eps_low, eps_high, ERC on)
     "run_gppo_7b.sh": ("DeepSeek-R1-Distill-Qwen-7B", "gppo", 0.2, 0.2, False),
     "run_erc_gppo_7b.sh": ("DeepSeek-R1-Distill-Qwen-7B", "gppo", 0.2, 0.2, True),
 }
-ATR_SCRIPTS = {"run_atr_grpo_qwen3_1.7b.sh": "Qwen/Qwen3-1.7B", "run_atr_grpo_qwen3_8b.sh": "Qwen/Qwen3-8B"}
+# ATR Appendix B: every run starts from the OpenMathReasoning SFT checkpoint (launch/run_sft_openmath_qwen3_*.sh)
+ATR_SCRIPTS = {"run_atr_grpo_qwen3_1.7b.sh": "checkpoints/divclip-sft/sft_openmath_qwen3_1.7b/merged_hf",
+               "run_atr_grpo_qwen3_8b.sh": "checkpoints/divclip-sft/sft_openmath_qwen3_8b/merged_hf"}
 
 # sweep row -> the policy-loss settings it must resolve to (ATR Table 2, Table 3, delta ablation)
 SWEEP = {
@@ -234,7 +236,7 @@ def _check_sweep_row(name: str, config: Any) -> None:
     if "dual_clip_c" not in want:
         assert policy["dual_clip_c"] is None, name
     # every row keeps the ATR backbone
-    assert config["actor_rollout_ref"]["model"]["path"] == "Qwen/Qwen3-1.7B"
+    assert config["actor_rollout_ref"]["model"]["path"] == ATR_SCRIPTS["run_atr_grpo_qwen3_1.7b.sh"]
     assert config["actor_rollout_ref"]["model"]["lora_rank"] == 32
     assert config["algorithm"]["norm_adv_by_std_in_grpo"] is False
     assert config["trainer"]["experiment_name"] == f"atr_1.7b_{name}"
@@ -286,7 +288,8 @@ def test_bad_environment_is_a_clear_error(env, message):
 
 def test_every_experiment_config_has_its_script_and_doc_row():
     configs = {p.stem for p in (ROOT / "configs" / "experiments").glob("*.yaml")}
-    scripts = {p.name[len("run_"):-len(".sh")] for p in LAUNCH.glob("run_*.sh") if not p.name.startswith("run_smoke_cpu")}
+    scripts = {p.name[len("run_"):-len(".sh")] for p in LAUNCH.glob("run_*.sh")
+               if not p.name.startswith(("run_smoke_cpu", "run_sft_"))}  # SFT: test_sft_scripts_and_configs
     assert configs == scripts
     doc = (ROOT / "docs" / "experiments.md").read_text()
     for name in scripts:
@@ -350,3 +353,65 @@ def test_sweep_seeds():
 def test_sweep_bad_seeds(seeds, message):
     proc = run_script("sweep_atr_baselines.sh", "--list", "--seeds", seeds)
     assert proc.returncode == 2 and message in proc.stderr
+
+
+# ------------------------------------------------------------------ issue 10, ATR half (item 2: SFT stage)
+
+SFT_SCRIPTS = {"run_sft_openmath_qwen3_1.7b.sh": ("Qwen/Qwen3-1.7B", 16384, False),
+               "run_sft_openmath_qwen3_8b.sh": ("Qwen/Qwen3-8B", 8192, True)}
+
+
+@pytest.fixture(scope="module")
+def sft_dry_runs() -> dict[str, subprocess.CompletedProcess]:
+    jobs = {script: (script, ("--dry-run",), None) for script in SFT_SCRIPTS}
+    jobs["env"] = ("run_sft_openmath_qwen3_1.7b.sh", ("--dry-run", "optim.lr=2e-5"),
+                   {"MODEL_PATH": "/m/qwen3 1.7b", "TRAIN_FILES": "/d/sft.parquet", "MERGED_DIR": "/out/merged",
+                    "CKPT_DIR": "/ckpt/sft", "GPUS_PER_NODE": "2"})  # fmt: skip
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {key: pool.submit(run_script, script, *args, env=env) for key, (script, args, env) in jobs.items()}
+        return {key: future.result() for key, future in futures.items()}
+
+
+@pytest.mark.parametrize("script", sorted(SFT_SCRIPTS))
+def test_sft_rows(sft_dry_runs, script):
+    """ATR Appendix B: SFT on OpenMathReasoning before RL, LoRA r32/a64, one GPU, rows of <= 2,048 tokens
+    in the RL prompt format, merged into the folder the ATR script starts from."""
+    base, tokens, offload = SFT_SCRIPTS[script]
+    config = _load(sft_dry_runs[script])
+    model, data, trainer = config["model"], config["data"], config["trainer"]
+    assert model["path"] == base
+    assert (model["lora_rank"], model["lora_alpha"], model["target_modules"]) == (32, 64, "all-linear")
+    assert (trainer["nnodes"], trainer["n_gpus_per_node"]) == (1, 1)
+    assert data["train_files"].endswith("/openmathreasoning_sft.parquet")
+    assert data["max_length"] == 2048 and data["truncation"] == "error"
+    assert data["apply_chat_template_kwargs"] == {"enable_thinking": False}
+    assert data["custom_cls"] == {"path": "recipe/sft_dataset.py", "name": "RLPromptSFTDataset"}
+    assert data["max_token_len_per_gpu"] == tokens and config["engine"]["param_offload"] is offload
+    # the merged model is where the matching ATR config starts
+    name = script[len("run_sft_"):-len(".sh")]
+    atr = "run_atr_grpo_qwen3_" + name.rsplit("_", 1)[1] + ".sh"
+    assert config["divclip"]["merged_dir"] == ATR_SCRIPTS[atr]
+    assert trainer["experiment_name"] == f"sft_{name}" and trainer["default_local_dir"] == f"checkpoints/divclip-sft/sft_{name}"
+
+
+def test_sft_environment_overrides(sft_dry_runs):
+    config = _load(sft_dry_runs["env"])
+    assert config["model"]["path"] == "/m/qwen3 1.7b" and config["data"]["train_files"] == "/d/sft.parquet"
+    assert config["divclip"]["merged_dir"] == "/out/merged" and config["trainer"]["default_local_dir"] == "/ckpt/sft"
+    assert config["trainer"]["n_gpus_per_node"] == 2 and config["optim"]["lr"] == 2e-5
+
+
+def test_sft_scripts_and_configs():
+    configs = {p.stem for p in (ROOT / "configs" / "sft").glob("*.yaml")}
+    scripts = {p.name[len("run_sft_"):-len(".sh")] for p in LAUNCH.glob("run_sft_*.sh")}
+    assert configs == scripts == {"openmath_qwen3_1.7b", "openmath_qwen3_8b"}
+    doc = (ROOT / "docs" / "experiments.md").read_text()
+    for name in scripts:
+        assert f"launch/run_sft_{name}.sh" in doc, name
+
+
+def test_sft_bad_config_is_a_clear_error():
+    proc = run_script("run_sft_openmath_qwen3_1.7b.sh", "--dry-run", "data.max_length=0")
+    assert proc.returncode == 2 and "data.max_length must be a positive integer" in proc.stderr and proc.stdout == ""
+    proc = run_script("run_sft_openmath_qwen3_1.7b.sh", "--dry-run", env={"GPUS_PER_NODE": "x"})
+    assert proc.returncode == 2 and "GPUS_PER_NODE must be a positive integer" in proc.stderr
