@@ -13,6 +13,7 @@ One GPU: ``python -m recipe.sft ...``. Several: ``torchrun --nproc_per_node=D -m
 ``trainer.device=cpu`` run the same code on gloo (the CPU test does).
 
 ``--dry-run`` (or ``divclip.dry_run=true``) prints the resolved config as YAML on stdout and exits.
+``python -m recipe.sft merge --checkpoint DIR --output DIR`` merges any LoRA checkpoint (SFT or RL).
 """
 
 from __future__ import annotations
@@ -142,6 +143,8 @@ def merge_checkpoint(step_dir: str | os.PathLike[str], target_dir: str | os.Path
     from verl.model_merger.base_model_merger import ModelMergerConfig
     from verl.model_merger.fsdp_model_merger import FSDPModelMerger
 
+    if not Path(step_dir).is_dir():
+        raise SFTConfigError(f"checkpoint {step_dir} is not a folder")
     shards = _shard_dir(Path(step_dir))
     target = Path(target_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -153,7 +156,7 @@ def merge_checkpoint(step_dir: str | os.PathLike[str], target_dir: str | os.Path
                                                target_dir=str(gathered), hf_model_config_path=str(hf_config)))
     merger.merge_and_save()
     merger.cleanup()
-    # the base model's own dtype (Qwen3: bfloat16); verl's merger labels everything bfloat16
+    # the base model's own dtype (Qwen3: bfloat16); verl's merger gathers everything in bfloat16
     dtype = _config_dtype(hf_config / "config.json")
     model = AutoModelForCausalLM.from_pretrained(gathered, dtype=getattr(torch, dtype))
     adapter = gathered / "lora_adapter"
@@ -206,8 +209,30 @@ def _hydra_main(config: DictConfig) -> None:
     run(config)
 
 
+def merge_main(argv: list[str]) -> int:
+    """``python -m recipe.sft merge --checkpoint DIR --output DIR``: any verl FSDP checkpoint with a
+    LoRA adapter (an SFT step folder, or an RL run's ``global_step_N/actor``) as one merged HF model,
+    e.g. to evaluate ATR checkpoints with ``python -m recipe.eval generate`` (verl's own
+    ``model_merger`` writes the adapter beside the base weights, which vLLM would then ignore)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m recipe.sft merge", description=merge_main.__doc__)
+    parser.add_argument("--checkpoint", required=True, help="verl checkpoint folder (global_step_N or its actor/)")
+    parser.add_argument("--output", required=True, help="folder for the merged Hugging Face model")
+    args = parser.parse_args(argv)
+    try:
+        merged = merge_checkpoint(args.checkpoint, args.output)
+    except SFTConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"merged {args.checkpoint} -> {merged}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["merge"]:
+        sys.exit(merge_main(argv[1:]))
     if "--dry-run" in argv:
         argv = [a for a in argv if a != "--dry-run"] + ["divclip.dry_run=true"]
         argv += ["hydra/job_logging=none", "hydra/hydra_logging=none", "hydra.output_subdir=null", "hydra.run.dir=."]

@@ -57,7 +57,7 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     _run(["bash", str(ROOT / "launch/run_smoke_cpu.sh")],
          _env(SMOKE_OUT=str(rl_out), SMOKE_MODEL=str(merged), LOSS="kl3", STEPS="1", SAVE_FREQ="-1", TEST_FREQ="-1"),
          900)  # fmt: skip
-    return {"assets": assets, "merged": merged, "sft_log": sft_log, "rl": rl_out}
+    return {"assets": assets, "merged": merged, "sft_log": sft_log, "rl": rl_out, "ckpt": out / "sft"}
 
 
 def _greedy_accuracy(model_path: Path, val: pd.DataFrame) -> float:
@@ -127,3 +127,14 @@ def test_rl_starts_from_the_sft_model(chain: dict[str, Any]) -> None:
     assert metrics[0]["val-core/smoke_echo/acc/mean@1"] == pytest.approx(sft_acc, abs=1e-9)
     assert 0.0 <= metrics[1]["critic/score/mean"] <= 1.0  # and one KL3 training step ran on it
     assert metrics[1]["actor/divclip/ratio_lower"] == pytest.approx(0.671, abs=1e-3)
+
+
+def test_merge_cli_on_any_lora_checkpoint(chain: dict[str, Any], tmp_path: Path) -> None:
+    """``python -m recipe.sft merge`` (for RL checkpoints too) gives the same model as the SFT run's merge."""
+    step = chain["ckpt"] / f"global_step_{SFT_STEPS}"
+    _run([sys.executable, "-m", "recipe.sft", "merge", "--checkpoint", str(step), "--output", str(tmp_path / "m")],
+         _env(), 300)  # fmt: skip
+    assert (tmp_path / "m" / "model.safetensors").read_bytes() == (chain["merged"] / "model.safetensors").read_bytes()
+    proc = subprocess.run([sys.executable, "-m", "recipe.sft", "merge", "--checkpoint", str(tmp_path / "none"),
+                           "--output", str(tmp_path / "x")], cwd=ROOT, env=_env(), capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and "is not a folder" in proc.stderr and not (tmp_path / "x").exists()
