@@ -206,7 +206,11 @@ def run(config: DictConfig) -> None:
 
 @hydra.main(config_path=CONFIG_DIR, config_name="sft_trainer", version_base=None)
 def _hydra_main(config: DictConfig) -> None:
-    run(config)
+    try:
+        run(config)
+    except SFTConfigError as exc:  # inside Hydra's task: its own handler would exit 1 with a traceback hint
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 def merge_main(argv: list[str]) -> int:
@@ -238,11 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         argv += ["hydra/job_logging=none", "hydra/hydra_logging=none", "hydra.output_subdir=null", "hydra.run.dir=."]
         logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     sys.argv = [sys.argv[0]] + argv
-    try:
-        _hydra_main()
-    except SFTConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    _hydra_main()
 
 
 if __name__ == "__main__":

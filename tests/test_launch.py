@@ -155,7 +155,9 @@ def test_erc_rows(dry_runs, script):
     assert (val["n"], val["temperature"], val["top_p"], val["do_sample"]) == (32, 0.6, 0.95, True)
     assert rollout["name"] == "vllm"
     assert config["reward"]["custom_reward_function"] == {
-        "path": "recipe/reward.py", "name": "compute_score", "reward_kwargs": {"think": "required"}}
+        "path": "recipe/reward.py", "name": "compute_score", "reward_kwargs": {
+            "think": "required", "correct_score": 1.0, "wrong_score": 0.0, "unparseable_score": 0.0,
+            "truncated_score": -0.5}}  # the ERC runs' scores, stated (tests/test_reward_scores.py scores rows)
     assert config["trainer"]["experiment_name"] == script[len("run_"):-len(".sh")]
     assert config["trainer"]["project_name"] == "divclip-erc"
 
