@@ -32,6 +32,17 @@ class DatasetSpec:
     #: Keep the input row's own ``data_source`` (Klear's ``math_longcot_math_verify`` selects
     #: the think-aware route of recipe/reward.py).
     keep_input_data_source: bool = False
+    #: Output file stem (default: the dataset name): ``<output_name>.parquet``.
+    output_name: str | None = None
+    #: Columns the input must have (checked before any row is read), besides the layout's own.
+    required_columns: frozenset[str] = frozenset()
+    #: A benchmark whose every problem counts (a score is a multiple of 1/N): a row that cannot
+    #: be used is an error naming it, instead of a counted drop, and nothing is written.
+    strict: bool = False
+
+    @property
+    def filename(self) -> str:
+        return f"{self.output_name or self.name}.parquet"
 
 
 DATASETS: dict[str, DatasetSpec] = {
@@ -42,6 +53,10 @@ DATASETS: dict[str, DatasetSpec] = {
         DatasetSpec("aime24", "aime24", "test", "boxed"),
         DatasetSpec("aime25", "aime25", "test", "boxed"),
         DatasetSpec("amc23", "amc23", "test", "boxed"),
+        # ATR Table 2's AMC2023: AI-MO/aimo-validation-amc, 83 problems of AMC 2022 and 2023
+        # (columns id, problem, answer as a float, url); amc23 (40 problems) stays for the ERC runs.
+        DatasetSpec("aimo-amc", "aimo_amc", "test", "boxed", output_name="aimo_amc",
+                    required_columns=frozenset({"id", "problem", "answer", "url"}), strict=True),
         DatasetSpec("math500", "math500", "test", "boxed"),
         DatasetSpec("hmmt25", "hmmt25", "test", "boxed"),
         DatasetSpec("olympiadbench", "olympiadbench", "test", "boxed"),
@@ -179,6 +194,12 @@ def convert(
         raise DataPrepError(f"unknown template {template!r}; choose one of {sorted(TEMPLATES)}")
 
     records = open_input(source, split=split, config=config)
+    missing = sorted(spec.required_columns - set(records.columns))
+    if missing:
+        raise DataPrepError(
+            f"{records.description}: {dataset} needs column(s) {missing} (upstream layout "
+            f"{sorted(spec.required_columns)}); columns found: {sorted(records.columns)}"
+        )
     layout = detect_layout(records.columns, records.description)
     summary = Summary(layout=layout.name)
     dedupe = Deduplicator()
@@ -186,6 +207,12 @@ def convert(
         summary.rows_read += 1
         item = convert_row(layout, row, position)
         if isinstance(item, Rejected):
+            if spec.strict:
+                row_id = row.get("id") if isinstance(row, dict) else None
+                raise DataPrepError(
+                    f"{records.description}: row {position}" + (f" (id {row_id})" if row_id is not None else "")
+                    + f": {item.reason}; every {dataset} problem counts, so nothing was written"
+                )
             summary.dropped[item.reason] += 1
             continue
         bare = strip_known_template(item.problem)
@@ -194,6 +221,10 @@ def convert(
         dedupe.add(item)
 
     kept = dedupe.finish(summary)
+    if spec.strict and summary.dropped:
+        raise DataPrepError(
+            f"{records.description}: {dict(summary.dropped)}; every {dataset} problem counts, so nothing was written"
+        )
     if not kept:
         raise DataPrepError(
             f"{records.description}: no usable rows (read {summary.rows_read}; dropped {dict(summary.dropped)}); "
@@ -201,7 +232,7 @@ def convert(
         )
     rows = [to_verl_row(spec, template, item, index) for index, item in enumerate(kept)]
     summary.rows_written = len(rows)
-    summary.output = str(write_parquet(rows, Path(output_dir) / f"{dataset}.parquet"))
+    summary.output = str(write_parquet(rows, Path(output_dir) / spec.filename))
     return summary
 
 

@@ -153,3 +153,40 @@ divclip_launch() {
     exec "$(divclip_python)" -m recipe.main "${DIVCLIP_FLAGS[@]}" "+experiments=$experiment" \
         "${DIVCLIP_ENV_OVERRIDES[@]}" "${DIVCLIP_OVERRIDES[@]}"
 }
+
+# ---------------------------------------------------------------------------------------------
+# SFT stage (ATR paper): divclip_launch_sft <sft experiment> [--dry-run] [hydra overrides...]
+# runs `python -m recipe.sft +sft=<experiment> ...` (configs/sft/<experiment>.yaml), or
+# `torchrun --standalone --nproc_per_node=$GPUS_PER_NODE -m recipe.sft ...` for more than one GPU.
+# Environment (unset = the config's value):
+#   MODEL_PATH     model.path                 TRAIN_FILES  data.train_files
+#   GPUS_PER_NODE  trainer.n_gpus_per_node    CKPT_DIR     trainer.default_local_dir
+#   MERGED_DIR     divclip.merged_dir (the merged HF model the RL scripts take as MODEL_PATH)
+#   PROJECT_NAME / EXPERIMENT_NAME / DATA_DIR / PYTHON as above
+divclip_launch_sft() {
+    local experiment="$1" overrides=() dry=0 arg
+    shift
+    [[ -f "$DIVCLIP_ROOT/configs/sft/$experiment.yaml" ]] || divclip_die "no SFT config configs/sft/$experiment.yaml"
+    if [[ -n "${MODEL_PATH:-}" ]]; then overrides+=("model.path=$(divclip_quoted MODEL_PATH "$MODEL_PATH")"); fi
+    if [[ -n "${TRAIN_FILES:-}" ]]; then overrides+=("data.train_files=$(divclip_files_value TRAIN_FILES "$TRAIN_FILES")"); fi
+    if [[ -n "${GPUS_PER_NODE:-}" ]]; then
+        divclip_positive_int GPUS_PER_NODE "$GPUS_PER_NODE"
+        overrides+=("trainer.n_gpus_per_node=$GPUS_PER_NODE")
+    fi
+    if [[ -n "${CKPT_DIR:-}" ]]; then overrides+=("trainer.default_local_dir=$(divclip_quoted CKPT_DIR "$CKPT_DIR")"); fi
+    if [[ -n "${MERGED_DIR:-}" ]]; then overrides+=("divclip.merged_dir=$(divclip_quoted MERGED_DIR "$MERGED_DIR")"); fi
+    if [[ -n "${PROJECT_NAME:-}" ]]; then overrides+=("trainer.project_name=$(divclip_quoted PROJECT_NAME "$PROJECT_NAME")"); fi
+    if [[ -n "${EXPERIMENT_NAME:-}" ]]; then overrides+=("trainer.experiment_name=$(divclip_quoted EXPERIMENT_NAME "$EXPERIMENT_NAME")"); fi
+    if [[ -n "${DATA_DIR:-}" ]]; then export DIVCLIP_DATA_DIR="$DATA_DIR"; fi
+    export DIVCLIP_DATA_DIR="${DIVCLIP_DATA_DIR:-$DIVCLIP_ROOT/data}"
+    cd "$DIVCLIP_ROOT"   # data.custom_cls.path=recipe/sft_dataset.py is repo-relative
+    divclip_split_args "$@"
+    for arg in "${DIVCLIP_FLAGS[@]}"; do [[ "$arg" == --dry-run ]] && dry=1; done
+    local python
+    python="$(divclip_python)"
+    if [[ $dry -eq 0 && "${GPUS_PER_NODE:-1}" -gt 1 ]]; then
+        exec "$python" -m torch.distributed.run --standalone --nproc_per_node="$GPUS_PER_NODE" -m recipe.sft \
+            "${DIVCLIP_FLAGS[@]}" "+sft=$experiment" "${overrides[@]}" "${DIVCLIP_OVERRIDES[@]}"
+    fi
+    exec "$python" -m recipe.sft "${DIVCLIP_FLAGS[@]}" "+sft=$experiment" "${overrides[@]}" "${DIVCLIP_OVERRIDES[@]}"
+}

@@ -10,6 +10,9 @@
 #   LOSS=erc_dapo|kl3 (default erc_dapo)   STEPS=40   SMOKE_OUT=outputs/smoke/$LOSS
 #   TASK=echo   N_DEVICES=1   BATCH=16 prompts x ROLLOUT_N=8   LR=5e-3   TEST_FREQ=5   SAVE_FREQ=10
 #   REQUIRE_MARGIN=1: exit non-zero unless the last-5 mean reward beats the first-5 clearly.
+#   SMOKE_MODEL=DIR: start RL from this Hugging Face model instead of the generated random one (the
+#   SFT -> RL chain: the merged output of `python -m recipe.sft` on data/sft_train.parquet, which
+#   `python -m recipe.smoke_task --sft N` writes; tests/test_sft_chain_cpu.py).
 # Re-running with the same SMOKE_OUT and a larger STEPS resumes from the last checkpoint.
 # Writes $SMOKE_OUT/metrics.jsonl (verl file-logger lines, all attempts merged), curves.png and
 # report.json.
@@ -76,7 +79,7 @@ fi
   data.train_batch_size="$BATCH" data.max_prompt_length=24 data.max_response_length="${RESPONSE_LEN:-4}" \
   data.filter_overlong_prompts=False data.truncation=error data.dataloader_num_workers=0 \
   algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False \
-  actor_rollout_ref.model.path="$SMOKE_OUT/assets/model" actor_rollout_ref.model.use_remove_padding=True \
+  actor_rollout_ref.model.path="${SMOKE_MODEL:-$SMOKE_OUT/assets/model}" actor_rollout_ref.model.use_remove_padding=True \
   +actor_rollout_ref.model.override_config.attn_implementation=sdpa \
   actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.actor.use_torch_compile=False \
   actor_rollout_ref.actor.fsdp_config.use_torch_compile=False \

@@ -2,15 +2,20 @@
 # ATR paper baselines: Table 2 (clip rules), Table 3 (clip epsilons, KL variants) and the delta
 # ablation, each a row on top of configs/experiments/atr_grpo_qwen3_<ATR_MODEL>.yaml.
 #
-#   bash launch/sweep_atr_baselines.sh [--list] [--dry-run] [--only NAME[,NAME...]] [hydra overrides...]
+#   bash launch/sweep_atr_baselines.sh [--list] [--dry-run] [--only NAME[,NAME...]] [--seeds S[,S...]] [hydra overrides...]
 #
 #   --list      print "NAME<TAB>overrides" for every row and exit
-#   --dry-run   dry-run every selected row; stdout is one YAML document per row ("--- # NAME")
+#   --dry-run   dry-run every selected row; stdout is one YAML document per run ("--- # NAME" or
+#               "--- # NAME_seedS")
 #   --only      run just these rows (names from --list)
+#   --seeds     run every row once per seed (data.seed, which also seeds the LoRA init and vLLM);
+#               Table 3 reports mean +- std over 3 runs: --seeds 1,2,3. Default: the config's seed, one run.
+#               (SEEDS="1,2,3" in the environment does the same.)
 #   ATR_MODEL   1.7b (default) or 8b
 #   SWEEP_JOBS  dry runs in parallel (default 1); real runs are always sequential
 # Extra Hydra overrides apply to every row. Each row's trainer.experiment_name is
-# atr_<ATR_MODEL>_<NAME> (or $EXPERIMENT_NAME_<NAME>). Other environment: launch/common.sh.
+# atr_<ATR_MODEL>_<NAME> (or $EXPERIMENT_NAME_<NAME>), with _seed<S> appended under --seeds.
+# Other environment: launch/common.sh.
 # The rows and the choices behind them are documented in docs/experiments.md.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -54,6 +59,7 @@ ROWS=(
 list=0
 dry=0
 only=""
+seeds="${SEEDS:-}"
 extra=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -65,6 +71,12 @@ while [[ $# -gt 0 ]]; do
             shift
             ;;
         --only=*) only="${1#--only=}" ;;
+        --seeds)
+            [[ $# -ge 2 ]] || divclip_die "--seeds needs a comma-separated list of integer seeds, e.g. 1,2,3"
+            seeds="$2"
+            shift
+            ;;
+        --seeds=*) seeds="${1#--seeds=}" ;;
         *) extra+=("$1") ;;
     esac
     shift
@@ -94,6 +106,27 @@ if [[ -n "$only" ]]; then
     done
 fi
 
+# runs: "NAME" (the config's seed) or "NAME@SEED" for each seed
+seed_list=()
+if [[ -n "$seeds" ]]; then
+    IFS=, read -r -a seed_list <<< "$seeds"
+    [[ ${#seed_list[@]} -gt 0 ]] || divclip_die "--seeds is empty"
+    declare -A seen_seed=()
+    for seed in "${seed_list[@]}"; do
+        [[ "$seed" =~ ^[0-9]+$ ]] || divclip_die "--seeds: '$seed' is not a non-negative integer (in '$seeds')"
+        [[ -z "${seen_seed[$seed]+x}" ]] || divclip_die "--seeds: seed $seed given twice (in '$seeds')"
+        seen_seed[$seed]=1
+    done
+fi
+runs=()
+for name in "${selected[@]}"; do
+    if [[ ${#seed_list[@]} -eq 0 ]]; then
+        runs+=("$name")
+    else
+        for seed in "${seed_list[@]}"; do runs+=("$name@$seed"); done
+    fi
+done
+
 if [[ $list -eq 1 ]]; then
     for name in "${selected[@]}"; do printf '%s\t%s\n' "$name" "${overrides[$name]}"; done
     exit 0
@@ -101,12 +134,18 @@ fi
 
 base_name="${EXPERIMENT_NAME:-atr_${model}}"
 
-# One row in a subshell: divclip_launch execs recipe.main with the row's overrides, then ours.
+# "NAME@SEED" -> "NAME_seedSEED" (the run's label and experiment-name suffix); "NAME" stays.
+run_label() {
+    if [[ "$1" == *@* ]]; then echo "${1%@*}_seed${1#*@}"; else echo "$1"; fi
+}
+
+# One run in a subshell: divclip_launch execs recipe.main with the row's overrides, then ours.
 run_row() {
-    local name="$1" row_overrides
+    local run="$1" name="${1%@*}" row_overrides
     read -r -a row_overrides <<< "${overrides[$name]}"
+    if [[ "$run" == *@* ]]; then row_overrides+=("data.seed=${run#*@}"); fi
     (
-        export EXPERIMENT_NAME="${base_name}_${name}"
+        export EXPERIMENT_NAME="${base_name}_$(run_label "$run")"
         if [[ $dry -eq 1 ]]; then
             divclip_launch "$experiment" --dry-run "${row_overrides[@]}" "${extra[@]}"
         else
@@ -116,9 +155,9 @@ run_row() {
 }
 
 if [[ $dry -eq 0 ]]; then
-    for name in "${selected[@]}"; do
-        echo "=== sweep row $name: ${overrides[$name]}" >&2
-        run_row "$name" || divclip_die "row '$name' failed (exit $?)"
+    for run in "${runs[@]}"; do
+        echo "=== sweep run $(run_label "$run"): ${overrides[${run%@*}]}" >&2
+        run_row "$run" || divclip_die "run '$(run_label "$run")' failed (exit $?)"
     done
     exit 0
 fi
@@ -126,20 +165,20 @@ fi
 # Dry runs: up to SWEEP_JOBS at once, printed in row order; any failure fails the sweep.
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
-for i in "${!selected[@]}"; do
+for i in "${!runs[@]}"; do
     {
-        if run_row "${selected[$i]}" > "$tmp/$i.yaml" 2> "$tmp/$i.err"; then echo 0; else echo $?; fi > "$tmp/$i.rc"
+        if run_row "${runs[$i]}" > "$tmp/$i.yaml" 2> "$tmp/$i.err"; then echo 0; else echo $?; fi > "$tmp/$i.rc"
     } &
     while [[ $(jobs -rp | wc -l) -ge $jobs ]]; do wait -n || true; done
 done
 wait
 failed=0
-for i in "${!selected[@]}"; do
+for i in "${!runs[@]}"; do
     if [[ "$(cat "$tmp/$i.rc" 2>/dev/null)" == 0 ]]; then
-        echo "--- # ${selected[$i]}"
+        echo "--- # $(run_label "${runs[$i]}")"
         cat "$tmp/$i.yaml"
     else
-        echo "row '${selected[$i]}' failed:" >&2
+        echo "run '$(run_label "${runs[$i]}")' failed:" >&2
         tail -n 20 "$tmp/$i.err" >&2
         failed=1
     fi

@@ -144,6 +144,9 @@ BENCHMARK_ALIASES = {
     "hmmt_feb_2025": "hmmt25",
     "hmmt-202502": "hmmt25",
     "amc23": "amc23",
+    "aimo_amc": "aimo_amc",
+    "aimo-amc": "aimo_amc",
+    "aimo-validation-amc": "aimo_amc",
     "math500": "math500",
     "math-500": "math500",
     "olympiadbench": "olympiadbench",
@@ -158,6 +161,7 @@ DISPLAY_NAMES = {
     "math500": "MATH-500",
     "amc23": "AMC23",
     "olympiadbench": "OlympiadBench",
+    "aimo_amc": "AMC22+23",
 }
 
 # ERC paper section 4.1: avg@32 with 32k tokens on AIME24/AIME25, avg@32 with 16k on HMMT25 and
@@ -165,9 +169,8 @@ DISPLAY_NAMES = {
 _ERC_AIME = SamplingSpec(n=32, temperature=0.6, top_p=0.95, max_tokens=32768)
 _ERC_32_AT_16K = SamplingSpec(n=32, temperature=0.6, top_p=0.95, max_tokens=16384)
 _ERC_SHORT = SamplingSpec(n=4, temperature=0.6, top_p=0.95, max_tokens=16384)
-# The ATR paper gives 8 samples at T=0.3, top-p 0.95, but no generation length: the user
-# must pass --max-tokens (the training response length) rather than get a guess.
-_ATR = SamplingSpec(n=8, temperature=0.3, top_p=0.95, max_tokens=None)
+# ATR paper, Table 4: 8 samples at T 0.3, top-p 0.95, at most 32,768 new tokens (Mean@8 / Pass@8).
+_ATR = SamplingSpec(n=8, temperature=0.3, top_p=0.95, max_tokens=32768)
 
 PRESETS: dict[str, dict[str, SamplingSpec]] = {
     "erc": {
@@ -180,6 +183,27 @@ PRESETS: dict[str, dict[str, SamplingSpec]] = {
     },
     "atr": {name: _ATR for name in DISPLAY_NAMES},
 }
+
+#: Chat-template keywords of a preset, passed to vLLM's ``LLM.chat(chat_template_kwargs=...)``:
+#: a checkpoint is evaluated in the mode it was trained in. The ATR runs train Qwen3 in
+#: non-thinking mode (``data.apply_chat_template_kwargs.enable_thinking=false``).
+PRESET_CHAT_TEMPLATE_KWARGS: dict[str, dict[str, Any]] = {
+    "erc": {},
+    "atr": {"enable_thinking": False},
+}
+
+
+def resolve_chat_template_kwargs(preset: str | None, given: str | None) -> dict[str, Any]:
+    """``--chat-template-kwargs`` (a JSON object) if given, else the preset's; ValueError names the flag."""
+    if given is None:
+        return dict(PRESET_CHAT_TEMPLATE_KWARGS.get(preset or "", {}))
+    try:
+        value = json.loads(given)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--chat-template-kwargs must be a JSON object, e.g. '{{\"enable_thinking\": false}}': {exc.msg}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"--chat-template-kwargs must be a JSON object, got {type(value).__name__}: {given!r}")
+    return value
 
 
 def canonical_benchmark(name: str) -> str:
@@ -417,8 +441,18 @@ def check_model_path(model: str | os.PathLike[str]) -> Path:
     return path
 
 
-def vllm_sampler(model: str, tensor_parallel_size: int = 1, seed: int = 0, max_model_len: int | None = None) -> Sampler:
+def vllm_sampler(
+    model: str,
+    tensor_parallel_size: int = 1,
+    seed: int = 0,
+    max_model_len: int | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> Sampler:
     """The real sampler: one vLLM engine, chat-templated prompts, ``n`` samples per prompt.
+
+    ``chat_template_kwargs`` reach the model's chat template through vLLM's
+    ``LLM.chat(chat_template_kwargs=...)`` (Qwen3: ``{"enable_thinking": False}`` ends the prompt
+    with an empty ``<think></think>`` block, the mode the ATR runs train in).
 
     vLLM is imported here, not at module level, so everything else in this module (argument
     validation, scoring, tests) works on machines without a GPU or vLLM.
@@ -434,7 +468,7 @@ def vllm_sampler(model: str, tensor_parallel_size: int = 1, seed: int = 0, max_m
         params = SamplingParams(
             n=spec.n, temperature=spec.temperature, top_p=spec.top_p, max_tokens=spec.max_tokens, seed=seed
         )
-        outputs = llm.chat(conversations, params, use_tqdm=True)
+        outputs = llm.chat(conversations, params, use_tqdm=True, chat_template_kwargs=dict(chat_template_kwargs or {}))
         return [[completion.text for completion in request.outputs] for request in outputs]
 
     return sample
@@ -835,6 +869,101 @@ def _k_of(results: dict[str, Any], labels: Sequence[str], benchmark: str, k: int
 
 
 # --------------------------------------------------------------------------------------
+# score --aggregate: several runs (seeds) of one row -> mean +- std (ATR Table 3)
+# --------------------------------------------------------------------------------------
+
+_SEED_SUFFIX = re.compile(r"[_-]seed\d+$")
+
+
+def row_label(path: str | os.PathLike[str]) -> str:
+    """A run's row: its folder or file name without a ``_seed<S>`` suffix (the sweep's naming)."""
+    stem = Path(path).stem if Path(path).is_file() else Path(path).name
+    return _SEED_SUFFIX.sub("", stem)
+
+
+def _avg(cells: dict[str, dict[str, float]], key: str, benchmarks: Sequence[str]) -> float | None:
+    values = [cells[b][key] for b in benchmarks if b in cells and key in cells[b]]
+    return sum(values) / len(values) if values and len(values) == len(benchmarks) else None
+
+
+def aggregate_runs(
+    rows: Sequence[tuple[str, Sequence[Sequence[tuple[str, Checkpoint]]]]], k_values: Sequence[int | str]
+) -> dict[str, Any]:
+    """mean and std over the runs of each row, for the final and the best checkpoint of each run.
+
+    ``rows``: (row label, runs), each run the checkpoints of one training run in step order (a
+    ``generate`` folder is one checkpoint; a verl ``validation_data_dir`` one per step). A run's
+    *final* value is its last checkpoint's; its *best* value, per metric@k, that of the checkpoint
+    with the highest benchmark average (ATR Table 2 reports both). The std is the sample standard
+    deviation over runs (n - 1 in the denominator; 0 for a single run). Every run of a row must
+    cover the same benchmarks. Returns ``{"rows": [...], "results": {row: {"runs": r, "final"|"best":
+    {"<metric>@<k>": {benchmark|"avg": {"mean", "std", "values"}}}}}}``.
+    """
+    results: dict[str, Any] = {}
+    for label, runs in rows:
+        if label in results:
+            raise ValueError(f"row {label!r} given twice")
+        if not runs:
+            raise ValueError(f"row {label!r} has no runs")
+        scored_runs = [score_runs(list(run), k_values) for run in runs]
+        benchmarks = sorted({b for sr in scored_runs for cp in sr["results"].values() for b in cp})
+        for i, sr in enumerate(scored_runs):
+            for cp_label, cells in sr["results"].items():
+                missing = [b for b in benchmarks if b not in cells]
+                if missing:
+                    raise ValueError(
+                        f"row {label!r}: run {i + 1} checkpoint {cp_label!r} lacks {missing}; every run of a row "
+                        "must be scored on the same benchmarks"
+                    )
+        keys = [f"{metric}@{k}" for metric in METRICS for k in k_values]
+        row: dict[str, Any] = {"runs": len(runs), "benchmarks": benchmarks, "final": {}, "best": {}}
+        for key in keys:
+            for which in ("final", "best"):
+                picked: list[dict[str, dict[str, float]]] = []
+                for sr in scored_runs:
+                    labels = sr["checkpoints"]
+                    if which == "final":
+                        picked.append(sr["results"][labels[-1]])
+                    else:
+                        picked.append(max((sr["results"][lab] for lab in labels),
+                                          key=lambda cells: _avg(cells, key, benchmarks) or 0.0))
+                cell: dict[str, dict[str, Any]] = {}
+                for column in [*benchmarks, "avg"]:
+                    values = [(_avg(c, key, benchmarks) if column == "avg" else c[column][key]) for c in picked]
+                    mean = sum(values) / len(values)
+                    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+                    cell[column] = {"mean": mean, "std": std, "values": values}
+                row[which][key] = cell
+        results[label] = row
+    return {"rows": [label for label, _ in rows], "results": results}
+
+
+def render_aggregate(aggregated: dict[str, Any], k_values: Sequence[int | str]) -> str:
+    """Markdown: per metric@k, a "final" and a "best" table of mean ± std (percent) per row."""
+    labels = aggregated["rows"]
+    results = aggregated["results"]
+    benchmarks = _benchmark_order(b for lab in labels for b in results[lab]["benchmarks"])
+    lines: list[str] = []
+    for metric in METRICS:
+        for k in k_values:
+            key = f"{metric}@{k}"
+            for which in ("final", "best"):
+                lines.append(f"### {key}, {which} checkpoint (mean ± std over runs)")
+                lines.append("")
+                lines.append("| row | runs | " + " | ".join(display_name(b) for b in benchmarks) + " | Avg |")
+                lines.append("|---" * (len(benchmarks) + 3) + "|")
+                for lab in labels:
+                    cell = results[lab][which][key]
+                    texts = []
+                    for column in [*benchmarks, "avg"]:
+                        value = cell.get(column)
+                        texts.append("–" if value is None else f"{100 * value['mean']:.1f} ± {100 * value['std']:.1f}")
+                    lines.append(f"| {lab} | {results[lab]['runs']} | " + " | ".join(texts) + " |")
+                lines.append("")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------
 
@@ -851,7 +980,9 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--n", type=int, help="samples per problem (overrides the preset)")
     gen.add_argument("--temperature", type=float)
     gen.add_argument("--top-p", type=float)
-    gen.add_argument("--max-tokens", type=int, help="generation length (required with --preset atr)")
+    gen.add_argument("--max-tokens", type=int, help="generation length (overrides the preset)")
+    gen.add_argument("--chat-template-kwargs", help="JSON object for the chat template (default: the preset's; "
+                     "atr: {\"enable_thinking\": false})")
     gen.add_argument("--k", default="n", help="k-values you will score, checked against n (e.g. 1,8,32)")
     gen.add_argument("--think", default="auto", choices=("auto", "required", "off"), help="reward think mode")
     gen.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -864,7 +995,11 @@ def _build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--k", default="n", help="comma list of k-values; 'n' = each benchmark's sample count")
     sc.add_argument("--data", nargs="*", default=[], help="eval parquets to map verl dump prompts to benchmarks")
     sc.add_argument("--benchmark", help="benchmark name for a single-benchmark verl dump (instead of --data)")
-    sc.add_argument("--labels", help="comma list of row labels, one per checkpoint")
+    sc.add_argument("--labels", help="comma list of row labels, one per checkpoint (with --aggregate: one per run)")
+    sc.add_argument("--aggregate", action="store_true",
+                    help="each path is one run (e.g. one seed); runs with the same label (default: the folder name "
+                         "without _seed<S>) form one row, reported as mean ± std over runs for the final and best "
+                         "checkpoint (ATR Table 3)")
     sc.add_argument("--think", default="auto", choices=("auto", "required", "off"), help="reward think mode for re-scoring")
     sc.add_argument("--output", help="also write the Markdown here")
     sc.add_argument("--json", help="write all numbers as JSON here")
@@ -899,8 +1034,11 @@ def _generate_cli(args: argparse.Namespace, sampler_factory: Callable[..., Sampl
     for plan in plans:
         s = plan.sampling
         print(f"{plan.benchmark}: {len(plan.problems)} problems, n={s.n}, T={s.temperature}, top_p={s.top_p}, max_tokens={s.max_tokens}")
+    chat_kwargs = resolve_chat_template_kwargs(args.preset, args.chat_template_kwargs)
+    print(f"chat_template_kwargs: {json.dumps(chat_kwargs)}")
     sampler = sampler_factory(
-        model=str(model), tensor_parallel_size=args.tensor_parallel_size, seed=args.seed, max_model_len=args.max_model_len
+        model=str(model), tensor_parallel_size=args.tensor_parallel_size, seed=args.seed, max_model_len=args.max_model_len,
+        chat_template_kwargs=chat_kwargs,
     )
     written = run_generate(plans, sampler, out, reward_scorer(args.think), model=str(model), overwrite=args.overwrite)
     for path in written:
@@ -910,6 +1048,8 @@ def _generate_cli(args: argparse.Namespace, sampler_factory: Callable[..., Sampl
 
 def _score_cli(args: argparse.Namespace) -> int:
     k_values = parse_k_list(args.k)
+    if args.aggregate:
+        return _aggregate_cli(args, k_values)
     runs = load_runs(args.runs, args.data, args.benchmark, args.think)
     if args.labels:
         labels = [s.strip() for s in args.labels.split(",")]
@@ -923,6 +1063,26 @@ def _score_cli(args: argparse.Namespace) -> int:
         Path(args.output).write_text(markdown + "\n", encoding="utf-8")
     if args.json:
         Path(args.json).write_text(json.dumps(scored, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+
+def _aggregate_cli(args: argparse.Namespace, k_values: list[int | str]) -> int:
+    labels = [row_label(path) for path in args.runs]
+    if args.labels:
+        labels = [s.strip() for s in args.labels.split(",")]
+        if len(labels) != len(args.runs):
+            raise ValueError(f"--labels has {len(labels)} names for {len(args.runs)} runs")
+    grouped: dict[str, list[list[tuple[str, Checkpoint]]]] = {}
+    for label, path in zip(labels, args.runs):
+        grouped.setdefault(label, []).append(load_runs([path], args.data, args.benchmark, args.think))
+    aggregated = aggregate_runs(list(grouped.items()), k_values)
+    markdown = render_aggregate(aggregated, k_values)
+    print(markdown)
+    if args.output:
+        Path(args.output).write_text(markdown + "\n", encoding="utf-8")
+    if args.json:
+        Path(args.json).write_text(json.dumps(aggregated, indent=2) + "\n", encoding="utf-8")
     return 0
 
 

@@ -8,14 +8,20 @@ Configure it as::
 
 Semantics by ``data_source`` (see docs/data_and_reward.md):
 
-* ``math_dapo`` (DAPO ``Answer:`` template): verl's own ``math_dapo`` check, score +1 / -1.
+* ``math_dapo`` (DAPO ``Answer:`` template): verl's own ``math_dapo`` check; verl's scores
+  are +1 / -1, which stay the default for this source (``wrong_score=None``).
 * everything else: the answer is extracted from an *anchored* place only (the last
   ``\\boxed{}`` or the last ``Answer:`` line) and compared with math-verify, score 1 / 0.
   A bare number elsewhere in the text ("I tried 34 cases") is never taken as the answer.
 * long-CoT models (``think="required"``, or a data source whose name contains ``longcot``):
   only the text after the last ``</think>`` is scored; a response without a closing
-  ``</think>`` scores ``no_think_close_score`` (-0.5). The opening ``<think>`` is never
-  required, because many chat templates put it in the prompt.
+  ``</think>`` (cut off at the length limit) scores ``truncated_score`` (-0.5). The opening
+  ``<think>`` is never required, because many chat templates put it in the prompt.
+
+Every outcome has its own score keyword, so a run states all four in its config
+(``reward.custom_reward_function.reward_kwargs``; :func:`score_table` resolves them):
+``correct_score`` (1), ``wrong_score`` (0; -1 on ``math_dapo``), ``unparseable_score`` (no
+anchored answer at all; default: the wrong score) and ``truncated_score`` (-0.5).
 
 Why worker processes: math-verify (sympy) can spend unbounded time inside C code, e.g.
 evaluating ``5^(5^(5^(5^5)))``, where ``SIGALRM`` cannot interrupt it, and ``SIGALRM`` is not
@@ -524,27 +530,88 @@ def too_complex(answer: str) -> bool:
     return len(answer) > MAX_ANSWER_CHARS or brace_depth(answer) > MAX_BRACE_DEPTH
 
 
-def _score_math_verify(answer: str | None, gold: str, timeout_s: float, wrong_score: float) -> dict[str, Any]:
+class ScoreTable:
+    """The score of each outcome of one response (see :func:`score_table`).
+
+    A plain class, for the same reason as :class:`RewardStats`.
+    """
+
+    OUTCOMES = ("correct", "wrong", "unparseable", "truncated")
+
+    def __init__(self, correct: float, wrong: float, unparseable: float, truncated: float) -> None:
+        self.correct = float(correct)
+        self.wrong = float(wrong)
+        self.unparseable = float(unparseable)
+        self.truncated = float(truncated)
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in self.OUTCOMES}
+
+
+#: verl's ``math_dapo`` convention for a wrong answer; every other source scores a wrong answer 0.
+DAPO_DEFAULT_WRONG_SCORE = -1.0
+
+
+def _check_score(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def score_table(
+    data_source: str,
+    *,
+    correct_score: float = 1.0,
+    wrong_score: float | None = None,
+    unparseable_score: float | None = None,
+    truncated_score: float = -0.5,
+) -> ScoreTable:
+    """The scores ``compute_score`` gives on ``data_source`` with these keywords.
+
+    * correct: the anchored answer equals the reference (math-verify, or verl's ``math_dapo``).
+    * wrong: an answer was found and differs. ``None`` = the source's convention: -1 on
+      ``math_dapo`` (verl's DAPO reward), 0 elsewhere.
+    * unparseable: no anchored answer (no ``\\boxed{}`` / ``Answer:`` line), and invalid inputs.
+      ``None`` = the wrong score.
+    * truncated: a think response without a closing ``</think>`` (it ran out of length).
+
+    Raises ValueError on a non-numeric score (a typo in ``reward_kwargs`` fails the first call).
+    """
+    if wrong_score is None:
+        wrong_score = DAPO_DEFAULT_WRONG_SCORE if data_source in DAPO_DATA_SOURCES else 0.0
+    wrong = _check_score("wrong_score", wrong_score)
+    unparseable = wrong if unparseable_score is None else _check_score("unparseable_score", unparseable_score)
+    return ScoreTable(_check_score("correct_score", correct_score), wrong, unparseable,
+                      _check_score("truncated_score", truncated_score))
+
+
+def _score_math_verify(answer: str | None, gold: str, timeout_s: float, scores: ScoreTable) -> dict[str, Any]:
     if answer is None:
-        return _result(wrong_score, False, "")
+        return _result(scores.unparseable, False, "")
     if cosmetic_normal_form(answer) == cosmetic_normal_form(gold):
         STATS.bump("fast_path")
-        return _result(1.0, True, answer)
+        return _result(scores.correct, True, answer)
     if too_complex(answer) or too_complex(gold):
         STATS.bump("too_complex")
-        return _result(wrong_score, False, answer)
+        return _result(scores.wrong, False, answer)
     if _PLAIN_INTEGER.fullmatch(answer) and _PLAIN_INTEGER.fullmatch(gold):
         STATS.bump("fast_path")
-        return _result(wrong_score, False, answer)  # two different integers: nothing to verify
+        return _result(scores.wrong, False, answer)  # two different integers: nothing to verify
     correct, _problem = get_pool().verify(gold, answer, timeout_s)
-    return _result(1.0 if correct else wrong_score, bool(correct), answer)
+    return _result(scores.correct if correct else scores.wrong, bool(correct), answer)
 
 
-def _score_dapo(text: str, gold: str) -> dict[str, Any]:
+def _score_dapo(text: str, gold: str, scores: ScoreTable) -> dict[str, Any]:
+    """verl's ``math_dapo`` decides correctness; the score comes from ``scores``."""
     from verl.utils.reward_score import math_dapo
 
     result = math_dapo.compute_score(text, gold)
-    return _result(result["score"], result["acc"], str(result["pred"] or ""))
+    pred = str(result["pred"] or "")
+    if result["acc"]:
+        return _result(scores.correct, True, pred)
+    # math_dapo marks "no Answer: line found" with this sentinel (normalised like any answer)
+    unparseable = pred == math_dapo.normalize_final_answer("[INVALID]")
+    return _result(scores.unparseable if unparseable else scores.wrong, False, "" if unparseable else pred)
 
 
 def compute_score(
@@ -555,17 +622,25 @@ def compute_score(
     *,
     think: str = "auto",
     timeout_s: float = DEFAULT_TIMEOUT_S,
-    wrong_score: float = 0.0,
-    no_think_close_score: float = -0.5,
+    correct_score: float = 1.0,
+    wrong_score: float | None = None,
+    unparseable_score: float | None = None,
+    truncated_score: float | None = None,
+    no_think_close_score: float | None = None,
     **verl_kwargs: Any,
 ) -> dict[str, Any]:
     """Score one response; returns ``{"score": float, "acc": bool, "pred": str}``.
 
+    Scores per outcome (:func:`score_table`): ``correct_score`` (1), ``wrong_score`` (None: -1 on
+    ``math_dapo``, 0 elsewhere), ``unparseable_score`` (None: the wrong score), ``truncated_score``
+    (-0.5; ``no_think_close_score`` is its former name and still accepted).
+
     Never raises on bad data (a reward function that raises kills a training step): a
-    ``None`` / non-string response or gold answer scores as wrong and is counted in
+    ``None`` / non-string response or gold answer scores as unparseable and is counted in
     ``reward_stats()["invalid_inputs"]``. Misconfiguration does raise: an unknown keyword
-    (a typo in ``reward_kwargs``) or an unknown ``think`` mode is a ``TypeError``/``ValueError``,
-    and workers that fail to start three times in a row are a ``RuntimeError``.
+    (a typo in ``reward_kwargs``), an unknown ``think`` mode or a non-numeric score is a
+    ``TypeError``/``ValueError``, and workers that fail to start three times in a row are a
+    ``RuntimeError``.
     """
     if __name__ != CANONICAL_MODULE:
         return _canonical_module().compute_score(
@@ -575,7 +650,10 @@ def compute_score(
             extra_info,
             think=think,
             timeout_s=timeout_s,
+            correct_score=correct_score,
             wrong_score=wrong_score,
+            unparseable_score=unparseable_score,
+            truncated_score=truncated_score,
             no_think_close_score=no_think_close_score,
             **verl_kwargs,
         )
@@ -586,19 +664,27 @@ def compute_score(
         raise ValueError(f"think must be one of {THINK_MODES}, got {think!r}")
     if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+    if truncated_score is not None and no_think_close_score is not None and truncated_score != no_think_close_score:
+        raise ValueError(
+            f"truncated_score={truncated_score!r} and its former name no_think_close_score={no_think_close_score!r} "
+            "disagree; pass truncated_score only"
+        )
+    truncated = next((v for v in (truncated_score, no_think_close_score) if v is not None), -0.5)
 
-    STATS.bump("calls")
     source = data_source if isinstance(data_source, str) else ""
+    scores = score_table(source, correct_score=correct_score, wrong_score=wrong_score,
+                         unparseable_score=unparseable_score, truncated_score=truncated)
+    STATS.bump("calls")
     gold = _normalise_gold(ground_truth)
     if not isinstance(solution_str, str) or gold is None:
         STATS.bump("invalid_inputs")
-        return _result(wrong_score if source not in DAPO_DATA_SOURCES else -1.0, False, "")
+        return _result(scores.unparseable, False, "")
 
     text = solution_str
     if _wants_think(source, think, extra_info):
         close = text.rfind(THINK_CLOSE)
         if close < 0:
-            return _result(no_think_close_score, False, "")
+            return _result(scores.truncated, False, "")
         text = text[close + len(THINK_CLOSE) :]
     elif think == "auto":
         close = text.rfind(THINK_CLOSE)
@@ -606,8 +692,8 @@ def compute_score(
             text = text[close + len(THINK_CLOSE) :]
 
     if source in DAPO_DATA_SOURCES:
-        return _score_dapo(text[-TAIL_CHARS:], gold)
-    return _score_math_verify(extract_answer(text), gold, float(timeout_s), wrong_score)
+        return _score_dapo(text[-TAIL_CHARS:], gold, scores)
+    return _score_math_verify(extract_answer(text), gold, float(timeout_s), scores)
 
 
 async def compute_score_async(
@@ -639,6 +725,7 @@ def _canonical_module() -> Any:
 
 __all__ = [
     "compute_score",
+    "score_table",
     "compute_score_async",
     "extract_answer",
     "reward_stats",

@@ -256,6 +256,25 @@ def write_smoke_data(out_dir: str | os.PathLike[str], task: str = "echo", n_trai
     return str(write_parquet(train, out / "train.parquet")), str(write_parquet(val, out / "val.parquet"))
 
 
+def write_smoke_sft_data(out_dir: str | os.PathLike[str], task: str = "echo", n: int = 256, seed: int = 0) -> str:
+    """``sft_train.parquet``: the training prompts answered correctly, in the SFT schema the
+    ``openmathreasoning`` set uses (``messages`` = [user, assistant], ``enable_thinking``), for the
+    CPU run of the SFT -> RL chain (``recipe.sft`` then this smoke's RL run)."""
+    from data_prep.convert import write_parquet
+
+    rows = []
+    for row in make_rows(task, n, split="train", seed=seed + 7):
+        problem = row["extra_info"]["problem"]
+        rows.append({
+            "data_source": data_source_for(task),
+            "messages": [{"role": "user", "content": problem},
+                         {"role": "assistant", "content": format_answer(answer_for(task, problem))}],
+            "enable_thinking": False,
+            "extra_info": {"index": len(rows), "problem": problem},
+        })
+    return str(write_parquet(rows, Path(out_dir) / "sft_train.parquet"))
+
+
 def build_smoke_assets(
     out_dir: str | os.PathLike[str],
     task: str = "echo",
@@ -305,9 +324,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train", type=int, default=512, help="training prompts")
     parser.add_argument("--val", type=int, default=20, help="validation prompts (disjoint from training)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sft", type=int, default=0, metavar="N",
+                        help="also write data/sft_train.parquet with N answered prompts (SFT -> RL chain)")
     args = parser.parse_args(argv)
     assets = build_smoke_assets(args.out, args.task, args.train, args.val, args.seed)
-    print(json.dumps(asdict(assets), indent=2))
+    report = asdict(assets)
+    if args.sft:
+        report["sft_file"] = write_smoke_sft_data(Path(args.out) / "data", args.task, args.sft, args.seed)
+    print(json.dumps(report, indent=2))
     return 0
 
 

@@ -95,7 +95,7 @@ def test_presets() -> None:
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"benchmark": "aime24", "preset": "atr"}, "max_tokens.*--max-tokens"),
+        ({"benchmark": "aime24", "preset": "atr", "max_tokens": 0}, "max_tokens must be"),
         ({"benchmark": "gsm8k", "preset": "erc"}, "'gsm8k'.*no entry"),
         ({"benchmark": "aime24", "preset": None, "n": 4}, "--temperature"),
         ({"benchmark": "aime24", "preset": "erc", "temperature": -0.1}, "temperature must lie in"),
@@ -197,7 +197,8 @@ def test_generate_cli_with_injected_sampler(tmp_path: Path, eval_parquets: list[
     argv = ["generate", "--model", str(model), "--data", *map(str, eval_parquets), "--output", str(out),
             "--preset", "atr", "--max-tokens", "4096", "--k", "1,8"]  # fmt: skip
     assert ev.main(argv, sampler_factory=factory) == 0
-    assert made == [{"model": str(model), "tensor_parallel_size": 1, "seed": 0, "max_model_len": None}]
+    assert made == [{"model": str(model), "tensor_parallel_size": 1, "seed": 0, "max_model_len": None,
+                     "chat_template_kwargs": {"enable_thinking": False}}]  # the atr preset: non-thinking Qwen3
     assert [c[1] for c in sampler.calls] == [ev.SamplingSpec(8, 0.3, 0.95, 4096)] * 2
 
     rows = [json.loads(line) for line in (out / "aime24.jsonl").read_text().splitlines()]
@@ -226,7 +227,8 @@ def test_generate_cli_with_injected_sampler(tmp_path: Path, eval_parquets: list[
     "extra,match",
     [
         (["--preset", "erc", "--k", "8"], "'math500': k=8 needs n >= k"),
-        (["--preset", "atr"], "--max-tokens"),
+        (["--preset", "atr", "--chat-template-kwargs", "enable_thinking=false"], "--chat-template-kwargs must be a JSON object"),
+        (["--preset", "atr", "--chat-template-kwargs", "[1]"], "--chat-template-kwargs must be a JSON object, got list"),
         (["--preset", "erc", "--top-p", "1.2"], "top_p must lie in"),
         (["--preset", "erc", "--tensor-parallel-size", "0"], "--tensor-parallel-size"),
     ],

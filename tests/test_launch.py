@@ -29,7 +29,9 @@ ERC_SCRIPTS = {  # script -> (model, loss_mode, eps_low, eps_high, ERC on)
     "run_gppo_7b.sh": ("DeepSeek-R1-Distill-Qwen-7B", "gppo", 0.2, 0.2, False),
     "run_erc_gppo_7b.sh": ("DeepSeek-R1-Distill-Qwen-7B", "gppo", 0.2, 0.2, True),
 }
-ATR_SCRIPTS = {"run_atr_grpo_qwen3_1.7b.sh": "Qwen/Qwen3-1.7B", "run_atr_grpo_qwen3_8b.sh": "Qwen/Qwen3-8B"}
+# ATR Appendix B: every run starts from the OpenMathReasoning SFT checkpoint (launch/run_sft_openmath_qwen3_*.sh)
+ATR_SCRIPTS = {"run_atr_grpo_qwen3_1.7b.sh": "checkpoints/divclip-sft/sft_openmath_qwen3_1.7b/merged_hf",
+               "run_atr_grpo_qwen3_8b.sh": "checkpoints/divclip-sft/sft_openmath_qwen3_8b/merged_hf"}
 
 # sweep row -> the policy-loss settings it must resolve to (ATR Table 2, Table 3, delta ablation)
 SWEEP = {
@@ -153,7 +155,9 @@ def test_erc_rows(dry_runs, script):
     assert (val["n"], val["temperature"], val["top_p"], val["do_sample"]) == (32, 0.6, 0.95, True)
     assert rollout["name"] == "vllm"
     assert config["reward"]["custom_reward_function"] == {
-        "path": "recipe/reward.py", "name": "compute_score", "reward_kwargs": {"think": "required"}}
+        "path": "recipe/reward.py", "name": "compute_score", "reward_kwargs": {
+            "think": "required", "correct_score": 1.0, "wrong_score": 0.0, "unparseable_score": 0.0,
+            "truncated_score": -0.5}}  # the ERC runs' scores, stated (tests/test_reward_scores.py scores rows)
     assert config["trainer"]["experiment_name"] == script[len("run_"):-len(".sh")]
     assert config["trainer"]["project_name"] == "divclip-erc"
 
@@ -174,12 +178,16 @@ def test_atr_rows(dry_runs, script):
     assert rollout["n"] == 8 and (rollout["temperature"], rollout["top_p"]) == (1.0, 1.0)
     optim = actor["optim"]
     assert (optim["optimizer"], optim["lr"], optim["weight_decay"]) == ("AdamW", 5e-6, 1e-3)
-    # TRL 8 completions/device x 4 accumulation x 8 devices = 256 completions = 32 prompts per update,
-    # two updates per rollout (mu = 2): 500 rollouts = 1,000 optimizer steps, validation every 50 of them
-    assert data["train_batch_size"] == 32 and actor["ppo_mini_batch_size"] == 32 and actor["ppo_epochs"] == 2
+    # ATR Appendix B / Table 4: one A100, TRL 8 completions x 4 accumulation = 32 completions = 4 prompts
+    # x group 8 per update, two updates per rollout (mu = 2): 500 rollouts = 1,000 optimizer steps,
+    # validation every 50 of them
+    assert (config["trainer"]["nnodes"], config["trainer"]["n_gpus_per_node"]) == (1, 1)
+    assert data["train_batch_size"] == 4 and actor["ppo_mini_batch_size"] == 4 and actor["ppo_epochs"] == 2
+    assert actor["ppo_mini_batch_size"] * rollout["n"] == 32
     assert config["trainer"]["total_training_steps"] * actor["ppo_epochs"] == 1000
     assert config["trainer"]["test_freq"] * actor["ppo_epochs"] == 50
-    assert [Path(f).name for f in data["val_files"]] == ["amc23.parquet", "aime24.parquet", "aime25.parquet"]
+    # ATR Table 2's AMC is the 83-problem AI-MO set (AMC 2022 + 2023)
+    assert [Path(f).name for f in data["val_files"]] == ["aimo_amc.parquet", "aime24.parquet", "aime25.parquet"]
     val = rollout["val_kwargs"]
     assert (val["n"], val["temperature"], val["top_p"], val["do_sample"]) == (8, 0.3, 0.95, True)
     assert data["apply_chat_template_kwargs"] == {"enable_thinking": False}
@@ -188,7 +196,7 @@ def test_atr_rows(dry_runs, script):
 def test_data_dir_feeds_the_default_files(dry_runs):
     data = _config(dry_runs, "run_atr_grpo_qwen3_8b.sh")["data"]
     assert data["train_files"] == "/srv/divclip data/dapo-math-17k.parquet"
-    assert data["val_files"][0] == "/srv/divclip data/amc23.parquet"
+    assert data["val_files"][0] == "/srv/divclip data/aimo_amc.parquet"
 
 
 def test_quickstart(dry_runs):
@@ -230,7 +238,7 @@ def _check_sweep_row(name: str, config: Any) -> None:
     if "dual_clip_c" not in want:
         assert policy["dual_clip_c"] is None, name
     # every row keeps the ATR backbone
-    assert config["actor_rollout_ref"]["model"]["path"] == "Qwen/Qwen3-1.7B"
+    assert config["actor_rollout_ref"]["model"]["path"] == ATR_SCRIPTS["run_atr_grpo_qwen3_1.7b.sh"]
     assert config["actor_rollout_ref"]["model"]["lora_rank"] == 32
     assert config["algorithm"]["norm_adv_by_std_in_grpo"] is False
     assert config["trainer"]["experiment_name"] == f"atr_1.7b_{name}"
@@ -282,7 +290,8 @@ def test_bad_environment_is_a_clear_error(env, message):
 
 def test_every_experiment_config_has_its_script_and_doc_row():
     configs = {p.stem for p in (ROOT / "configs" / "experiments").glob("*.yaml")}
-    scripts = {p.name[len("run_"):-len(".sh")] for p in LAUNCH.glob("run_*.sh") if not p.name.startswith("run_smoke_cpu")}
+    scripts = {p.name[len("run_"):-len(".sh")] for p in LAUNCH.glob("run_*.sh")
+               if not p.name.startswith(("run_smoke_cpu", "run_sft_"))}  # SFT: test_sft_scripts_and_configs
     assert configs == scripts
     doc = (ROOT / "docs" / "experiments.md").read_text()
     for name in scripts:
@@ -317,7 +326,8 @@ RELEASED = {  # key path in the resolved YAML -> the released ERC scripts' value
     "trainer.val_before_train": False,
     "trainer.test_freq": 10,
     "trainer.save_freq": 10,
-    "reward.custom_reward_function.reward_kwargs": {"think": "required", "wrong_score": -1.0, "no_think_close_score": -0.5},
+    "reward.custom_reward_function.reward_kwargs": {"think": "required", "correct_score": 1.0, "wrong_score": -1.0,
+                                                     "unparseable_score": -1.0, "truncated_score": -0.5},
     "divclip.profile": "released",
 }
 PAPER_TEXT = {  # the same keys in the default (paper-text) profile
@@ -333,7 +343,8 @@ PAPER_TEXT = {  # the same keys in the default (paper-text) profile
     "trainer.val_before_train": True,
     "trainer.test_freq": 25,
     "trainer.save_freq": 25,
-    "reward.custom_reward_function.reward_kwargs": {"think": "required"},
+    "reward.custom_reward_function.reward_kwargs": {"think": "required", "correct_score": 1.0, "wrong_score": 0.0,
+                                                     "unparseable_score": 0.0, "truncated_score": -0.5},
     "divclip.profile": "paper",
 }
 
@@ -411,3 +422,122 @@ def test_profile_validation_names_the_key():
         with pytest.raises(ConfigError, match=r"algorithm.filter_groups.max_num_gen_batches is ignored"):
             validate(ignored)
         validate(compose(config_name="divclip_trainer", overrides=["+experiments=erc_gppo_7b", "+profile=released"]))
+
+
+# ------------------------------------------------------------------ issue 10, ATR half (items 1, 3, 6)
+
+# one 80 GB GPU: tokens per micro-batch, parameter offload, vLLM's share of the GPU
+ATR_ONE_GPU = {"run_atr_grpo_qwen3_1.7b.sh": (16384, False, 0.5), "run_atr_grpo_qwen3_8b.sh": (8192, True, 0.5)}
+
+
+@pytest.mark.parametrize("script", sorted(ATR_SCRIPTS))
+def test_atr_one_gpu_memory_and_seed(dry_runs, script):
+    config = _config(dry_runs, script)
+    actor, rollout = _actor(config), config["actor_rollout_ref"]["rollout"]
+    tokens, offload, vllm_share = ATR_ONE_GPU[script]
+    assert actor["ppo_max_token_len_per_gpu"] == tokens and actor["use_dynamic_bsz"] is True
+    assert actor["fsdp_config"]["param_offload"] is offload
+    assert rollout["gpu_memory_utilization"] == vllm_share and rollout["tensor_model_parallel_size"] == 1
+    assert config["actor_rollout_ref"]["model"]["enable_gradient_checkpointing"] is True
+    # one seed drives data order, the LoRA init and vLLM sampling
+    assert config["data"]["seed"] == actor["fsdp_config"]["seed"] == rollout["seed"] == 42
+
+
+@pytest.mark.parametrize("script", sorted(ATR_SCRIPTS))
+def test_atr_reward_is_one_or_zero(dry_runs, script):
+    """ATR section 6.1: +1 for a correct final answer, 0 otherwise (tests/test_reward_scores.py scores rows)."""
+    kwargs = _config(dry_runs, script)["reward"]["custom_reward_function"]["reward_kwargs"]
+    assert kwargs == {"think": "auto", "correct_score": 1.0, "wrong_score": 0.0, "unparseable_score": 0.0,
+                      "truncated_score": 0.0}
+
+
+def test_atr_gpus_per_node_is_the_one_scaling_knob():
+    """GPUS_PER_NODE=D spreads the paper's 32-completion optimizer step over D GPUs; the step is unchanged."""
+    proc = run_script("run_atr_grpo_qwen3_1.7b.sh", "--dry-run", env={"GPUS_PER_NODE": "8"})
+    config = _load(proc)
+    actor = _actor(config)
+    assert config["trainer"]["n_gpus_per_node"] == 8
+    assert config["data"]["train_batch_size"] == 4 and actor["ppo_mini_batch_size"] == 4 and actor["ppo_epochs"] == 2
+
+
+def test_sweep_seeds():
+    """--seeds runs every row once per seed, each named <row>_seed<S> with data.seed=S."""
+    proc = run_script("sweep_atr_baselines.sh", "--dry-run", "--only", "atr", "--seeds", "1,2", env={"SWEEP_JOBS": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = re.findall(r"^--- # (\S+)$", proc.stdout, flags=re.M)
+    configs = dict(zip(names, yaml.safe_load_all(proc.stdout), strict=True))
+    assert list(configs) == ["atr_seed1", "atr_seed2"]
+    for seed in (1, 2):
+        config = configs[f"atr_seed{seed}"]
+        assert config["trainer"]["experiment_name"] == f"atr_1.7b_atr_seed{seed}"
+        assert config["data"]["seed"] == seed and config["actor_rollout_ref"]["rollout"]["seed"] == seed
+        assert _actor(config)["fsdp_config"]["seed"] == seed
+        _check_sweep_row("atr", {**config, "trainer": {**config["trainer"], "experiment_name": "atr_1.7b_atr"}})
+
+
+@pytest.mark.parametrize("seeds, message", [("1,x", "'x' is not a non-negative integer"), ("1,1", "seed 1 given twice")])
+def test_sweep_bad_seeds(seeds, message):
+    proc = run_script("sweep_atr_baselines.sh", "--list", "--seeds", seeds)
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+# ------------------------------------------------------------------ issue 10, ATR half (item 2: SFT stage)
+
+SFT_SCRIPTS = {"run_sft_openmath_qwen3_1.7b.sh": ("Qwen/Qwen3-1.7B", 16384, False),
+               "run_sft_openmath_qwen3_8b.sh": ("Qwen/Qwen3-8B", 8192, True)}
+
+
+@pytest.fixture(scope="module")
+def sft_dry_runs() -> dict[str, subprocess.CompletedProcess]:
+    jobs = {script: (script, ("--dry-run",), None) for script in SFT_SCRIPTS}
+    jobs["env"] = ("run_sft_openmath_qwen3_1.7b.sh", ("--dry-run", "optim.lr=2e-5"),
+                   {"MODEL_PATH": "/m/qwen3 1.7b", "TRAIN_FILES": "/d/sft.parquet", "MERGED_DIR": "/out/merged",
+                    "CKPT_DIR": "/ckpt/sft", "GPUS_PER_NODE": "2"})  # fmt: skip
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {key: pool.submit(run_script, script, *args, env=env) for key, (script, args, env) in jobs.items()}
+        return {key: future.result() for key, future in futures.items()}
+
+
+@pytest.mark.parametrize("script", sorted(SFT_SCRIPTS))
+def test_sft_rows(sft_dry_runs, script):
+    """ATR Appendix B: SFT on OpenMathReasoning before RL, LoRA r32/a64, one GPU, rows of <= 2,048 tokens
+    in the RL prompt format, merged into the folder the ATR script starts from."""
+    base, tokens, offload = SFT_SCRIPTS[script]
+    config = _load(sft_dry_runs[script])
+    model, data, trainer = config["model"], config["data"], config["trainer"]
+    assert model["path"] == base
+    assert (model["lora_rank"], model["lora_alpha"], model["target_modules"]) == (32, 64, "all-linear")
+    assert (trainer["nnodes"], trainer["n_gpus_per_node"]) == (1, 1)
+    assert data["train_files"].endswith("/openmathreasoning_sft.parquet")
+    assert data["max_length"] == 2048 and data["truncation"] == "error"
+    assert data["apply_chat_template_kwargs"] == {"enable_thinking": False}
+    assert data["custom_cls"] == {"path": "recipe/sft_dataset.py", "name": "RLPromptSFTDataset"}
+    assert data["max_token_len_per_gpu"] == tokens and config["engine"]["param_offload"] is offload
+    # the merged model is where the matching ATR config starts
+    name = script[len("run_sft_"):-len(".sh")]
+    atr = "run_atr_grpo_qwen3_" + name.rsplit("_", 1)[1] + ".sh"
+    assert config["divclip"]["merged_dir"] == ATR_SCRIPTS[atr]
+    assert trainer["experiment_name"] == f"sft_{name}" and trainer["default_local_dir"] == f"checkpoints/divclip-sft/sft_{name}"
+
+
+def test_sft_environment_overrides(sft_dry_runs):
+    config = _load(sft_dry_runs["env"])
+    assert config["model"]["path"] == "/m/qwen3 1.7b" and config["data"]["train_files"] == "/d/sft.parquet"
+    assert config["divclip"]["merged_dir"] == "/out/merged" and config["trainer"]["default_local_dir"] == "/ckpt/sft"
+    assert config["trainer"]["n_gpus_per_node"] == 2 and config["optim"]["lr"] == 2e-5
+
+
+def test_sft_scripts_and_configs():
+    configs = {p.stem for p in (ROOT / "configs" / "sft").glob("*.yaml")}
+    scripts = {p.name[len("run_sft_"):-len(".sh")] for p in LAUNCH.glob("run_sft_*.sh")}
+    assert configs == scripts == {"openmath_qwen3_1.7b", "openmath_qwen3_8b"}
+    doc = (ROOT / "docs" / "experiments.md").read_text()
+    for name in scripts:
+        assert f"launch/run_sft_{name}.sh" in doc, name
+
+
+def test_sft_bad_config_is_a_clear_error():
+    proc = run_script("run_sft_openmath_qwen3_1.7b.sh", "--dry-run", "data.max_length=0")
+    assert proc.returncode == 2 and "data.max_length must be a positive integer" in proc.stderr and proc.stdout == ""
+    proc = run_script("run_sft_openmath_qwen3_1.7b.sh", "--dry-run", env={"GPUS_PER_NODE": "x"})
+    assert proc.returncode == 2 and "GPUS_PER_NODE must be a positive integer" in proc.stderr
