@@ -450,7 +450,9 @@ def test_bf16_inputs_give_finite_loss_and_bf16_gradient():
         ({"gppo_beta_low": -1.0}, "gppo_beta_low"),
         ({"dcpo_cap": 1.0}, "dcpo_cap"),
         ({"loss_mode": "kl4"}, "loss_mode"),
-        ({"loss_mode": "sapo", "erc_beta_low": 0.05, "erc_beta_high": 0.05}, "erc_beta_low"),
+        # ERC stacks on verl's modes too (verl_ext.verl_modes), except where it cannot:
+        ({"loss_mode": "bypass_mode", "erc_beta_low": 0.05, "erc_beta_high": 0.05}, "erc_beta_low"),
+        ({"loss_mode": "sapo", "dual_clip_c": 10.0}, "dual_clip_c"),
     ],
 )
 def test_invalid_config_values_raise_naming_the_key(kwargs, key):
