@@ -382,6 +382,14 @@ def constrained_policy_loss(
     clipped = ~region.inside & ((ratio_d - 1.0) * advantages > 0)
     upper_side = ratio_d > 1.0
 
+    dual = None
+    if policy.dual_clip_c is not None:
+        dual = (advantages < 0) & (ratio_d > policy.dual_clip_c)
+    erc = erc_out = None
+    if policy.erc_enabled:
+        erc = _entropy_ratio_band(old_entropy, entropy, policy, compute_dtype)
+        erc_out = erc[1] | erc[2]
+
     if spec.on_violation == "preserve":
         if region.bounds_sampled:
             raise ValueError(f"constraint {mode!r} reports sampled bounds and cannot preserve gradients")
@@ -396,23 +404,23 @@ def constrained_policy_loss(
         # GPPO's bound / sg(w) * w in its general beta form: the forward value stays `bound`
         # (Clip-Higher) and d coef / d log pi = beta * bound. (x - sg(x)) is 0 with slope 1.
         coef = torch.where(clipped, bound + slope * (log_ratio - log_ratio_d), ratio)
-        no_grad = None
+        no_grad = _union(dual, erc_out)
+        if dual is not None:
+            coef = torch.where(dual, policy.dual_clip_c, coef)
+        if erc_out is not None:
+            coef = torch.where(erc_out, coef.detach(), coef)  # hard: value kept, gradient gone
     else:
-        coef = torch.where(clipped, 1.0, ratio)  # w(theta_old) = 1, a constant
-        no_grad = clipped
-
-    dual = None
-    if policy.dual_clip_c is not None:
-        dual = (advantages < 0) & (ratio_d > policy.dual_clip_c)
-        coef = torch.where(dual, policy.dual_clip_c, coef)
-        no_grad = dual if no_grad is None else no_grad | dual
-
-    erc = None
-    if policy.erc_enabled:
-        erc = _entropy_ratio_band(old_entropy, entropy, policy, compute_dtype)
-        erc_out = erc[1] | erc[2]
-        coef = torch.where(erc_out, coef.detach(), coef)  # hard: value kept, gradient gone
-        no_grad = erc_out if no_grad is None else no_grad | erc_out
+        # Every token without gradient takes a constant: w(theta_old) = 1 where the constraint
+        # clips, c where dual-clip caps (it wins over the clip), and its own detached ratio
+        # where only ERC removes the gradient (value kept). One select in the autograd graph.
+        no_grad = _union(clipped, dual, erc_out)
+        if erc_out is None:
+            frozen = 1.0 if dual is None else torch.where(dual, policy.dual_clip_c, ratio_d.new_ones(()))
+        else:
+            frozen = torch.where(clipped, 1.0, ratio_d)
+            if dual is not None:
+                frozen = torch.where(dual, policy.dual_clip_c, frozen)
+        coef = torch.where(no_grad, frozen, ratio)
 
     # agg_loss is linear in the loss matrix: aggregate A * coef and negate the scalar.
     surrogate = advantages * coef
@@ -443,6 +451,17 @@ def sequence_mean_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torc
     aggregation and one advantage per sequence that is GSPO's gradient (GSPO-token form)."""
     lengths = mask.sum(-1).clamp(min=1)
     return torch.where(mask, log_ratio.detach(), 0.0).sum(-1) / lengths
+
+
+def _union(*masks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Elementwise OR of the masks that are present (``None`` if none is)."""
+    present = [m for m in masks if m is not None]
+    if not present:
+        return None
+    union = present[0]
+    for mask in present[1:]:
+        union = union | mask
+    return union
 
 
 _ADAPTIVE_NEEDS_TRAINER = (
@@ -491,12 +510,14 @@ def _metrics(
     Fractions are counted on byte masks and per-token quantities summed once, so the
     metrics cost a few passes over the batch rather than one float tensor per metric.
     """
+    # count_nonzero counts a bool mask in place; bool.sum() first copies it to int64
+    count = torch.count_nonzero
     with torch.no_grad():
         clipped_valid = clipped & mask
         sums: dict[str, torch.Tensor] = {
-            "n_valid": mask.sum(),
-            "clipfrac_upper": (clipped_valid & upper_side).sum(),
-            "clipfrac_total": clipped_valid.sum(),
+            "n_valid": count(mask),
+            "clipfrac_upper": count(clipped_valid & upper_side),
+            "clipfrac_total": count(clipped_valid),
             "ppo_kl": -(log_ratio * mask).sum(),
         }
         kl3 = torch.where(mask, divergences.kl3(log_ratio), 0.0)
@@ -505,13 +526,13 @@ def _metrics(
         if sequence_log_ratio is not None:
             has_tokens = mask.any(-1)
             seq_kl3 = torch.where(has_tokens, divergences.kl3(sequence_log_ratio), 0.0)
-            sums["n_sequences"] = has_tokens.sum()
+            sums["n_sequences"] = count(has_tokens)
             sums["seq_kl3_sum"] = seq_kl3.sum()
             sums["seq_kl3_max"] = seq_kl3.max() if seq_kl3.numel() else seq_kl3.new_zeros(())
         if no_grad is not None:
-            sums["no_grad_frac"] = (no_grad & mask).sum()
+            sums["no_grad_frac"] = count(no_grad & mask)
         if dual is not None:
-            sums["dualclip_frac"] = (dual & mask).sum()
+            sums["dualclip_frac"] = count(dual & mask)
         scalar_bounds: dict[str, float] = {}
         for name, bound in (("ratio_lower", region.lower), ("ratio_upper", region.upper)):
             if not isinstance(bound, torch.Tensor):
@@ -527,8 +548,8 @@ def _metrics(
             rho, upper, lower = erc
             rho_or_zero = torch.where(mask, rho, 0.0)  # rho > 0, so 0 is neutral for max too
             sums["erc/ratio_mean"] = rho_or_zero.sum()
-            sums["erc/clipfrac_upper"] = (upper & mask).sum()
-            sums["erc/clipfrac_lower"] = (lower & mask).sum()
+            sums["erc/clipfrac_upper"] = count(upper & mask)
+            sums["erc/clipfrac_lower"] = count(lower & mask)
             sums["erc/ratio_min"] = torch.where(mask, rho, math.inf).amin()
             sums["erc/ratio_max"] = rho_or_zero.amax()
         values = dict(zip(sums, torch.stack([v.double() for v in sums.values()]).tolist()))
