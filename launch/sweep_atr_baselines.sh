@@ -54,6 +54,8 @@ ROWS=(
     "atr_delta0.05|$P.loss_mode=kl3 $P.delta=0.05"
     "atr_delta0.1|$P.loss_mode=kl3 $P.delta=0.1"
     "atr_delta0.15|$P.loss_mode=kl3 $P.delta=0.15"
+    # Sec. 6.5, sequence-level integration: KL3 of GSPO's sequence ratio <= delta
+    "seq_kl3|$P.loss_mode=seq_kl3 $P.delta=0.07"
 )
 
 list=0

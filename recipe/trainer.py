@@ -2,8 +2,11 @@
 
 ``DivClipTrainer`` subclasses ``PPOTrainerSync`` (``trainer_mode=sync``) and, once the worker
 groups exist, installs :func:`verl_ext.actor_loss.build_actor_loss` on the actor workers with
-``set_loss_fn`` -- once, at init. Everything else (rollouts, rewards, advantages, old-log-prob
-recompute with entropy, checkpoints, validation) is verl's.
+``set_loss_fn`` -- at init, and again whenever the opt-in adaptive trust-region controller
+(``policy_loss.adaptive_delta_target``, :mod:`verl_ext.adaptive_delta`) moves delta after an actor
+update; the controller's state is saved into and restored from verl's ``global_step_N`` folders.
+Everything else (rollouts, rewards, advantages, old-log-prob recompute with entropy, checkpoints,
+validation) is verl's.
 
 ``DivClipTaskRunner`` mirrors ``verl.trainer.main_ppo.TaskRunnerV1.run``: that class is a
 ``@ray.remote`` actor class and cannot be subclassed, and its ``run`` builds the trainer
@@ -12,43 +15,102 @@ from verl's registry rather than taking a class.
 
 from __future__ import annotations
 
+import copy
 import logging
+import os
 from pprint import pprint
-from typing import Any
+from typing import Any, Optional
 
 import ray
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from verl.trainer.ppo.v1 import PPOTrainerSync
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.import_utils import load_class_from_fqn
 from verl.utils.logging_utils import configure_verl_logging
 
 from verl_ext.actor_loss import build_actor_loss
+from verl_ext.adaptive_delta import AdaptiveDelta
 from verl_ext.entropy import describe_entropy_path, loss_entropy_path, resolve_entropy_path
+from verl_ext.losses import CONSTRAINTS
 
 logger = logging.getLogger(__name__)
 
 
 class DivClipTrainer(PPOTrainerSync):
-    """``PPOTrainerSync`` whose actor workers use the divclip actor loss."""
+    """``PPOTrainerSync`` whose actor workers use the divclip actor loss, with the optional
+    adaptive-delta controller run on the driver (see :mod:`verl_ext.adaptive_delta`)."""
+
+    adaptive_delta: Optional[AdaptiveDelta] = None
+
+    def _load_checkpoint(self) -> None:
+        super()._load_checkpoint()  # sets global_steps and restores the workers
+        self.adaptive_delta = self._build_adaptive_delta()
+        if self.adaptive_delta is None or self.global_steps == 0:
+            return
+        folder = self._resumed_folder()
+        if self.adaptive_delta.restore(folder):
+            logger.info("adaptive delta restored from %s: delta=%s", folder, self.adaptive_delta.delta)
+        else:
+            logger.warning(
+                "adaptive delta: %s has no controller state (written with a static delta?); starting from "
+                "policy_loss.delta=%s", folder, self.adaptive_delta.delta,
+            )
+
+    def _build_adaptive_delta(self) -> Optional[AdaptiveDelta]:
+        policy = self.config.actor_rollout_ref.actor.policy_loss
+        if policy.get("loss_mode") not in CONSTRAINTS:
+            return None
+        return AdaptiveDelta.from_policy(omega_conf_to_dataclass(policy))
+
+    def _resumed_folder(self) -> str:
+        """The ``global_step_N`` folder verl's ``_load_checkpoint`` resumed from."""
+        trainer = self.config.trainer
+        if trainer.resume_mode == "resume_path":
+            folder = trainer.resume_from_path
+        else:
+            folder = os.path.join(trainer.default_local_dir, f"global_step_{self.global_steps}")
+        return folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
 
     def on_init_end(self) -> None:
         super().on_init_end()
         self.install_actor_loss()
 
     def install_actor_loss(self) -> None:
-        actor_config = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
+        actor_cfg = self.config.actor_rollout_ref.actor
+        if self.adaptive_delta is not None:
+            actor_cfg = copy.deepcopy(actor_cfg)
+            with open_dict(actor_cfg):
+                actor_cfg.policy_loss.delta = self.adaptive_delta.delta
+        actor_config = omega_conf_to_dataclass(actor_cfg)
         loss = build_actor_loss(actor_config)
-        self.actor_rollout_wg.set_loss_fn(loss)
+        self.actor_rollout_wg.set_loss_fn(loss)  # ONE_TO_ALL: the same loss (and delta) on every rank
         path = resolve_entropy_path(
             loss_entropy_path(loss),
             use_fused_kernels=bool(self.config.actor_rollout_ref.model.get("use_fused_kernels", False)),
         )
         logger.info(
-            "divclip actor loss installed: loss_mode=%s, per-token entropy: %s",
+            "divclip actor loss installed: loss_mode=%s, delta=%s, per-token entropy: %s",
             actor_config.policy_loss.get("loss_mode", "vanilla"),
+            actor_config.policy_loss.get("delta", None),
             describe_entropy_path(path),
         )
+
+    def _update_actor(self, batch: Any, metrics: dict) -> Any:
+        batch = super()._update_actor(batch, metrics=metrics)
+        if self.adaptive_delta is not None:
+            # the update's KL3, all-gathered over data-parallel ranks and reduced by verl
+            changed = self.adaptive_delta.update(metrics)
+            metrics["actor/divclip/delta_next"] = self.adaptive_delta.delta
+            if changed:
+                self.install_actor_loss()
+        return batch
+
+    def _save_checkpoint(self) -> None:
+        if self.adaptive_delta is not None:
+            # before verl's save, which ends by pointing latest_checkpointed_iteration.txt here
+            folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+            self.adaptive_delta.save(folder)
+        super()._save_checkpoint()
 
 
 @ray.remote(num_cpus=1)

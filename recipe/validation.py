@@ -61,6 +61,16 @@ def validate_divclip_config(config: DictConfig) -> Any:
             actor_clip_ratios(actor)
         except ValueError as error:
             raise ConfigError(str(error)) from error
+    if isinstance(policy, DivClipPolicyLossConfig) and policy.adaptive_delta_enabled:
+        train_prompts = config.data.get("train_batch_size", None)
+        on_policy = actor.ppo_epochs == 1 and train_prompts is not None and actor.ppo_mini_batch_size >= train_prompts
+        if on_policy:
+            raise ConfigError(
+                f"{ACTOR}.policy_loss.adaptive_delta_target: with one PPO mini-batch per step "
+                f"({ACTOR}.ppo_mini_batch_size={actor.ppo_mini_batch_size} >= data.train_batch_size={train_prompts}) "
+                f"and {ACTOR}.ppo_epochs=1 every update is on-policy, its measured KL3 is 0 and the controller "
+                "could only widen delta: use a smaller ppo_mini_batch_size or more ppo_epochs, or a static delta"
+            )
     if isinstance(policy, DivClipPolicyLossConfig) and policy.erc_enabled:
         if not actor.calculate_entropy:
             raise ConfigError(

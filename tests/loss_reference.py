@@ -3,7 +3,9 @@
 Each constraint is evaluated from its *definition* (the divergence against delta, the
 DCPO/clip formulas in plain ``math``), never from the closed-form ratio bounds the
 implementation uses, and Eq. 5's pessimistic min is taken with an explicit comparison.
-Token-mean aggregation only.
+Token-mean aggregation only. ``seq_kl3`` is built sequence by sequence
+(:func:`reference_sequence_loss`): GSPO's s_i from the mean log-ratio of the row's valid
+tokens, KL3(s_i) = s_i - 1 - log s_i against delta.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ def reference_loss(
     entropy: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Token-mean loss built token by token (log_prob may require grad)."""
+    if knobs.mode == "seq_kl3":
+        return reference_sequence_loss(old_log_prob, log_prob, advantages, mask, knobs, old_entropy, entropy)
     total = log_prob.new_zeros(())
     count = 0
     rows, cols = log_prob.shape
@@ -100,6 +104,52 @@ def reference_loss(
                 surrogate = w * adv if wv * adv <= adv else w.new_tensor(adv)
             if knobs.dual_clip_c is not None and adv < 0 and wv > knobs.dual_clip_c:
                 surrogate = w.new_tensor(knobs.dual_clip_c * adv)
+            if knobs.erc_beta_low is not None:
+                eps = knobs.erc_eps
+                rho = (float(entropy[i, j]) + eps) / (float(old_entropy[i, j]) + eps)
+                if not (1 - knobs.erc_beta_low < rho < 1 + knobs.erc_beta_high):
+                    surrogate = surrogate.detach()
+            total = total - surrogate
+    return total / max(count, 1)
+
+
+def reference_sequence_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    knobs: RefKnobs,
+    old_entropy: Optional[torch.Tensor] = None,
+    entropy: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Sequence-level KL3 (ATR-GRPO Sec. 6.5), token-mean, one sequence at a time.
+
+    Every valid token of row i uses the ratio s_i = exp(mean of its row's clamped log-ratios)
+    in GSPO-token form: value s_i, derivative s_i with respect to the token's own log-prob.
+    A row whose KL3(s_i) exceeds delta has its ratio replaced by the constant 1 inside
+    min(s A, 1 A), decided per token by the sign of A_t.
+    """
+    total = log_prob.new_zeros(())
+    count = 0
+    rows, cols = log_prob.shape
+    for i in range(rows):
+        valid = [j for j in range(cols) if bool(mask[i, j])]
+        if not valid:
+            continue
+        xs = {j: torch.clamp(log_prob[i, j] - float(old_log_prob[i, j]), -20.0, 20.0) for j in valid}
+        log_s = sum(x.item() for x in xs.values()) / len(valid)
+        s = math.exp(log_s)
+        inside = s - 1 - log_s <= knobs.delta
+        for j in valid:
+            count += 1
+            adv = float(advantages[i, j])
+            ratio = s * torch.exp(xs[j] - xs[j].item())  # value s, d/dlog pi_t = s
+            if inside or s * adv <= adv:
+                surrogate = ratio * adv
+            else:
+                surrogate = ratio.new_tensor(adv)  # min(s A, 1 A) = 1 A, a constant
+            if knobs.dual_clip_c is not None and adv < 0 and s > knobs.dual_clip_c:
+                surrogate = ratio.new_tensor(knobs.dual_clip_c * adv)
             if knobs.erc_beta_low is not None:
                 eps = knobs.erc_eps
                 rho = (float(entropy[i, j]) + eps) / (float(old_entropy[i, j]) + eps)

@@ -6,7 +6,8 @@ FSDP2 on gloo, CPU platform), 1 and 2 ranks.
   mode's update on the same batch with those tokens' advantages set to 0 (no gradient, still
   in the denominator);
 * a band too wide to trigger gives the base mode's update;
-* remove-padding on/off and 1 vs 2 ranks give the same update.
+* remove-padding on/off and 1 vs 2 ranks give the same update (ERC on kl3, and seq_kl3, whose
+  sequence ratio must not depend on how verl splits the batch).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ SPEC = TinyQwen3Spec()
 PROMPT_LENS = [3, 5, 4, 6]
 RESPONSE_LENS = [9, 4, 7, 6]
 SGD = EXACT_SGD  # update = -lr * grad, so "same update" means "same gradient"
-DIVCLIP_MODES = ["clip", "gppo", "kl3", "kl1", "kl2", "is_kl3", "trgppo", "dcpo"]
+DIVCLIP_MODES = ["clip", "gppo", "kl3", "kl1", "kl2", "is_kl3", "trgppo", "dcpo", "seq_kl3"]
 ENTROPY_SCALES = torch.tensor([0.5, 0.97, 1.0, 1.03, 1.5, 0.9, 1.2])  # H_new / H_old per token (cycled)
 
 
@@ -112,8 +113,11 @@ def job_single_rank(rank: int, world_size: int, model_path: str) -> dict[str, An
 
 
 def job_two_ranks(rank: int, world_size: int, model_path: str, batch: Any) -> dict[str, Any]:
-    cfg = actor_config("kl3", erc_beta_low=0.05, erc_beta_high=0.05)
-    return run_update(model_path, cfg, shard_for_rank(batch, rank, world_size))
+    shard = shard_for_rank(batch, rank, world_size)
+    return {
+        "erc/kl3": run_update(model_path, actor_config("kl3", erc_beta_low=0.05, erc_beta_high=0.05), shard),
+        "base/seq_kl3": run_update(model_path, actor_config("seq_kl3"), shard),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +149,9 @@ def test_every_mode_trains(single: dict[str, Any], mode: str) -> None:
     if mode in DIVCLIP_MODES:
         assert "actor/divclip/kl3_mean" in result["metrics"]
         assert not result["detached"]
+    if mode == "seq_kl3":
+        assert all(float(v) > 0 for v in result["metrics"]["actor/divclip/seq_kl3_mean"])
+        assert all(float(v) == 0.07 for v in result["metrics"]["actor/divclip/delta"])
 
 
 @pytest.mark.parametrize("mode", ["clip", "kl3", "gppo"])
@@ -175,8 +182,9 @@ def test_remove_padding_does_not_change_the_erc_update(single: dict[str, Any]) -
 
 def test_two_ranks_match_one_rank(model_path: str, single: dict[str, Any]) -> None:
     rank0, rank1 = run_ranks(job_two_ranks, 2, model_path, single["batch"])
-    assert_same_delta(rank0["delta"], rank1["delta"], atol=0.0)
-    assert_same_delta(rank0["delta"], single["erc/kl3"]["delta"], atol=1e-6)
+    for name in ("erc/kl3", "base/seq_kl3"):
+        assert_same_delta(rank0[name]["delta"], rank1[name]["delta"], atol=0.0)
+        assert_same_delta(rank0[name]["delta"], single[name]["delta"], atol=1e-6)
 
 
 def test_token_dump_writes_the_erc_scatter_rows(single: dict[str, Any]) -> None:

@@ -59,6 +59,7 @@ SWEEP = {
     "atr_delta0.05": {"loss_mode": "kl3", "delta": 0.05},
     "atr_delta0.1": {"loss_mode": "kl3", "delta": 0.1},
     "atr_delta0.15": {"loss_mode": "kl3", "delta": 0.15},
+    "seq_kl3": {"loss_mode": "seq_kl3", "delta": 0.07},
 }
 
 # rows the test dry-runs through the script itself; every row is composed and validated in-process

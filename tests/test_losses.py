@@ -15,7 +15,7 @@ from verl_ext import divergences
 from verl_ext.config import DivClipPolicyLossConfig, check_clip_ratios
 from verl_ext.losses import CONSTRAINTS, constrained_policy_loss
 
-MODES = ["clip", "gppo", "kl3", "kl1", "kl2", "is_kl3", "trgppo", "dcpo"]
+MODES = ["clip", "gppo", "kl3", "kl1", "kl2", "is_kl3", "trgppo", "dcpo", "seq_kl3"]
 
 
 def actor_config(mode: str, eps_low: float = 0.2, eps_high: float = 0.28, clip_ratio_c: float = 3.0, **policy):
@@ -71,6 +71,7 @@ def mode_bounds(mode: str, old_log_prob: float, knobs: RefKnobs) -> tuple[float,
         return min(float(lower), 1 - knobs.eps_low), max(float(upper), 1 + knobs.eps_high)
     return {
         "kl3": divergences.kl3_ratio_bounds,
+        "seq_kl3": divergences.kl3_ratio_bounds,
         "kl1": divergences.kl1_ratio_bounds,
         "kl2": divergences.kl2_ratio_bounds,
         "is_kl3": divergences.is_kl3_ratio_bounds,
@@ -79,6 +80,8 @@ def mode_bounds(mode: str, old_log_prob: float, knobs: RefKnobs) -> tuple[float,
 
 def boundary_batch(mode: str, knobs: RefKnobs):
     """Ratios just inside, just outside and far beyond both bounds, at 1, for A of both signs."""
+    if CONSTRAINTS[mode].level == "sequence":
+        return sequence_boundary_batch(knobs)
     olds, news, advs = [], [], []
     for old in (-0.05, -0.7, -2.5):
         lower, upper = mode_bounds(mode, old, knobs)
@@ -93,6 +96,38 @@ def boundary_batch(mode: str, knobs: RefKnobs):
     shape = (1, len(olds))
     as_t = lambda v: torch.tensor(v, dtype=torch.float64).reshape(shape)  # noqa: E731
     return as_t(olds), as_t(news), as_t(advs), torch.ones(shape, dtype=torch.float64)
+
+
+def sequence_boundary_batch(knobs: RefKnobs, cols: int = 7):
+    """One sequence per row whose ratio s_i = exp(mean log w) sits at 1, just inside, just outside
+    and far beyond both KL3 bounds, and at the +-20 log-ratio clamp; token log-ratios spread
+    around log s_i, valid lengths 3..cols (masked tails), advantages +, -, and mixed per token,
+    plus a fully masked row."""
+    lower, upper = divergences.kl3_ratio_bounds(knobs.delta)
+    targets = [1.0, lower * (1 + 1e-4), lower * (1 - 1e-4), lower * 0.3, upper * (1 - 1e-4), upper * (1 + 1e-4),
+               upper * 4, math.exp(-20), math.exp(20)]
+    advantage_rows = ([1.0] * cols, [-1.0] * cols, [0.5, -2.0, 1.5, -0.3, 2.0, -1.0, 0.7][:cols])
+    olds, news, advs, masks = [], [], [], []
+    for k, target in enumerate(targets):
+        for adv_row in advantage_rows:
+            length = 3 + (k + len(olds)) % (cols - 2)
+            spread = torch.linspace(-0.4, 0.4, length, dtype=torch.float64)
+            log_ratio = math.log(target) + (spread - spread.mean())
+            if abs(math.log(target)) >= 20:  # beyond the clamp: every token at or past +-20
+                log_ratio = math.copysign(1, math.log(target)) * (20 + torch.arange(length, dtype=torch.float64))
+            old = torch.full((cols,), -30.0 if target > 1 else -1.5, dtype=torch.float64)
+            new = old.clone()
+            new[:length] = old[:length] + log_ratio
+            new[length:] = 0.3  # padding: garbage that must not count
+            olds.append(old)
+            news.append(new)
+            advs.append(torch.tensor(adv_row, dtype=torch.float64))
+            masks.append((torch.arange(cols) < length).double())
+    olds.append(torch.full((cols,), -1.0, dtype=torch.float64))
+    news.append(torch.full((cols,), -0.1, dtype=torch.float64))
+    advs.append(torch.ones(cols, dtype=torch.float64))
+    masks.append(torch.zeros(cols, dtype=torch.float64))  # a fully masked row
+    return torch.stack(olds), torch.stack(news), torch.stack(advs), torch.stack(masks)
 
 
 # ----------------------------------------------------------------------------------------
@@ -275,6 +310,112 @@ def test_mode_matches_reference_random(mode, seed):
     ref.backward()
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grad, ref_log_prob.grad, rtol=1e-10, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------
+# Sequence-level KL3 (ATR-GRPO Sec. 6.5).
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dual_clip_c", [None, 3.0])
+@pytest.mark.parametrize("delta", [0.01, 0.07, 0.5])
+def test_seq_kl3_matches_reference_around_bounds(delta, dual_clip_c):
+    knobs = RefKnobs(mode="seq_kl3", delta=delta, dual_clip_c=dual_clip_c)
+    old, new, adv, mask = sequence_boundary_batch(knobs)
+    cfg = actor_config("seq_kl3", delta=delta, dual_clip_c=dual_clip_c)
+    loss, grad, metrics = run_registry_loss("seq_kl3", old, new, adv, mask, cfg)
+    ref_log_prob = new.clone().requires_grad_(True)
+    ref = reference_loss(old, ref_log_prob, adv, mask, knobs)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, ref_log_prob.grad, rtol=1e-10, atol=1e-12)
+    # the decision is per sequence: a row with one advantage sign keeps or drops all its tokens
+    lower, upper = divergences.kl3_ratio_bounds(delta)
+    log_s = (torch.clamp(new - old, -20, 20) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    s = torch.exp(log_s)
+    valid = mask.bool()
+    for i in range(old.shape[0]):
+        row_adv = adv[i][valid[i]]
+        if not valid[i].any() or not ((row_adv > 0).all() or (row_adv < 0).all()):
+            continue
+        pushed_out = (s[i] > upper and row_adv[0] > 0) or (s[i] < lower and row_adv[0] < 0)
+        dual = dual_clip_c is not None and row_adv[0] < 0 and s[i] > dual_clip_c
+        if pushed_out or dual:
+            assert (grad[i][valid[i]] == 0).all(), i
+        else:
+            # GSPO-token gradient: -A_t s_i / n_tokens per token; verl's +-20 clamp stops the
+            # gradient of tokens whose own log-ratio lies beyond it
+            unclamped = ((new - old)[i][valid[i]].abs() <= 20).double()
+            assert unclamped.any()
+            expected = -row_adv * s[i] / valid.sum() * unclamped
+            torch.testing.assert_close(grad[i][valid[i]], expected, rtol=1e-10, atol=0)
+    assert (grad[~valid] == 0).all()
+    assert metrics["actor/divclip/ratio_lower"] == pytest.approx(lower)
+    assert metrics["actor/divclip/ratio_upper"] == pytest.approx(upper)
+    assert metrics["actor/divclip/delta"] == delta
+    has_tokens = valid.any(-1)
+    seq_kl3 = (s - 1 - log_s)[has_tokens]
+    assert metrics["actor/divclip/seq_kl3_mean"] == pytest.approx(seq_kl3.mean().item(), rel=1e-12)
+    assert metrics["actor/divclip/seq_kl3_max"] == pytest.approx(seq_kl3.max().item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_seq_kl3_is_gspo_with_lambert_bounds(seed):
+    """With seq-mean-token-mean aggregation, seq_kl3 has the gradient of verl's ``gspo`` clipped
+    at [l_delta, u_delta]: the KL3 budget on s_i is an asymmetric GSPO clip."""
+    lower, upper = divergences.kl3_ratio_bounds(0.07)
+    old, new, adv, mask = random_batch(seed, spread=0.25)
+    mask[2, 5:] = 0
+
+    def grad_of(mode, config):
+        log_prob = new.clone().requires_grad_(True)
+        loss, _ = get_policy_loss_fn(mode)(
+            old_log_prob=old, log_prob=log_prob, advantages=adv, response_mask=mask,
+            loss_agg_mode="seq-mean-token-mean", config=config,
+        )
+        loss.backward()
+        return log_prob.grad
+
+    ours = grad_of("seq_kl3", actor_config("seq_kl3", delta=0.07))
+    gspo = grad_of("gspo", FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
+                                           clip_ratio_low=1 - lower, clip_ratio_high=upper - 1))
+    # another implementation (other order of float operations): agreement to ~1e-9 relative
+    torch.testing.assert_close(ours, gspo, rtol=1e-7, atol=1e-12)
+    assert (ours == 0).any() and (ours != 0).any(), "batch must clip some sequences and keep others"
+
+
+def test_seq_kl3_differs_from_token_kl3():
+    """A sequence whose tokens all leave the token bounds in both directions can have s_i = 1:
+    token-level kl3 drops them, seq_kl3 keeps every token's gradient."""
+    old = torch.full((1, 4), -2.0, dtype=torch.float64)
+    new = old + torch.tensor([[0.8, -0.8, 0.8, -0.8]], dtype=torch.float64)  # w = 2.23, 0.45
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones_like(old)
+    _, token_grad, _ = run_registry_loss("kl3", old, new, adv, mask, actor_config("kl3"))
+    _, seq_grad, metrics = run_registry_loss("seq_kl3", old, new, adv, mask, actor_config("seq_kl3"))
+    assert (token_grad == 0).all()
+    torch.testing.assert_close(seq_grad, -adv / 4, rtol=1e-12, atol=0)  # s = 1
+    assert metrics["actor/divclip/seq_kl3_mean"] == pytest.approx(0.0, abs=1e-15)
+    assert metrics["actor/divclip/kl3_mean"] > 0.07  # the token-level KL3 is still reported
+
+
+def test_seq_kl3_bf16_and_padding_garbage():
+    """bf16 log-probs compute in fp32; padded positions (even non-finite) change nothing."""
+    old, new, adv, mask = random_batch(2, spread=0.2)
+    loss32, grad32, _ = run_registry_loss("seq_kl3", old, new, adv, mask, actor_config("seq_kl3"))
+    garbage = new.clone()
+    garbage[mask == 0] = 50.0
+    loss_g, grad_g, _ = run_registry_loss("seq_kl3", old, garbage, adv, mask, actor_config("seq_kl3"))
+    torch.testing.assert_close(loss_g, loss32, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad_g, grad32, rtol=1e-12, atol=0)
+    log_prob = new.to(torch.bfloat16).requires_grad_(True)
+    loss, _ = get_policy_loss_fn("seq_kl3")(
+        old_log_prob=old.to(torch.bfloat16), log_prob=log_prob, advantages=adv.float(), response_mask=mask,
+        loss_agg_mode="token-mean", config=actor_config("seq_kl3"),
+    )
+    loss.backward()
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert log_prob.grad.dtype == torch.bfloat16 and torch.isfinite(log_prob.grad).all()
 
 
 def test_gppo_paper_example():

@@ -35,7 +35,20 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
 
     Args:
         delta: Per-token divergence budget delta of the ``kl3`` (ATR-GRPO, Theorem 4.2),
-            ``kl1``, ``kl2``, ``is_kl3`` and ``trgppo`` constraints. Paper default 0.07.
+            ``kl1``, ``kl2``, ``is_kl3`` and ``trgppo`` constraints, and per-sequence budget of
+            ``seq_kl3`` (KL3(s_i) <= delta, ATR-GRPO Sec. 6.5). Paper default 0.07. With the
+            adaptive controller on, the initial delta.
+        adaptive_delta_target: Opt-in adaptive trust region (ATR-GRPO Sec. 6.5): the target
+            d_targ of the update's measured mean KL3 (``actor/divclip/kl3_mean``; for
+            ``seq_kl3`` the per-sequence ``actor/divclip/seq_kl3_mean``). After each actor
+            update with measured d: delta <- max(delta / rate, min) if d > d_targ * tolerance,
+            delta <- min(delta * rate, max) if d < d_targ / tolerance, else unchanged (PPO's
+            adaptive-KL rule, Schulman et al. 2017 Sec. 4, acting on the budget instead of the
+            penalty). ``None`` (default) = static delta, the paper's ATR.
+        adaptive_delta_tolerance: The dead band factor (PPO: 1.5), >= 1.
+        adaptive_delta_rate: The multiplicative step (> 1; default 1.5).
+        adaptive_delta_min: Lower bound of the adaptive delta (default 0.005).
+        adaptive_delta_max: Upper bound of the adaptive delta (default 0.5).
         dual_clip_c: Dual-clip cap c (Ye et al. 2020): for A < 0 the ratio is capped at c.
             ``None`` (default) disables it, so ``clip`` is exact PPO / DAPO. verl's
             ``vanilla`` always applies ``actor.clip_ratio_c`` (3); set here, ``dual_clip_c``
@@ -73,6 +86,11 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
     """
 
     delta: float = 0.07
+    adaptive_delta_target: Optional[float] = None
+    adaptive_delta_tolerance: float = 1.5
+    adaptive_delta_rate: float = 1.5
+    adaptive_delta_min: float = 0.005
+    adaptive_delta_max: float = 0.5
     dual_clip_c: Optional[float] = None
     gppo_beta_low: float = 1.0
     gppo_beta_high: float = 1.0
@@ -91,6 +109,7 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
         prefix = "actor_rollout_ref.actor.policy_loss"
         if not (_finite(self.delta) and self.delta > 0):
             raise ValueError(f"{prefix}.delta must be a finite number > 0, got {self.delta!r}")
+        self._check_adaptive_delta(prefix)
         if self.dual_clip_c is not None and not (_finite(self.dual_clip_c) and self.dual_clip_c > 1):
             raise ValueError(
                 f"{prefix}.dual_clip_c must be > 1 (or null to disable dual-clip), got {self.dual_clip_c!r}"
@@ -136,6 +155,39 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
     def erc_enabled(self) -> bool:
         return self.erc_beta_low is not None
 
+    @property
+    def adaptive_delta_enabled(self) -> bool:
+        return self.adaptive_delta_target is not None
+
+    def _check_adaptive_delta(self, prefix: str) -> None:
+        if self.adaptive_delta_target is not None and not (
+            _finite(self.adaptive_delta_target) and self.adaptive_delta_target > 0
+        ):
+            raise ValueError(
+                f"{prefix}.adaptive_delta_target must be a finite number > 0 (or null for a static delta), "
+                f"got {self.adaptive_delta_target!r}"
+            )
+        if not (_finite(self.adaptive_delta_tolerance) and self.adaptive_delta_tolerance >= 1):
+            raise ValueError(f"{prefix}.adaptive_delta_tolerance must be a finite number >= 1, got {self.adaptive_delta_tolerance!r}")
+        if not (_finite(self.adaptive_delta_rate) and self.adaptive_delta_rate > 1):
+            raise ValueError(f"{prefix}.adaptive_delta_rate must be a finite number > 1, got {self.adaptive_delta_rate!r}")
+        for key in ("adaptive_delta_min", "adaptive_delta_max"):
+            value = getattr(self, key)
+            if not (_finite(value) and value > 0):
+                raise ValueError(f"{prefix}.{key} must be a finite number > 0, got {value!r}")
+        if self.adaptive_delta_min > self.adaptive_delta_max:
+            raise ValueError(
+                f"{prefix}.adaptive_delta_min ({self.adaptive_delta_min}) must not exceed "
+                f"adaptive_delta_max ({self.adaptive_delta_max})"
+            )
+        if self.adaptive_delta_enabled and _finite(self.delta) and not (
+            self.adaptive_delta_min <= self.delta <= self.adaptive_delta_max
+        ):
+            raise ValueError(
+                f"{prefix}.delta={self.delta} (the adaptive controller's initial delta) must lie within "
+                f"[adaptive_delta_min, adaptive_delta_max] = [{self.adaptive_delta_min}, {self.adaptive_delta_max}]"
+            )
+
     def _check_loss_mode(self, prefix: str) -> None:
         # Imported here: verl_ext.losses imports this module.
         from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
@@ -145,6 +197,12 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
         known = sorted(set(POLICY_LOSS_REGISTRY) | set(CONSTRAINTS))
         if self.loss_mode not in known:
             raise ValueError(f"{prefix}.loss_mode={self.loss_mode!r} is not a registered policy loss; known: {known}")
+        if self.adaptive_delta_enabled and not (self.loss_mode in CONSTRAINTS and CONSTRAINTS[self.loss_mode].delta_budget):
+            budget_modes = sorted(name for name, spec in CONSTRAINTS.items() if spec.delta_budget)
+            raise ValueError(
+                f"{prefix}.adaptive_delta_target adapts the KL budget delta, which loss_mode={self.loss_mode!r} "
+                f"does not have; the KL-budget modes are {budget_modes}"
+            )
         if self.loss_mode not in CONSTRAINTS:  # verl's own mode: ERC / dual-clip compose with it
             from verl_ext.verl_modes import check_verl_mode_options
 

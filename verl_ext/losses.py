@@ -23,6 +23,11 @@ Three further behaviours are explicit options of the same operator, not copies o
   ERC implementation, so ERC changes which tokens push the policy, not the loss scale.
 * dual-clip (opt-in ``dual_clip_c``): for A < 0 and w > c the ratio is the constant c.
 
+A constraint registered with ``level="sequence"`` (``seq_kl3``, ATR-GRPO Sec. 6.5) is
+evaluated on GSPO's sequence ratio s_i = exp(mean_t log w_{i,t}) instead of w_t: every
+token of sequence i carries the ratio s_i (value s_i, d s_i / d log pi_t = s_i, GSPO-token
+form), and a violating sequence's ratio is replaced by 1 inside the same pessimistic min.
+
 All masks are explicit ``torch.where`` selections: ``torch.minimum``/``maximum`` split the
 gradient half-half on ties, which would silently halve it at the bounds.
 """
@@ -78,23 +83,36 @@ ConstraintFn = Callable[[ConstraintInputs], TrustRegion]
 
 @dataclass(frozen=True)
 class ConstraintSpec:
-    """A registered constraint: how to evaluate C_t and what a violation does."""
+    """A registered constraint: how to evaluate C_t and what a violation does.
+
+    ``level``: ``"token"`` evaluates C_t on w_t; ``"sequence"`` on the sequence ratio s_i,
+    which then also replaces w_t in the surrogate. ``delta_budget``: the constraint is a
+    divergence budget ``policy_loss.delta`` (logged as ``actor/divclip/delta``; the modes
+    the adaptive-delta controller may drive).
+    """
 
     name: str
     region: ConstraintFn
     on_violation: Literal["drop", "preserve"] = "drop"
+    level: Literal["token", "sequence"] = "token"
+    delta_budget: bool = False
 
 
 CONSTRAINTS: dict[str, ConstraintSpec] = {}
 
 
 def register_constraint(
-    name: str, on_violation: Literal["drop", "preserve"] = "drop"
+    name: str,
+    on_violation: Literal["drop", "preserve"] = "drop",
+    level: Literal["token", "sequence"] = "token",
+    delta_budget: bool = False,
 ) -> Callable[[ConstraintFn], ConstraintFn]:
     """Register a constraint and expose it to verl as ``policy_loss.loss_mode=<name>``."""
+    if level == "sequence" and on_violation != "drop":
+        raise ValueError(f"constraint {name!r}: sequence-level constraints only drop violations")
 
     def decorator(region: ConstraintFn) -> ConstraintFn:
-        CONSTRAINTS[name] = ConstraintSpec(name, region, on_violation)
+        CONSTRAINTS[name] = ConstraintSpec(name, region, on_violation, level, delta_budget)
         register_policy_loss(name)(_make_registry_loss(name))
         return region
 
@@ -141,13 +159,16 @@ def _make_registry_loss(mode: str) -> Callable[..., tuple[torch.Tensor, dict[str
         if config is None:
             raise ValueError(f"policy loss {mode!r} needs the actor config (config=None)")
         low, high = actor_clip_ratios(config)
+        policy = resolve_policy_config(config)
+        if policy.adaptive_delta_enabled:
+            raise ValueError(_ADAPTIVE_NEEDS_TRAINER.format(mode=mode))
         return constrained_policy_loss(
             old_log_prob,
             log_prob,
             advantages,
             response_mask,
             mode=mode,
-            policy=resolve_policy_config(config),
+            policy=policy,
             clip_ratio_low=low,
             clip_ratio_high=high,
             loss_agg_mode=loss_agg_mode,
@@ -179,31 +200,31 @@ def gppo_region(inputs: ConstraintInputs) -> TrustRegion:
     return clip_region(inputs)
 
 
-@register_constraint("kl3")
+@register_constraint("kl3", delta_budget=True)
 def kl3_region(inputs: ConstraintInputs) -> TrustRegion:
     """ATR-GRPO: KL3_t = w - 1 - log w <= delta, i.e. w in [l_delta, u_delta] (Theorem 4.2)."""
     return _interval(inputs, *_cached_bounds("kl3", inputs.policy.delta))
 
 
-@register_constraint("kl1")
+@register_constraint("kl1", delta_budget=True)
 def kl1_region(inputs: ConstraintInputs) -> TrustRegion:
     """|k1| = |log w| <= delta, i.e. w in [e^-delta, e^delta] (symmetric in log-ratio)."""
     return _interval(inputs, *_cached_bounds("kl1", inputs.policy.delta))
 
 
-@register_constraint("kl2")
+@register_constraint("kl2", delta_budget=True)
 def kl2_region(inputs: ConstraintInputs) -> TrustRegion:
     """k2 = (log w)^2 / 2 <= delta, i.e. w in [e^-sqrt(2 delta), e^sqrt(2 delta)]."""
     return _interval(inputs, *_cached_bounds("kl2", inputs.policy.delta))
 
 
-@register_constraint("is_kl3")
+@register_constraint("is_kl3", delta_budget=True)
 def is_kl3_region(inputs: ConstraintInputs) -> TrustRegion:
     """Importance-weighted KL3: w * k3(1/w) = w log w - w + 1 <= delta (see divergences)."""
     return _interval(inputs, *_cached_bounds("is_kl3", inputs.policy.delta))
 
 
-@register_constraint("trgppo")
+@register_constraint("trgppo", delta_budget=True)
 def trgppo_region(inputs: ConstraintInputs) -> TrustRegion:
     """TRGPPO "full KL-guided" bounds: w in [min(l, 1-eps_low), max(u, 1+eps_high)] where l, u
     solve KL(Bern(q) || Bern(q w)) = delta per token.
@@ -224,6 +245,15 @@ def trgppo_region(inputs: ConstraintInputs) -> TrustRegion:
     lower = torch.clamp(lower, max=1.0 - inputs.clip_ratio_low)
     upper = torch.clamp(upper, min=1.0 + inputs.clip_ratio_high)
     return TrustRegion(inside, lower, upper, bounds_sampled=True)
+
+
+@register_constraint("seq_kl3", level="sequence", delta_budget=True)
+def seq_kl3_region(inputs: ConstraintInputs) -> TrustRegion:
+    """Sequence-level ATR (ATR-GRPO Sec. 6.5): KL3(s_i) = s_i - 1 - log s_i <= delta for GSPO's
+    s_i = exp(mean_t log w_{i,t}), i.e. s_i in [l_delta, u_delta] (the Lambert-W bounds of
+    ``kl3``): the asymmetric counterpart of GSPO's symmetric clip of s_i. The operator passes
+    s_i (broadcast over the sequence's tokens) as ``inputs.ratio``."""
+    return kl3_region(inputs)
 
 
 @register_constraint("dcpo")
@@ -334,6 +364,12 @@ def constrained_policy_loss(
     mask = response_mask.bool()
 
     log_ratio = torch.clamp(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    token_log_ratio = log_ratio.detach()
+    seq_log_ratio = None
+    if spec.level == "sequence":
+        seq_log_ratio = sequence_mean_log_ratio(token_log_ratio, mask)
+        # GSPO-token: the value log s_i on every token, the gradient of the token's own log pi_t
+        log_ratio = log_ratio - token_log_ratio + seq_log_ratio.unsqueeze(-1)
     ratio = torch.exp(log_ratio)
     log_ratio_d, ratio_d = log_ratio.detach(), ratio.detach()
 
@@ -345,6 +381,14 @@ def constrained_policy_loss(
     # and its gradient.
     clipped = ~region.inside & ((ratio_d - 1.0) * advantages > 0)
     upper_side = ratio_d > 1.0
+
+    dual = None
+    if policy.dual_clip_c is not None:
+        dual = (advantages < 0) & (ratio_d > policy.dual_clip_c)
+    erc = erc_out = None
+    if policy.erc_enabled:
+        erc = _entropy_ratio_band(old_entropy, entropy, policy, compute_dtype)
+        erc_out = erc[1] | erc[2]
 
     if spec.on_violation == "preserve":
         if region.bounds_sampled:
@@ -360,23 +404,23 @@ def constrained_policy_loss(
         # GPPO's bound / sg(w) * w in its general beta form: the forward value stays `bound`
         # (Clip-Higher) and d coef / d log pi = beta * bound. (x - sg(x)) is 0 with slope 1.
         coef = torch.where(clipped, bound + slope * (log_ratio - log_ratio_d), ratio)
-        no_grad = None
+        no_grad = _union(dual, erc_out)
+        if dual is not None:
+            coef = torch.where(dual, policy.dual_clip_c, coef)
+        if erc_out is not None:
+            coef = torch.where(erc_out, coef.detach(), coef)  # hard: value kept, gradient gone
     else:
-        coef = torch.where(clipped, 1.0, ratio)  # w(theta_old) = 1, a constant
-        no_grad = clipped
-
-    dual = None
-    if policy.dual_clip_c is not None:
-        dual = (advantages < 0) & (ratio_d > policy.dual_clip_c)
-        coef = torch.where(dual, policy.dual_clip_c, coef)
-        no_grad = dual if no_grad is None else no_grad | dual
-
-    erc = None
-    if policy.erc_enabled:
-        erc = _entropy_ratio_band(old_entropy, entropy, policy, compute_dtype)
-        erc_out = erc[1] | erc[2]
-        coef = torch.where(erc_out, coef.detach(), coef)  # hard: value kept, gradient gone
-        no_grad = erc_out if no_grad is None else no_grad | erc_out
+        # Every token without gradient takes a constant: w(theta_old) = 1 where the constraint
+        # clips, c where dual-clip caps (it wins over the clip), and its own detached ratio
+        # where only ERC removes the gradient (value kept). One select in the autograd graph.
+        no_grad = _union(clipped, dual, erc_out)
+        if erc_out is None:
+            frozen = 1.0 if dual is None else torch.where(dual, policy.dual_clip_c, ratio_d.new_ones(()))
+        else:
+            frozen = torch.where(clipped, 1.0, ratio_d)
+            if dual is not None:
+                frozen = torch.where(dual, policy.dual_clip_c, frozen)
+        coef = torch.where(no_grad, frozen, ratio)
 
     # agg_loss is linear in the loss matrix: aggregate A * coef and negate the scalar.
     surrogate = advantages * coef
@@ -389,9 +433,42 @@ def constrained_policy_loss(
         loss = (surrogate * 0.0).sum()
     else:
         loss = -agg_loss(loss_mat=surrogate, loss_mask=mask, loss_agg_mode=loss_agg_mode, **batch_info)
-    metrics = _metrics(mask, log_ratio_d, region, clipped, upper_side, no_grad, dual, erc)
+    metrics = _metrics(
+        mask, token_log_ratio, region, clipped, upper_side, no_grad, dual, erc,
+        sequence_log_ratio=seq_log_ratio,
+    )
+    if spec.delta_budget:
+        metrics["actor/divclip/delta"] = float(policy.delta)
     return loss, metrics
 
+
+def sequence_mean_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log s_i = mean over the valid tokens of row i of log w_{i,t} (GSPO's sequence ratio), shape
+    (batch,); 0 for a row without valid tokens.
+
+    The operator puts it on every token as log w_t - sg(log w_t) + sg(log s_i), so each token's
+    coefficient has value s_i and d s_{i,t} / d log pi_t = s_i: with seq-mean-token-mean
+    aggregation and one advantage per sequence that is GSPO's gradient (GSPO-token form)."""
+    lengths = mask.sum(-1).clamp(min=1)
+    return torch.where(mask, log_ratio.detach(), 0.0).sum(-1) / lengths
+
+
+def _union(*masks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Elementwise OR of the masks that are present (``None`` if none is)."""
+    present = [m for m in masks if m is not None]
+    if not present:
+        return None
+    union = present[0]
+    for mask in present[1:]:
+        union = union | mask
+    return union
+
+
+_ADAPTIVE_NEEDS_TRAINER = (
+    "policy_loss.adaptive_delta_target turns on the adaptive delta for loss_mode={mode!r}, which the divclip "
+    "trainer runs between actor updates; verl's own trainer would silently keep delta static. Run training "
+    "through `python -m recipe.main`, or set adaptive_delta_target to null."
+)
 
 _ERC_NEEDS_ENTROPY = (
     "policy_loss.erc_beta_low/erc_beta_high enable ERC for loss_mode={mode!r}, but no per-token "
@@ -423,27 +500,39 @@ def _metrics(
     no_grad: Optional[torch.Tensor],
     dual: Optional[torch.Tensor],
     erc: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    sequence_log_ratio: Optional[torch.Tensor] = None,
 ) -> dict[str, float]:
     """Means over valid tokens, reduced with a single host sync.
+
+    ``sequence_log_ratio`` (one log s_i per row, sequence-level constraints) adds
+    ``seq_kl3_mean``/``seq_kl3_max``: KL3(s_i) over the sequences with a valid token.
 
     Fractions are counted on byte masks and per-token quantities summed once, so the
     metrics cost a few passes over the batch rather than one float tensor per metric.
     """
+    # count_nonzero counts a bool mask in place; bool.sum() first copies it to int64
+    count = torch.count_nonzero
     with torch.no_grad():
         clipped_valid = clipped & mask
         sums: dict[str, torch.Tensor] = {
-            "n_valid": mask.sum(),
-            "clipfrac_upper": (clipped_valid & upper_side).sum(),
-            "clipfrac_total": clipped_valid.sum(),
+            "n_valid": count(mask),
+            "clipfrac_upper": count(clipped_valid & upper_side),
+            "clipfrac_total": count(clipped_valid),
             "ppo_kl": -(log_ratio * mask).sum(),
         }
         kl3 = torch.where(mask, divergences.kl3(log_ratio), 0.0)
         sums["kl3_mean"] = kl3.sum()
         sums["kl3_max"] = kl3.max() if kl3.numel() else kl3.new_zeros(())
+        if sequence_log_ratio is not None:
+            has_tokens = mask.any(-1)
+            seq_kl3 = torch.where(has_tokens, divergences.kl3(sequence_log_ratio), 0.0)
+            sums["n_sequences"] = count(has_tokens)
+            sums["seq_kl3_sum"] = seq_kl3.sum()
+            sums["seq_kl3_max"] = seq_kl3.max() if seq_kl3.numel() else seq_kl3.new_zeros(())
         if no_grad is not None:
-            sums["no_grad_frac"] = (no_grad & mask).sum()
+            sums["no_grad_frac"] = count(no_grad & mask)
         if dual is not None:
-            sums["dualclip_frac"] = (dual & mask).sum()
+            sums["dualclip_frac"] = count(dual & mask)
         scalar_bounds: dict[str, float] = {}
         for name, bound in (("ratio_lower", region.lower), ("ratio_upper", region.upper)):
             if not isinstance(bound, torch.Tensor):
@@ -459,18 +548,20 @@ def _metrics(
             rho, upper, lower = erc
             rho_or_zero = torch.where(mask, rho, 0.0)  # rho > 0, so 0 is neutral for max too
             sums["erc/ratio_mean"] = rho_or_zero.sum()
-            sums["erc/clipfrac_upper"] = (upper & mask).sum()
-            sums["erc/clipfrac_lower"] = (lower & mask).sum()
+            sums["erc/clipfrac_upper"] = count(upper & mask)
+            sums["erc/clipfrac_lower"] = count(lower & mask)
             sums["erc/ratio_min"] = torch.where(mask, rho, math.inf).amin()
             sums["erc/ratio_max"] = rho_or_zero.amax()
         values = dict(zip(sums, torch.stack([v.double() for v in sums.values()]).tolist()))
 
     n_valid = values.pop("n_valid")
+    if "n_sequences" in values:
+        values["seq_kl3_mean"] = values.pop("seq_kl3_sum") / max(values.pop("n_sequences"), 1.0)
     if n_valid == 0:  # extremes of an empty set are not reported
         values.pop("erc/ratio_min", None)
         values.pop("erc/ratio_max", None)
     n_valid = max(n_valid, 1.0)
-    not_averaged = {"kl3_max", "erc/ratio_min", "erc/ratio_max"}
+    not_averaged = {"kl3_max", "seq_kl3_mean", "seq_kl3_max", "erc/ratio_min", "erc/ratio_max"}
     if region.bounds_sampled:
         not_averaged |= {"ratio_lower", "ratio_upper"}
     metrics = {

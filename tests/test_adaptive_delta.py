@@ -1,0 +1,199 @@
+"""The adaptive trust-region threshold (ATR-GRPO Sec. 6.5): the rule, its state file, its config
+checks, and the trainer hooks that drive it (verl's side stubbed here; the real trainer on 2 ranks
+with a resume is tests/test_smoke_cpu.py::test_adaptive_delta_follows_its_rule_across_a_resume_on_two_ranks)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from recipe.main import CONFIG_DIR
+from recipe.validation import ConfigError, validate_divclip_config
+from tests.test_losses import actor_config, random_batch, run_registry_loss
+from verl_ext.adaptive_delta import SEQUENCE_METRIC, STATE_FILE, TOKEN_METRIC, AdaptiveDelta
+from verl_ext.config import DivClipPolicyLossConfig
+
+P = "actor_rollout_ref.actor.policy_loss"
+
+
+def controller(**overrides: Any) -> AdaptiveDelta:
+    knobs = dict(loss_mode="kl3", delta=0.07, adaptive_delta_target=0.01)
+    knobs.update(overrides)
+    ctl = AdaptiveDelta.from_policy(DivClipPolicyLossConfig(**knobs))
+    assert ctl is not None
+    return ctl
+
+
+def test_static_delta_is_the_default():
+    assert DivClipPolicyLossConfig(loss_mode="kl3").adaptive_delta_enabled is False
+    assert AdaptiveDelta.from_policy(DivClipPolicyLossConfig(loss_mode="kl3")) is None
+
+
+@pytest.mark.parametrize(
+    "measured, expected",
+    [
+        (0.0151, 0.07 / 1.5),  # above target * tolerance: shrink
+        (0.0150, 0.07),  # on the band's edge: hold
+        (0.01, 0.07),  # on target: hold
+        (0.01 / 1.5, 0.07),
+        (0.0066, 0.07 * 1.5),  # below target / tolerance: widen
+        (0.0, 0.07 * 1.5),
+    ],
+)
+def test_multiplicative_rule_with_dead_band(measured, expected):
+    ctl = controller()
+    assert ctl.update({TOKEN_METRIC: measured}) is (expected != 0.07)
+    assert ctl.delta == pytest.approx(expected, rel=1e-15)
+    assert ctl.updates == 1
+
+
+def test_delta_stays_within_its_bounds():
+    ctl = controller(adaptive_delta_min=0.05, adaptive_delta_max=0.1)
+    for _ in range(5):
+        ctl.update({TOKEN_METRIC: 1.0})
+    assert ctl.delta == 0.05
+    assert ctl.update({TOKEN_METRIC: 1.0}) is False  # at the floor: no re-install needed
+    for _ in range(5):
+        ctl.update({TOKEN_METRIC: 0.0})
+    assert ctl.delta == 0.1
+
+
+def test_tracks_the_sequence_kl3_for_seq_kl3():
+    assert controller().metric == TOKEN_METRIC
+    ctl = controller(loss_mode="seq_kl3")
+    assert ctl.metric == SEQUENCE_METRIC
+    with pytest.raises(KeyError, match="seq_kl3_mean"):
+        ctl.update({TOKEN_METRIC: 0.1})
+    with pytest.raises(ValueError, match="finite"):
+        ctl.update({SEQUENCE_METRIC: float("nan")})
+
+
+def test_state_round_trip_next_to_the_checkpoint(tmp_path):
+    ctl = controller()
+    ctl.update({TOKEN_METRIC: 1.0})
+    folder = tmp_path / "global_step_7"
+    path = ctl.save(str(folder))
+    assert json.loads(open(path).read())["delta"] == ctl.delta
+    assert not list(folder.glob("*.tmp-*"))  # written atomically
+    fresh = controller()
+    assert fresh.restore(str(folder)) is True
+    assert (fresh.delta, fresh.updates) == (ctl.delta, 1)
+    assert controller().restore(str(tmp_path / "global_step_3")) is False  # no state there
+    narrowed = controller(adaptive_delta_max=0.08, adaptive_delta_min=0.05)
+    narrowed.restore(str(folder))
+    assert narrowed.delta == 0.05  # clamped into this run's bounds
+
+
+def test_restoring_another_controllers_state_fails(tmp_path):
+    controller(loss_mode="seq_kl3").save(str(tmp_path))
+    with pytest.raises(ValueError, match="seq_kl3_mean"):
+        controller().restore(str(tmp_path))
+    (tmp_path / STATE_FILE).write_text(json.dumps({"delta": -1}))
+    with pytest.raises(ValueError, match=STATE_FILE):
+        controller().restore(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"adaptive_delta_target": 0.0}, "adaptive_delta_target"),
+        ({"adaptive_delta_target": float("inf")}, "adaptive_delta_target"),
+        ({"adaptive_delta_target": 0.01, "adaptive_delta_rate": 1.0}, "adaptive_delta_rate"),
+        ({"adaptive_delta_target": 0.01, "adaptive_delta_tolerance": 0.9}, "adaptive_delta_tolerance"),
+        ({"adaptive_delta_target": 0.01, "adaptive_delta_min": 0.2, "adaptive_delta_max": 0.1}, "adaptive_delta_min"),
+        ({"adaptive_delta_target": 0.01, "adaptive_delta_min": -1.0}, "adaptive_delta_min"),
+        ({"adaptive_delta_target": 0.01, "delta": 0.9}, "delta"),
+        ({"adaptive_delta_target": 0.01, "loss_mode": "clip"}, "adaptive_delta_target"),
+        ({"adaptive_delta_target": 0.01, "loss_mode": "dcpo"}, "adaptive_delta_target"),
+        ({"adaptive_delta_target": 0.01, "loss_mode": "sapo"}, "adaptive_delta_target"),
+    ],
+)
+def test_invalid_adaptive_knobs_raise_naming_the_key(kwargs, key):
+    kwargs = {"loss_mode": "kl3", **kwargs}
+    with pytest.raises(ValueError, match=rf"policy_loss\.{key}"):
+        DivClipPolicyLossConfig(**kwargs)
+
+
+@pytest.mark.parametrize("mode", ["kl3", "kl1", "kl2", "is_kl3", "trgppo", "seq_kl3"])
+def test_every_kl_budget_mode_accepts_the_controller_and_logs_delta(mode):
+    DivClipPolicyLossConfig(loss_mode=mode, adaptive_delta_target=0.01)
+    old, new, adv, mask = random_batch(0)
+    _, _, metrics = run_registry_loss(mode, old, new, adv, mask, actor_config(mode, delta=0.03))
+    assert metrics["actor/divclip/delta"] == 0.03
+
+
+def test_verls_own_trainer_path_refuses_the_adaptive_knob():
+    old, new, adv, mask = random_batch(0)
+    with pytest.raises(ValueError, match=r"recipe\.main"):
+        run_registry_loss("kl3", old, new, adv, mask, actor_config("kl3", adaptive_delta_target=0.01))
+
+
+def compose_config(*overrides: str) -> Any:
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        return compose(config_name="divclip_trainer", overrides=list(overrides))
+
+
+def test_on_policy_updates_are_rejected_before_ray():
+    on = [f"{P}.adaptive_delta_target=0.01", "data.train_batch_size=16"]
+    with pytest.raises(ConfigError, match=r"ppo_mini_batch_size=16 >= data\.train_batch_size=16"):
+        validate_divclip_config(compose_config(*on, "actor_rollout_ref.actor.ppo_mini_batch_size=16"))
+    validate_divclip_config(compose_config(*on, "actor_rollout_ref.actor.ppo_mini_batch_size=8"))
+    validate_divclip_config(compose_config(*on, "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+                                           "actor_rollout_ref.actor.ppo_epochs=2"))
+
+
+class FakeWorkerGroup:
+    def __init__(self) -> None:
+        self.loss_fns: list[Any] = []
+
+    def set_loss_fn(self, loss_fn: Any) -> None:
+        self.loss_fns.append(loss_fn)
+
+
+def test_trainer_reinstalls_the_loss_when_delta_moves_and_persists_it(monkeypatch, tmp_path):
+    """The hooks' wiring; verl's own methods are stubbed (the real ones run in the CPU smoke)."""
+    from verl.trainer.ppo.v1 import PPOTrainerSync
+
+    from recipe.trainer import DivClipTrainer
+
+    measured = {"kl3": 1.0}
+
+    def verl_update_actor(self, batch, metrics):
+        metrics[TOKEN_METRIC] = measured["kl3"]
+        return batch
+
+    def verl_load_checkpoint(self):
+        self.global_steps = 4 if (tmp_path / "global_step_4").exists() else 0
+
+    saved: list[int] = []
+    monkeypatch.setattr(PPOTrainerSync, "on_init_end", lambda self: None)
+    monkeypatch.setattr(PPOTrainerSync, "_update_actor", verl_update_actor)
+    monkeypatch.setattr(PPOTrainerSync, "_load_checkpoint", verl_load_checkpoint)
+    monkeypatch.setattr(PPOTrainerSync, "_save_checkpoint", lambda self: saved.append(self.global_steps))
+
+    def fresh_trainer() -> DivClipTrainer:
+        trainer = object.__new__(DivClipTrainer)
+        trainer.config = compose_config(f"{P}.adaptive_delta_target=0.01", f"trainer.default_local_dir={tmp_path}")
+        trainer.actor_rollout_wg = FakeWorkerGroup()
+        trainer._load_checkpoint()
+        trainer.on_init_end()
+        return trainer
+
+    trainer = fresh_trainer()
+    deltas = lambda t: [f.keywords["config"].policy_loss.delta for f in t.actor_rollout_wg.loss_fns]  # noqa: E731
+    assert deltas(trainer) == [0.07]
+    metrics: dict = {}
+    trainer._update_actor("batch", metrics)
+    assert metrics["actor/divclip/delta_next"] == pytest.approx(0.07 / 1.5)
+    assert deltas(trainer) == [0.07, pytest.approx(0.07 / 1.5)]
+    measured["kl3"] = 0.01  # inside the band: no change, no re-install
+    trainer._update_actor("batch", {})
+    assert len(deltas(trainer)) == 2
+    trainer.global_steps = 4
+    trainer._save_checkpoint()
+    assert saved == [4] and (tmp_path / "global_step_4" / STATE_FILE).exists()
+    resumed = fresh_trainer()
+    assert deltas(resumed) == [pytest.approx(0.07 / 1.5)]  # the first install already uses the restored delta

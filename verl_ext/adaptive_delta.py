@@ -1,0 +1,125 @@
+"""Adaptive trust-region threshold (ATR-GRPO Sec. 6.5, "Adaptive Trust Region Threshold").
+
+An opt-in controller for the KL-budget modes (``kl3``, ``kl1``, ``kl2``, ``is_kl3``, ``trgppo``,
+``seq_kl3``): between actor updates the budget delta moves so that the update's measured mean
+KL3 tracks a target d_targ, with PPO's adaptive-KL rule (Schulman et al. 2017, Sec. 4) acting on
+the budget instead of on a penalty coefficient::
+
+    d > d_targ * tolerance  ->  delta <- max(delta / rate, delta_min)   (updates too large: shrink)
+    d < d_targ / tolerance  ->  delta <- min(delta * rate, delta_max)   (updates too small: widen)
+    otherwise               ->  delta unchanged
+
+d is the actor update's ``actor/divclip/kl3_mean`` (token KL3 w - 1 - log w averaged over valid
+tokens, micro-batches and data-parallel ranks -- verl all-gathers the loss metrics before the
+driver sees them), or ``actor/divclip/seq_kl3_mean`` for ``seq_kl3``, whose budget bounds KL3 of
+the sequence ratio.
+
+Where it runs: on the driver, in ``recipe.trainer.DivClipTrainer``. After each actor update the
+trainer feeds d to :meth:`AdaptiveDelta.update` and, when delta changed, re-installs the actor
+loss on the workers with the new delta (``set_loss_fn``, dispatched ONE_TO_ALL), so every
+data-parallel rank trains with the same delta by construction. The state is a small JSON file in
+verl's ``global_step_N`` checkpoint folder (:data:`STATE_FILE`), written with the checkpoint and
+read back when verl resumes from it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from verl_ext.config import DivClipPolicyLossConfig
+
+STATE_FILE = "divclip_adaptive_delta.json"
+TOKEN_METRIC = "actor/divclip/kl3_mean"
+SEQUENCE_METRIC = "actor/divclip/seq_kl3_mean"
+
+
+@dataclass
+class AdaptiveDelta:
+    """The controller's state (``delta``) and its constants, from ``DivClipPolicyLossConfig``."""
+
+    delta: float
+    target: float
+    tolerance: float
+    rate: float
+    minimum: float
+    maximum: float
+    metric: str
+    updates: int = 0
+
+    @classmethod
+    def from_policy(cls, policy: DivClipPolicyLossConfig) -> Optional["AdaptiveDelta"]:
+        """The controller configured by ``policy``, or ``None`` when delta is static."""
+        if not policy.adaptive_delta_enabled:
+            return None
+        from verl_ext.losses import CONSTRAINTS
+
+        sequence = CONSTRAINTS[policy.loss_mode].level == "sequence"
+        return cls(
+            delta=float(policy.delta),
+            target=float(policy.adaptive_delta_target),
+            tolerance=float(policy.adaptive_delta_tolerance),
+            rate=float(policy.adaptive_delta_rate),
+            minimum=float(policy.adaptive_delta_min),
+            maximum=float(policy.adaptive_delta_max),
+            metric=SEQUENCE_METRIC if sequence else TOKEN_METRIC,
+        )
+
+    def next_delta(self, measured: float) -> float:
+        """The rule of the module docstring, without changing the state."""
+        if not math.isfinite(measured) or measured < 0:
+            raise ValueError(f"adaptive delta: the measured mean KL3 ({self.metric}) must be finite and >= 0, got {measured!r}")
+        if measured > self.target * self.tolerance:
+            return max(self.delta / self.rate, self.minimum)
+        if measured < self.target / self.tolerance:
+            return min(self.delta * self.rate, self.maximum)
+        return self.delta
+
+    def update(self, metrics: dict[str, Any]) -> bool:
+        """Apply the rule to one actor update's reduced metrics; returns whether delta changed."""
+        if self.metric not in metrics:
+            raise KeyError(
+                f"adaptive delta needs the update's {self.metric!r} metric, which the actor loss did not report "
+                f"(actor metrics: {sorted(k for k in metrics if k.startswith('actor/'))})"
+            )
+        new = self.next_delta(float(metrics[self.metric]))
+        changed = new != self.delta
+        self.delta = new
+        self.updates += 1
+        return changed
+
+    # -- persistence next to verl's checkpoint -------------------------------------------------
+
+    def save(self, global_step_folder: str) -> str:
+        """Write the state into ``global_step_folder`` atomically; returns the file's path."""
+        os.makedirs(global_step_folder, exist_ok=True)
+        path = os.path.join(global_step_folder, STATE_FILE)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(asdict(self), f, indent=1)
+        os.replace(tmp, path)
+        return path
+
+    def restore(self, global_step_folder: str) -> bool:
+        """Load delta (and the update count) saved in ``global_step_folder``; ``False`` if that
+        checkpoint has no controller state (e.g. it was written with a static delta)."""
+        path = os.path.join(global_step_folder, STATE_FILE)
+        if not os.path.exists(path):
+            return False
+        with open(path) as f:
+            state = json.load(f)
+        delta = state.get("delta")
+        if not (isinstance(delta, int | float) and math.isfinite(delta) and delta > 0):
+            raise ValueError(f"{path}: 'delta' must be a finite number > 0, got {delta!r}")
+        if state.get("metric") not in (None, self.metric):
+            raise ValueError(
+                f"{path} tracked {state.get('metric')!r}, but this run's loss_mode tracks {self.metric!r}: "
+                "resuming would continue a different controller"
+            )
+        # the bounds are this run's config: a resumed run may narrow them
+        self.delta = min(max(float(delta), self.minimum), self.maximum)
+        self.updates = int(state.get("updates", 0))
+        return True
