@@ -232,3 +232,28 @@ def test_band_classes_equal_the_divclip_operators_band_tests() -> None:
     assert torch.equal(rho, ref_rho)
     assert torch.equal(band == 2, above) and torch.equal(band == 0, below)
     assert above.any() and below.any() and (band == 1).any()
+
+
+def test_extremes_aggregate_as_extremes_across_micro_batches_and_ranks() -> None:
+    """``erc/ratio_min``, ``erc/ratio_max``, ``kl3_max`` are reported with verl's MIN/MAX aggregation,
+    so the logged value is the extreme over micro-batches and ranks, not an average of extremes."""
+    from verl.utils.metric import Metric
+
+    from verl_ext.actor_loss import _aggregation_of
+
+    micro_batches = [{"actor/divclip/erc/ratio_min": 0.9, "actor/divclip/erc/ratio_max": 1.1, "actor/divclip/kl3_max": 0.2,
+                      "actor/divclip/erc/clipfrac_upper": 0.1},
+                     {"actor/divclip/erc/ratio_min": 0.7, "actor/divclip/erc/ratio_max": 1.3, "actor/divclip/kl3_max": 0.4,
+                      "actor/divclip/erc/clipfrac_upper": 0.3}]
+    per_rank = []
+    for rank in range(2):
+        merged = {k: Metric(aggregation=_aggregation_of(k)) for k in micro_batches[0]}
+        for mb in micro_batches:
+            for k, v in mb.items():
+                merged[k].append(Metric(aggregation=_aggregation_of(k), value=v - 0.05 * rank))
+        per_rank.append(merged)
+    reduced = {k: Metric.aggregate_dp([r[k] for r in per_rank]) for k in micro_batches[0]}
+    assert reduced["actor/divclip/erc/ratio_min"] == pytest.approx(0.65)
+    assert reduced["actor/divclip/erc/ratio_max"] == pytest.approx(1.3)
+    assert reduced["actor/divclip/kl3_max"] == pytest.approx(0.4)
+    assert reduced["actor/divclip/erc/clipfrac_upper"] == pytest.approx(0.175)  # a mean stays a mean

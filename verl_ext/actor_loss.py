@@ -127,7 +127,7 @@ def divclip_actor_loss(
     if erc and policy.token_dump_path is not None:
         _dump_tokens(policy, data, padded["old_log_probs"], padded["entropy"], entropy, response_mask)
 
-    metrics: dict[str, Any] = dict(Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN))
+    metrics: dict[str, Any] = {name: Metric(value=value, aggregation=_aggregation_of(name)) for name, value in pg_metrics.items()}
     metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=metric_aggregation)
     policy_loss = pg_loss
 
@@ -159,6 +159,16 @@ def divclip_actor_loss(
         metrics["actor/divclip/correct_fraction"] = Metric(value=correct_fraction, aggregation=AggregationType.MEAN)
 
     return policy_loss, metrics
+
+
+def _aggregation_of(metric_name: str) -> AggregationType:
+    """Extremes stay extremes across micro-batches and ranks (``erc/ratio_min``, ``kl3_max``, ...);
+    everything else is a per-micro-batch mean, averaged."""
+    if metric_name.endswith("_min"):
+        return AggregationType.MIN
+    if metric_name.endswith("_max"):
+        return AggregationType.MAX
+    return AggregationType.MEAN
 
 
 def _correct_response_nll(
