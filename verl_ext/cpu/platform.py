@@ -47,10 +47,9 @@ import torch
 
 from verl.plugin.platform import PlatformBase, PlatformRegistry
 
-logger = logging.getLogger(__name__)
+from verl_ext.cpu import PLATFORM_NAME  # "cpu": the VERL_PLATFORM value that selects this platform
 
-PLATFORM_NAME = "cpu"
-"""Value of ``VERL_PLATFORM`` that selects this platform."""
+logger = logging.getLogger(__name__)
 
 _ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 _lock = threading.Lock()
@@ -97,7 +96,7 @@ def _build_cpu_device_module() -> types.ModuleType:
     ask): ``memory_allocated``/``memory_reserved`` are the current RSS and ``max_memory_*`` the peak
     RSS, so verl's ``perf/max_memory_*`` metrics stay meaningful on CPU.
     """
-    mod = types.ModuleType("verl_ext.platform_cpu.device_module")
+    mod = types.ModuleType("verl_ext.cpu.platform.device_module")
     mod.__doc__ = "torch.cuda-like API for the verl_ext CPU platform"
     for name in ("Event", "Stream", "StreamContext", "current_stream", "is_available", "stream", "synchronize"):
         setattr(mod, name, getattr(torch.cpu, name))
@@ -303,7 +302,7 @@ def _patch_process_group_backend() -> None:
     names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
     if names != ("timeout_second", "backend"):
         raise RuntimeError(
-            "verl_ext.platform_cpu: verl.utils.distributed.initialize_global_process_group_ray has "
+            "verl_ext.cpu.platform: verl.utils.distributed.initialize_global_process_group_ray has "
             f"arguments {names}, expected ('timeout_second', 'backend') as in verl 0.9.1; the CPU "
             "platform's gloo backend patch needs updating for this verl version."
         )
@@ -328,3 +327,6 @@ def register_cpu_platform() -> None:
     with _lock:
         if not any(isinstance(f, _AfterImport) and f.name == _ENGINE_MODULE for f in sys.meta_path):
             sys.meta_path.insert(0, _AfterImport(_ENGINE_MODULE, _register_engines))
+
+
+__all__ = ["PLATFORM_NAME", "PlatformCPU", "register_cpu_platform"]

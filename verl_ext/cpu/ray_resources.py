@@ -1,6 +1,6 @@
 """verl's Ray resource pools and worker groups on CPU-only machines (``VERL_PLATFORM=cpu``).
 
-What verl 0.9.1 does, and what it means on the ``cpu`` platform (``verl_ext/platform_cpu.py``):
+What verl 0.9.1 does, and what it means on the ``cpu`` platform (:mod:`verl_ext.cpu.platform`):
 
 * ``ResourcePoolManager.create_resource_pool`` builds every pool with ``use_gpu=True``
   (``verl/single_controller/ray/base.py``). That is not a problem in itself: ``use_gpu`` means
@@ -24,7 +24,7 @@ What verl 0.9.1 does, and what it means on the ``cpu`` platform (``verl_ext/plat
   ``MASTER_PORT`` to each worker through ``runtime_env``; ``LOCAL_RANK`` stays ``0`` (no
   device to map) and the platform's ``visible_devices_envvar`` is a dummy, so no
   ``CUDA_VISIBLE_DEVICES`` is read or set. The workers' process group is gloo
-  (``platform_cpu`` patches the backend string). Nothing else is needed.
+  (:mod:`verl_ext.cpu.platform` patches the backend string). Nothing else is needed.
 
 Where verl has no extension point for the resource check, the patch is a method replacement on
 ``ResourcePoolManager`` that delegates to verl's original on every other platform, checks the
@@ -36,23 +36,18 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import os
 import threading
 from typing import Any, Callable
 
+from verl_ext.cpu import cpu_platform_selected
+
 logger = logging.getLogger(__name__)
 
-CPU_PLATFORM = "cpu"
 SPARE_CPUS = 1
 """CPUs the check keeps free outside the pools for verl's resource-less helper actors."""
 
 _lock = threading.Lock()
 _enabled = False
-
-
-def cpu_platform_selected() -> bool:
-    """True when this process runs verl on the ``cpu`` platform (``VERL_PLATFORM=cpu``)."""
-    return os.environ.get("VERL_PLATFORM", "").strip().lower() == CPU_PLATFORM
 
 
 def required_cpus(resource_pool_spec: dict[str, list[int]]) -> int:
@@ -94,7 +89,7 @@ def _patch_resource_check() -> None:
     params = list(inspect.signature(original).parameters)
     if params != ["self"]:
         raise RuntimeError(
-            "verl_ext.ray_cpu: verl.single_controller.ray.base.ResourcePoolManager._check_resource_available "
+            "verl_ext.cpu.ray_resources: verl.single_controller.ray.base.ResourcePoolManager._check_resource_available "
             f"has parameters {params}, expected ['self'] as in verl 0.9.1; update the CPU resource check."
         )
 
@@ -129,28 +124,4 @@ def enable_cpu_ray() -> bool:
     return True
 
 
-def setup_cpu_process() -> None:
-    """Everything a process needs for verl's trainer on CPU: platform, Ray pools, ``hf_cpu`` rollout.
-
-    A single call for ``ray_kwargs.ray_init.runtime_env.worker_process_setup_hook`` or an entry
-    point that cannot rely on the ``verl.plugins`` entry point. No-op without ``VERL_PLATFORM=cpu``.
-    """
-    if not cpu_platform_selected():
-        return
-    import sys
-
-    from verl_ext.rollout_cpu import register_cpu_rollout
-
-    platform_module = sys.modules.get("verl_ext.platform_cpu")
-    if platform_module is None or hasattr(platform_module, "register_cpu_platform"):
-        from verl_ext.platform_cpu import register_cpu_platform
-
-        register_cpu_platform()
-    # else: verl_ext.platform_cpu is itself importing verl right now (its importer registers the
-    # platform once it has finished importing, e.g. tests/engine_harness.py); calling into the
-    # half-initialised module here would fail.
-    enable_cpu_ray()
-    register_cpu_rollout()
-
-
-__all__ = ["enable_cpu_ray", "cpu_platform_selected", "required_cpus", "setup_cpu_process", "SPARE_CPUS"]
+__all__ = ["SPARE_CPUS", "enable_cpu_ray", "required_cpus"]
