@@ -5,7 +5,8 @@ What lives here:
 * ``main`` (``python -m recipe.main``: verl's trainer with the divclip actor loss), ``trainer``
   (the ``PPOTrainerSync`` subclass / task runner), ``validation`` (fail-fast config checks).
 * ``sft`` and ``sft_dataset`` -- the SFT stage before RL, through verl's own SFT trainer.
-* ``reward`` -- the hang-proof math-verify reward (``reward.custom_reward_function.path``).
+* ``reward`` -- the math reward (``reward.custom_reward_function.path``): answer extraction and
+  scoring; ``reward_workers`` -- math-verify in killable worker processes, its hang-proofing.
 * :mod:`recipe.eval` -- offline evaluation (``python -m recipe.eval generate|score``), a package
   split by job.
 * ``plots`` -- training curves and the ERC Figure 3 scatter; ``smoke_task`` / ``smoke_report`` --
