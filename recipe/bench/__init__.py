@@ -11,3 +11,4 @@ path against verl's on one CUDA GPU at bf16); ``__main__`` dispatches by name.
 Who may import it: only its own ``__main__`` and tests; nothing in :mod:`verl_ext` or the rest of
 :mod:`recipe` depends on it. It imports :mod:`verl_ext`, :mod:`recipe.reward` and verl
 (``entropy_memory`` also drives ``tests/engine_harness.py``, so it runs from a source checkout).
+"""
