@@ -34,7 +34,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from recipe.eval import iter_jsonl  # noqa: E402
+from recipe.eval.readers import iter_jsonl  # noqa: E402
 from verl_ext.token_dump import DUMP_KEYS  # noqa: E402
 
 #: Training-curve panels: (metric key verl logs, panel title).

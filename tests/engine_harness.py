@@ -44,7 +44,7 @@ if str(_ROOT) not in sys.path:
 import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
-from verl_ext.platform_cpu import register_cpu_platform  # noqa: E402
+from verl_ext.cpu.platform import register_cpu_platform  # noqa: E402
 
 register_cpu_platform()
 

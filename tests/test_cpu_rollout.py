@@ -32,12 +32,12 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from recipe.smoke_task import build_tokenizer, save_model_and_tokenizer  # noqa: E402
-from verl_ext import rollout_cpu  # noqa: E402
-from verl_ext.rollout_cpu import (  # noqa: E402
+from verl_ext.cpu import rollout as hf_cpu  # noqa: E402
+from verl_ext.cpu.rollout import register_cpu_rollout  # noqa: E402
+from verl_ext.cpu.sampling import (  # noqa: E402
     SamplingSpec,
     generate_batch,
     process_logits,
-    register_cpu_rollout,
     sampling_spec_from_params,
 )
 
@@ -49,7 +49,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def model(model_dir: str) -> torch.nn.Module:
-    return rollout_cpu.load_hf_model(model_dir, "float32")
+    return hf_cpu.load_hf_model(model_dir, "float32")
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +167,7 @@ def test_eos_and_max_tokens(model: torch.nn.Module, tokenizer: Any) -> None:
 def test_server_batches_concurrent_requests(model_dir: str, tokenizer: Any) -> None:
     from verl.workers.rollout.replica import RolloutMode, TokenOutput
 
-    server = rollout_cpu.HFCpuServer(_rollout_config(calculate_log_probs=True), _model_config(model_dir), RolloutMode.HYBRID, 0)
+    server = hf_cpu.HFCpuServer(_rollout_config(calculate_log_probs=True), _model_config(model_dir), RolloutMode.HYBRID, 0)
     prompt = _prompt(tokenizer, "4071")
     params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
 
@@ -214,7 +214,7 @@ def local_ray() -> Any:
 
 def test_weight_sync_changes_rollout_outputs(local_ray: Any, model_dir: str, tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     register_cpu_rollout()
-    replica = rollout_cpu.HFCpuReplica(replica_rank=0, config=_rollout_config(), model_config=_model_config(model_dir), gpus_per_node=1)
+    replica = hf_cpu.HFCpuReplica(replica_rank=0, config=_rollout_config(), model_config=_model_config(model_dir), gpus_per_node=1)
     asyncio.run(replica.init_hybrid(SimpleNamespace(workers=[])))  # no actor workers: server on this node
     server = replica.server_handle
     assert replica.server_address.startswith("hf_cpu-replica-0")
@@ -230,7 +230,7 @@ def test_weight_sync_changes_rollout_outputs(local_ray: Any, model_dir: str, tok
 
     # new weights, streamed the way ActorRolloutRefWorker.update_weights streams the engine's
     torch.manual_seed(1)
-    reference = rollout_cpu.load_hf_model(model_dir, "float32").state_dict()
+    reference = hf_cpu.load_hf_model(model_dir, "float32").state_dict()
     new_weights = {k: v + 0.5 * torch.randn_like(v) if v.is_floating_point() else v for k, v in reference.items()}
 
     monkeypatch.setenv("RANK", "0")
@@ -239,7 +239,7 @@ def test_weight_sync_changes_rollout_outputs(local_ray: Any, model_dir: str, tok
 
     # in the actor worker the adapter gets the dataclass (ActorRolloutRefWorker.init_model)
     hf_model_config = omega_conf_to_dataclass(_model_config(model_dir), dataclass_type=HFModelConfig)
-    adapter = rollout_cpu.HFCpuServerAdapter(config=_rollout_config(), model_config=hf_model_config, device_mesh=None)
+    adapter = hf_cpu.HFCpuServerAdapter(config=_rollout_config(), model_config=hf_model_config, device_mesh=None)
     assert adapter.replica_rank == 0 and adapter.is_leader_rank
 
     async def sync() -> None:
@@ -276,40 +276,40 @@ def test_registered_where_verl_looks() -> None:
 
     register_cpu_rollout()
     register_cpu_rollout()  # idempotent
-    assert get_rollout_replica_class("hf_cpu") is rollout_cpu.HFCpuReplica
-    assert get_rollout_class("hf_cpu", "async") is rollout_cpu.HFCpuServerAdapter
+    assert get_rollout_replica_class("hf_cpu") is hf_cpu.HFCpuReplica
+    assert get_rollout_class("hf_cpu", "async") is hf_cpu.HFCpuServerAdapter
 
 
 def test_enable_cpu_ray_only_on_cpu_platform(monkeypatch: pytest.MonkeyPatch) -> None:
     from verl.single_controller.ray.base import ResourcePoolManager
 
-    from verl_ext import ray_cpu
+    from verl_ext.cpu import ray_resources
 
     monkeypatch.delenv("VERL_PLATFORM", raising=False)
-    assert ray_cpu.enable_cpu_ray() is False
+    assert ray_resources.enable_cpu_ray() is False
     monkeypatch.setenv("VERL_PLATFORM", "cpu")
-    assert ray_cpu.enable_cpu_ray() is True and ray_cpu.enable_cpu_ray() is True
+    assert ray_resources.enable_cpu_ray() is True and ray_resources.enable_cpu_ray() is True
     assert getattr(ResourcePoolManager._check_resource_available, "__verl_ext_cpu__", False)
 
 
 def test_cpu_resource_check(monkeypatch: pytest.MonkeyPatch) -> None:
     import ray
 
-    from verl_ext import ray_cpu
+    from verl_ext.cpu import ray_resources
 
     manager = SimpleNamespace(resource_pool_spec={"global_pool": [2]})
-    assert ray_cpu.required_cpus(manager.resource_pool_spec) == 3
+    assert ray_resources.required_cpus(manager.resource_pool_spec) == 3
     monkeypatch.setattr(ray._private.state, "available_resources_per_node", lambda: {"n0": {"CPU": 2.0}})
     with pytest.raises(ValueError, match="ray_init.num_cpus"):
-        ray_cpu._check_cpu_resources_available(manager)
+        ray_resources._check_cpu_resources_available(manager)
     monkeypatch.setattr(ray._private.state, "available_resources_per_node", lambda: {"n0": {"CPU": 6.0}})
-    ray_cpu._check_cpu_resources_available(manager)
+    ray_resources._check_cpu_resources_available(manager)
 
 
 def test_resource_check_patch_refuses_unknown_signature(monkeypatch: pytest.MonkeyPatch) -> None:
     from verl.single_controller.ray import base
 
-    from verl_ext import ray_cpu
+    from verl_ext.cpu import ray_resources
 
     class FakeManager:
         def _check_resource_available(self, strict: bool = True) -> None:  # a changed verl signature
@@ -317,4 +317,4 @@ def test_resource_check_patch_refuses_unknown_signature(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(base, "ResourcePoolManager", FakeManager)
     with pytest.raises(RuntimeError, match="expected \\['self'\\]"):
-        ray_cpu._patch_resource_check()
+        ray_resources._patch_resource_check()

@@ -1,4 +1,4 @@
-"""The ``cpu`` verl platform (verl_ext/platform_cpu.py).
+"""The ``cpu`` verl platform (verl_ext/cpu/platform.py).
 
 Platform selection is process-global in verl (a cached singleton read from ``VERL_PLATFORM``), so the
 checks that select it run in one fresh interpreter (``subprocess``) and report back as JSON; the
@@ -24,7 +24,7 @@ PROBE = textwrap.dedent(
     import json, os, sys
     os.environ["VERL_PLATFORM"] = "cpu"
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
-    from verl_ext.platform_cpu import PlatformCPU, register_cpu_platform
+    from verl_ext.cpu.platform import PlatformCPU, register_cpu_platform
     register_cpu_platform()
     register_cpu_platform()  # idempotent
     out = {}
@@ -109,7 +109,7 @@ def test_verl_ray_process_group_init_works_on_gloo(probe: dict[str, Any]) -> Non
 
 def test_cpu_platform_is_never_auto_detected() -> None:
     sys.path.insert(0, str(ROOT))
-    from verl_ext.platform_cpu import PlatformCPU
+    from verl_ext.cpu.platform import PlatformCPU
 
     platform = PlatformCPU.__new__(PlatformCPU)  # no __init__: keep the pytest process unpatched
     assert platform.is_available()

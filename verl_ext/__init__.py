@@ -1,0 +1,25 @@
+"""verl_ext: the divclip method as verl 0.9.1 extensions (policy losses, actor loss, config, plugin).
+
+The method core is device-agnostic and lives at the top of the package:
+
+* ``losses`` -- Eq. (5): one constrained-surrogate operator; each method (Clip, KL3/ATR, KL1/KL2,
+  IS-KL3, TRGPPO, DCPO, GPPO, ERC, dual-clip) a small constraint registered with verl's
+  ``POLICY_LOSS_REGISTRY``.
+* ``divergences`` -- the per-token divergences and their ratio bounds (Lambert-W for KL3).
+* ``config`` -- ``DivClipPolicyLossConfig``, the dataclass verl composes ``policy_loss.*`` into.
+* ``actor_loss`` -- the entropy-aware actor loss installed with ``set_loss_fn`` (ERC needs both
+  entropies, which verl's loss registry does not pass).
+* ``entropy`` -- the one function every entropy in the recipe is computed with.
+* ``verl_modes`` -- ERC and dual-clip on verl's own losses; ``token_dump`` -- the opt-in per-token
+  dump for ERC's Figure 3.
+* ``plugin`` -- the ``verl.plugins`` entry point: registers the modes in every process that
+  imports verl.
+
+:mod:`verl_ext.cpu` holds the support for running verl without a GPU (platform, Ray resource
+check, ``hf_cpu`` rollout); only ``plugin`` imports it, and only under ``VERL_PLATFORM=cpu``.
+
+Who may import it: :mod:`recipe`, benchmarks, tests and verl itself (through the plugin). It
+imports verl and torch, never :mod:`recipe` or :mod:`data_prep`; its core modules never import
+:mod:`verl_ext.cpu`. This ``__init__`` imports nothing, so ``import verl_ext.x`` loads only ``x``
+and what it needs.
+"""

@@ -1,8 +1,9 @@
 """verl plugin: imported by ``import verl`` through the ``verl.plugins`` entry point.
 
-Registers the divclip policy-loss modes and the CPU platform in every process that imports
-verl, Ray workers included, so configs can say ``policy_loss.loss_mode=kl3`` (or run with
-``VERL_PLATFORM=cpu``) anywhere.
+Registers the divclip policy-loss modes in every process that imports verl, Ray workers
+included, so configs can say ``policy_loss.loss_mode=kl3`` anywhere; with ``VERL_PLATFORM=cpu``
+it also sets the process up for CPU (:func:`verl_ext.cpu.setup_cpu_process`). Without that
+variable :mod:`verl_ext.cpu` is never imported, so a GPU node loads none of the CPU support.
 
 verl swallows plugin import errors at DEBUG level; :func:`require_registered` is the loud
 check that entry points (``recipe.main``) call before anything is scheduled.
@@ -13,12 +14,15 @@ from __future__ import annotations
 import os
 
 import verl_ext.losses  # noqa: F401  (registers the modes with verl's POLICY_LOSS_REGISTRY)
-from verl_ext.ray_cpu import setup_cpu_process
 
 # With VERL_PLATFORM=cpu: the `cpu` platform and FSDP2 engine, Ray's CPU resource check and the
-# `hf_cpu` rollout, in every process that imports verl (driver, TaskRunner, workers). A no-op
-# otherwise, so GPU clusters import nothing of it.
-setup_cpu_process()
+# `hf_cpu` rollout, in every process that imports verl (driver, TaskRunner, workers). The test is
+# verl_ext.cpu.cpu_platform_selected's, inlined: importing that package to ask would load it on
+# every GPU node too.
+if os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu":
+    from verl_ext.cpu import setup_cpu_process
+
+    setup_cpu_process()
 
 ENTRY_POINT_NAME = "divclip"
 ENTRY_POINT_VALUE = "verl_ext.plugin"

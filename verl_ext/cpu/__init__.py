@@ -1,0 +1,65 @@
+"""verl on CPU-only machines: the ``cpu`` platform, Ray's CPU resource check, the ``hf_cpu`` rollout.
+
+Support code, not the method: it lets the recipe's trainer (and every test of it) run end to end
+without a GPU. Nothing here is imported on a GPU node: :mod:`verl_ext.plugin` imports this package
+only when ``VERL_PLATFORM=cpu`` (``tests/test_plugin_config.py`` checks it in a fresh interpreter).
+
+What lives here:
+
+* :mod:`verl_ext.cpu.platform` -- :class:`~verl_ext.cpu.platform.PlatformCPU`, verl's platform for
+  ``VERL_PLATFORM=cpu`` (gloo collectives), and the FSDP2 engines registered for ``device="cpu"``.
+* :mod:`verl_ext.cpu.ray_resources` -- ``ResourcePoolManager``'s resource check counting CPUs
+  instead of GPUs on the cpu platform.
+* :mod:`verl_ext.cpu.rollout` -- the ``hf_cpu`` rollout backend (a transformers generation server,
+  its replica and its weight-sync adapter), registered in verl's rollout registries.
+* :mod:`verl_ext.cpu.sampling` -- the server's batched sampling (torch only: vLLM's semantics).
+
+Who may import it: :mod:`verl_ext.plugin` (lazily, under ``VERL_PLATFORM=cpu``), CPU-only tools and
+tests. The method core (``verl_ext.losses``, ``divergences``, ``config``, ``actor_loss``,
+``entropy``) never does. This package imports verl, torch, Ray and transformers, but nothing else
+of ``verl_ext``. The old module paths ``verl_ext.platform_cpu``, ``verl_ext.ray_cpu`` and
+``verl_ext.rollout_cpu`` still import, with a ``DeprecationWarning``.
+
+This ``__init__`` itself imports only the standard library: importing a submodule (or calling
+:func:`setup_cpu_process`) is what pulls in verl.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+PLATFORM_NAME = "cpu"
+"""Value of ``VERL_PLATFORM`` that selects the cpu platform."""
+
+
+def cpu_platform_selected() -> bool:
+    """True when this process runs verl on the ``cpu`` platform (``VERL_PLATFORM=cpu``)."""
+    return os.environ.get("VERL_PLATFORM", "").strip().lower() == PLATFORM_NAME
+
+
+def setup_cpu_process() -> None:
+    """Everything a process needs for verl's trainer on CPU: platform, Ray pools, ``hf_cpu`` rollout.
+
+    The ``verl.plugins`` entry point (:mod:`verl_ext.plugin`) calls it in every process that imports
+    verl. Also usable as ``ray_kwargs.ray_init.runtime_env.worker_process_setup_hook`` or from an
+    entry point that cannot rely on the plugin. No-op without ``VERL_PLATFORM=cpu``.
+    """
+    if not cpu_platform_selected():
+        return
+    from verl_ext.cpu.ray_resources import enable_cpu_ray
+    from verl_ext.cpu.rollout import register_cpu_rollout
+
+    platform_module = sys.modules.get("verl_ext.cpu.platform")
+    if platform_module is None or hasattr(platform_module, "register_cpu_platform"):
+        from verl_ext.cpu.platform import register_cpu_platform
+
+        register_cpu_platform()
+    # else: verl_ext.cpu.platform is itself importing verl right now (its importer registers the
+    # platform once it has finished importing, e.g. tests/engine_harness.py); calling into the
+    # half-initialised module here would fail.
+    enable_cpu_ray()
+    register_cpu_rollout()
+
+
+__all__ = ["PLATFORM_NAME", "cpu_platform_selected", "setup_cpu_process"]
