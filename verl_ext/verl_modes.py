@@ -31,6 +31,7 @@ import torch
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, get_policy_loss_fn
 
 from verl_ext.config import DivClipPolicyLossConfig
+from verl_ext.losses import _entropy_ratio_band
 
 DUAL_CLIP_MODES = frozenset({"vanilla"})
 """verl modes whose own dual-clip constant (``actor.clip_ratio_c``) ``dual_clip_c`` replaces."""
@@ -59,21 +60,6 @@ def check_verl_mode_options(policy: DivClipPolicyLossConfig) -> None:
         )
 
 
-def erc_band_class(
-    old_entropy: torch.Tensor, entropy: torch.Tensor, policy: DivClipPolicyLossConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """ERC's entropy ratio rho_t = (H_new + eps) / (H_old + eps) (float32) and its band class per
-    token: 0 below (rho <= 1 - beta_l), 1 inside, 2 above (rho >= 1 + beta_h) -- one ``bucketize``
-    instead of two comparisons and their masks (the lower edge is moved up by one float32 ulp so
-    that rho == 1 - beta_l falls below, as the band's closed edges require)."""
-    eps = policy.erc_eps
-    rho = (entropy.detach().float() + eps) / (old_entropy.detach().float() + eps)
-    lower = torch.tensor(1.0 - policy.erc_beta_low, dtype=torch.float32)
-    edges = torch.stack([torch.nextafter(lower, torch.tensor(math.inf)),
-                         torch.tensor(1.0 + policy.erc_beta_high, dtype=torch.float32)]).to(rho.device)
-    return rho, torch.bucketize(rho, edges, right=True)
-
-
 def verl_policy_loss(
     mode: str,
     *,
@@ -98,10 +84,12 @@ def verl_policy_loss(
     if policy is not None and policy.erc_enabled:
         if old_entropy is None or entropy is None:
             raise ValueError(f"ERC on loss_mode={mode!r} needs pi_old's and pi_theta's per-token entropies")
-        rho, band = erc_band_class(old_entropy, entropy, policy)
+        # the divclip operator's own band test: the same tokens leave the band in every mode
+        rho, above, below = _entropy_ratio_band(old_entropy, entropy, policy, torch.float32)
         mask = response_mask.bool()
-        log_prob = torch.where((band != 1) & mask, log_prob.detach(), log_prob)
-        erc_metrics = _erc_metrics(rho, band, mask)
+        above, below = above & mask, below & mask
+        log_prob = torch.where(above | below, log_prob.detach(), log_prob)
+        erc_metrics = _erc_metrics(rho, above, below, mask)
     if policy is not None and policy.dual_clip_c is not None:
         config = _with_clip_ratio_c(config, policy.dual_clip_c)
     pg_loss, pg_metrics = get_policy_loss_fn(mode)(
@@ -124,24 +112,24 @@ def _with_clip_ratio_c(config: Any, clip_ratio_c: float) -> Any:
     return view
 
 
-def _erc_metrics(rho: torch.Tensor, band: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def _erc_metrics(rho: torch.Tensor, above: torch.Tensor, below: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """ERC metrics as the divclip operator names them (means over valid tokens; min/max extremes),
-    with one host sync."""
+    with one host sync and no boolean indexing (a gather per mask costs more than the loss)."""
     with torch.no_grad():
-        rho_valid = rho[mask]
-        if rho_valid.numel() == 0:
-            return {}
-        counts = torch.bincount(band[mask], minlength=3).to(torch.float64)
-        low, high = torch.aminmax(rho_valid)
-        values = torch.cat([
-            torch.stack([rho_valid.sum(dtype=torch.float64), low.double(), high.double()]), counts,
+        n_valid, n_above, n_below = (torch.count_nonzero(m) for m in (mask, above, below))
+        values = torch.stack([
+            n_valid.double(), n_above.double(), n_below.double(),
+            torch.where(mask, rho, 0.0).sum(dtype=torch.float64),
+            torch.where(mask, rho, math.inf).amin().double(),
+            torch.where(mask, rho, 0.0).amax().double(),  # rho > 0: 0 is neutral for the max
         ]).tolist()
-    total, ratio_min, ratio_max, below, _inside, above = values
-    n = float(rho_valid.numel())
+    n, above_count, below_count, total, ratio_min, ratio_max = values
+    if n == 0:
+        return {}
     return {
         "actor/divclip/erc/ratio_mean": total / n,
-        "actor/divclip/erc/clipfrac_upper": above / n,
-        "actor/divclip/erc/clipfrac_lower": below / n,
+        "actor/divclip/erc/clipfrac_upper": above_count / n,
+        "actor/divclip/erc/clipfrac_lower": below_count / n,
         "actor/divclip/erc/ratio_min": ratio_min,
         "actor/divclip/erc/ratio_max": ratio_max,
     }
