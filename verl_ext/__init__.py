@@ -9,8 +9,10 @@ The method core is device-agnostic and lives at the top of the package:
 * ``config`` -- ``DivClipPolicyLossConfig``, the dataclass verl composes ``policy_loss.*`` into.
 * ``actor_loss`` -- the entropy-aware actor loss installed with ``set_loss_fn`` (ERC needs both
   entropies, which verl's loss registry does not pass).
-* ``entropy`` -- the one function every entropy in the recipe is computed with.
-* ``verl_modes`` -- ERC and dual-clip on verl's own losses; ``token_dump`` -- the opt-in per-token
+* ``entropy`` -- the one fp32 entropy function both of ERC's passes use (pi_old and pi_theta), and
+  the hook that installs it on verl's engine; runs without ERC keep verl's entropy.
+* ``verl_modes`` -- ERC and dual-clip on verl's own losses; ``adaptive_delta`` -- the opt-in
+  controller of the KL budget delta (ATR section 6.5); ``token_dump`` -- the opt-in per-token
   dump for ERC's Figure 3.
 * ``plugin`` -- the ``verl.plugins`` entry point: registers the modes in every process that
   imports verl.
