@@ -186,12 +186,16 @@ def run(config: DictConfig) -> None:
         sys.stdout.write(OmegaConf.to_yaml(config))
         return
     check_train_files(config)
+    import torch
     import torch.distributed
     from verl.trainer.sft_trainer import SFTTrainer
     from verl.utils.device import auto_set_device
 
     auto_set_device(config)
     _init_process_group(str(config.trainer.device))
+    # verl's SFT trainer seeds its data order but not the global RNG that peft draws the LoRA A
+    # matrices from: without this, two runs of the same config start from different adapters.
+    torch.manual_seed(int(config.trainer.get("seed", None) or config.engine.get("seed", 42)))
     try:
         SFTTrainer(config=config).fit()
         torch.distributed.barrier()

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SFT_STEPS = 16
+SFT_STEPS = 48
 CPU_SFT_OVERRIDES = [
     "trainer.device=cpu", "engine.strategy=fsdp2", "engine.use_torch_compile=False", "engine.model_dtype=fp32",
     "+model.override_config.attn_implementation=sdpa", "data.train_batch_size=16", "data.num_workers=0",
@@ -47,7 +47,7 @@ def _run(args: list[str], env: dict[str, str], timeout: int) -> subprocess.Compl
 def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("sft_chain")
     assets = out / "assets"
-    _run([sys.executable, "-m", "recipe.smoke_task", "--out", str(assets), "--sft", "256"], _env(), 300)
+    _run([sys.executable, "-m", "recipe.smoke_task", "--out", str(assets), "--sft", "768"], _env(), 300)
     merged = out / "merged"
     sft_log = out / "sft_metrics.jsonl"
     _run(["bash", str(ROOT / "launch/run_sft_openmath_qwen3_1.7b.sh"), *CPU_SFT_OVERRIDES],
