@@ -197,11 +197,6 @@ def loss_entropy_path(loss_function: Optional[Callable[..., Any]]) -> EntropyPat
     return EntropyPath(getattr(loss_function, ENTROPY_PATH_ATTR, EntropyPath.VERL.value))
 
 
-def entropy_requires_grad(loss_function: Optional[Callable[..., Any]]) -> bool:
-    """Whether ``loss_function`` needs the gradient of the current entropy (default: yes, as in verl)."""
-    return loss_entropy_path(loss_function) is EntropyPath.VERL
-
-
 def resolve_entropy_path(requested: EntropyPath, *, use_fused_kernels: bool) -> EntropyPath:
     """The path a run really takes: with verl's fused kernels the entropy comes from the kernel in
     both passes whatever the loss asks for."""
