@@ -125,6 +125,7 @@ class WorkerOptions:
     device: str = "cpu"  # verl platform the worker must run on ("cuda" for the GPU probe)
     use_torch_compile: bool = False  # actor.fsdp_config.use_torch_compile (verl's GPU default: True)
     use_fused_kernels: bool = False  # actor_rollout_ref.model.use_fused_kernels
+    fused_kernels_backend: str = "torch"  # actor_rollout_ref.model.fused_kernel_options.impl_backend (verl's yaml default)
 
 
 EXACT_SGD: dict[str, Any] = dict(optimizer="SGD", lr=0.5, clip_grad=1e9)
@@ -160,6 +161,9 @@ def build_actor_worker(model_path: str, options: WorkerOptions = WorkerOptions()
         enable_gradient_checkpointing=options.enable_gradient_checkpointing,
         override_config={"attn_implementation": options.attn_implementation},
         use_fused_kernels=options.use_fused_kernels,
+        # verl's yaml sets impl_backend: torch; HFModelConfig's dataclass default ({}) skips the fused
+        # forward patch, and the engine then fails reading output.log_probs.
+        fused_kernel_options={"impl_backend": options.fused_kernels_backend},
     )
     engine_config = FSDPEngineConfig(
         strategy="fsdp2",

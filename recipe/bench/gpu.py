@@ -88,6 +88,9 @@ def build_model(path: Path, args: argparse.Namespace) -> None:
     with torch.no_grad():
         model.lm_head.weight.mul_(args.head_scale)
     model.to(torch.bfloat16).save_pretrained(path)
+    del model
+    if device == "cuda":  # the children measure the GPU: hand the parent's cached blocks back
+        torch.cuda.empty_cache()
 
 
 def _erc_actor_config(sequences: int) -> Any:
@@ -194,8 +197,12 @@ def _spawn(name: str, model_path: str, args: argparse.Namespace) -> dict[str, An
     proc = subprocess.run(cmd, cwd=_ROOT, env=env, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
+        last_line = proc.stderr.strip().splitlines()[-1:]
+        if "OutOfMemoryError" in proc.stderr and not VARIANTS[name]["erc"] and name != "no_entropy":
+            # verl's own entropy path running out of memory is a finding to report, not a probe failure
+            return {"variant": name, "out_of_memory": True, "error_line": last_line}
         sys.stderr.write(proc.stderr[-6000:])
-        return {"variant": name, "error": f"exit code {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"}
+        return {"variant": name, "error": f"exit code {proc.returncode}: {last_line}"}
     return json.loads(lines[-1])
 
 
@@ -249,7 +256,7 @@ def main(argv: list[str]) -> int:
     base = next((r for r in results if r["variant"] == "no_entropy" and "error" not in r), None)
     for r in results:
         r["date"] = _dt.date.today().isoformat()
-        if base is not None and "error" not in r:
+        if base is not None and "update_seconds_median" in r:
             r["time_vs_no_entropy"] = round(r["update_seconds_median"] / base["update_seconds_median"], 3)
             r["peak_vs_no_entropy"] = round(r["peak_bytes"] / base["peak_bytes"], 3)
     if args.out is not None:
@@ -262,6 +269,9 @@ def main(argv: list[str]) -> int:
         for r in results:
             if "error" in r:
                 print(f"{r['variant']:<20} failed: {r['error']}")
+                continue
+            if r.get("out_of_memory"):
+                print(f"{r['variant']:<20} out of memory (verl's path): {r['error_line']}")
                 continue
             invariant = {True: "ratio 1, nothing masked", False: f"VIOLATED {r.get('first_update')}"}.get(
                 r.get("on_policy_invariant"), "-")
