@@ -2,7 +2,8 @@
 
 verl validates its own keys (``verl.utils.config.validate_config``); this adds what the divclip
 recipe needs and verl cannot know: the plugin is registered, the policy-loss config is ours
-and valid (building it runs the dataclass checks), ERC has both entropies available.
+and valid (building it runs the dataclass checks; :func:`verl_ext.losses.check_policy_config`
+checks it against the loss-mode registry), ERC has both entropies available.
 Every error names the config key to change.
 """
 
@@ -22,7 +23,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import PolicyLossConfig
 
 from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig, actor_clip_ratios
-from verl_ext.losses import CONSTRAINTS
+from verl_ext.losses import CONSTRAINTS, check_policy_config
 from verl_ext.plugin import require_registered
 
 ACTOR = "actor_rollout_ref.actor"
@@ -56,6 +57,11 @@ def validate_divclip_config(config: DictConfig) -> Any:
     validate_filter_groups(config)
     actor = build_actor_config(config)
     policy = actor.policy_loss
+    if isinstance(policy, DivClipPolicyLossConfig):
+        try:  # loss_mode known, adaptive delta on a KL-budget mode, ERC / dual-clip on verl's modes
+            check_policy_config(policy)
+        except ValueError as error:
+            raise ConfigError(str(error)) from error
     if mode in CONSTRAINTS:
         try:
             actor_clip_ratios(actor)

@@ -6,7 +6,9 @@ The method core is device-agnostic and lives at the top of the package:
   IS-KL3, TRGPPO, DCPO, GPPO, ERC, dual-clip) a small constraint registered with verl's
   ``POLICY_LOSS_REGISTRY``.
 * ``divergences`` -- the per-token divergences and their ratio bounds (Lambert-W for KL3).
-* ``config`` -- ``DivClipPolicyLossConfig``, the dataclass verl composes ``policy_loss.*`` into.
+* ``config`` -- ``DivClipPolicyLossConfig``, the dataclass verl composes ``policy_loss.*`` into;
+  it checks its values alone. ``losses.check_policy_config`` checks a config against the mode
+  registry (known ``loss_mode``, adaptive delta on KL-budget modes, ERC / dual-clip on verl's modes).
 * ``actor_loss`` -- the entropy-aware actor loss installed with ``set_loss_fn`` (ERC needs both
   entropies, which verl's loss registry does not pass).
 * ``entropy`` -- the one fp32 entropy function both of ERC's passes use (pi_old and pi_theta), and
@@ -24,4 +26,19 @@ Who may import it: :mod:`recipe`, benchmarks, tests and verl itself (through the
 imports verl and torch, never :mod:`recipe` or :mod:`data_prep`; its core modules never import
 :mod:`verl_ext.cpu`. This ``__init__`` imports nothing, so ``import verl_ext.x`` loads only ``x``
 and what it needs.
+
+Inside the package imports run one way (``tests/test_layout.py`` parses them, lazy ones included,
+and asserts the graph has no cycle)::
+
+    config        -> (verl and the standard library only: a leaf)
+    divergences, entropy, token_dump -> (no verl_ext module)
+    losses        -> config, divergences
+    verl_modes    -> config, losses
+    adaptive_delta -> config, losses
+    actor_loss    -> config, entropy, losses, token_dump, verl_modes
+    plugin        -> losses; cpu (only under VERL_PLATFORM=cpu)
+
+``config`` still runs the registry's check at construction: ``losses`` registers
+``check_policy_config`` with ``config.register_mode_check`` when it is imported (every process
+that imports verl imports it, through the plugin), and every consumer of a config calls it too.
 """

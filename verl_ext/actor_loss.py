@@ -264,7 +264,9 @@ def build_actor_loss(actor_config: ActorConfig) -> Callable[..., Any]:
 
 def divclip_policy_config(config: ActorConfig) -> Optional[DivClipPolicyLossConfig]:
     """The actor's ``DivClipPolicyLossConfig``: always for the divclip modes (an error if the config
-    is verl's plain one), and for verl's modes when selected with the divclip ``_target_``."""
+    is verl's plain one), and for verl's modes when selected with the divclip ``_target_``; checked
+    against the mode registry by :func:`verl_ext.losses.resolve_policy_config`, so building the
+    loss (:func:`build_actor_loss`) and every call of it refuse a config that does not fit its mode."""
     mode = config.policy_loss.get("loss_mode", "vanilla")
     if mode in CONSTRAINTS:
         return resolve_policy_config(config)

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from verl_ext.config import DivClipPolicyLossConfig
+from verl_ext.losses import CONSTRAINTS, check_policy_config
 
 STATE_FILE = "divclip_adaptive_delta.json"
 TOKEN_METRIC = "actor/divclip/kl3_mean"
@@ -52,11 +53,11 @@ class AdaptiveDelta:
 
     @classmethod
     def from_policy(cls, policy: DivClipPolicyLossConfig) -> Optional["AdaptiveDelta"]:
-        """The controller configured by ``policy``, or ``None`` when delta is static."""
+        """The controller configured by ``policy``, or ``None`` when delta is static. Raises
+        ``ValueError`` naming the key if ``loss_mode`` has no KL budget to adapt."""
+        check_policy_config(policy)
         if not policy.adaptive_delta_enabled:
             return None
-        from verl_ext.losses import CONSTRAINTS
-
         sequence = CONSTRAINTS[policy.loss_mode].level == "sequence"
         return cls(
             delta=float(policy.delta),

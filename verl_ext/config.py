@@ -10,19 +10,46 @@ verl's ``PolicyLossConfig`` that a config selects with ``_target_``::
 The ratio-clip epsilons are verl's own ``actor.clip_ratio_low`` / ``actor.clip_ratio_high``
 (used by ``clip``, ``gppo``, ``trgppo``'s floor and ``dcpo``'s epsilons), so existing DAPO
 configs keep their meaning.
+
+This module is a leaf of :mod:`verl_ext`: it imports verl and the standard library only. The
+checks that need the loss-mode registry (is ``loss_mode`` known, does it have a KL budget for the
+adaptive delta, do ERC / dual-clip compose with a verl mode) live with that registry, in
+:func:`verl_ext.losses.check_policy_config`, which every consumer of a config calls and which
+:mod:`verl_ext.losses` also registers here (:func:`register_mode_check`) when it is imported, so
+``__post_init__`` runs it too: a config that hydra builds in a process that imported verl (and
+with it the plugin, hence the losses) fails at construction, naming the key.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from verl.workers.config import PolicyLossConfig
 
 CONFIG_TARGET = "verl_ext.config.DivClipPolicyLossConfig"
+#: Where verl's config tree holds this dataclass: the prefix of every key an error names.
+POLICY_LOSS_KEY = "actor_rollout_ref.actor.policy_loss"
 #: ``correct_nll_norm`` values: verl's global normalisation, or the released ERC code's per micro-batch one.
 CORRECT_NLL_NORMS = ("global", "micro_batch")
+
+
+#: Checks that need the loss-mode registry, run by ``DivClipPolicyLossConfig.__post_init__``
+#: with ``(config, key_prefix)``; filled by :func:`register_mode_check`.
+_MODE_CHECKS: list[Callable[["DivClipPolicyLossConfig", str], None]] = []
+
+
+def register_mode_check(
+    check: Callable[["DivClipPolicyLossConfig", str], None],
+) -> Callable[["DivClipPolicyLossConfig", str], None]:
+    """Run ``check(config, prefix)`` at the end of every ``DivClipPolicyLossConfig.__post_init__``
+    from now on (idempotent). :mod:`verl_ext.losses` registers its :func:`check_policy_config`
+    here, so the mode registry's checks fire at construction without this module importing it.
+    Configs built before that import are not checked here; their consumers check them."""
+    if check not in _MODE_CHECKS:
+        _MODE_CHECKS.append(check)
+    return check
 
 
 def _finite(value: Any) -> bool:
@@ -106,7 +133,7 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
     token_dump_max_tokens: int = 2048
 
     def __post_init__(self) -> None:
-        prefix = "actor_rollout_ref.actor.policy_loss"
+        prefix = POLICY_LOSS_KEY
         if not (_finite(self.delta) and self.delta > 0):
             raise ValueError(f"{prefix}.delta must be a finite number > 0, got {self.delta!r}")
         self._check_adaptive_delta(prefix)
@@ -149,7 +176,8 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
             raise ValueError(
                 f"{prefix}.token_dump_path dumps ERC's per-token entropy ratios: set erc_beta_low/erc_beta_high too"
             )
-        self._check_loss_mode(prefix)
+        for check in _MODE_CHECKS:  # the loss-mode registry's checks (see register_mode_check)
+            check(self, prefix)
 
     @property
     def erc_enabled(self) -> bool:
@@ -187,26 +215,6 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
                 f"{prefix}.delta={self.delta} (the adaptive controller's initial delta) must lie within "
                 f"[adaptive_delta_min, adaptive_delta_max] = [{self.adaptive_delta_min}, {self.adaptive_delta_max}]"
             )
-
-    def _check_loss_mode(self, prefix: str) -> None:
-        # Imported here: verl_ext.losses imports this module.
-        from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
-
-        from verl_ext.losses import CONSTRAINTS
-
-        known = sorted(set(POLICY_LOSS_REGISTRY) | set(CONSTRAINTS))
-        if self.loss_mode not in known:
-            raise ValueError(f"{prefix}.loss_mode={self.loss_mode!r} is not a registered policy loss; known: {known}")
-        if self.adaptive_delta_enabled and not (self.loss_mode in CONSTRAINTS and CONSTRAINTS[self.loss_mode].delta_budget):
-            budget_modes = sorted(name for name, spec in CONSTRAINTS.items() if spec.delta_budget)
-            raise ValueError(
-                f"{prefix}.adaptive_delta_target adapts the KL budget delta, which loss_mode={self.loss_mode!r} "
-                f"does not have; the KL-budget modes are {budget_modes}"
-            )
-        if self.loss_mode not in CONSTRAINTS:  # verl's own mode: ERC / dual-clip compose with it
-            from verl_ext.verl_modes import check_verl_mode_options
-
-            check_verl_mode_options(self)
 
 
 def check_clip_ratios(clip_ratio_low: Any, clip_ratio_high: Any) -> tuple[float, float]:

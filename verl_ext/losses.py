@@ -40,10 +40,16 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import torch
-from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
+from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss, register_policy_loss
 
 from verl_ext import divergences
-from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig, actor_clip_ratios
+from verl_ext.config import (
+    CONFIG_TARGET,
+    POLICY_LOSS_KEY,
+    DivClipPolicyLossConfig,
+    actor_clip_ratios,
+    register_mode_check,
+)
 
 # Same clamp as verl's losses: keeps exp() finite for any log-prob difference.
 LOG_RATIO_CLAMP = 20.0
@@ -130,18 +136,73 @@ def _interval(inputs: ConstraintInputs, lower: float, upper: float) -> TrustRegi
 
 
 def resolve_policy_config(config: Any) -> DivClipPolicyLossConfig:
-    """The ``DivClipPolicyLossConfig`` inside an actor config, or a clear error."""
+    """The ``DivClipPolicyLossConfig`` inside an actor config, checked against the mode registry
+    (:func:`check_policy_config`), or a clear error."""
     policy = config.policy_loss if hasattr(config, "policy_loss") else config["policy_loss"]
     if isinstance(policy, DivClipPolicyLossConfig):
+        check_policy_config(policy)  # it may have been built before this module registered the check
         return policy
     if isinstance(policy, Mapping) and policy.get("_target_") == CONFIG_TARGET:
         fields = {k: v for k, v in policy.items() if k != "_target_"}
-        return DivClipPolicyLossConfig(**fields)
+        return DivClipPolicyLossConfig(**fields)  # __post_init__ runs check_policy_config
     raise TypeError(
         f"loss_mode={policy.get('loss_mode')!r} is a divclip mode and needs "
         f"actor_rollout_ref.actor.policy_loss._target_={CONFIG_TARGET} (got {type(policy).__name__}); "
         "verl's PolicyLossConfig cannot carry delta / dual_clip_c / ERC knobs"
     )
+
+
+DUAL_CLIP_MODES = frozenset({"vanilla"})
+"""verl modes whose own dual-clip constant (``actor.clip_ratio_c``) ``dual_clip_c`` replaces."""
+
+NOT_COMPOSABLE = frozenset({"bypass_mode"})
+"""verl modes ERC cannot stack on: bypass mode skips the old-log-prob pass that yields H(pi_old)."""
+
+
+@register_mode_check
+def check_policy_config(policy: DivClipPolicyLossConfig, prefix: str = POLICY_LOSS_KEY) -> None:
+    """Raise ``ValueError`` naming the key where ``policy`` does not fit its ``loss_mode``: the mode
+    is registered (a divclip constraint or verl's own), ``adaptive_delta_target`` is set only on a
+    KL-budget mode, and on verl's modes ERC / dual-clip can apply (:func:`check_verl_mode_options`).
+
+    The config dataclass checks its values alone (:mod:`verl_ext.config` does not import this
+    module); this is the half that needs the registry. Registered with
+    :func:`verl_ext.config.register_mode_check`, so it also runs in ``__post_init__`` of every
+    config built once this module is imported; consumers (:func:`resolve_policy_config`, the
+    actor loss, ``recipe.validation``, the adaptive-delta controller) call it as well.
+    """
+    mode = policy.loss_mode
+    if mode not in CONSTRAINTS and mode not in POLICY_LOSS_REGISTRY:
+        known = sorted(set(POLICY_LOSS_REGISTRY) | set(CONSTRAINTS))
+        raise ValueError(f"{prefix}.loss_mode={mode!r} is not a registered policy loss; known: {known}")
+    if policy.adaptive_delta_enabled and not (mode in CONSTRAINTS and CONSTRAINTS[mode].delta_budget):
+        budget_modes = sorted(name for name, spec in CONSTRAINTS.items() if spec.delta_budget)
+        raise ValueError(
+            f"{prefix}.adaptive_delta_target adapts the KL budget delta, which loss_mode={mode!r} "
+            f"does not have; the KL-budget modes are {budget_modes}"
+        )
+    if mode not in CONSTRAINTS:  # verl's own mode: ERC / dual-clip compose with it
+        check_verl_mode_options(policy, prefix)
+
+
+def check_verl_mode_options(policy: DivClipPolicyLossConfig, prefix: str = POLICY_LOSS_KEY) -> None:
+    """Raise ``ValueError`` naming the key if ``policy``'s ERC / dual-clip knobs cannot apply to its
+    verl ``loss_mode`` (``verl_ext.verl_modes`` composes them). Part of :func:`check_policy_config`,
+    for every non-divclip mode."""
+    mode = policy.loss_mode
+    if mode not in POLICY_LOSS_REGISTRY:
+        return  # check_policy_config reports unknown modes
+    if policy.erc_enabled and mode in NOT_COMPOSABLE:
+        raise ValueError(
+            f"{prefix}.erc_beta_low/erc_beta_high (ERC) cannot stack on loss_mode={mode!r}: it skips the "
+            "old-log-prob pass that gives pi_old's entropy"
+        )
+    if policy.dual_clip_c is not None and mode not in DUAL_CLIP_MODES:
+        raise ValueError(
+            f"{prefix}.dual_clip_c applies to the divclip modes and to verl's {sorted(DUAL_CLIP_MODES)} "
+            f"(where it replaces actor.clip_ratio_c); verl's loss_mode={mode!r} has no dual-clip rule to "
+            "set: remove dual_clip_c"
+        )
 
 
 def _make_registry_loss(mode: str) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:

@@ -18,7 +18,8 @@ so it is unchanged. Per-mode readings: docs/losses.md.
 
 Dual-clip (``policy_loss.dual_clip_c``) makes sense for verl's ``vanilla`` only, which always applies
 dual-clip with ``actor.clip_ratio_c`` (default 3): ``dual_clip_c`` replaces that c for the call. For
-every other verl mode :func:`check_verl_mode_options` raises, naming the key.
+every other verl mode the config check (:func:`verl_ext.losses.check_verl_mode_options`, part of
+:func:`verl_ext.losses.check_policy_config`) raises, naming the key.
 """
 
 from __future__ import annotations
@@ -28,36 +29,14 @@ import math
 from typing import Any, Optional
 
 import torch
-from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, get_policy_loss_fn
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from verl_ext.config import DivClipPolicyLossConfig
-from verl_ext.losses import _entropy_ratio_band
 
-DUAL_CLIP_MODES = frozenset({"vanilla"})
-"""verl modes whose own dual-clip constant (``actor.clip_ratio_c``) ``dual_clip_c`` replaces."""
-
-NOT_COMPOSABLE = frozenset({"bypass_mode"})
-"""verl modes ERC cannot stack on: bypass mode skips the old-log-prob pass that yields H(pi_old)."""
-
-
-def check_verl_mode_options(policy: DivClipPolicyLossConfig) -> None:
-    """Raise ``ValueError`` naming the key if ``policy``'s ERC / dual-clip knobs cannot apply to its
-    verl ``loss_mode``. Called by :class:`DivClipPolicyLossConfig` for every non-divclip mode."""
-    prefix = "actor_rollout_ref.actor.policy_loss"
-    mode = policy.loss_mode
-    if mode not in POLICY_LOSS_REGISTRY:
-        return  # the config's own loss-mode check reports unknown modes
-    if policy.erc_enabled and mode in NOT_COMPOSABLE:
-        raise ValueError(
-            f"{prefix}.erc_beta_low/erc_beta_high (ERC) cannot stack on loss_mode={mode!r}: it skips the "
-            "old-log-prob pass that gives pi_old's entropy"
-        )
-    if policy.dual_clip_c is not None and mode not in DUAL_CLIP_MODES:
-        raise ValueError(
-            f"{prefix}.dual_clip_c applies to the divclip modes and to verl's {sorted(DUAL_CLIP_MODES)} "
-            f"(where it replaces actor.clip_ratio_c); verl's loss_mode={mode!r} has no dual-clip rule to "
-            "set: remove dual_clip_c"
-        )
+# DUAL_CLIP_MODES, NOT_COMPOSABLE and check_verl_mode_options live in verl_ext.losses, next to the
+# config check that applies them (this module imports losses, so they cannot live here); they are
+# re-exported so the old import path keeps working.
+from verl_ext.losses import DUAL_CLIP_MODES, NOT_COMPOSABLE, _entropy_ratio_band, check_verl_mode_options  # noqa: F401
 
 
 def verl_policy_loss(

@@ -24,7 +24,7 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.workers.config import FSDPActorConfig, PolicyLossConfig
 
 from verl_ext.config import DivClipPolicyLossConfig
-from verl_ext.losses import CONSTRAINTS
+from verl_ext.losses import CONSTRAINTS, check_policy_config
 from verl_ext.verl_modes import verl_policy_loss
 
 SHAPES: tuple[tuple[int, int], ...] = ((64, 4096), (8, 16384))
@@ -51,6 +51,7 @@ def _variants() -> dict[str, tuple[str, FSDPActorConfig, bool]]:
         variants[mode] = (mode, _actor_config(DivClipPolicyLossConfig(loss_mode=mode)), False)
     for mode in (*CONSTRAINTS, *VERL_MODES_WITH_ERC):
         policy = DivClipPolicyLossConfig(loss_mode=mode, erc_beta_low=0.05, erc_beta_high=0.05)
+        check_policy_config(policy)  # the verl modes' ERC goes to verl_policy_loss, which does not resolve it
         variants[f"{mode}+erc"] = (mode, _actor_config(policy), True)
     return variants
 
