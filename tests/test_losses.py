@@ -624,3 +624,67 @@ def test_every_constraint_is_registered_with_verl():
 
     assert set(MODES) == set(CONSTRAINTS)
     assert set(MODES) <= set(POLICY_LOSS_REGISTRY)
+
+
+@pytest.mark.parametrize("scale_valid, expect", [
+    (1.2, "min hidden"),  # every valid ratio > 1: padding's neutral 1 would read as the min
+    (0.8, "max hidden"),  # every valid ratio < 1: it would read as the max
+    (1.0, "on-policy"),  # every valid ratio exactly 1
+])
+def test_erc_extremes_are_exact_over_valid_tokens_whatever_the_padding_holds(scale_valid, expect):
+    """The band is computed with padding at rho = 1 (one pass for both extremes); where that hides
+    a valid extreme, finish_entropy_band_metrics computes it exactly. Entropies on padding are
+    garbage here (1e6 vs 1e-6) and must not reach any metric or gradient."""
+    from verl_ext.losses import entropy_ratio_band
+
+    old, new, adv, mask = random_batch(11, spread=0.3)
+    gen = torch.Generator().manual_seed(3)
+    old_entropy = torch.rand(old.shape, generator=gen, dtype=torch.float64) + 0.5
+    spread = 1 + 0.01 * torch.rand(old.shape, generator=gen, dtype=torch.float64)  # keeps one side of 1
+    entropy = old_entropy * (scale_valid * spread if scale_valid != 1.0 else 1.0)
+    pad = ~mask.bool()
+    assert pad.any()
+    old_entropy = torch.where(pad, 1e-6, old_entropy)
+    entropy = torch.where(pad, 1e6, entropy)
+    cfg = actor_config("clip", erc_beta_low=0.5, erc_beta_high=0.5)  # wide: nothing masked
+    _, grad, metrics = run_registry_loss("clip", old, new, adv, mask, cfg, old_entropy=old_entropy, entropy=entropy)
+    eps = cfg.policy_loss.erc_eps
+    rho = (entropy + eps) / (old_entropy + eps)
+    valid = mask.bool()
+    assert metrics["actor/divclip/erc/ratio_min"] == rho[valid].min().item(), expect
+    assert metrics["actor/divclip/erc/ratio_max"] == rho[valid].max().item(), expect
+    assert metrics["actor/divclip/erc/ratio_mean"] == pytest.approx(rho[valid].mean().item(), rel=1e-12)
+    assert metrics["actor/divclip/erc/clipfrac_upper"] == 0.0 and metrics["actor/divclip/erc/clipfrac_lower"] == 0.0
+    _, base_grad, _ = run_registry_loss("clip", old, new, adv, mask, actor_config("clip"))
+    assert torch.equal(grad, base_grad)  # a band that never triggers changes no gradient, bit for bit
+    band = entropy_ratio_band(old_entropy, entropy, mask, cfg.policy_loss, torch.float64)
+    assert torch.equal(band.rho[valid], rho[valid]) and torch.all(band.rho[pad] == 1.0)
+    assert torch.all(band.keep == 1.0) and band.n_above.item() == 0 and band.n_below.item() == 0
+
+
+def test_erc_band_counts_and_gate_match_a_naive_band():
+    """The arithmetic band (float masks, counts by sum) against the obvious bool formulation,
+    including ratios exactly on the band's edges (which are outside: rho >= 1 + beta_h,
+    rho <= 1 - beta_l) and padding whose garbage entropies would fall outside."""
+    from verl_ext.losses import entropy_ratio_band, gate_log_prob_gradient
+
+    policy = DivClipPolicyLossConfig(loss_mode="clip", erc_beta_low=0.25, erc_beta_high=0.5, erc_eps=1e-8)
+    old_entropy = torch.full((2, 8), 1.0)
+    entropy = torch.tensor([[0.5, 0.75, 0.76, 1.0, 1.49, 1.5, 1.51, 3.0],
+                            [1.0, 1.0, 0.2, 9.0, 1.0, 1.0, 1.0, 1.0]])
+    mask = torch.ones(2, 8)
+    mask[1, 2:4] = 0  # padding holding out-of-band garbage
+    band = entropy_ratio_band(old_entropy, entropy, mask, policy, torch.float32)
+    rho = (entropy + 1e-8) / (old_entropy + 1e-8)
+    above = (rho >= 1.5) & mask.bool()
+    below = (rho <= 0.75) & mask.bool()
+    assert band.n_above.item() == above.sum().item() == 3
+    assert band.n_below.item() == below.sum().item() == 2
+    assert torch.equal(band.keep, (~(above | below)).float())
+    assert torch.equal(band.outside, above | below)
+    log_prob = torch.zeros(2, 8, requires_grad=True)
+    gated = gate_log_prob_gradient(log_prob, band)
+    assert torch.equal(gated, log_prob)
+    (gated * torch.arange(1.0, 17.0).view(2, 8)).sum().backward()
+    expected = torch.where(above | below, 0.0, torch.arange(1.0, 17.0).view(2, 8))
+    assert torch.equal(log_prob.grad, expected)

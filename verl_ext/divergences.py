@@ -125,13 +125,26 @@ def bernoulli_kl(old_log_prob: torch.Tensor, log_ratio: torch.Tensor) -> torch.T
     = -q log w + (1-q) log((1-q) / (1-q w)). Evaluated in log space (1-q = -expm1(log q))
     so q -> 1 and q -> 0 stay finite; +inf where q w >= 1 (outside every trust region).
     """
+    kl, feasible = _bernoulli_kl_where_feasible(old_log_prob, log_ratio)
+    return torch.where(feasible, kl, torch.full_like(kl, math.inf))
+
+
+def bernoulli_kl_within(old_log_prob: torch.Tensor, log_ratio: torch.Tensor, delta: float) -> torch.Tensor:
+    """``bernoulli_kl(old_log_prob, log_ratio) <= delta`` (bool) without materialising the +inf of
+    infeasible tokens: the same KL values, so the same decisions, for two passes less."""
+    kl, feasible = _bernoulli_kl_where_feasible(old_log_prob, log_ratio)
+    return (kl <= delta) & feasible
+
+
+def _bernoulli_kl_where_feasible(old_log_prob: torch.Tensor, log_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Bernoulli KL's value (meaningful where q w < 1) and that feasibility mask."""
     q = torch.exp(old_log_prob)
     one_minus_q = -torch.expm1(old_log_prob)
     new_log_prob = old_log_prob + log_ratio
     feasible = new_log_prob < 0
     one_minus_qw = -torch.expm1(torch.clamp(new_log_prob, max=-1e-30))
     kl = -q * log_ratio + torch.xlogy(one_minus_q, one_minus_q) - torch.xlogy(one_minus_q, one_minus_qw)
-    return torch.where(feasible, kl, torch.full_like(kl, math.inf))
+    return kl, feasible
 
 
 def trgppo_ratio_bounds(

@@ -25,7 +25,6 @@ every other verl mode the config check (:func:`verl_ext.losses.check_verl_mode_o
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any, Optional
 
 import torch
@@ -36,7 +35,16 @@ from verl_ext.config import DivClipPolicyLossConfig
 # DUAL_CLIP_MODES, NOT_COMPOSABLE and check_verl_mode_options live in verl_ext.losses, next to the
 # config check that applies them (this module imports losses, so they cannot live here); they are
 # re-exported so the old import path keeps working.
-from verl_ext.losses import DUAL_CLIP_MODES, NOT_COMPOSABLE, _entropy_ratio_band, check_verl_mode_options  # noqa: F401
+from verl_ext.losses import (  # noqa: F401
+    DUAL_CLIP_MODES,
+    NOT_COMPOSABLE,
+    EntropyBand,
+    check_verl_mode_options,
+    entropy_band_sums,
+    finish_entropy_band_metrics,
+    entropy_ratio_band,
+    gate_log_prob_gradient,
+)
 
 
 def verl_policy_loss(
@@ -63,12 +71,11 @@ def verl_policy_loss(
     if policy is not None and policy.erc_enabled:
         if old_entropy is None or entropy is None:
             raise ValueError(f"ERC on loss_mode={mode!r} needs pi_old's and pi_theta's per-token entropies")
-        # the divclip operator's own band test: the same tokens leave the band in every mode
-        rho, above, below = _entropy_ratio_band(old_entropy, entropy, policy, torch.float32)
-        mask = response_mask.bool()
-        above, below = above & mask, below & mask
-        log_prob = torch.where(above | below, log_prob.detach(), log_prob)
-        erc_metrics = _erc_metrics(rho, above, below, mask)
+        # the divclip operator's own band test and gradient gate: the same tokens leave the band,
+        # and lose their gradient the same way, in every mode
+        band = entropy_ratio_band(old_entropy, entropy, response_mask, policy, torch.float32)
+        log_prob = gate_log_prob_gradient(log_prob, band)
+        erc_metrics = _erc_metrics(band, response_mask)
     if policy is not None and policy.dual_clip_c is not None:
         config = _with_clip_ratio_c(config, policy.dual_clip_c)
     pg_loss, pg_metrics = get_policy_loss_fn(mode)(
@@ -91,24 +98,15 @@ def _with_clip_ratio_c(config: Any, clip_ratio_c: float) -> Any:
     return view
 
 
-def _erc_metrics(rho: torch.Tensor, above: torch.Tensor, below: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def _erc_metrics(band: EntropyBand, response_mask: torch.Tensor) -> dict[str, float]:
     """ERC metrics as the divclip operator names them (means over valid tokens; min/max extremes),
-    with one host sync and no boolean indexing (a gather per mask costs more than the loss)."""
-    with torch.no_grad():
-        n_valid, n_above, n_below = (torch.count_nonzero(m) for m in (mask, above, below))
-        values = torch.stack([
-            n_valid.double(), n_above.double(), n_below.double(),
-            torch.where(mask, rho, 0.0).sum(dtype=torch.float64),
-            torch.where(mask, rho, math.inf).amin().double(),
-            torch.where(mask, rho, 0.0).amax().double(),  # rho > 0: 0 is neutral for the max
-        ]).tolist()
-    n, above_count, below_count, total, ratio_min, ratio_max = values
+    with one host sync."""
+    with torch.no_grad():  # every sum is a float of the band's dtype: one stack, one host sync
+        sums = {"n_valid": response_mask.sum(dtype=band.rho.dtype), **entropy_band_sums(band)}
+        values = dict(zip(sums, torch.stack(list(sums.values())).tolist()))
+    n = values.pop("n_valid")
     if n == 0:
         return {}
-    return {
-        "actor/divclip/erc/ratio_mean": total / n,
-        "actor/divclip/erc/clipfrac_upper": above_count / n,
-        "actor/divclip/erc/clipfrac_lower": below_count / n,
-        "actor/divclip/erc/ratio_min": ratio_min,
-        "actor/divclip/erc/ratio_max": ratio_max,
-    }
+    finish_entropy_band_metrics(values, band, n)
+    extremes = ("erc/ratio_min", "erc/ratio_max")
+    return {f"actor/divclip/{name}": value if name in extremes else value / n for name, value in values.items()}

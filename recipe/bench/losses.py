@@ -7,13 +7,25 @@ against ``vanilla``'s median from the same rounds. ``<verl mode>+erc`` rows are 
 losses with ERC composed on top (``verl_ext.verl_modes``). ERC variants get the per-token entropies
 as inputs (their cost in the trainer is the entropy computation, benchmarked separately by
 ``entropy-memory``). fp32 on CPU.
+
+**The heap is held steady** (``--heap steady``, the default): with glibc's defaults every freed
+block above the mmap threshold, and the heap's free top, go back to the kernel, so each step
+page-faults its tensors in again. On the 2-core VM this bench was written on that was up to 2,500
+minor faults per step, a varying share of a step's time depending on which variant ran before,
+and moved single rows by +-0.15 between runs. ``mallopt`` raises the mmap and trim thresholds at
+start-up (as a caching allocator -- CUDA's, or jemalloc/tcmalloc on CPU -- does), so the timings
+measure the losses' arithmetic; every row reports its ``minor_faults_per_step`` to show it.
+``--heap glibc-default`` measures the old way.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import functools
 import json
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -31,6 +43,29 @@ SHAPES: tuple[tuple[int, int], ...] = ((64, 4096), (8, 16384))
 VERL_MODES_WITH_ERC: tuple[str, ...] = ("vanilla", "gspo", "sapo")
 """verl's own modes benchmarked with ERC composed on top (``verl_ext.verl_modes``)."""
 TARGET_RATIO = 1.25
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's upper limit on 64-bit
+
+
+_heap_held = False  # mallopt lasts for the process: a later "glibc-default" run must say so
+
+
+def hold_heap_steady() -> bool:
+    """Keep freed memory in glibc's heap (no mmap per tensor, no trimming), so that steps do not
+    page-fault their tensors in again; False where the C library is not glibc."""
+    global _heap_held
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    _heap_held = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+    return _heap_held
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _actor_config(policy: PolicyLossConfig) -> FSDPActorConfig:
@@ -82,20 +117,27 @@ def _make_step(shape: tuple[int, int], mode: str, config: FSDPActorConfig, with_
     return step
 
 
-def run(rounds: int, warmup: int, shapes: tuple[tuple[int, int], ...] = SHAPES) -> list[dict]:
+def run(rounds: int, warmup: int, shapes: tuple[tuple[int, int], ...] = SHAPES, heap: str = "steady") -> list[dict]:
+    if heap == "steady" and not hold_heap_steady():
+        heap = "glibc-default (mallopt unavailable)"
+    elif heap == "glibc-default" and _heap_held:
+        heap = "steady (held earlier in this process)"
     results = []
     variants = _variants()
     for shape in shapes:
         steps = {name: _make_step(shape, mode, cfg, ent, seed=0) for name, (mode, cfg, ent) in variants.items()}
         wall: dict[str, list[float]] = {name: [] for name in steps}
         cpu: dict[str, list[float]] = {name: [] for name in steps}
+        faults: dict[str, list[int]] = {name: [] for name in steps}
         for r in range(warmup + rounds):
             for name, step in steps.items():
+                faults_start = _minor_faults()
                 wall_start, cpu_start = time.perf_counter(), time.process_time()
                 step()
                 if r >= warmup:
                     wall[name].append(time.perf_counter() - wall_start)
                     cpu[name].append(time.process_time() - cpu_start)
+                    faults[name].append(_minor_faults() - faults_start)
         base_wall = statistics.median(wall["vanilla"])
         base_cpu = statistics.median(cpu["vanilla"])
         for name in steps:
@@ -112,6 +154,8 @@ def run(rounds: int, warmup: int, shapes: tuple[tuple[int, int], ...] = SHAPES) 
                 "meets_target": median_wall / base_wall <= TARGET_RATIO,
                 "rounds": rounds,
                 "threads": torch.get_num_threads(),
+                "heap": heap,
+                "minor_faults_per_step": statistics.median(faults[name]),
             })
     return results
 
@@ -121,16 +165,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object per (mode, shape)")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--heap", choices=("steady", "glibc-default"), default="steady",
+                        help="hold glibc's heap steady (default) or keep its defaults (see the module doc)")
     args = parser.parse_args(argv)
-    results = run(args.rounds, args.warmup)
+    results = run(args.rounds, args.warmup, heap=args.heap)
     if args.json:
         for row in results:
             print(json.dumps(row))
     else:
-        print(f"{'mode':<14}{'shape':<14}{'median ms':>10}{'ratio':>8}{'cpu ratio':>10}")
+        print(f"heap: {results[0]['heap'] if results else args.heap}")
+        print(f"{'mode':<14}{'shape':<14}{'median ms':>10}{'ratio':>8}{'cpu ratio':>10}{'faults':>8}")
         for row in results:
             print(
                 f"{row['mode']:<14}{str(tuple(row['shape'])):<14}{row['median_ms']:>10.2f}"
-                f"{row['ratio_vs_vanilla']:>8.3f}{row['cpu_ratio_vs_vanilla']:>10.3f}"
+                f"{row['ratio_vs_vanilla']:>8.3f}{row['cpu_ratio_vs_vanilla']:>10.3f}{row['minor_faults_per_step']:>8.0f}"
             )
     return 0
