@@ -6,6 +6,8 @@ The method core is device-agnostic and lives at the top of the package:
   IS-KL3, TRGPPO, DCPO, GPPO, ERC, dual-clip) a small constraint registered with verl's
   ``POLICY_LOSS_REGISTRY``.
 * ``divergences`` -- the per-token divergences and their ratio bounds (Lambert-W for KL3).
+* ``erc`` -- ERC's entropy-ratio band and gradient gate, one implementation for the divclip
+  operator and verl's own modes.
 * ``config`` -- ``DivClipPolicyLossConfig``, the dataclass verl composes ``policy_loss.*`` into;
   it checks its values alone. ``losses.check_policy_config`` checks a config against the mode
   registry (known ``loss_mode``, adaptive delta on KL-budget modes, ERC / dual-clip on verl's modes).
@@ -32,8 +34,9 @@ and asserts the graph has no cycle)::
 
     config        -> (verl and the standard library only: a leaf)
     divergences, entropy, token_dump -> (no verl_ext module)
-    losses        -> config, divergences
-    verl_modes    -> config, losses
+    erc           -> config
+    losses        -> config, divergences, erc
+    verl_modes    -> config, erc, losses
     adaptive_delta -> config, losses
     actor_loss    -> config, entropy, losses, token_dump, verl_modes
     plugin        -> losses; cpu (only under VERL_PLATFORM=cpu)

@@ -50,6 +50,13 @@ from verl_ext.config import (
     actor_clip_ratios,
     register_mode_check,
 )
+from verl_ext.erc import (
+    EntropyBand,
+    entropy_band_sums,
+    entropy_ratio_band,
+    finish_entropy_band_metrics,
+    gate_log_prob_gradient,
+)
 
 # Same clamp as verl's losses: keeps exp() finite for any log-prob difference.
 LOG_RATIO_CLAMP = 20.0
@@ -536,107 +543,6 @@ _ERC_NEEDS_ENTROPY = (
     "loss on the actor workers with set_loss_fn and sets actor.calculate_entropy=True), or set "
     "erc_beta_low/erc_beta_high to null."
 )
-
-
-@dataclass(frozen=True)
-class EntropyBand:
-    """ERC's band test of a micro-batch (ERC paper, Eq. 3-4): rho_t = (H_t + eps) / (H_old,t + eps)
-    and the valid tokens with rho_t outside (1 - beta_l, 1 + beta_h).
-
-    ``rho`` is 1 on padding (inside the band), so the counts cover valid tokens only and one pass
-    finds the extremes (:func:`entropy_band_sums`, :func:`finish_entropy_band_metrics`).
-    """
-
-    rho: torch.Tensor  #: detached, the loss's compute dtype; exactly 1.0 where response_mask is 0
-    keep: torch.Tensor  #: 1.0 inside the band (and on padding), 0.0 outside: gates the log-prob gradient
-    n_above: torch.Tensor  #: 0-d, valid tokens with rho >= 1 + beta_h
-    n_below: torch.Tensor  #: 0-d, valid tokens with rho <= 1 - beta_l
-    response_mask: torch.Tensor  #: the mask the band was computed with (any dtype)
-
-    @property
-    def outside(self) -> torch.Tensor:
-        """bool, the valid tokens outside the band (they lose their gradient)."""
-        return self.keep == 0.0
-
-
-def entropy_ratio_band(
-    old_entropy: torch.Tensor,
-    entropy: torch.Tensor,
-    response_mask: torch.Tensor,
-    policy: DivClipPolicyLossConfig,
-    dtype: torch.dtype,
-) -> EntropyBand:
-    """ERC's band for ``policy.erc_beta_low/high`` and ``erc_eps``; the entropies are never
-    differentiated.
-
-    Written for the CPU's elementwise kernels, which dominate the loss's cost there (8 passes,
-    2 allocations): the mask enters as arithmetic, (H m + eps) / (H_old m + eps), which is the
-    ratio itself on valid tokens (H * 1 is exact) and eps / eps = 1 on padding, instead of a
-    ``torch.where`` (a select costs ~8 additions); comparisons are written as 0.0/1.0 floats (a
-    third of the time of a bool result) and counted with ``sum``. A NaN ratio (NaN entropies)
-    counts as outside the band on both sides.
-    """
-    eps = torch.full((), policy.erc_eps, dtype=dtype, device=entropy.device)
-    mask_f = response_mask.detach().to(dtype)
-    rho = torch.addcmul(eps, entropy.detach().to(dtype), mask_f)
-    work = torch.addcmul(eps, old_entropy.detach().to(dtype), mask_f)
-    rho.div_(work)
-    below_high = torch.lt(rho, 1.0 + policy.erc_beta_high, out=work)
-    above_low = torch.gt(rho, 1.0 - policy.erc_beta_low, out=torch.empty_like(rho))
-    numel = rho.numel()
-    n_above, n_below = numel - below_high.sum(), numel - above_low.sum()
-    keep = below_high.mul_(above_low)  # 1 - beta_l < rho < 1 + beta_h
-    return EntropyBand(rho, keep, n_above, n_below, response_mask)
-
-
-def gate_log_prob_gradient(log_prob: torch.Tensor, band: EntropyBand) -> torch.Tensor:
-    """``log_prob``'s values, with the gradient that reaches ``log_prob`` through the result
-    multiplied by ``band.keep``: a token outside the band enters the loss as sg[log pi_theta(y_t)].
-
-    A hook on a view rather than ``torch.where(outside, log_prob.detach(), log_prob)``: the same
-    gradient (exactly 0 outside, unchanged inside) without a select in the forward and the
-    backward pass, the two most expensive elementwise kernels of the loss on CPU. Only the
-    gradient through this view is gated; other uses of ``log_prob`` (a KL loss) keep theirs.
-    """
-    if not log_prob.requires_grad:
-        return log_prob
-    keep = band.keep if band.keep.dtype == log_prob.dtype else band.keep.to(log_prob.dtype)
-    gated = log_prob.view_as(log_prob)
-    gated.register_hook(lambda grad: grad * keep)
-    return gated
-
-
-def entropy_band_sums(band: EntropyBand) -> dict[str, torch.Tensor]:
-    """ERC's metric reductions as 0-d tensors, for the caller's single host sync; turned into the
-    ``erc/*`` metrics by :func:`finish_entropy_band_metrics`."""
-    ratio_min, ratio_max = torch.aminmax(band.rho)
-    return {
-        "erc/ratio_mean": band.rho.sum(),  # a sum, padding's 1s included
-        "erc/clipfrac_upper": band.n_above,
-        "erc/clipfrac_lower": band.n_below,
-        "erc/ratio_min": ratio_min,  # min(valid min, 1) when there is padding
-        "erc/ratio_max": ratio_max,  # max(valid max, 1) likewise
-    }
-
-
-def finish_entropy_band_metrics(values: dict[str, float], band: EntropyBand, n_valid: float) -> None:
-    """In place on the host values of :func:`entropy_band_sums`: the sum over valid tokens (the
-    caller divides by ``n_valid``), and the exact extremes over valid tokens.
-
-    Padding's 1 hides a valid extreme only when every valid ratio lies on one side of 1 (all >= 1
-    for the min, all <= 1 for the max); then one more reduction over the valid tokens gives it.
-    When both sides read 1, every valid ratio is exactly 1 (the on-policy case)."""
-    n_padding = band.rho.numel() - n_valid
-    values["erc/ratio_mean"] -= n_padding
-    if n_padding == 0 or n_valid == 0:
-        return
-    low, high = values["erc/ratio_min"], values["erc/ratio_max"]
-    if low == 1.0 and high > 1.0:
-        valid = band.response_mask.bool()
-        values["erc/ratio_min"] = torch.where(valid, band.rho, math.inf).amin().item()
-    elif high == 1.0 and low < 1.0:
-        valid = band.response_mask.bool()
-        values["erc/ratio_max"] = torch.where(valid, band.rho, -math.inf).amax().item()
 
 
 def _metrics(

@@ -31,20 +31,18 @@ import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from verl_ext.config import DivClipPolicyLossConfig
+from verl_ext.erc import (
+    EntropyBand,
+    entropy_band_sums,
+    entropy_ratio_band,
+    finish_entropy_band_metrics,
+    gate_log_prob_gradient,
+)
 
 # DUAL_CLIP_MODES, NOT_COMPOSABLE and check_verl_mode_options live in verl_ext.losses, next to the
 # config check that applies them (this module imports losses, so they cannot live here); they are
 # re-exported so the old import path keeps working.
-from verl_ext.losses import (  # noqa: F401
-    DUAL_CLIP_MODES,
-    NOT_COMPOSABLE,
-    EntropyBand,
-    check_verl_mode_options,
-    entropy_band_sums,
-    finish_entropy_band_metrics,
-    entropy_ratio_band,
-    gate_log_prob_gradient,
-)
+from verl_ext.losses import DUAL_CLIP_MODES, NOT_COMPOSABLE, check_verl_mode_options  # noqa: F401
 
 
 def verl_policy_loss(
