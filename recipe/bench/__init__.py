@@ -3,7 +3,7 @@
 Every benchmark measures its baseline in the same process/run and prints ratios against it,
 so figures stay comparable across machines. Results are recorded in docs/benchmarks.md.
 
-What lives here: ``losses`` (forward+backward time of every divclip mode against verl's
+What lives here: ``child`` (run a variant in a fresh process, read its JSON line), ``losses`` (forward+backward time of every divclip mode against verl's
 ``vanilla``), ``entropy_memory`` (peak host memory of an actor update with and without the
 current-policy entropy), ``reward`` (reward throughput, ours against verl's), ``gpu`` (ERC's entropy
 path against verl's on one CUDA GPU at bf16); ``__main__`` dispatches by name.

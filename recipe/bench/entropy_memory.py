@@ -24,10 +24,11 @@ import datetime as _dt
 import json
 import os
 import resource
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from recipe.bench.child import run_child
 
 VARIANTS: tuple[str, ...] = ("a_no_entropy", "b_verl_entropy", "c_detached")
 _ROOT = Path(__file__).resolve().parents[2]
@@ -110,36 +111,21 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
 
 
 def _spawn(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "recipe.bench.entropy_memory",
-        "--_child",
-        variant,
-        "--tokens",
-        str(args.tokens),
-        "--vocab",
-        str(args.vocab),
-        "--hidden",
-        str(args.hidden),
-        "--sequences",
-        str(args.sequences),
-    ]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))
+    argv = ["--_child", variant, "--tokens", str(args.tokens), "--vocab", str(args.vocab),
+            "--hidden", str(args.hidden), "--sequences", str(args.sequences)]
     # glibc keeps freed heap memory mapped (per-thread arenas, a dynamic mmap threshold), so the RSS
     # peak would depend on allocation history rather than on what is alive at once. Serving every
     # allocation over 64 KiB with mmap returns it to the OS on free: the peak then tracks live memory.
     # The threshold must sit below one bf16 vocabulary row (151,936 x 2 B = 297 KiB): verl's bf16
     # log-prob path allocates one such buffer per token, and with a 1 MiB threshold those rows
     # stayed in the heap and moved the no-entropy baseline between 4.8 and 5.5 GiB from run to run.
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 << 10))
-    env.setdefault("MALLOC_ARENA_MAX", "2")
-    proc = subprocess.run(cmd, cwd=_ROOT, env=env, capture_output=True, text=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise RuntimeError(f"variant {variant} failed with exit code {proc.returncode}")
-    return json.loads(lines[-1])
+    env = {key: os.environ.get(key, default) for key, default in
+           (("MALLOC_MMAP_THRESHOLD_", str(64 << 10)), ("MALLOC_ARENA_MAX", "2"))}
+    child = run_child("recipe.bench.entropy_memory", argv, env)
+    if not child.ok:
+        sys.stderr.write(child.stderr[-4000:])
+        raise RuntimeError(f"variant {variant} failed with exit code {child.returncode}")
+    return child.result
 
 
 def _gib(n: int) -> float:

@@ -31,15 +31,15 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from recipe.bench.child import run_child
 
 _ROOT = Path(__file__).resolve().parents[2]
 
@@ -192,18 +192,14 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
 
 
 def _spawn(name: str, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "recipe.bench.gpu", "--_child", name, "--_model", model_path, *args.child_argv]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run(cmd, cwd=_ROOT, env=env, capture_output=True, text=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        last_line = proc.stderr.strip().splitlines()[-1:]
-        if "OutOfMemoryError" in proc.stderr and not VARIANTS[name]["erc"] and name != "no_entropy":
-            # verl's own entropy path running out of memory is a finding to report, not a probe failure
-            return {"variant": name, "out_of_memory": True, "error_line": last_line}
-        sys.stderr.write(proc.stderr[-6000:])
-        return {"variant": name, "error": f"exit code {proc.returncode}: {last_line}"}
-    return json.loads(lines[-1])
+    child = run_child("recipe.bench.gpu", ["--_child", name, "--_model", model_path, *args.child_argv])
+    if child.ok:
+        return child.result
+    if "OutOfMemoryError" in child.stderr and not VARIANTS[name]["erc"] and name != "no_entropy":
+        # verl's own entropy path running out of memory is a finding to report, not a probe failure
+        return {"variant": name, "out_of_memory": True, "error_line": child.last_error_line()}
+    sys.stderr.write(child.stderr[-6000:])
+    return {"variant": name, "error": f"exit code {child.returncode}: {child.last_error_line()}"}
 
 
 def _parser() -> argparse.ArgumentParser:

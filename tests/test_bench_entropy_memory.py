@@ -1,0 +1,33 @@
+"""``python -m recipe.bench entropy-memory`` runs each variant in its own process (through
+``recipe.bench.child``) and reports peaks against the no-entropy baseline (a tiny shape; the figures
+themselves are benchmarks, recorded in docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_entropy_memory_reports_every_variant_against_the_baseline() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe.bench", "entropy-memory", "--json", "--tokens", "64", "--vocab", "512",
+         "--hidden", "32", "--sequences", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {row["variant"]: row for row in map(json.loads, (ln for ln in proc.stdout.splitlines() if ln.startswith("{")))}
+    assert set(rows) >= {"a_no_entropy", "b_verl_entropy", "c_detached"}
+    assert all(row["peak_rss_bytes"] > 0 and row["date"] for row in rows.values())
+
+
+def test_child_runs_read_the_last_json_line_and_keep_stderr() -> None:
+    from recipe.bench.child import run_child
+
+    ok = run_child("recipe.bench", ["--help"])
+    assert ok.returncode == 0 and ok.result is None and not ok.ok  # no JSON line: not a result
+    bad = run_child("recipe.bench.no_such_module", [])
+    assert bad.returncode != 0 and not bad.ok and bad.last_error_line()
