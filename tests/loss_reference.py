@@ -67,6 +67,27 @@ def reference_inside(w: float, old_log_prob: float, knobs: RefKnobs) -> bool:
     raise ValueError(mode)
 
 
+def _dual_clip_and_erc(
+    surrogate: torch.Tensor,
+    ratio: float,
+    adv: float,
+    knobs: RefKnobs,
+    old_entropy: Optional[torch.Tensor],
+    entropy: Optional[torch.Tensor],
+    index: tuple[int, int],
+) -> torch.Tensor:
+    """The options every mode shares, applied to one token's surrogate: dual-clip (A < 0 and
+    w > c: the constant c A) and ERC (outside the entropy band: value kept, gradient gone)."""
+    if knobs.dual_clip_c is not None and adv < 0 and ratio > knobs.dual_clip_c:
+        surrogate = surrogate.new_tensor(knobs.dual_clip_c * adv)
+    if knobs.erc_beta_low is not None:
+        eps = knobs.erc_eps
+        rho = (float(entropy[index]) + eps) / (float(old_entropy[index]) + eps)
+        if not (1 - knobs.erc_beta_low < rho < 1 + knobs.erc_beta_high):
+            surrogate = surrogate.detach()
+    return surrogate
+
+
 def reference_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -102,14 +123,7 @@ def reference_loss(
             else:
                 # Eq. 5: min(w A, 1 * A) with the replacement a constant.
                 surrogate = w * adv if wv * adv <= adv else w.new_tensor(adv)
-            if knobs.dual_clip_c is not None and adv < 0 and wv > knobs.dual_clip_c:
-                surrogate = w.new_tensor(knobs.dual_clip_c * adv)
-            if knobs.erc_beta_low is not None:
-                eps = knobs.erc_eps
-                rho = (float(entropy[i, j]) + eps) / (float(old_entropy[i, j]) + eps)
-                if not (1 - knobs.erc_beta_low < rho < 1 + knobs.erc_beta_high):
-                    surrogate = surrogate.detach()
-            total = total - surrogate
+            total = total - _dual_clip_and_erc(surrogate, wv, adv, knobs, old_entropy, entropy, (i, j))
     return total / max(count, 1)
 
 
@@ -148,12 +162,5 @@ def reference_sequence_loss(
                 surrogate = ratio * adv
             else:
                 surrogate = ratio.new_tensor(adv)  # min(s A, 1 A) = 1 A, a constant
-            if knobs.dual_clip_c is not None and adv < 0 and s > knobs.dual_clip_c:
-                surrogate = ratio.new_tensor(knobs.dual_clip_c * adv)
-            if knobs.erc_beta_low is not None:
-                eps = knobs.erc_eps
-                rho = (float(entropy[i, j]) + eps) / (float(old_entropy[i, j]) + eps)
-                if not (1 - knobs.erc_beta_low < rho < 1 + knobs.erc_beta_high):
-                    surrogate = surrogate.detach()
-            total = total - surrogate
+            total = total - _dual_clip_and_erc(surrogate, s, adv, knobs, old_entropy, entropy, (i, j))
     return total / max(count, 1)
