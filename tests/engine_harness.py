@@ -126,6 +126,7 @@ class WorkerOptions:
     use_torch_compile: bool = False  # actor.fsdp_config.use_torch_compile (verl's GPU default: True)
     use_fused_kernels: bool = False  # actor_rollout_ref.model.use_fused_kernels
     fused_kernels_backend: str = "torch"  # actor_rollout_ref.model.fused_kernel_options.impl_backend (verl's yaml default)
+    ulysses_sequence_parallel_size: int = 1  # actor.fsdp_config.ulysses_sequence_parallel_size
 
 
 EXACT_SGD: dict[str, Any] = dict(optimizer="SGD", lr=0.5, clip_grad=1e9)
@@ -176,6 +177,7 @@ def build_actor_worker(model_path: str, options: WorkerOptions = WorkerOptions()
         infer_micro_batch_size_per_gpu=options.infer_micro_batch_size_per_gpu or options.micro_batch_size_per_gpu,
         entropy_from_logits_with_chunking=options.entropy_from_logits_with_chunking,
         entropy_checkpointing=options.entropy_checkpointing,
+        ulysses_sequence_parallel_size=options.ulysses_sequence_parallel_size,
         seed=options.seed,
     )
     optimizer_config = FSDPOptimizerConfig(
@@ -314,18 +316,21 @@ def update_actor(
         temperature=temperature,
     )
     output = worker.train_mini_batch(data)
-    return dict(tu.get(output, "metrics"))
+    return {} if output is None else dict(tu.get(output, "metrics"))  # None: an SP peer's rank
 
 
-def compute_log_prob(worker: Any, batch: TensorDict, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+def compute_log_prob(worker: Any, batch: TensorDict, temperature: float = 1.0) -> Optional[dict[str, torch.Tensor]]:
     """pi_old pass, mirroring ``_compute_old_log_prob``: returns response-layout nested
-    ``old_log_probs`` and ``entropy`` for this rank's shard (no loss, no gradient)."""
+    ``old_log_probs`` and ``entropy`` for this rank's shard (no loss, no gradient); None on a rank
+    whose group's output another rank collects (verl returns it from one rank per SP group)."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import response_from_nested
 
     data = batch.clone()
     tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False, temperature=temperature)
     output = worker.infer_batch(data)
+    if output is None:  # not the rank that collects its group's output (e.g. a Ulysses SP peer)
+        return None
     return {
         "old_log_probs": response_from_nested(output["log_probs"], batch["response_mask"]),
         "entropy": response_from_nested(output["entropy"], batch["response_mask"]),

@@ -291,6 +291,65 @@ def test_on_policy_erc_masks_nothing(on_policy: dict[str, Any], variant: str) ->
     assert any((d != 0).any() for d in result["delta"].values()), "the update must still move the policy"
 
 
+def job_on_policy_ulysses(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
+    """Both ranks form one Ulysses group (data-parallel size 1): each gets the whole batch; verl
+    returns the group's outputs from rank 0, which hands pi_old's pass to its peer as the driver
+    would."""
+    from tests.engine_harness import ppo_loss_fn
+    from verl_ext.actor_loss import build_actor_loss
+    from verl_ext.entropy import entropy_path_of
+
+    batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, SPEC.vocab_size, seed=4)
+    options = WorkerOptions(mixed_precision=BF16_DEFAULT, ulysses_sequence_parallel_size=world_size, **EXACT_SGD)
+    worker = build_actor_worker(model_path, options)
+    worker.set_loss_fn(build_actor_loss(erc_actor_config()))
+    old = [compute_log_prob(worker, batch)]
+    torch.distributed.broadcast_object_list(old, src=0)
+    before = full_params(worker)
+    metrics = update_actor(worker, with_old(batch, old[0]), calculate_entropy=True, global_batch_size=len(PROMPT_LENS))
+    delta = param_delta(before, full_params(worker))
+    # The control: pi_old's entropy from verl's function (a worker without the ERC loss).
+    verl_worker = build_actor_worker(model_path, options)
+    verl_worker.set_loss_fn(ppo_loss_fn(make_actor_config()))
+    old_verl = [compute_log_prob(verl_worker, batch)]
+    torch.distributed.broadcast_object_list(old_verl, src=0)
+    erc_worker = build_actor_worker(model_path, options)
+    erc_worker.set_loss_fn(build_actor_loss(erc_actor_config()))
+    control = update_actor(erc_worker, with_old(batch, old_verl[0]), calculate_entropy=True,
+                           global_batch_size=len(PROMPT_LENS))
+    return {
+        "metrics": metrics,
+        "old_entropy": old[0]["entropy"].values(),
+        "delta": delta,
+        "path": entropy_path_of(worker.engine).value,
+        "mixed_control": control,
+    }
+
+
+def test_on_policy_erc_masks_nothing_under_ulysses_sequence_parallelism(confident_model: str) -> None:
+    """Ulysses SP (2 ranks, verl's default bf16): the sequence is sliced across ranks, each computes
+    its shard's log-probs and entropies, verl gathers them; both passes still use one function.
+
+    On CPU there is no flash-attn and verl's Ulysses patch replaces only the flash-attention
+    forward, so attention itself runs per shard here: this exercises SP's slicing and gathering
+    around the entropy (the path ERC depends on), not sequence-parallel attention."""
+    results = run_ranks(job_on_policy_ulysses, 2, confident_model)
+    assert [r["path"] for r in results] == ["divclip_fp32", "divclip_fp32"]
+    assert results[0]["old_entropy"].numel() == sum(RESPONSE_LENS)  # gathered: the whole batch's tokens
+    assert float((results[0]["old_entropy"] <= 1e-6).float().mean()) >= 0.3
+    m = results[0]["metrics"]
+    assert m["actor/divclip/erc/ratio_min"] and m["actor/divclip/erc/ratio_max"]
+    assert all(float(v) == 1.0 for v in m["actor/divclip/erc/ratio_min"] + m["actor/divclip/erc/ratio_max"]), m
+    for key in ("actor/divclip/erc/clipfrac_upper", "actor/divclip/erc/clipfrac_lower", "actor/ppo_kl"):
+        assert all(float(v) == 0.0 for v in m[key]), (key, m[key])
+    for result in results:  # the update moved the policy, identically on both ranks of the group
+        assert any((d != 0).any() for d in result["delta"].values())
+    assert all(torch.equal(results[0]["delta"][k], results[1]["delta"][k]) for k in results[0]["delta"])
+    control = results[0]["mixed_control"]  # the test can fail: mixed functions mask on-policy tokens here too
+    masked = sum(map(float, control["actor/divclip/erc/clipfrac_upper"] + control["actor/divclip/erc/clipfrac_lower"]))
+    assert masked > 0.05, control
+
+
 def test_entropy_checkpointing_changes_nothing(on_policy: dict[str, Any]) -> None:
     for plain, ckpt in (("bf16/rmpad", "bf16/entropy_checkpointing"), ("bf16/padded", "bf16/padded/entropy_checkpointing")):
         a, b = on_policy[plain]["delta"], on_policy[ckpt]["delta"]
