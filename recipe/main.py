@@ -55,14 +55,21 @@ def _hydra_main(config: DictConfig) -> None:
     run(config)
 
 
+def hydra_argv(argv: list[str]) -> list[str]:
+    """The Hydra overrides for ``argv``: ``--dry-run`` becomes ``divclip.dry_run=true``, with Hydra's
+    output and logging off so that stdout carries only the YAML (verl's logging goes to stderr)."""
+    if "--dry-run" not in argv:
+        return list(argv)
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+    return [a for a in argv if a != "--dry-run"] + [
+        "divclip.dry_run=true",
+        "hydra/job_logging=none", "hydra/hydra_logging=none", "hydra.output_subdir=null", "hydra.run.dir=.",
+    ]  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--dry-run" in argv:
-        argv = [a for a in argv if a != "--dry-run"] + ["divclip.dry_run=true"]
-        # stdout carries only the YAML: keep Hydra's and verl's logging on stderr / off
-        argv += ["hydra/job_logging=none", "hydra/hydra_logging=none", "hydra.output_subdir=null", "hydra.run.dir=."]
-        logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
-    sys.argv = [sys.argv[0]] + argv
+    sys.argv = [sys.argv[0]] + hydra_argv(argv)
     _hydra_main()
 
 

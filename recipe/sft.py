@@ -18,7 +18,6 @@ One GPU: ``python -m recipe.sft ...``. Several: ``torchrun --nproc_per_node=D -m
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import socket
@@ -241,11 +240,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["merge"]:
         sys.exit(merge_main(argv[1:]))
-    if "--dry-run" in argv:
-        argv = [a for a in argv if a != "--dry-run"] + ["divclip.dry_run=true"]
-        argv += ["hydra/job_logging=none", "hydra/hydra_logging=none", "hydra.output_subdir=null", "hydra.run.dir=."]
-        logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
-    sys.argv = [sys.argv[0]] + argv
+    from recipe.main import hydra_argv
+
+    sys.argv = [sys.argv[0]] + hydra_argv(argv)
     _hydra_main()
 
 

@@ -56,7 +56,7 @@ def entropy_ratio_band(
     differentiated.
 
     Written for the CPU's elementwise kernels, which dominate the loss's cost there (8 passes,
-    2 allocations): the mask enters as arithmetic, (H m + eps) / (H_old m + eps), which is the
+    3 allocations): the mask enters as arithmetic, (H m + eps) / (H_old m + eps), which is the
     ratio itself on valid tokens (H * 1 is exact) and eps / eps = 1 on padding, instead of a
     ``torch.where`` (a select costs ~8 additions); comparisons are written as 0.0/1.0 floats (a
     third of the time of a bool result) and counted with ``sum``. A NaN ratio (NaN entropies)

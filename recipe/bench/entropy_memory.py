@@ -25,13 +25,11 @@ import json
 import os
 import resource
 import sys
-from pathlib import Path
 from typing import Any
 
-from recipe.bench.child import run_child
+from recipe.bench.child import ROOT, run_child
 
 VARIANTS: tuple[str, ...] = ("a_no_entropy", "b_verl_entropy", "c_detached")
-_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _rss_bytes() -> int:
@@ -49,8 +47,8 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
     import time
 
     # The engine harness lives with the tests; the benchmark runs from the repository checkout.
-    if str(_ROOT) not in sys.path:
-        sys.path.insert(0, str(_ROOT))
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
     from tests.engine_harness import (
         TinyQwen3Spec,
         WorkerOptions,

@@ -39,9 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recipe.bench.child import run_child
+from recipe.bench.child import ROOT, run_child
 
-_ROOT = Path(__file__).resolve().parents[2]
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "no_entropy": dict(erc=False, entropy=False, compile=True, fused=False),
@@ -104,8 +103,8 @@ def _erc_actor_config(sequences: int) -> Any:
 
 def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     """Inside the child process: one variant's passes and updates; returns its figures."""
-    if str(_ROOT) not in sys.path:
-        sys.path.insert(0, str(_ROOT))
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
     from tests.engine_harness import (
         WorkerOptions,
         build_actor_worker,

@@ -11,6 +11,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from recipe.eval.generate import Sampler, check_model_path, plan_generation, refuse_existing_outputs, run_generate, vllm_sampler
 from recipe.eval.metrics import Checkpoint
@@ -111,12 +112,7 @@ def _score_cli(args: argparse.Namespace) -> int:
             raise ValueError(f"--labels has {len(labels)} names for {len(runs)} checkpoints ({[r[0] for r in runs]})")
         runs = [(label, checkpoint) for label, (_, checkpoint) in zip(labels, runs)]
     scored = score_runs(runs, k_values)
-    markdown = render_tables(scored, k_values)
-    print(markdown)
-    if args.output:
-        Path(args.output).write_text(markdown + "\n", encoding="utf-8")
-    if args.json:
-        Path(args.json).write_text(json.dumps(scored, indent=2) + "\n", encoding="utf-8")
+    _emit(render_tables(scored, k_values), scored, args)
     return 0
 
 
@@ -130,10 +126,14 @@ def _aggregate_cli(args: argparse.Namespace, k_values: list[int | str]) -> int:
     for label, path in zip(labels, args.runs):
         grouped.setdefault(label, []).append(load_runs([path], args.data, args.benchmark, args.think))
     aggregated = aggregate_runs(list(grouped.items()), k_values)
-    markdown = render_aggregate(aggregated, k_values)
+    _emit(render_aggregate(aggregated, k_values), aggregated, args)
+    return 0
+
+
+def _emit(markdown: str, data: Any, args: argparse.Namespace) -> None:
+    """Print the tables; also write them to ``--output`` and the figures to ``--json`` when given."""
     print(markdown)
     if args.output:
         Path(args.output).write_text(markdown + "\n", encoding="utf-8")
     if args.json:
-        Path(args.json).write_text(json.dumps(aggregated, indent=2) + "\n", encoding="utf-8")
-    return 0
+        Path(args.json).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
