@@ -20,6 +20,7 @@ import pytest
 from data_prep.__main__ import main as cli_main
 from data_prep.convert import convert
 from data_prep.io import DataPrepError
+from tests.chat_templates import QWEN3_STYLE_TEMPLATE
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EVAL_DIR = REPO_ROOT.parent / "shared/data/eval"
@@ -108,14 +109,6 @@ OMR_SCHEMA = pa.schema([
     ("generation_model", pa.string()), ("pass_rate_72b_tir", pa.string()), ("problem", pa.string()),
     ("generated_solution", pa.string()), ("inference_mode", pa.string()), ("used_in_kaggle", pa.bool_()),
 ])
-QWEN3_STYLE_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
-    "{%- endif -%}"
-)
 
 
 def omr_row(problem: str, answer: str | None, solution: str, mode: str = "cot",

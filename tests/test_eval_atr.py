@@ -18,21 +18,10 @@ import pytest
 
 from data_prep.__main__ import main as data_prep_main
 from recipe import eval as ev
+from tests.chat_templates import QWEN3_STYLE_TEMPLATE
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EVAL_DIR = REPO_ROOT.parent / "shared/data/eval"
-
-#: Qwen3's rule for the generation prompt, reproduced for a locally built tokenizer (no hub here):
-#: ChatML turns, then ``<|im_start|>assistant\n``, then an empty think block when the caller passes
-#: ``enable_thinking=False`` (Qwen3 model card, "non-thinking mode").
-QWEN3_STYLE_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
-    "{%- endif -%}"
-)
 
 
 @pytest.fixture(scope="module")
