@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.engine_harness import (
+from recipe.bench.harness import (
     EXACT_SGD,
     TinyQwen3Spec,
     WorkerOptions,

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from tests.engine_harness import make_actor_config
+from recipe.bench.harness import make_actor_config
 
 # verl_ext is imported inside the functions: the engine test's spawned rank re-imports this module
-# and must select the cpu platform (tests.engine_harness) before anything resolves verl's platform.
+# and must select the cpu platform (recipe.bench.harness) before anything resolves verl's platform.
 
 # a mini-batch of 6 responses of ragged length; rewards +1 (correct), -1 (wrong), -0.5 (no </think>)
 LENGTHS = [5, 3, 7, 2, 6, 4]
@@ -134,7 +134,7 @@ ENGINE_REWARDS = [1.0, -1.0, 1.0, -0.5]  # micro-batches of 2: [correct, wrong],
 
 
 def _engine_job(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
-    from tests.engine_harness import (
+    from recipe.bench.harness import (
         EXACT_SGD, TinyQwen3Spec, WorkerOptions, build_actor_worker, compute_log_prob, full_params,
         make_rollout_batch, param_delta, update_actor,
     )
@@ -166,7 +166,7 @@ def _engine_job(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def engine_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from tests.engine_harness import TinyQwen3Spec, run_ranks, save_tiny_qwen3
+    from recipe.bench.harness import TinyQwen3Spec, run_ranks, save_tiny_qwen3
 
     model_path = save_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3_nll"), TinyQwen3Spec(), seed=0)
     return run_ranks(_engine_job, 1, model_path)[0]

@@ -1,6 +1,6 @@
 """verl's real actor stack (TrainingWorker -> FSDPEngineWithLMHead, FSDP2 on gloo) on the CPU platform.
 
-Each job runs in spawned rank processes (tests/engine_harness.py::run_ranks), once per module, and
+Each job runs in spawned rank processes (recipe/bench/harness.py::run_ranks), once per module, and
 the tests assert on what the ranks returned:
 
 * 1 rank: loss finite and parameters change; remove-padding on/off give the same log-probs, entropy
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.engine_harness import (
+from recipe.bench.harness import (
     EXACT_SGD,
     TinyQwen3Spec,
     WorkerOptions,

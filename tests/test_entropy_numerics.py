@@ -23,7 +23,7 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from tests.engine_harness import (
+from recipe.bench.harness import (
     EXACT_SGD,
     FP32_MIXED_PRECISION,
     TinyQwen3Spec,
@@ -211,7 +211,7 @@ def on_policy_erc(model_path: str, options: WorkerOptions, batch: Any) -> dict[s
 def job_on_policy(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
     from verl.workers.utils.losses import ppo_loss
 
-    from tests.engine_harness import ppo_loss_fn
+    from recipe.bench.harness import ppo_loss_fn
     from verl_ext.actor_loss import build_actor_loss
 
     batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, SPEC.vocab_size, seed=4)
@@ -295,7 +295,7 @@ def job_on_policy_ulysses(rank: int, world_size: int, model_path: str) -> dict[s
     """Both ranks form one Ulysses group (data-parallel size 1): each gets the whole batch; verl
     returns the group's outputs from rank 0, which hands pi_old's pass to its peer as the driver
     would."""
-    from tests.engine_harness import ppo_loss_fn
+    from recipe.bench.harness import ppo_loss_fn
     from verl_ext.actor_loss import build_actor_loss
     from verl_ext.entropy import entropy_path_of
 

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from tests.engine_harness import (
+from recipe.bench.harness import (
     EXACT_SGD,
     TinyQwen3Spec,
     WorkerOptions,

@@ -3,12 +3,14 @@
 Every benchmark measures its baseline in the same process/run and prints ratios against it,
 so figures stay comparable across machines. Results are recorded in docs/benchmarks.md.
 
-What lives here: ``child`` (run a variant in a fresh process, read its JSON line), ``losses`` (forward+backward time of every divclip mode against verl's
+What lives here: ``harness`` (verl's actor ``TrainingWorker`` built from a config, a synthetic
+rollout batch, the old-log-prob pass and one update, on 1..N spawned ranks: the probes' engine and
+the tests'), ``child`` (run a variant in a fresh process, read its JSON line), ``losses`` (forward+backward time of every divclip mode against verl's
 ``vanilla``), ``entropy_memory`` (peak host memory of an actor update with and without the
 current-policy entropy), ``reward`` (reward throughput, ours against verl's), ``gpu`` (ERC's entropy
 path against verl's on one CUDA GPU at bf16); ``__main__`` dispatches by name.
 
 Who may import it: only its own ``__main__`` and tests; nothing in :mod:`verl_ext` or the rest of
-:mod:`recipe` depends on it. It imports :mod:`verl_ext`, :mod:`recipe.reward` and verl
-(``entropy_memory`` also drives ``tests/engine_harness.py``, so it runs from a source checkout).
+:mod:`recipe` depends on it. It imports :mod:`verl_ext`, :mod:`recipe.reward` and verl, never
+``tests/``: every probe runs from an installed wheel.
 """

@@ -34,7 +34,7 @@ class ChildRun:
 
 def run_child(module: str, argv: list[str], env: Optional[dict[str, str]] = None) -> ChildRun:
     """``python -m module *argv`` from the repository root, with the root on ``PYTHONPATH``
-    (so ``verl_ext``, ``recipe`` and ``tests`` import) and ``env`` added to the environment."""
+    (so ``verl_ext`` and ``recipe`` import from a checkout as from an installed wheel) and ``env`` added to the environment."""
     full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     full_env.update(env or {})
     proc = subprocess.run([sys.executable, "-m", module, *argv], cwd=ROOT, env=full_env, capture_output=True, text=True)

@@ -27,7 +27,7 @@ import resource
 import sys
 from typing import Any
 
-from recipe.bench.child import ROOT, run_child
+from recipe.bench.child import run_child
 
 VARIANTS: tuple[str, ...] = ("a_no_entropy", "b_verl_entropy", "c_detached")
 
@@ -46,10 +46,7 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
     import tempfile
     import time
 
-    # The engine harness lives with the tests; the benchmark runs from the repository checkout.
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from tests.engine_harness import (
+    from recipe.bench.harness import (
         TinyQwen3Spec,
         WorkerOptions,
         build_actor_worker,

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recipe.bench.child import ROOT, run_child
+from recipe.bench.child import run_child
 
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -93,7 +93,7 @@ def build_model(path: Path, args: argparse.Namespace) -> None:
 
 
 def _erc_actor_config(sequences: int) -> Any:
-    from tests.engine_harness import make_actor_config
+    from recipe.bench.harness import make_actor_config
     from verl_ext.config import DivClipPolicyLossConfig
 
     policy = DivClipPolicyLossConfig(loss_mode="clip", erc_beta_low=0.05, erc_beta_high=0.05)
@@ -103,9 +103,7 @@ def _erc_actor_config(sequences: int) -> Any:
 
 def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     """Inside the child process: one variant's passes and updates; returns its figures."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from tests.engine_harness import (
+    from recipe.bench.harness import (
         WorkerOptions,
         build_actor_worker,
         compute_log_prob,

@@ -56,7 +56,7 @@ def setup_cpu_process() -> None:
 
         register_cpu_platform()
     # else: verl_ext.cpu.platform is itself importing verl right now (its importer registers the
-    # platform once it has finished importing, e.g. tests/engine_harness.py); calling into the
+    # platform once it has finished importing, e.g. recipe/bench/harness.py); calling into the
     # half-initialised module here would fail.
     enable_cpu_ray()
     register_cpu_rollout()

@@ -30,21 +30,16 @@ from __future__ import annotations
 import functools
 import os
 import socket
-import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
+import torch
+from tensordict import TensorDict
 
-import torch  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
-
-from verl_ext.cpu.platform import register_cpu_platform  # noqa: E402
+from verl_ext.cpu.platform import register_cpu_platform
 
 register_cpu_platform()
 
