@@ -32,6 +32,7 @@ from verl_ext.actor_loss import build_actor_loss
 from verl_ext.adaptive_delta import AdaptiveDelta
 from verl_ext.entropy import describe_entropy_path, loss_entropy_path, resolve_entropy_path
 from verl_ext.losses import CONSTRAINTS
+from verl_ext.onpolicy import UpdatePacking
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,14 @@ class DivClipTrainer(PPOTrainerSync):
             actor_config.policy_loss.get("delta", None),
             describe_entropy_path(path),
         )
+
+    def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
+        # The update's mini-batch split travels with the old-log-prob pass, so that under ERC the
+        # workers pack that pass exactly as the update's first epoch (verl_ext.onpolicy).
+        actor_rollout_ref = self.config.actor_rollout_ref
+        packing = UpdatePacking.from_actor_config(actor_rollout_ref.actor, actor_rollout_ref.rollout.n)
+        batch.extra_info.update(packing.as_extra_info())
+        return super()._compute_old_log_prob(batch, metrics=metrics)
 
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
         batch = super()._update_actor(batch, metrics=metrics)

@@ -17,12 +17,13 @@ def test_probe_runs_on_cpu_and_checks_the_on_policy_invariant(tmp_path: Path) ->
     proc = subprocess.run(
         [sys.executable, "-m", "recipe.bench", "gpu", "--device", "cpu", "--tokens", "128", "--sequences", "4",
          "--vocab", "2048", "--layers", "1", "--hidden", "64", "--head-scale", "300", "--repeats", "1",
-         "--variants", "divclip_erc_eager", "--out", str(out)],
+         "--variants", "divclip_erc_eager,divclip_erc_dynamic", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = {r["variant"]: r for r in json.loads(out.read_text())}
-    assert set(results) == {"no_entropy", "divclip_erc_eager"}  # the baseline is always measured
+    assert set(results) == {"no_entropy", "divclip_erc_eager", "divclip_erc_dynamic"}  # the baseline is always measured
+    assert {r["strategy"] for r in results.values()} == {"fsdp2"}  # FSDP1 needs CUDA
     erc = results["divclip_erc_eager"]
     assert erc["on_policy_invariant"] is True and erc["entropy_path"] == "divclip_fp32"
     assert erc["first_update"]["actor/divclip/erc/ratio_min"] == [1.0]
@@ -30,3 +31,16 @@ def test_probe_runs_on_cpu_and_checks_the_on_policy_invariant(tmp_path: Path) ->
     assert results["no_entropy"]["time_vs_no_entropy"] == 1.0
     assert erc["peak_vs_no_entropy"] > 0 and erc["time_vs_no_entropy"] > 0
     assert "ratio 1, nothing masked" in proc.stdout  # the table names the invariant
+    # the configs' 2:1 dynamic packing: the old-log-prob pass is packed as the update, so the gauge reads 0
+    dynamic = results["divclip_erc_dynamic"]
+    assert dynamic["on_policy_invariant"] is True, dynamic
+    assert dynamic["first_update"]["actor/divclip/onpolicy/erc_masked_frac"] == [0.0]
+    assert dynamic["first_update"]["actor/divclip/onpolicy/log_ratio_abs_max"] == [0.0]
+
+
+def test_probe_refuses_fsdp1_on_cpu() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe.bench", "gpu", "--device", "cpu", "--strategies", "fsdp"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2 and "--strategies fsdp (FSDP1) needs --device cuda" in proc.stderr

@@ -61,3 +61,6 @@ def test_filtering_dropped_groups_and_the_nll_ran(released_smoke: Path) -> None:
         assert data["training/filter_groups/evicted_samples"] > 0  # uniform groups occurred and were replaced
         assert data["actor/divclip/correct_nll"] > 0 and 0 < data["actor/divclip/correct_fraction"] < 1
         assert "actor/divclip/erc/ratio_mean" in data
+        # dynamic sampling refilled the batch, the old-log-prob pass still packed as the update: ERC on-policy exact
+        assert data["actor/divclip/onpolicy/erc_masked_frac"] == 0.0
+        assert data["actor/divclip/onpolicy/erc_ratio_dev_max"] <= 0.01

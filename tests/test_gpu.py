@@ -4,7 +4,9 @@ a skip is not a pass, and docs/benchmarks.md says which GPU figures were measure
 * the compiled ``entropy_fp32`` (verl's default ``use_torch_compile`` on GPU) matches an fp64
   reference and gives every row the same bits whatever the batch it is computed in;
 * the GPU probe (``python -m recipe.bench gpu``) at a small shape: ERC's on-policy invariant holds
-  with the compiled and the eager path, and every variant reports its ratios.
+  with the compiled and the eager path, and every variant reports its ratios;
+* ERC's on-policy check under FSDP1 (``actor.strategy=fsdp``, what the launch scripts resolve to) and
+  FSDP2, with the ERC configs' 2:1 dynamic-batching budgets.
 """
 
 from __future__ import annotations
@@ -58,3 +60,23 @@ def test_gpu_probe_small_model(tmp_path: Path) -> None:
         assert results[name]["on_policy_invariant"] is True, results[name]
         assert results[name]["entropy_path"] == "divclip_fp32"
     assert all("time_vs_no_entropy" in r and "peak_vs_no_entropy" in r for r in results.values())
+
+
+def test_erc_on_policy_under_fsdp1_and_fsdp2(tmp_path: Path) -> None:
+    out = tmp_path / "probe.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe.bench", "gpu", "--tokens", "4096", "--sequences", "4", "--layers", "2",
+         "--repeats", "1", "--strategies", "fsdp,fsdp2", "--variants", "divclip_erc,divclip_erc_dynamic",
+         "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=1800,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert {(r["strategy"], r["variant"]) for r in results} == {
+        (s, v) for s in ("fsdp", "fsdp2") for v in ("no_entropy", "divclip_erc", "divclip_erc_dynamic")
+    }
+    for r in results:
+        if r["variant"] != "no_entropy":
+            assert r["on_policy_invariant"] is True, r
+            assert r["first_update"]["actor/divclip/onpolicy/erc_masked_frac"] == [0.0], r
+

@@ -60,6 +60,11 @@ def test_trainer_runs_erc_dapo_end_to_end(erc_run: Path) -> None:
         # our actor loss ran, with ERC on and both entropies available
         assert "actor/divclip/erc/ratio_mean" in data and data["actor/divclip/erc/ratio_mean"] > 0
         assert "actor/divclip/kl3_mean" in data
+        # the on-policy gauge (first mini-batch, before the optimizer step), on the resumed step 3 too:
+        # the old-log-prob pass is packed as the update, so ERC measures the policy, not the kernels
+        assert data["actor/divclip/onpolicy/erc_masked_frac"] == 0.0
+        assert data["actor/divclip/onpolicy/erc_ratio_dev_max"] <= 0.01
+        assert data["actor/divclip/onpolicy/log_ratio_abs_max"] >= 0.0
     assert any(k.startswith("val-core/") for k in metrics[0])  # validation before training
     assert (erc_run / "curves.png").stat().st_size > 10_000
     report = json.loads((erc_run / "report.json").read_text())
@@ -85,6 +90,7 @@ def test_trainer_runs_kl3_end_to_end(tmp_path: Path) -> None:
     assert data["actor/divclip/ratio_lower"] == pytest.approx(0.671, abs=1e-3)
     assert data["actor/divclip/ratio_upper"] == pytest.approx(1.422, abs=1e-3)
     assert "actor/divclip/erc/ratio_mean" not in data
+    assert data["actor/divclip/onpolicy/log_ratio_abs_max"] >= 0.0 and "actor/divclip/onpolicy/erc_masked_frac" not in data
 
 
 ADAPTIVE = {"target": 1e-6, "tolerance": 1.5, "rate": 1.5, "min": 0.005, "max": 0.5}
@@ -134,6 +140,8 @@ def test_adaptive_delta_follows_its_rule_across_a_resume_on_two_ranks(adaptive_r
         assert data["actor/divclip/delta_next"] == pytest.approx(delta, rel=1e-12)
         # bounds of the delta in use are logged too
         assert data["actor/divclip/ratio_lower"] < 1 < data["actor/divclip/ratio_upper"]
+        # the gauge: from the first of the two mini-batches of each update, on both ranks, after the resume too
+        assert 0.0 <= data["actor/divclip/onpolicy/ratio_clipfrac"] <= 1.0
     assert metrics[3]["actor/divclip/delta"] == pytest.approx(0.07 / 1.5**2, rel=1e-12)  # continued, not reset
     state = json.loads((adaptive_run / "ckpt" / "global_step_2" / STATE_FILE).read_text())
     assert state["delta"] == pytest.approx(metrics[2]["actor/divclip/delta_next"], rel=1e-12)

@@ -34,6 +34,7 @@ from verl.workers.utils.padding import no_padding_2_padding
 from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig, actor_clip_ratios
 from verl_ext.entropy import EntropyPath, entropy_as_mask, install_divclip_entropy, loss_entropy_path
 from verl_ext.losses import CONSTRAINTS, constrained_policy_loss, resolve_policy_config
+from verl_ext.onpolicy import install_on_policy_mark, install_update_packing, is_on_policy, on_policy_gauge
 from verl_ext.token_dump import TokenDumpWriter
 from verl_ext.verl_modes import verl_policy_loss
 
@@ -123,6 +124,21 @@ def divclip_actor_loss(
             old_entropy=padded["entropy"] if erc else None,
             entropy=entropy if erc else None,
         )
+
+    if is_on_policy(data):
+        # pi_theta == pi_old up to arithmetic here: the gauge shows what the kernels add (detached)
+        clip_low, clip_high = actor_clip_ratios(config)
+        gauge = on_policy_gauge(
+            padded["old_log_probs"],
+            log_prob,
+            response_mask,
+            clip_low,
+            clip_high,
+            old_entropy=padded["entropy"] if erc else None,
+            entropy=entropy if erc else None,
+            erc_band=(policy.erc_beta_low, policy.erc_beta_high, policy.erc_eps) if erc else None,
+        )
+        pg_metrics.update({f"actor/divclip/{name}": value for name, value in gauge.items()})
 
     if erc and policy.token_dump_path is not None:
         _dump_tokens(policy, data, padded["old_log_probs"], padded["entropy"], entropy, response_mask)
@@ -282,5 +298,8 @@ def entropy_is_detached(loss: Optional[Callable[..., Any]]) -> bool:
     return loss_entropy_path(loss) is EntropyPath.DIVCLIP_FP32
 
 
-# Runs in every process that unpickles the loss (the actor workers): see the module docstring.
+# Runs in every process that unpickles the loss (the actor workers): see the module docstring and
+# verl_ext.onpolicy (the old-log-prob pass packed as the update under ERC; the on-policy mark).
 install_divclip_entropy()
+install_update_packing()
+install_on_policy_mark()

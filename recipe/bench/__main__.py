@@ -10,6 +10,7 @@ BENCHMARKS: dict[str, str] = {
     "entropy-memory": "recipe.bench.entropy_memory",
     "reward": "recipe.bench.reward",
     "gpu": "recipe.bench.gpu",
+    "onpolicy": "recipe.bench.onpolicy",
 }
 
 

@@ -5,9 +5,9 @@
 Builds a model locally from a config (R1-Distill-Qwen-1.5B's shape by default, random weights with a
 scaled output head so that most tokens are confident, as a reasoning model's are; nothing is
 downloaded), then, for each variant in its own process, runs verl 0.9.1's real actor stack
-(``TrainingWorker`` -> ``FSDPEngineWithLMHead``, FSDP2, one rank, verl's default bf16 mixed
+(``TrainingWorker`` -> ``FSDPEngineWithLMHead``, one rank, verl's default bf16 mixed
 precision, remove-padding, gradient checkpointing, AdamW): the old-log-prob pass, then updates of
-one ``--tokens`` micro-batch.
+one ``--tokens`` micro-batch (FSDP1 too: ``--strategies``).
 
 Variants (``--variants``, comma-separated):
 
@@ -18,11 +18,18 @@ Variants (``--variants``, comma-separated):
 * ``divclip_erc_eager``     the same with ``use_torch_compile=False`` (eager float32 chunks).
 * ``divclip_erc_fused``     ERC with ``use_fused_kernels=True`` (verl's fused kernel's entropy in both
                             passes; needs verl's kernel backend; not in the default list).
+* ``divclip_erc_dynamic``   ERC with the ERC configs' packing: dynamic batching, the update in micro-batches
+                            of ``--tokens / 2``, the old-log-prob pass at ``--tokens`` (2:1), which
+                            :mod:`verl_ext.onpolicy` packs as the update.
+
+Every variant runs under each of ``--strategies`` (default on CUDA: ``fsdp``, verl 0.9.1's FSDP1, which
+the launch scripts resolve to, and ``fsdp2``; ratios are against ``no_entropy`` of the same strategy).
 
 Per variant: peak GPU memory of the updates (``torch.cuda.max_memory_allocated``; peak RSS on CPU),
 the median update time over ``--repeats`` updates after ``--warmup`` ones, both as ratios against
 ``no_entropy`` measured in the same run, and for the ERC variants the on-policy invariant of the first
-update (before any optimizer step): ``erc/ratio_min == erc/ratio_max == 1`` and nothing masked.
+update (before any optimizer step): ``erc/ratio_min == erc/ratio_max == 1`` and nothing masked, with
+the update's ``actor/divclip/onpolicy/*`` gauge.
 ``--device cpu`` runs the same code on the CPU platform (small shapes; used by the test suite).
 """
 
@@ -49,8 +56,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "divclip_erc": dict(erc=True, entropy=True, compile=True, fused=False),
     "divclip_erc_eager": dict(erc=True, entropy=True, compile=False, fused=False),
     "divclip_erc_fused": dict(erc=True, entropy=True, compile=True, fused=True),
+    # the ERC configs' packing: dynamic batching, the log-prob pass at twice the update's token budget
+    "divclip_erc_dynamic": dict(erc=True, entropy=True, compile=True, fused=False, dynamic=True),
 }
-DEFAULT_VARIANTS = ("no_entropy", "verl_compiled", "verl_eager", "divclip_erc", "divclip_erc_eager")
+DEFAULT_VARIANTS = ("no_entropy", "verl_compiled", "verl_eager", "divclip_erc", "divclip_erc_eager", "divclip_erc_dynamic")
+STRATEGIES = ("fsdp", "fsdp2")
+"""``actor.strategy``: verl 0.9.1 builds ``fsdp`` (what the launch scripts resolve to) as FSDP1 and
+``fsdp2`` as FSDP2; only FSDP2 runs on the CPU platform."""
 
 R1_DISTILL_QWEN_1_5B = dict(  # DeepSeek-R1-Distill-Qwen-1.5B's config.json (Qwen2 architecture)
     vocab_size=151_936,
@@ -66,6 +78,8 @@ R1_DISTILL_QWEN_1_5B = dict(  # DeepSeek-R1-Distill-Qwen-1.5B's config.json (Qwe
 )
 ERC_METRICS = ("actor/divclip/erc/ratio_min", "actor/divclip/erc/ratio_max", "actor/divclip/erc/clipfrac_upper",
                "actor/divclip/erc/clipfrac_lower", "actor/ppo_kl")
+GAUGE_METRICS = ("actor/divclip/onpolicy/log_ratio_abs_max", "actor/divclip/onpolicy/ratio_clipfrac",
+                 "actor/divclip/onpolicy/erc_ratio_dev_max", "actor/divclip/onpolicy/erc_masked_frac")
 
 
 def build_model(path: Path, args: argparse.Namespace) -> None:
@@ -102,7 +116,7 @@ def _erc_actor_config(sequences: int) -> Any:
 
 
 def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Inside the child process: one variant's passes and updates; returns its figures."""
+    """Inside the child process: one variant's passes and updates under ``args.strategy``; returns its figures."""
     from recipe.bench.harness import (
         WorkerOptions,
         build_actor_worker,
@@ -123,11 +137,15 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
 
     seq_len = args.tokens // args.sequences
     prompt_len = max(1, seq_len // 8)
+    dynamic = spec.get("dynamic", False)
     worker = build_actor_worker(model_path, WorkerOptions(
         device=args.device,
+        strategy=args.strategy,
         mixed_precision=None,  # verl's default: bf16 compute, fp32 reduce
         micro_batch_size_per_gpu=args.sequences,  # the update is one micro-batch of --tokens
-        max_token_len_per_gpu=args.tokens,
+        use_dynamic_bsz=dynamic,  # dynamic: the update in micro-batches of --tokens/2, the log-prob pass of --tokens
+        max_token_len_per_gpu=args.tokens // 2 if dynamic else args.tokens,
+        infer_max_token_len_per_gpu=args.tokens if dynamic else None,
         enable_gradient_checkpointing=True,
         use_torch_compile=spec["compile"] and args.device == "cuda",  # inductor on CPU: minutes of C++
         use_fused_kernels=spec["fused"],
@@ -165,12 +183,13 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
         metrics = update_actor(worker, batch, calculate_entropy=spec["entropy"])
         sync()
         if step == 0:
-            first = {k: [float(v) for v in metrics[k]] for k in ERC_METRICS if k in metrics}
+            first = {k: [float(v) for v in metrics[k]] for k in ERC_METRICS + GAUGE_METRICS if k in metrics}
         if step >= args.warmup:
             seconds.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result: dict[str, Any] = {
         "variant": name,
+        "strategy": args.strategy,
         "entropy_path": entropy_path_of(worker.engine).value,
         "peak_bytes": int(peak),
         "update_seconds_median": statistics.median(seconds),
@@ -188,15 +207,16 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
     return result
 
 
-def _spawn(name: str, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
-    child = run_child("recipe.bench.gpu", ["--_child", name, "--_model", model_path, *args.child_argv])
+def _spawn(name: str, strategy: str, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
+    argv = ["--_child", name, "--_model", model_path, *args.child_argv, "--strategies", strategy]
+    child = run_child("recipe.bench.gpu", argv)
     if child.ok:
         return child.result
     if "OutOfMemoryError" in child.stderr and not VARIANTS[name]["erc"] and name != "no_entropy":
         # verl's own entropy path running out of memory is a finding to report, not a probe failure
-        return {"variant": name, "out_of_memory": True, "error_line": child.last_error_line()}
+        return {"variant": name, "strategy": strategy, "out_of_memory": True, "error_line": child.last_error_line()}
     sys.stderr.write(child.stderr[-6000:])
-    return {"variant": name, "error": f"exit code {child.returncode}: {child.last_error_line()}"}
+    return {"variant": name, "strategy": strategy, "error": f"exit code {child.returncode}: {child.last_error_line()}"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -205,6 +225,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="also write all results to this JSON file")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"subset of {list(VARIANTS)}")
+    p.add_argument("--strategies", default=None,
+                   help=f"comma-separated subset of {list(STRATEGIES)} (default: both on cuda, fsdp2 on cpu)")
     p.add_argument("--tokens", type=int, default=16_384, help="tokens in the update's micro-batch")
     p.add_argument("--sequences", type=int, default=8, help="sequences the tokens are split into")
     p.add_argument("--vocab", type=int, default=R1_DISTILL_QWEN_1_5B["vocab_size"])
@@ -218,6 +240,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """``argv`` without the given ``--name value`` pairs (the parent's, not the children's)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        elif not any(arg.startswith(f"{name}=") for name in names):
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -225,7 +261,13 @@ def main(argv: list[str]) -> int:
         parser.error(f"--tokens ({args.tokens}) must be divisible by --sequences ({args.sequences})")
     if args.warmup < 1 or args.repeats < 1:
         parser.error("--warmup and --repeats must be >= 1 (the first update checks the on-policy invariant)")
+    strategies = [s for s in (args.strategies or ",".join(STRATEGIES if args.device == "cuda" else ("fsdp2",))).split(",") if s]
+    if sorted(set(strategies) - set(STRATEGIES)):
+        parser.error(f"unknown --strategies {sorted(set(strategies) - set(STRATEGIES))}; choose from {list(STRATEGIES)}")
+    if args.device == "cpu" and "fsdp" in strategies:
+        parser.error("--strategies fsdp (FSDP1) needs --device cuda: verl 0.9.1 runs only FSDP2 on the CPU platform")
     if args._child is not None:
+        args.strategy = strategies[0]
         print(json.dumps(run_variant(args._child, args._model, args)))
         return 0
     chosen = [v for v in args.variants.split(",") if v]
@@ -239,16 +281,14 @@ def main(argv: list[str]) -> int:
 
         if not torch.cuda.is_available():
             parser.error("no CUDA device: this probe needs one GPU (or --device cpu for a small CPU run)")
-    args.child_argv = [a for a in argv if a not in ("--json",)]
-    if args.out is not None:
-        i = args.child_argv.index("--out")
-        del args.child_argv[i : i + 2]
+    args.child_argv = _without_options([a for a in argv if a not in ("--json",)], ("--out", "--strategies"))
     with tempfile.TemporaryDirectory(prefix="divclip_gpu_probe_") as tmp:
         build_model(Path(tmp), args)
-        results = [_spawn(name, tmp, args) for name in chosen]
-    base = next((r for r in results if r["variant"] == "no_entropy" and "error" not in r), None)
+        results = [_spawn(name, strategy, tmp, args) for strategy in strategies for name in chosen]
     for r in results:
         r["date"] = _dt.date.today().isoformat()
+        base = next((b for b in results if b["variant"] == "no_entropy" and b["strategy"] == r["strategy"]
+                     and "error" not in b), None)
         if base is not None and "update_seconds_median" in r:
             r["time_vs_no_entropy"] = round(r["update_seconds_median"] / base["update_seconds_median"], 3)
             r["peak_vs_no_entropy"] = round(r["peak_bytes"] / base["peak_bytes"], 3)
@@ -258,8 +298,9 @@ def main(argv: list[str]) -> int:
         for r in results:
             print(json.dumps(r))
     else:
-        print(f"{'variant':<20} {'path':<13} {'peak GiB':>8} {'x base':>7} {'update s':>9} {'x base':>7}  on-policy ERC")
+        print(f"{'strategy':<8} {'variant':<20} {'path':<13} {'peak GiB':>8} {'x base':>7} {'update s':>9} {'x base':>7}  on-policy ERC")
         for r in results:
+            print(f"{r['strategy']:<8} ", end="")
             if "error" in r:
                 print(f"{r['variant']:<20} failed: {r['error']}")
                 continue
@@ -276,3 +317,4 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+

@@ -122,6 +122,7 @@ class WorkerOptions:
     use_fused_kernels: bool = False  # actor_rollout_ref.model.use_fused_kernels
     fused_kernels_backend: str = "torch"  # actor_rollout_ref.model.fused_kernel_options.impl_backend (verl's yaml default)
     ulysses_sequence_parallel_size: int = 1  # actor.fsdp_config.ulysses_sequence_parallel_size
+    strategy: str = "fsdp2"  # actor.strategy: "fsdp" is FSDP1 (GPU only in verl 0.9.1), "fsdp2" FSDP2
 
 
 EXACT_SGD: dict[str, Any] = dict(optimizer="SGD", lr=0.5, clip_grad=1e9)
@@ -162,7 +163,7 @@ def build_actor_worker(model_path: str, options: WorkerOptions = WorkerOptions()
         fused_kernel_options={"impl_backend": options.fused_kernels_backend},
     )
     engine_config = FSDPEngineConfig(
-        strategy="fsdp2",
+        strategy=options.strategy,
         use_torch_compile=options.use_torch_compile,  # off by default: inductor on CPU compiles C++ for minutes
         mixed_precision=options.mixed_precision,
         use_dynamic_bsz=options.use_dynamic_bsz,
@@ -286,18 +287,24 @@ def update_actor(
     calculate_entropy: bool,
     global_batch_size: Optional[int] = None,
     temperature: float = 1.0,
+    mini_batch_size: Optional[int] = None,
+    epochs: int = 1,
+    shuffle: bool = False,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """One actor update, mirroring ``trainer/ppo/v1/trainer_base.py::_update_actor``.
 
-    ``batch`` is this rank's shard. The whole shard is one mini-batch (one optimizer step), split
-    into micro-batches by the worker's ``micro_batch_size_per_gpu``. Returns the metrics dict.
+    ``batch`` is this rank's shard. By default the whole shard is one mini-batch (one optimizer
+    step); ``mini_batch_size`` (global, like ``ppo_mini_batch_size * rollout.n``), ``epochs``,
+    ``shuffle`` and ``seed`` (``actor.data_loader_seed``) split it as the trainer does. Micro-batches
+    follow the worker's ``micro_batch_size_per_gpu`` / ``max_token_len_per_gpu``. Returns the metrics.
     """
     from verl.utils import tensordict_utils as tu
 
     data = batch.clone()
     n_local = data.batch_size[0]
     world = torch.distributed.get_world_size()
-    global_bs = int(global_batch_size or n_local * world)
+    global_bs = int(mini_batch_size or global_batch_size or n_local * world)
     tu.assign_non_tensor(
         data,
         calculate_entropy=calculate_entropy,
@@ -305,24 +312,30 @@ def update_actor(
         distillation_only=False,
         global_batch_size=global_bs,
         mini_batch_size=global_bs,
-        epochs=1,
-        seed=0,
-        dataloader_kwargs={"shuffle": False},
+        epochs=epochs,
+        seed=seed,
+        dataloader_kwargs={"shuffle": shuffle},
         temperature=temperature,
     )
     output = worker.train_mini_batch(data)
     return {} if output is None else dict(tu.get(output, "metrics"))  # None: an SP peer's rank
 
 
-def compute_log_prob(worker: Any, batch: TensorDict, temperature: float = 1.0) -> Optional[dict[str, torch.Tensor]]:
+def compute_log_prob(
+    worker: Any, batch: TensorDict, temperature: float = 1.0, packing: Any = None
+) -> Optional[dict[str, torch.Tensor]]:
     """pi_old pass, mirroring ``_compute_old_log_prob``: returns response-layout nested
     ``old_log_probs`` and ``entropy`` for this rank's shard (no loss, no gradient); None on a rank
-    whose group's output another rank collects (verl returns it from one rank per SP group)."""
+    whose group's output another rank collects (verl returns it from one rank per SP group).
+    ``packing`` (a ``verl_ext.onpolicy.UpdatePacking``) is the update's mini-batch split, as
+    ``DivClipTrainer`` passes it; None: the whole shard is one mini-batch, as :func:`update_actor`'s default."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import response_from_nested
 
     data = batch.clone()
     tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False, temperature=temperature)
+    if packing is not None:
+        tu.assign_non_tensor(data, **packing.as_extra_info())
     output = worker.infer_batch(data)
     if output is None:  # not the rank that collects its group's output (e.g. a Ulysses SP peer)
         return None

@@ -1,0 +1,296 @@
+"""On-policy exactness of ERC under the configs' packings: where the noise comes from, what the fix costs.
+
+``python -m recipe.bench onpolicy [--json] [--threads 1,2] [--seeds 4,5,6,7,8]``
+
+verl 0.9.1's real actor stack on the CPU platform (``TrainingWorker`` -> FSDP2, one rank, verl's
+default bf16 mixed precision), a tiny Qwen3 whose scaled head makes most tokens' entropy < 1e-3 nats
+(as a trained reasoning model's are), 8 sequences, dynamic batching with the log-prob pass at twice
+the update's token budget (the ERC configs' 2:1). Per case (budget pair x seed x threads) it runs the
+old-log-prob pass, then one ERC-DAPO update on the same batch before any optimizer step, twice:
+
+* ``own``: verl's own packing of the old-log-prob pass (its own budget): the arrangement before
+  :mod:`verl_ext.onpolicy`;
+* ``aligned``: the old-log-prob pass packed as the update (``verl_ext.onpolicy``, the default with ERC).
+
+It reports ERC's ratio range and masked fraction and max |log w| from the update's metrics, and for
+``own`` where the difference enters: forward hooks on the LM head capture its input (the final hidden
+states, bf16) and output (the bf16 logits) in both passes; the bench compares them per token and
+recomputes the entropy ratio from fp32 logits of the captured hidden states (h W^T accumulated and
+kept in fp32, what an LM head that never rounds to bf16 would give).
+
+``--cost`` instead measures the price of the alignment on the old-log-prob pass alone, at a larger
+shape (Qwen's vocabulary): its time, ``own`` and ``aligned`` alternating on one worker (a busy
+machine slows both alike), and its peak RSS, each arm in a fresh process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from typing import Any
+
+from recipe.bench.child import run_child
+
+BUDGET_PAIRS: tuple[tuple[int, int], ...] = ((40, 64), (40, 80), (24, 48), (64, 128))
+"""(update, log-prob) token budgets per micro-batch: the ERC configs' ratio, at the tiny batch's scale."""
+PROMPT_LENS = [3, 5, 4, 6, 2, 7, 5, 3]
+RESPONSE_LENS = [12, 9, 14, 6, 10, 8, 11, 7]
+HEAD_SCALE = 1000.0  # makes 70-84% of the tokens' entropy < 1e-3 nats
+
+
+def _erc_loss() -> Any:
+    from recipe.bench.harness import make_actor_config
+    from verl_ext.actor_loss import build_actor_loss
+    from verl_ext.config import DivClipPolicyLossConfig
+
+    policy = DivClipPolicyLossConfig(loss_mode="clip", erc_beta_low=0.05, erc_beta_high=0.05)
+    return build_actor_loss(
+        make_actor_config(policy_loss=policy, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0)
+    )
+
+
+class _HeadCapture:
+    """LM-head input/output of every forward, and the sample order of every micro-batch."""
+
+    def __init__(self, engine: Any) -> None:
+        import verl.workers.engine.fsdp.transformer_impl as impl
+
+        self.impl, self.original = impl, impl.prepare_micro_batches
+        self.head = engine.module.get_output_embeddings()
+        self.forwards: list[tuple[Any, Any]] = []
+        self.orders: list[list[int]] = []
+
+    def __enter__(self) -> "_HeadCapture":
+        def record(module: Any, args: tuple, output: Any) -> None:
+            self.forwards.append((args[0].detach().reshape(-1, args[0].shape[-1]).clone(),
+                                  output.detach().reshape(-1, output.shape[-1]).clone()))
+
+        def prepare(*args: Any, **kwargs: Any) -> Any:
+            micro_batches, indices = self.original(*args, **kwargs)
+            self.orders.extend(list(rows) for rows in indices)
+            return micro_batches, indices
+
+        self.handle = self.head.register_forward_hook(record)
+        self.impl.prepare_micro_batches = prepare
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.handle.remove()
+        self.impl.prepare_micro_batches = self.original
+
+    def per_response_token(self, seq_lens: list[int], prompt_lens: list[int]) -> tuple[Any, Any]:
+        """(hidden, logits) rows that predict each response token, in sample order."""
+        import torch
+
+        hidden: dict[int, Any] = {}
+        logits: dict[int, Any] = {}
+        for (h, x), rows in zip(self.forwards, self.orders):
+            start = 0
+            for row in rows:
+                end = start + seq_lens[row]
+                p = prompt_lens[row]
+                hidden[row], logits[row] = h[start + p - 1 : end - 1], x[start + p - 1 : end - 1]
+                start = end
+        order = sorted(hidden)
+        return torch.cat([hidden[i] for i in order]), torch.cat([logits[i] for i in order])
+
+
+def _case(model_path: str, update_budget: int, infer_budget: int, seed: int, aligned: bool, source: bool) -> dict[str, Any]:
+    import torch
+
+    from recipe.bench.harness import (
+        WorkerOptions,
+        build_actor_worker,
+        compute_log_prob,
+        full_params,
+        make_rollout_batch,
+        update_actor,
+    )
+    from verl_ext.entropy import entropy_fp32
+    from verl_ext.onpolicy import set_pack_as_update
+
+    options = WorkerOptions(mixed_precision=None, use_dynamic_bsz=True, max_token_len_per_gpu=update_budget,
+                            infer_max_token_len_per_gpu=infer_budget, optimizer="SGD", lr=0.5, clip_grad=1e9)
+    worker = build_actor_worker(model_path, options)
+    worker.set_loss_fn(_erc_loss())
+    set_pack_as_update(worker.engine, aligned)
+    batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, 512, seed=seed)
+    old_capture, new_capture = _HeadCapture(worker.engine), _HeadCapture(worker.engine)
+    with old_capture:
+        old = compute_log_prob(worker, batch)
+    weight = full_params(worker)["lm_head.weight"].to(torch.bfloat16)  # what bf16 mixed precision computes with
+    data = batch.clone()
+    data["old_log_probs"], data["entropy"] = old["old_log_probs"], old["entropy"]
+    with new_capture:
+        m = update_actor(worker, data, calculate_entropy=True)
+    n_tokens = sum(RESPONSE_LENS)
+    row: dict[str, Any] = {
+        "packing": "aligned" if aligned else "own",
+        "budgets": f"{update_budget}/{infer_budget}",
+        "seed": seed,
+        "threads": torch.get_num_threads(),
+        "old_micro_batches": len(old_capture.orders),
+        "update_micro_batches": len(new_capture.orders),
+        "same_packing": old_capture.orders == new_capture.orders,
+        "erc_ratio_min": min(map(float, m["actor/divclip/erc/ratio_min"])),
+        "erc_ratio_max": max(map(float, m["actor/divclip/erc/ratio_max"])),
+        "erc_masked_frac": (sum(map(float, m["actor/divclip/erc/clipfrac_upper"] + m["actor/divclip/erc/clipfrac_lower"]))
+                            / len(m["actor/divclip/erc/clipfrac_upper"])),
+        "log_ratio_abs_max": max(map(float, m["actor/divclip/onpolicy/log_ratio_abs_max"])),
+        "confident_frac": float((old["entropy"].values() < 1e-3).float().mean()),
+    }
+    if source:
+        seq_lens = [p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]
+        h_old, x_old = old_capture.per_response_token(seq_lens, PROMPT_LENS)
+        h_new, x_new = new_capture.per_response_token(seq_lens, PROMPT_LENS)
+        assert h_old.shape[0] == n_tokens, (h_old.shape, n_tokens)
+        fp32_old = entropy_fp32(h_old.float() @ weight.float().T)
+        fp32_new = entropy_fp32(h_new.float() @ weight.float().T)
+        rho_fp32 = (fp32_new + 1e-8) / (fp32_old + 1e-8)
+        row.update({
+            "hidden_rows_differing": float((h_old != h_new).any(-1).float().mean()),
+            "hidden_max_abs_diff": float((h_old.float() - h_new.float()).abs().max()),
+            "logits_max_abs_diff_bf16": float((x_old.float() - x_new.float()).abs().max()),
+            "fp32_head_erc_ratio_min": float(rho_fp32.min()),
+            "fp32_head_erc_ratio_max": float(rho_fp32.max()),
+            "fp32_head_erc_masked_frac": float(((rho_fp32 <= 0.95) | (rho_fp32 >= 1.05)).float().mean()),
+        })
+    return row
+
+
+def _run_cases(threads: int, seeds: list[int]) -> list[dict[str, Any]]:
+    import torch
+
+    from recipe.bench.harness import TinyQwen3Spec, save_tiny_qwen3, single_rank_env
+
+    single_rank_env()
+    torch.set_num_threads(threads)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="onpolicy_") as tmp:
+        model_path = save_tiny_qwen3(tmp, TinyQwen3Spec(), seed=0, head_scale=HEAD_SCALE)
+        for update_budget, infer_budget in BUDGET_PAIRS:
+            for seed in seeds:
+                for aligned in (False, True):
+                    rows.append(_case(model_path, update_budget, infer_budget, seed, aligned, source=not aligned))
+    return rows
+
+
+def _run_cost(arm: str, tokens: int, vocab: int, sequences: int, rounds: int = 3) -> dict[str, Any]:
+    """``arm`` = ``own`` or ``aligned``: one old-log-prob pass, then its peak RSS (a fresh process per
+    arm). ``arm`` = ``time``: both arms alternately on one worker, ``rounds`` passes each after a
+    warm-up, so a busy machine slows both alike; the median seconds of each."""
+    import statistics
+
+    import torch
+
+    from recipe.bench.harness import (
+        TinyQwen3Spec,
+        WorkerOptions,
+        build_actor_worker,
+        compute_log_prob,
+        make_rollout_batch,
+        save_tiny_qwen3,
+        single_rank_env,
+    )
+    from verl_ext.onpolicy import set_pack_as_update
+
+    single_rank_env()
+    seq_len = tokens // sequences
+    spec = TinyQwen3Spec(vocab_size=vocab, hidden_size=64, intermediate_size=128, head_dim=16,
+                         max_position_embeddings=max(8192, seq_len))
+    with tempfile.TemporaryDirectory(prefix="onpolicy_cost_") as tmp:
+        model_path = save_tiny_qwen3(tmp, spec, seed=0)
+        # the ERC configs' budgets, scaled: the log-prob pass holds the whole batch, the update half
+        options = WorkerOptions(mixed_precision=None, use_dynamic_bsz=True, max_token_len_per_gpu=tokens // 2,
+                                infer_max_token_len_per_gpu=tokens)
+        worker = build_actor_worker(model_path, options)
+        worker.set_loss_fn(_erc_loss())
+        prompt = max(1, seq_len // 4)
+        batch = make_rollout_batch([prompt] * sequences, [seq_len - prompt] * sequences, vocab, seed=0)
+        row: dict[str, Any] = {"arm": arm, "tokens": tokens, "vocab_size": vocab, "threads": torch.get_num_threads()}
+        if arm != "time":
+            set_pack_as_update(worker.engine, arm == "aligned")
+            compute_log_prob(worker, batch)
+            row["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30, 3)
+            return row
+        seconds: dict[str, list[float]] = {"own": [], "aligned": []}
+        for round_ in range(rounds + 1):
+            for name in seconds:
+                set_pack_as_update(worker.engine, name == "aligned")
+                start = time.perf_counter()
+                compute_log_prob(worker, batch)
+                if round_:  # the first round warms up
+                    seconds[name].append(time.perf_counter() - start)
+    for name, values in seconds.items():
+        row[f"{name}_seconds"] = round(statistics.median(values), 3)
+    row["aligned_seconds_vs_own"] = round(row["aligned_seconds"] / row["own_seconds"], 3)
+    return row
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recipe.bench onpolicy", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object per row")
+    parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts (one child each)")
+    parser.add_argument("--seeds", default="4,5,6,7,8", help="comma-separated batch seeds")
+    parser.add_argument("--cost", action="store_true", help="time the old-log-prob pass, own vs aligned packing")
+    parser.add_argument("--tokens", type=int, default=4096, help="--cost: tokens in the batch")
+    parser.add_argument("--vocab", type=int, default=151_936, help="--cost: vocabulary size")
+    parser.add_argument("--sequences", type=int, default=8, help="--cost: sequences in the batch")
+    parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args._child is not None:
+        kind, value = args._child.split(":")
+        if kind == "cases":
+            print(json.dumps({"rows": _run_cases(int(value), [int(s) for s in args.seeds.split(",")])}))
+        else:
+            print(json.dumps({"rows": [_run_cost(value, args.tokens, args.vocab, args.sequences)]}))
+        return 0
+
+    if args.cost:
+        jobs = [f"cost:{arm}" for arm in ("time", "own", "aligned")]
+        extra = ["--tokens", str(args.tokens), "--vocab", str(args.vocab), "--sequences", str(args.sequences)]
+    else:
+        jobs = [f"cases:{t}" for t in args.threads.split(",") if t]
+        extra = ["--seeds", args.seeds]
+    rows: list[dict[str, Any]] = []
+    for job in jobs:
+        threads = job.split(":")[1] if job.startswith("cases") else os.environ.get("OMP_NUM_THREADS", "")
+        env = {"OMP_NUM_THREADS": threads} if threads else {}
+        child = run_child("recipe.bench.onpolicy", ["--_child", job, *extra], env)
+        if not child.ok:
+            sys.stderr.write(child.stderr[-4000:])
+            raise RuntimeError(f"{job} failed with exit code {child.returncode}")
+        rows.extend(child.result["rows"])
+    date = _dt.date.today().isoformat()
+    for row in rows:
+        row["date"] = date
+    if args.cost:
+        own, aligned = rows[1], rows[2]
+        aligned["peak_ratio_vs_own"] = round(aligned["peak_rss_gib"] / own["peak_rss_gib"], 3)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return 0
+    if args.cost:
+        for row in rows:
+            print(row)
+        return 0
+    print(f"{'packing':<8} {'budgets':>8} {'seed':>4} {'thr':>3} {'same':>5} {'rho min':>8} {'rho max':>8} {'masked':>7} "
+          f"{'|log w|':>9} {'h rows diff':>11} {'fp32 rho min':>12} {'fp32 rho max':>12}")
+    for r in rows:
+        print(f"{r['packing']:<8} {r['budgets']:>8} {r['seed']:>4} {r['threads']:>3} {str(r['same_packing']):>5} "
+              f"{r['erc_ratio_min']:>8.4f} {r['erc_ratio_max']:>8.4f} {r['erc_masked_frac']:>7.3f} "
+              f"{r['log_ratio_abs_max']:>9.2e} {r.get('hidden_rows_differing', float('nan')):>11.3f} "
+              f"{r.get('fp32_head_erc_ratio_min', float('nan')):>12.4f} {r.get('fp32_head_erc_ratio_max', float('nan')):>12.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
