@@ -8,7 +8,9 @@
   old-log-prob pass, then one ERC-DAPO update on the same batch before any optimizer step. Every
   ratio is exactly 1 and ERC masks nothing (``erc/ratio_min == erc/ratio_max == 1``) -- with
   remove-padding, the padded path, verl's chunked entropy, ``entropy_checkpointing`` and dynamic
-  batching that packs the two passes differently. The mixed arrangement of the first release
+  batching with different token budgets for the two passes (``verl_ext.onpolicy`` packs the
+  old-log-prob pass as the update, so both passes see the same micro-batches: bit-equality is what
+  the code guarantees here; tests/test_onpolicy.py varies the packings). The mixed arrangement of the first release
   (pi_old from verl's function, pi_theta from ours) is kept as a control: it masks tokens.
 * With the detached entropy, flash-attn's cross-entropy gets its in-place backward back: a spy on
   verl's ``logprobs_from_logits`` sees ``inplace_backward=True`` for ERC and ``False`` for verl's
@@ -226,8 +228,8 @@ def job_on_policy(rank: int, world_size: int, model_path: str) -> dict[str, Any]
         "bf16/padded/entropy_checkpointing": WorkerOptions(
             mixed_precision=BF16_DEFAULT, use_remove_padding=False, entropy_checkpointing=True, **sgd
         ),
-        # dynamic batching that packs the passes differently: the 86 tokens go in micro-batches of at
-        # most 40 tokens (3) for the update and 64 (2) for the old-log-prob pass
+        # dynamic batching with different budgets: 40 tokens for the update, 64 for the old-log-prob
+        # pass, which verl_ext.onpolicy packs as the update (identical micro-batches)
         "bf16/dynamic": WorkerOptions(
             mixed_precision=BF16_DEFAULT, use_dynamic_bsz=True, max_token_len_per_gpu=40,
             infer_max_token_len_per_gpu=64, **sgd,

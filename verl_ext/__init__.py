@@ -15,6 +15,8 @@ The method core is device-agnostic and lives at the top of the package:
   entropies, which verl's loss registry does not pass).
 * ``entropy`` -- the one fp32 entropy function both of ERC's passes use (pi_old and pi_theta), and
   the hook that installs it on verl's engine; runs without ERC keep verl's entropy.
+* ``onpolicy`` -- under ERC the old-log-prob pass packed as the update's first epoch (on-policy
+  logits bit-identical in every packing), and the ``onpolicy/*`` gauge of the first mini-batch.
 * ``verl_modes`` -- ERC and dual-clip on verl's own losses; ``adaptive_delta`` -- the opt-in
   controller of the KL budget delta (ATR section 6.5); ``token_dump`` -- the opt-in per-token
   dump for ERC's Figure 3.
@@ -38,7 +40,8 @@ and asserts the graph has no cycle)::
     losses        -> config, divergences, erc
     verl_modes    -> config, erc, losses
     adaptive_delta -> config, losses
-    actor_loss    -> config, entropy, losses, token_dump, verl_modes
+    onpolicy      -> entropy
+    actor_loss    -> config, entropy, losses, onpolicy, token_dump, verl_modes
     plugin        -> losses; cpu (only under VERL_PLATFORM=cpu)
 
 ``config`` still runs the registry's check at construction: ``losses`` registers

@@ -8,7 +8,9 @@ rollout batch, the old-log-prob pass and one update, on 1..N spawned ranks: the 
 the tests'), ``child`` (run a variant in a fresh process, read its JSON line), ``losses`` (forward+backward time of every divclip mode against verl's
 ``vanilla``), ``entropy_memory`` (peak host memory of an actor update with and without the
 current-policy entropy), ``reward`` (reward throughput, ours against verl's), ``gpu`` (ERC's entropy
-path against verl's on one CUDA GPU at bf16); ``__main__`` dispatches by name.
+path against verl's on one CUDA GPU at bf16, FSDP1 and FSDP2), ``onpolicy`` (ERC's on-policy
+exactness under the configs' packings: the noise's source and the alignment's cost); ``__main__``
+dispatches by name.
 
 Who may import it: only its own ``__main__`` and tests; nothing in :mod:`verl_ext` or the rest of
 :mod:`recipe` depends on it. It imports :mod:`verl_ext`, :mod:`recipe.reward` and verl, never
