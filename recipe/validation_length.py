@@ -332,7 +332,7 @@ class ValidationLengthProbe:
             import transfer_queue as tq
 
             data = tq.kv_batch_get(keys=batch.keys, partition_id=partition_id, select_fields=["data_source"])
-            for source, tag in zip(data["data_source"].tolist(), batch.tags, strict=True):
+            for source, tag in zip(data.pop("data_source").tolist(), batch.tags, strict=True):
                 self.lengths[str(source)].append(int(tag["response_len"]))
         return batch, metrics
 
