@@ -6,8 +6,9 @@ groups exist, installs :func:`verl_ext.actor_loss.build_actor_loss` on the actor
 (``policy_loss.adaptive_delta_target``, :mod:`verl_ext.adaptive_delta`) moves delta after an actor
 update; the controller's state is saved into and restored from verl's ``global_step_N`` folders.
 With ``actor_rollout_ref.rollout.custom.validation`` set, validation runs each benchmark at its own
-response length and sample count (:mod:`recipe.validation_length`). Everything else (rollouts,
-rewards, advantages, old-log-prob recompute with entropy, checkpoints, validation) is verl's.
+response length and sample count (:mod:`recipe.validation_length`); unset, validation is verl's.
+Everything else (rollouts, rewards, advantages, old-log-prob recompute with entropy, checkpoints)
+is verl's.
 
 ``DivClipTaskRunner`` mirrors ``verl.trainer.main_ppo.TaskRunnerV1.run``: that class is a
 ``@ray.remote`` actor class and cannot be subclassed, and its ``run`` builds the trainer
