@@ -3,7 +3,9 @@
 What lives here:
 
 * ``main`` (``python -m recipe.main``: verl's trainer with the divclip actor loss), ``trainer``
-  (the ``PPOTrainerSync`` subclass / task runner), ``validation`` (fail-fast config checks).
+  (the ``PPOTrainerSync`` subclass / task runner), ``validation`` (fail-fast config checks),
+  ``validation_length`` / ``validation_rollout`` (in-training validation at each benchmark's own
+  response length and sample count).
 * ``sft`` and ``sft_dataset`` -- the SFT stage before RL, through verl's own SFT trainer.
 * ``reward`` -- the math reward (``reward.custom_reward_function.path``): answer extraction and
   scoring; ``reward_workers`` -- math-verify in killable worker processes, its hang-proofing.

@@ -5,8 +5,10 @@ groups exist, installs :func:`verl_ext.actor_loss.build_actor_loss` on the actor
 ``set_loss_fn`` -- at init, and again whenever the opt-in adaptive trust-region controller
 (``policy_loss.adaptive_delta_target``, :mod:`verl_ext.adaptive_delta`) moves delta after an actor
 update; the controller's state is saved into and restored from verl's ``global_step_N`` folders.
-Everything else (rollouts, rewards, advantages, old-log-prob recompute with entropy, checkpoints,
-validation) is verl's.
+With ``actor_rollout_ref.rollout.custom.validation`` set, validation runs each benchmark at its own
+response length and sample count (:mod:`recipe.validation_length`); unset, validation is verl's.
+Everything else (rollouts, rewards, advantages, old-log-prob recompute with entropy, checkpoints)
+is verl's.
 
 ``DivClipTaskRunner`` mirrors ``verl.trainer.main_ppo.TaskRunnerV1.run``: that class is a
 ``@ray.remote`` actor class and cannot be subclassed, and its ``run`` builds the trainer
@@ -34,12 +36,15 @@ from verl_ext.entropy import describe_entropy_path, loss_entropy_path, resolve_e
 from verl_ext.losses import CONSTRAINTS
 from verl_ext.onpolicy import UpdatePacking
 
+from recipe.validation_length import ValidationLengthTrainerMixin, ValidationPlan
+
 logger = logging.getLogger(__name__)
 
 
-class DivClipTrainer(PPOTrainerSync):
+class DivClipTrainer(ValidationLengthTrainerMixin, PPOTrainerSync):
     """``PPOTrainerSync`` whose actor workers use the divclip actor loss, with the optional
-    adaptive-delta controller run on the driver (see :mod:`verl_ext.adaptive_delta`)."""
+    adaptive-delta controller run on the driver (see :mod:`verl_ext.adaptive_delta`) and
+    per-benchmark validation lengths (:mod:`recipe.validation_length`)."""
 
     adaptive_delta: Optional[AdaptiveDelta] = None
 
@@ -136,6 +141,12 @@ class DivClipTaskRunner:
 
         manager_fqn = self.config.actor_rollout_ref.rollout.get("agent", {}).get("agent_loop_manager_class")
         manager_cls = load_class_from_fqn(manager_fqn, "AgentLoopManager") if manager_fqn else AgentLoopManagerTQ
+        if ValidationPlan.from_config(self.config) is not None:
+            # validation rows run their own agent loop (recipe.validation_length checked that no
+            # custom manager is set); training rows run verl's, through the same dispatch
+            from recipe.validation_rollout import ValidationLengthAgentLoopManager
+
+            manager_cls = ValidationLengthAgentLoopManager
         self.agent_loop_manager = manager_cls.create(
             config=self.config,
             llm_client=self.trainer.get_llm_client(),

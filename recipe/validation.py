@@ -3,7 +3,8 @@
 verl validates its own keys (``verl.utils.config.validate_config``); this adds what the divclip
 recipe needs and verl cannot know: the plugin is registered, the policy-loss config is ours
 and valid (building it runs the dataclass checks; :func:`verl_ext.losses.check_policy_config`
-checks it against the loss-mode registry), ERC has both entropies available.
+checks it against the loss-mode registry), ERC has both entropies available, per-benchmark
+validation lengths can be served (:mod:`recipe.validation_length`).
 Every error names the config key to change.
 """
 
@@ -55,6 +56,7 @@ def validate_divclip_config(config: DictConfig) -> Any:
         _drop_unset_divclip_keys(actor_cfg.policy_loss, target)
     validate_profile(config)
     validate_filter_groups(config)
+    validate_validation_length(config)
     actor = build_actor_config(config)
     policy = actor.policy_loss
     if isinstance(policy, DivClipPolicyLossConfig):
@@ -144,6 +146,17 @@ def validate_profile(config: DictConfig) -> None:
             f"+profile={profile} (configs/profile/{profile}.yaml) is for the {paper.upper()} experiments "
             f"(configs/experiments/base/{paper}.yaml), but this config has divclip.paper={divclip.get('paper', None)!r}"
         )
+
+
+def validate_validation_length(config: DictConfig) -> None:
+    """Per-benchmark validation lengths (``actor_rollout_ref.rollout.custom.validation``) that the
+    run can serve: :func:`recipe.validation_length.check_validation_length`."""
+    from recipe.validation_length import ValidationLengthError, check_validation_length
+
+    try:
+        check_validation_length(config)
+    except ValidationLengthError as error:
+        raise ConfigError(str(error)) from error
 
 
 def validate_filter_groups(config: DictConfig) -> None:

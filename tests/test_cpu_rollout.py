@@ -192,6 +192,41 @@ def test_server_batches_concurrent_requests(model_dir: str, tokenizer: Any) -> N
         asyncio.run(bad())
 
 
+def test_server_honours_a_request_max_tokens_above_response_length(model_dir: str, tokenizer: Any) -> None:
+    """Per-benchmark validation lengths (recipe.validation_length) send max_tokens above
+    rollout.response_length (8 here); the server serves it, within max_model_len."""
+    from verl.workers.rollout.replica import RolloutMode
+
+    server = hf_cpu.HFCpuServer(_rollout_config(ignore_eos=True, max_model_len=40), _model_config(model_dir), RolloutMode.HYBRID, 0)
+    prompt = _prompt(tokenizer, "4071")
+    greedy = {"temperature": 0.0, "top_p": 1.0, "top_k": -1}
+
+    async def run() -> list[list[int]]:
+        outs = await asyncio.gather(
+            server.generate(prompt_ids=prompt, sampling_params=dict(greedy), request_id="default"),
+            server.generate(prompt_ids=prompt, sampling_params={**greedy, "max_tokens": 20}, request_id="long"),
+            server.generate(prompt_ids=prompt, sampling_params={**greedy, "max_tokens": 1000}, request_id="room"),
+        )
+        return [o.token_ids for o in outs]
+
+    default, long, room = asyncio.run(run())
+    assert len(default) == 8 and len(long) == 20 and long[:8] == default
+    assert len(room) == 40 - len(prompt)  # max_model_len - prompt, as vLLM's server clamps
+
+
+def test_greedy_requests_leave_the_sampling_stream_alone(model: torch.nn.Module, tokenizer: Any) -> None:
+    """The server draws every sampled token from one generator, so sampled validation shifts the
+    draws of later training rollouts; greedy validation (val_kwargs.temperature=0, the CPU smoke's)
+    draws nothing, so training samples are the same at any validation length."""
+    prompt = _prompt(tokenizer, "4071")
+    gen = torch.Generator().manual_seed(7)
+    before = gen.get_state().clone()
+    generate_batch(model, [prompt] * 3, [12, 12, 16], SamplingSpec(temperature=0.0), eos_ids=[], pad_id=0, generator=gen)
+    assert torch.equal(gen.get_state(), before)
+    generate_batch(model, [prompt], [4], SamplingSpec(temperature=1.0), eos_ids=[], pad_id=0, generator=gen)
+    assert not torch.equal(gen.get_state(), before)
+
+
 # ----------------------------------------------------------------------------------------------
 # Weight sync through Ray (replica -> server actor; adapter -> server), as in the trainer
 # ----------------------------------------------------------------------------------------------

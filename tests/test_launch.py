@@ -29,6 +29,11 @@ ERC_SCRIPTS = {  # script -> (model, loss_mode, eps_low, eps_high, ERC on)
     "run_gppo_7b.sh": ("DeepSeek-R1-Distill-Qwen-7B", "gppo", 0.2, 0.2, False),
     "run_erc_gppo_7b.sh": ("DeepSeek-R1-Distill-Qwen-7B", "gppo", 0.2, 0.2, True),
 }
+ERC_VALIDATION = {  # data_source -> ERC section 4.1's length and samples per problem
+    "aime24": {"response_length": 32768, "n": 32}, "aime25": {"response_length": 32768, "n": 32},
+    "hmmt25": {"response_length": 16384, "n": 32}, "amc23": {"response_length": 16384, "n": 32},
+    "math500": {"response_length": 16384, "n": 4}, "olympiadbench": {"response_length": 16384, "n": 4},
+}
 # ATR Appendix B: every run starts from the OpenMathReasoning SFT checkpoint (launch/run_sft_openmath_qwen3_*.sh)
 ATR_SCRIPTS = {"run_atr_grpo_qwen3_1.7b.sh": "checkpoints/divclip-sft/sft_openmath_qwen3_1.7b/merged_hf",
                "run_atr_grpo_qwen3_8b.sh": "checkpoints/divclip-sft/sft_openmath_qwen3_8b/merged_hf"}
@@ -154,6 +159,10 @@ def test_erc_rows(dry_runs, script):
         "aime24.parquet", "aime25.parquet", "hmmt25.parquet", "amc23.parquet", "math500.parquet", "olympiadbench.parquet"]
     val = rollout["val_kwargs"]
     assert (val["n"], val["temperature"], val["top_p"], val["do_sample"]) == (32, 0.6, 0.95, True)
+    # ERC section 4.1 per benchmark: avg@32 at 32k (AIME), avg@32 at 16k, avg@4 at 16k; within the
+    # model's 131,072 positions (recipe/validation_length.py checks prompt + length against it)
+    assert rollout["custom"]["validation"] == {"response_length": None, "benchmarks": ERC_VALIDATION}
+    assert rollout["max_model_len"] == 131072
     assert rollout["name"] == "vllm"
     assert config["reward"]["custom_reward_function"] == {
         "path": "recipe/reward.py", "name": "compute_score", "reward_kwargs": {
@@ -191,6 +200,8 @@ def test_atr_rows(dry_runs, script):
     assert [Path(f).name for f in data["val_files"]] == ["aimo_amc.parquet", "aime24.parquet", "aime25.parquet"]
     val = rollout["val_kwargs"]
     assert (val["n"], val["temperature"], val["top_p"], val["do_sample"]) == (8, 0.3, 0.95, True)
+    # one validation setting for every set: the training length (1,536) and val_kwargs.n
+    assert rollout["custom"]["validation"] == {"response_length": None, "benchmarks": {}}
     assert data["apply_chat_template_kwargs"] == {"enable_thinking": False}
 
 
@@ -377,11 +388,13 @@ def test_erc_released_profile(released_dry_runs, script):
     assert (actor["policy_loss"]["erc_beta_low"] == 0.05) is erc
     assert actor["ppo_mini_batch_size"] == 16 and rollout["n"] == 8 and actor["optim"]["lr"] == 1e-6
     assert config["trainer"]["experiment_name"] == script[len("run_"):-len(".sh")]
-    # the released scripts validate on AIME24/AIME25; verl 0.9.1 validates at the training length (16k):
-    # their 32 x 32k AIME protocol is `python -m recipe.eval generate --preset erc` (test_eval.py)
+    # the released scripts validate on AIME24/AIME25 with 32 samples of up to 32k tokens, training at 16k
     assert [Path(f).name for f in config["data"]["val_files"]] == ["aime24.parquet", "aime25.parquet"]
     assert config["data"]["max_response_length"] == 16384 and rollout["response_length"] == 16384
-    assert rollout["prompt_length"] == 4096
+    assert rollout["custom"]["validation"] == {"response_length": None, "benchmarks": {
+        "aime24": {"response_length": 32768, "n": 32}, "aime25": {"response_length": 32768, "n": 32},
+        "hmmt25": None, "amc23": None, "math500": None, "olympiadbench": None}}  # null: not validated
+    assert rollout["prompt_length"] == 4096 and rollout["max_model_len"] == 131072  # 4k + 32k fits
 
 
 @pytest.mark.parametrize("script", sorted(ERC_SCRIPTS))

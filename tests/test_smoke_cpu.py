@@ -1,6 +1,7 @@
 """The CPU end-to-end smoke, shortened for CI: verl's real v1 trainer through `python -m recipe.main`
 (local Ray, FSDP2 on the cpu platform, hf_cpu rollouts, our reward, validation, checkpoints) for a
-few steps, then a resume. No learning margin here: the full run is `bash launch/run_smoke_cpu.sh`
+few steps, then a resume, validating two benchmarks at their own response lengths and sample counts
+(recipe/validation_length.py). No learning margin here: the full run is `bash launch/run_smoke_cpu.sh`
 (docs/cpu_end_to_end.md has its figures)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -41,12 +43,53 @@ def training_steps(log: Path) -> list[int]:
     return sorted({r["step"] for r in rows if "critic/score/mean" in r["data"]})
 
 
+#: Per-benchmark validation (recipe.validation_length) on the same run: training responses stop at
+#: 4 tokens (RESPONSE_LEN), validation answers the echo set at 12 tokens x val_kwargs.n = 1 and a
+#: second set (the same prompts, data_source smoke_echo_long) at 16 tokens x 3. ignore_eos makes
+#: every response exactly its limit. Validation is greedy (run_smoke_cpu.sh), which draws nothing
+#: from the rollout server's sampling stream (test_cpu_rollout.py), so the training samples are
+#: the ones a run validating at the training length would draw.
+VAL_LENGTHS = {"smoke_echo": (12, 1), "smoke_echo_long": (16, 3)}  # data_source -> (length, n)
+TRAIN_LENGTH = 4
+
+
+def validation_length_args(out: Path) -> list[str]:
+    from recipe.smoke_task import build_smoke_assets
+
+    assets = out / "assets"
+    if not (assets / "data" / "val_long.parquet").exists():
+        build_smoke_assets(assets)
+        write_with_data_source(assets / "data" / "val.parquet", assets / "data" / "val_long.parquet", "smoke_echo_long")
+    (default_length, _), (long_length, long_n) = VAL_LENGTHS["smoke_echo"], VAL_LENGTHS["smoke_echo_long"]
+    validation = "actor_rollout_ref.rollout.custom.validation"
+    return [
+        "actor_rollout_ref.rollout.ignore_eos=True",
+        f"data.val_files=[{assets}/data/val.parquet,{assets}/data/val_long.parquet]",
+        f"{validation}.response_length={default_length}",
+        f"+{validation}.benchmarks.smoke_echo_long.response_length={long_length}",
+        f"+{validation}.benchmarks.smoke_echo_long.n={long_n}",
+        f"trainer.validation_data_dir={out}/validation",
+    ]
+
+
+def write_with_data_source(source: Path, target: Path, data_source: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(source)
+    index = table.schema.get_field_index("data_source")
+    kind = table.schema.field(index).type
+    pq.write_table(table.set_column(index, pa.field("data_source", kind), pa.array([data_source] * table.num_rows, kind)), target)
+
+
 @pytest.fixture(scope="module")
 def erc_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("smoke_erc")
-    run_smoke(out, "erc_dapo", 2, SAVE_FREQ="2", TEST_FREQ="2")
+    args = validation_length_args(out)
+    run_smoke(out, "erc_dapo", 2, *args, SAVE_FREQ="2", TEST_FREQ="2", RESPONSE_LEN=str(TRAIN_LENGTH))
     first_logs = sorted((out / "logs").glob("*.jsonl"))
-    run_smoke(out, "erc_dapo", 3, SAVE_FREQ="2", TEST_FREQ="2")  # resume from the step-2 checkpoint
+    # resume from the step-2 checkpoint
+    run_smoke(out, "erc_dapo", 3, *args, SAVE_FREQ="2", TEST_FREQ="2", RESPONSE_LEN=str(TRAIN_LENGTH))
     (out / "first_attempt").write_text(str(first_logs[0]))
     return out
 
@@ -69,6 +112,28 @@ def test_trainer_runs_erc_dapo_end_to_end(erc_run: Path) -> None:
     assert (erc_run / "curves.png").stat().st_size > 10_000
     report = json.loads((erc_run / "report.json").read_text())
     assert report["steps"] == [1, 2, 3] and "too few" in report["verdict"]
+
+
+def test_validation_runs_each_benchmark_at_its_own_length_and_n(erc_run: Path) -> None:
+    metrics = {json.loads(line)["step"]: json.loads(line)["data"] for line in (erc_run / "metrics.jsonl").read_text().splitlines()}
+    validated = [step for step in sorted(metrics) if any(k.startswith("val-core/") for k in metrics[step])]
+    assert validated == [0, 2, 3]
+    for step in validated:
+        data = metrics[step]
+        for source, (length, n) in VAL_LENGTHS.items():
+            prefix = f"val-aux/{source}/response_length"
+            # every validation response is its benchmark's length, longer than any training response
+            assert (data[f"{prefix}/min"], data[f"{prefix}/max"], data[f"{prefix}/limit"]) == (length, length, length)
+            assert data[f"{prefix}/clip_ratio"] == 1.0 and length > TRAIN_LENGTH
+            # n samples per prompt: verl names the accuracy mean@n
+            assert f"val-core/{source}/acc/mean@{n}" in data, sorted(k for k in data if k.startswith("val-core/"))
+    for step in (1, 2, 3):  # training rollouts: still capped at the training length
+        data = metrics[step]
+        assert (data["response_length/min"], data["response_length/max"]) == (TRAIN_LENGTH, TRAIN_LENGTH)
+    # the dumped validation generations: 20 prompts answered once, the same 20 prompts 3 times
+    rows = [json.loads(line) for line in (erc_run / "validation" / "0.jsonl").read_text().splitlines()]
+    per_prompt = Counter(row["uid"].rsplit("_", 2)[0] for row in rows)
+    assert Counter(per_prompt.values()) == {1: 20, 3: 20} and len(rows) == 80
 
 
 def test_resume_continues_from_the_checkpoint_with_optimizer_state(erc_run: Path) -> None:
