@@ -1,18 +1,19 @@
-"""The package layout's promises, each checked in a fresh interpreter (imports are process-global).
+"""The package layout's promises: what an import loads is checked in a fresh interpreter (imports
+are process-global); who imports whom is parsed from the source (imports inside functions included).
 
 * A GPU node never imports :mod:`verl_ext.cpu`: the method core and the ``verl.plugins`` entry
   point load without it unless ``VERL_PLATFORM=cpu``; with it, ``import verl`` alone registers the
   cpu platform, the Ray CPU check and the ``hf_cpu`` rollout.
 * Imports inside :mod:`verl_ext` run one way: parsed from the source (imports inside functions
-  included), the graph between its modules has no cycle, and ``verl_ext.config`` is a leaf that
-  imports verl and the standard library only. The loss-mode checks the config used to import
-  lazily now live in ``verl_ext.losses`` and still fire where configs are built and consumed.
+  included), the graph between its modules is the one drawn in ``verl_ext``'s docstring and has no
+  cycle, and ``verl_ext.config`` is a leaf that imports verl and the standard library only. The
+  config's loss-mode checks live in ``verl_ext.losses`` and fire where configs are built and consumed.
 * Who may import whom across the packages, as each package's docstring states it (parsed from the
   source, lazy imports included): product code (``verl_ext``, ``recipe``, ``data_prep``) never
   imports ``tests``; ``data_prep`` imports neither ``recipe`` nor ``verl_ext`` nor verl;
   ``verl_ext`` imports neither ``recipe`` nor ``data_prep``; only ``verl_ext.plugin`` (and the
   probes' CPU engine) imports ``verl_ext.cpu``, which imports nothing else of ``verl_ext``;
-  nothing outside ``recipe.bench`` imports it; ``recipe.eval``'s modules import only the ones
+  nothing outside ``recipe.bench`` imports ``recipe.bench``; ``recipe.eval``'s modules import only the ones
   above them in its docstring's table, never ``verl_ext``; the reward's worker module is imported
   by the reward alone.
 """
