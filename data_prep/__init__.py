@@ -6,9 +6,11 @@ files or the hub into parquets that verl's trainer and :mod:`recipe.eval` read.
 
 What lives here: ``io`` (opening inputs, the one error type), ``layouts`` (recognising each
 upstream row layout), ``templates`` (the prompt templates), ``convert`` (rows -> verl parquet),
-``openmath`` (the SFT data), ``__main__`` (the CLI).
+``openmath`` (the SFT data), ``sft_tokens`` (how an SFT row becomes tokens: the RL prompt, then
+the target), ``__main__`` (the CLI).
 
-Who may import it: its CLI, :mod:`recipe.smoke_task` (``write_parquet``) and tests. It imports no
-verl and no :mod:`verl_ext`; only ``openmath`` imports :mod:`recipe.sft_dataset`, so that SFT rows
-are tokenised exactly as the RL rollouts see their prompts.
+Who may import it: its CLI, :mod:`recipe` (``smoke_task`` writes parquets with ``write_parquet``;
+``sft_dataset`` tokenises SFT rows with ``sft_tokens``, the functions ``openmath`` measures them
+with) and tests. It sits below both other packages: it imports neither :mod:`recipe` nor
+:mod:`verl_ext`, nor verl (``tests/test_layout.py`` parses every import, lazy ones included).
 """

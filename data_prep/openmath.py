@@ -12,7 +12,8 @@ trainer reads (``messages``, plus ``enable_thinking``, ``data_source``, ``extra_
 
 * user: the problem under DAPO-Math's ``Answer:`` instruction (``data_prep.templates`` ``dapo``), the
   RL prompt's text; the trainer wraps it in the model's chat template with the generation prompt
-  (non-thinking Qwen3), exactly as the RL rollouts see it (``recipe/sft_dataset.py``).
+  (non-thinking Qwen3), exactly as the RL rollouts see it (``data_prep.sft_tokens``, which verl's
+  SFT trainer tokenises with too, through ``recipe/sft_dataset.py``).
 * assistant: the written-up chain of thought of ``generated_solution`` (the text after its
   ``</think>``: the reasoning trace itself is a thinking-mode trace, far beyond 2,048 tokens), then a
   final line ``Answer: <expected_answer>``, the line the RL reward reads.
@@ -41,6 +42,7 @@ from typing import Any
 
 from data_prep.convert import _progress, write_parquet
 from data_prep.io import DataPrepError, open_input
+from data_prep.sft_tokens import encode_pair
 from data_prep.templates import apply_template
 
 NAME = "openmathreasoning"
@@ -241,8 +243,6 @@ def convert_openmath(
             summary.dropped[NOT_SAMPLED] += 1
     ordered = sorted(heap, reverse=True)  # best priority first
     rows: list[dict[str, Any]] = []
-    from recipe.sft_dataset import encode_pair
-
     for position, cand in enumerate(ordered):
         if len(rows) == sample:
             summary.dropped[NOT_SAMPLED] += len(ordered) - position

@@ -15,8 +15,8 @@ What lives here:
   the CPU smoke run's generated workload and its verdict.
 * :mod:`recipe.bench` -- benchmarks (``python -m recipe.bench``).
 
-Who may import it: its own entry points, tests and :mod:`data_prep` (``openmath`` tokenises SFT
-rows with ``recipe.sft_dataset``). It imports :mod:`verl_ext` and verl; :mod:`recipe.eval`,
+Who may import it: its own entry points and tests; neither :mod:`verl_ext` nor :mod:`data_prep`
+does. It imports :mod:`verl_ext`, :mod:`data_prep` and verl, never ``tests/``; :mod:`recipe.eval`,
 ``reward`` and ``plots`` work without verl's trainer (and without a GPU). This ``__init__``
 imports nothing.
 """

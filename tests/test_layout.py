@@ -1,15 +1,21 @@
-"""The package layout's promises, each checked in a fresh interpreter (imports are process-global).
+"""The package layout's promises: what an import loads is checked in a fresh interpreter (imports
+are process-global); who imports whom is parsed from the source (imports inside functions included).
 
 * A GPU node never imports :mod:`verl_ext.cpu`: the method core and the ``verl.plugins`` entry
   point load without it unless ``VERL_PLATFORM=cpu``; with it, ``import verl`` alone registers the
   cpu platform, the Ray CPU check and the ``hf_cpu`` rollout.
-* The CPU modules' old paths (``verl_ext.platform_cpu``, ``verl_ext.ray_cpu``,
-  ``verl_ext.rollout_cpu``) still import, warn with ``DeprecationWarning`` naming the new path, and
-  hand out the very same objects.
 * Imports inside :mod:`verl_ext` run one way: parsed from the source (imports inside functions
-  included), the graph between its modules has no cycle, and ``verl_ext.config`` is a leaf that
-  imports verl and the standard library only. The loss-mode checks the config used to import
-  lazily now live in ``verl_ext.losses`` and still fire where configs are built and consumed.
+  included), the graph between its modules is the one drawn in ``verl_ext``'s docstring and has no
+  cycle, and ``verl_ext.config`` is a leaf that imports verl and the standard library only. The
+  config's loss-mode checks live in ``verl_ext.losses`` and fire where configs are built and consumed.
+* Who may import whom across the packages, as each package's docstring states it (parsed from the
+  source, lazy imports included): product code (``verl_ext``, ``recipe``, ``data_prep``) never
+  imports ``tests``; ``data_prep`` imports neither ``recipe`` nor ``verl_ext`` nor verl;
+  ``verl_ext`` imports neither ``recipe`` nor ``data_prep``; only ``verl_ext.plugin`` (and the
+  probes' CPU engine) imports ``verl_ext.cpu``, which imports nothing else of ``verl_ext``;
+  nothing outside ``recipe.bench`` imports ``recipe.bench``; ``recipe.eval``'s modules import only the ones
+  above them in its docstring's table, never ``verl_ext``; the reward's worker module is imported
+  by the reward alone.
 """
 
 from __future__ import annotations
@@ -17,14 +23,17 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 METHOD_CORE = ["verl_ext.losses", "verl_ext.divergences", "verl_ext.config", "verl_ext.actor_loss", "verl_ext.entropy", "verl_ext.plugin"]
-CPU_MODULES = ("verl_ext.cpu", "verl_ext.platform_cpu", "verl_ext.ray_cpu", "verl_ext.rollout_cpu")
+CPU_MODULES = ("verl_ext.cpu",)
+PRODUCT_PACKAGES = ("verl_ext", "recipe", "data_prep")  # what pyproject.toml ships
 
 
 def _run(code: str, **env: str) -> dict:
@@ -57,7 +66,7 @@ def test_method_core_and_plugin_do_not_import_the_cpu_package() -> None:
 def test_verl_platform_cpu_sets_the_process_up_through_the_plugin() -> None:
     out = _run(
         """
-        import json, sys
+        import json
         import verl
         from verl.plugin.platform import PlatformRegistry
         from verl.workers.rollout.base import _ROLLOUT_REGISTRY
@@ -67,42 +76,11 @@ def test_verl_platform_cpu_sets_the_process_up_through_the_plugin() -> None:
             "platform": PlatformRegistry.get("cpu") is PlatformCPU,
             "rollout": _ROLLOUT_REGISTRY.get(("hf_cpu", "async")),
             "resource_check": getattr(ResourcePoolManager._check_resource_available, "__verl_ext_cpu__", False),
-            "old_paths": sorted(m for m in sys.modules if m in ("verl_ext.platform_cpu", "verl_ext.ray_cpu", "verl_ext.rollout_cpu")),
         }))
         """,
         VERL_PLATFORM="cpu",
     )
-    assert out == {"platform": True, "rollout": "verl_ext.cpu.rollout.HFCpuServerAdapter", "resource_check": True, "old_paths": []}
-
-
-def test_old_cpu_module_paths_warn_and_alias_the_new_modules() -> None:
-    out = _run(
-        """
-        import importlib, json, warnings
-        from verl_ext.cpu import platform, ray_resources, rollout, sampling, setup_cpu_process, cpu_platform_selected
-        same = {}
-        messages = {}
-        for old in ("verl_ext.platform_cpu", "verl_ext.ray_cpu", "verl_ext.rollout_cpu"):
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                module = importlib.import_module(old)
-            messages[old] = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning) and old in str(w.message)]
-        import verl_ext.platform_cpu as p, verl_ext.ray_cpu as r, verl_ext.rollout_cpu as ro
-        from verl_ext.rollout_cpu import *  # the old __all__ still resolves
-        same["platform"] = p.PlatformCPU is platform.PlatformCPU and p.register_cpu_platform is platform.register_cpu_platform
-        same["platform_private"] = p._patch_process_group_backend is platform._patch_process_group_backend
-        same["ray"] = r.setup_cpu_process is setup_cpu_process and r.cpu_platform_selected is cpu_platform_selected and r.enable_cpu_ray is ray_resources.enable_cpu_ray
-        same["ray_private"] = r._check_cpu_resources_available is ray_resources._check_cpu_resources_available
-        same["rollout"] = ro.HFCpuServerAdapter is rollout.HFCpuServerAdapter and ro.register_cpu_rollout is rollout.register_cpu_rollout
-        same["sampling"] = ro.generate_batch is sampling.generate_batch and ro.SamplingSpec is sampling.SamplingSpec and ro.load_hf_model is rollout.load_hf_model
-        same["star"] = generate_batch is sampling.generate_batch and HFCpuReplica is rollout.HFCpuReplica
-        print(json.dumps({"same": same, "messages": messages}))
-        """
-    )
-    assert all(out["same"].values()), out["same"]
-    news = {"verl_ext.platform_cpu": "verl_ext.cpu.platform", "verl_ext.ray_cpu": "verl_ext.cpu.ray_resources", "verl_ext.rollout_cpu": "verl_ext.cpu.rollout"}
-    for old, new in news.items():
-        assert len(out["messages"][old]) == 1 and new in out["messages"][old][0], out["messages"]
+    assert out == {"platform": True, "rollout": "verl_ext.cpu.rollout.HFCpuServerAdapter", "resource_check": True}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -129,11 +107,22 @@ def _is_module(name: str) -> bool:
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
-def imported_modules(source: str, module: str, is_package: bool = False) -> set[str]:
-    """Every module ``source`` imports, at any depth (module level, functions, conditionals).
-    ``from pkg import name`` counts as ``pkg.name`` when that is a verl_ext module, else ``pkg``."""
+def _nodes_run_at_import(tree: ast.AST) -> Iterator[ast.AST]:
+    """The nodes of ``tree`` that run when the module is imported: all but function bodies."""
+    for child in ast.iter_child_nodes(tree):
+        if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            yield child
+            yield from _nodes_run_at_import(child)
+
+
+def imported_modules(source: str, module: str, is_package: bool = False, at_import_only: bool = False) -> set[str]:
+    """Every module ``source`` imports, at any depth (module level, functions, conditionals), or
+    with ``at_import_only`` only those imported when the module itself is imported (no function
+    bodies). ``from pkg import name`` counts as ``pkg.name`` when that is a module of the project's
+    packages, else ``pkg``."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    for node in (_nodes_run_at_import(tree) if at_import_only else ast.walk(tree)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -146,7 +135,7 @@ def imported_modules(source: str, module: str, is_package: bool = False) -> set[
                 continue
             found.add(base)
             for alias in node.names:
-                if base.startswith("verl_ext") and _is_module(f"{base}.{alias.name}"):
+                if base.split(".")[0] in PRODUCT_PACKAGES and _is_module(f"{base}.{alias.name}"):
                     found.add(f"{base}.{alias.name}")
     return found
 
@@ -277,3 +266,135 @@ def test_a_worker_that_imports_verl_checks_the_loss_mode_at_construction() -> No
         """
     )
     assert out["error"] is not None and "policy_loss.loss_mode='kl4' is not a registered" in out["error"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Who may import whom, across the packages (the rules of each package's docstring)
+# ------------------------------------------------------------------------------------------------
+
+
+def product_imports(at_import_only: bool = False) -> dict[str, set[str]]:
+    """module -> every module it imports, for each module the wheel ships (``PRODUCT_PACKAGES``)."""
+    imports: dict[str, set[str]] = {}
+    for package in PRODUCT_PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            module = _module_name(path)
+            imports[module] = imported_modules(path.read_text(), module, path.name == "__init__.py", at_import_only)
+    return imports
+
+
+def _within(name: str, *packages: str) -> bool:
+    return any(name == package or name.startswith(package + ".") for package in packages)
+
+
+def importers_of(target: str, imports: dict[str, set[str]]) -> set[str]:
+    """The product modules outside ``target`` that import ``target`` or any module below it."""
+    return {module for module, names in imports.items() if not _within(module, target) and any(_within(n, target) for n in names)}
+
+
+def test_the_scan_covers_every_package_and_sees_their_imports() -> None:
+    imports = product_imports()
+    for package in PRODUCT_PACKAGES:
+        assert sum(_within(module, package) for module in imports) >= 6, package
+    # known edges, so that an empty scan cannot pass the rules below
+    assert "data_prep.sft_tokens" in imports["recipe.sft_dataset"] and "data_prep.convert" in imports["recipe.smoke_task"]
+    assert "data_prep.openmath" in imports["data_prep.__main__"]  # ``from data_prep import openmath``
+    assert "recipe.reward" in imports["recipe.eval.metrics"] and "verl_ext.cpu.platform" in imports["recipe.bench.harness"]
+
+
+def test_product_code_never_imports_tests() -> None:
+    offenders = {module: sorted(n for n in names if _within(n, "tests", "conftest")) for module, names in product_imports().items()}
+    assert {m: names for m, names in offenders.items() if names} == {}
+
+
+def test_data_prep_imports_neither_recipe_nor_verl_ext_nor_verl() -> None:
+    imports = product_imports()
+    offenders = {m: sorted(n for n in names if _within(n, "recipe", "verl_ext", "verl")) for m, names in imports.items() if _within(m, "data_prep")}
+    assert {m: names for m, names in offenders.items() if names} == {}
+
+
+def test_verl_ext_imports_neither_recipe_nor_data_prep() -> None:
+    imports = product_imports()
+    offenders = {m: sorted(n for n in names if _within(n, "recipe", "data_prep")) for m, names in imports.items() if _within(m, "verl_ext")}
+    assert {m: names for m, names in offenders.items() if names} == {}
+    assert importers_of("recipe", imports) == set()  # so nothing below recipe imports it
+
+
+def test_package_inits_import_what_their_docstrings_promise() -> None:
+    """``verl_ext/__init__`` and ``recipe/__init__`` import nothing (``import verl_ext.x`` loads
+    only ``x``); ``verl_ext/cpu/__init__`` imports only the standard library when imported (its
+    submodules, which pull in verl, are imported inside :func:`setup_cpu_process`)."""
+    imports = product_imports()
+    assert imports["verl_ext"] == set() and imports["recipe"] == set()
+    at_import = product_imports(at_import_only=True)["verl_ext.cpu"]
+    assert sorted(n for n in at_import if n.split(".")[0] not in sys.stdlib_module_names) == []
+    assert {"verl_ext.cpu.platform", "verl_ext.cpu.rollout"} <= imports["verl_ext.cpu"]  # the lazy ones are seen
+
+
+def test_verl_ext_cpu_is_imported_by_the_plugin_and_the_cpu_engine_only() -> None:
+    """Inside ``verl_ext`` only the plugin imports the CPU support, and ``verl_ext.cpu`` imports
+    nothing else of ``verl_ext``. Outside it, only CPU-only tools do: the benchmarks' engine
+    (``recipe.bench.harness``)."""
+    imports = product_imports()
+    importers = importers_of("verl_ext.cpu", imports)
+    assert {m for m in importers if _within(m, "verl_ext")} == {"verl_ext.plugin"}
+    assert {m for m in importers if not _within(m, "verl_ext", "recipe.bench")} == set(), importers
+    outside = {m: sorted(n for n in names if _within(n, "verl_ext") and not _within(n, "verl_ext.cpu")) for m, names in imports.items() if _within(m, "verl_ext.cpu")}
+    assert {m: names for m, names in outside.items() if names} == {}
+
+
+def documented_verl_ext_graph() -> dict[str, set[str]]:
+    """The import graph drawn in ``verl_ext/__init__.py``'s docstring (``a, b -> c, d (why)``)."""
+    docstring = ast.get_docstring(ast.parse((PACKAGE / "__init__.py").read_text())) or ""
+    block = docstring.split("::", 1)[1].split("\n\n")[1]  # the indented block after the "::"
+    graph: dict[str, set[str]] = {}
+    for line in block.splitlines():
+        sources, targets = line.split("->")
+        edges = {f"verl_ext.{t.strip()}" for t in re.split(r"[,;]", re.sub(r"\([^)]*\)", "", targets)) if t.strip()}
+        for source in sources.split(","):
+            graph[f"verl_ext.{source.strip()}"] = edges
+    return graph
+
+
+def test_verl_ext_imports_are_the_graph_its_docstring_draws() -> None:
+    documented = documented_verl_ext_graph()
+    assert {"verl_ext.config", "verl_ext.losses", "verl_ext.plugin"} <= set(documented) and documented["verl_ext.config"] == set()
+    actual = {node: edges for node, edges in verl_ext_import_graph().items() if node not in ("verl_ext", "verl_ext.cpu")}
+    assert actual == documented, "update the graph in verl_ext/__init__.py's docstring to what the code imports"
+
+
+def test_recipe_bench_is_imported_by_nothing_else_and_imports_only_the_reward_of_recipe() -> None:
+    imports = product_imports()
+    assert importers_of("recipe.bench", imports) == set()
+    of_recipe = {n for m, names in imports.items() if _within(m, "recipe.bench") for n in names if _within(n, "recipe") and not _within(n, "recipe.bench")}
+    assert of_recipe == {"recipe.reward"}
+
+
+def eval_table_order() -> list[str]:
+    """The modules of ``recipe.eval`` in the order of its docstring's table (each imports only those above it)."""
+    docstring = ast.get_docstring(ast.parse((ROOT / "recipe" / "eval" / "__init__.py").read_text())) or ""
+    return re.findall(r"^``(recipe\.eval\.\w+)``", docstring, flags=re.MULTILINE)
+
+
+def test_recipe_eval_modules_import_only_those_above_them_and_never_verl_ext() -> None:
+    imports = product_imports()
+    order = eval_table_order()
+    assert order[:2] == ["recipe.eval.metrics", "recipe.eval.presets"] and order[-1] == "recipe.eval.cli"
+    assert set(order) == {m for m in imports if _within(m, "recipe.eval")} - {"recipe.eval", "recipe.eval.__main__"}
+    for position, module in enumerate(order):
+        of_eval = {n for n in imports[module] if _within(n, "recipe.eval")}
+        assert of_eval <= set(order[:position]), (module, sorted(of_eval - set(order[:position])))
+    eval_imports = {n for m, names in imports.items() if _within(m, "recipe.eval") for n in names}
+    assert not [n for n in eval_imports if _within(n, "verl_ext")]
+    assert {n for n in eval_imports if _within(n, "recipe") and not _within(n, "recipe.eval")} == {"recipe.reward"}
+    at_import = {n for m, names in product_imports(at_import_only=True).items() if _within(m, "recipe.eval") for n in names}
+    assert not [n for n in at_import if _within(n, "recipe.reward", "vllm")], "the reward and vLLM are imported lazily"
+
+
+def test_the_reward_worker_module_is_imported_by_the_reward_alone() -> None:
+    """A math-verify worker process imports ``recipe.reward_workers`` only; ``recipe.reward`` is
+    its one importer, and ``recipe.eval`` and the benchmarks are the reward's only importers."""
+    imports = product_imports()
+    assert not [n for n in imports["recipe.reward_workers"] if _within(n, *PRODUCT_PACKAGES)]
+    assert importers_of("recipe.reward_workers", imports) == {"recipe.reward"}
+    assert {m for m in importers_of("recipe.reward", imports) if not _within(m, "recipe.eval", "recipe.bench")} == set()

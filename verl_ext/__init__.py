@@ -32,7 +32,7 @@ imports verl and torch, never :mod:`recipe` or :mod:`data_prep`; its core module
 and what it needs.
 
 Inside the package imports run one way (``tests/test_layout.py`` parses them, lazy ones included,
-and asserts the graph has no cycle)::
+and asserts that they form exactly this graph and that it has no cycle)::
 
     config        -> (verl and the standard library only: a leaf)
     divergences, entropy, token_dump -> (no verl_ext module)

@@ -14,5 +14,5 @@ dispatches by name.
 
 Who may import it: only its own ``__main__`` and tests; nothing in :mod:`verl_ext` or the rest of
 :mod:`recipe` depends on it. It imports :mod:`verl_ext`, :mod:`recipe.reward` and verl, never
-``tests/``: every probe runs from an installed wheel.
+``tests/``: every probe runs from an installed wheel (``tests/test_installed_wheel.py`` runs one there).
 """

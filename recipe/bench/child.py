@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
+"""The directory this ``recipe`` package was imported from: the checkout's root, or site-packages
+for an installed wheel (``tests/test_installed_wheel.py`` runs the probes from one)."""
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,9 @@ class ChildRun:
 
 
 def run_child(module: str, argv: list[str], env: Optional[dict[str, str]] = None) -> ChildRun:
-    """``python -m module *argv`` from the repository root, with the root on ``PYTHONPATH``
-    (so ``verl_ext`` and ``recipe`` import from a checkout as from an installed wheel) and ``env`` added to the environment."""
+    """``python -m module *argv`` in :data:`ROOT`, with :data:`ROOT` first on ``PYTHONPATH`` (so the
+    child imports the very ``verl_ext`` and ``recipe`` its parent runs, from a checkout as from an
+    installed wheel) and ``env`` added to the environment."""
     full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     full_env.update(env or {})
     proc = subprocess.run([sys.executable, "-m", module, *argv], cwd=ROOT, env=full_env, capture_output=True, text=True)

@@ -17,8 +17,7 @@ What lives here:
 Who may import it: :mod:`verl_ext.plugin` (lazily, under ``VERL_PLATFORM=cpu``), CPU-only tools and
 tests. The method core (``verl_ext.losses``, ``divergences``, ``config``, ``actor_loss``,
 ``entropy``) never does. This package imports verl, torch, Ray and transformers, but nothing else
-of ``verl_ext``. The old module paths ``verl_ext.platform_cpu``, ``verl_ext.ray_cpu`` and
-``verl_ext.rollout_cpu`` still import, with a ``DeprecationWarning``.
+of ``verl_ext``.
 
 This ``__init__`` itself imports only the standard library: importing a submodule (or calling
 :func:`setup_cpu_process`) is what pulls in verl.
