@@ -105,6 +105,12 @@ class _EagerRows:
         self.exps = torch.empty(rows, vocab, dtype=torch.float32, device=device)
 
     def __call__(self, chunk: torch.Tensor) -> torch.Tensor:
+        return self.entropy_and_normaliser(chunk)[0]
+
+    def entropy_and_normaliser(self, chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(H, max, log1p(r))`` of each row: the entropy and the two parts of the log-normaliser
+        ``logsumexp(x) = max + log1p(r)``, so ``log p_j = (x_j - max) - log1p(r)`` without cancellation
+        for the arg-max (the vocabulary pass, :mod:`verl_ext.vocab_pass`)."""
         n = chunk.shape[0]
         z, e = self.shifted[:n], self.exps[:n]
         z.copy_(chunk)  # a copy: never touch the logits
@@ -113,7 +119,8 @@ class _EagerRows:
         torch.exp(z, out=e)
         spread = z.mul_(e).sum(dim=-1).neg_()
         rest = e.scatter_(-1, arg_top, 0.0).sum(dim=-1)
-        return torch.log1p(rest) + spread / (1.0 + rest)
+        log1p_rest = torch.log1p(rest)
+        return log1p_rest + spread / (1.0 + rest), top.squeeze(-1), log1p_rest
 
 
 @torch.no_grad()
