@@ -36,6 +36,7 @@ from verl_ext.entropy import EntropyPath, entropy_as_mask, install_divclip_entro
 from verl_ext.losses import CONSTRAINTS, constrained_policy_loss, resolve_policy_config
 from verl_ext.token_dump import TokenDumpWriter
 from verl_ext.verl_modes import verl_policy_loss
+from verl_ext.vocab_pass_engine import install_vocab_pass, with_vocab_pass
 
 
 def divclip_actor_loss(
@@ -259,6 +260,8 @@ def build_actor_loss(actor_config: ActorConfig) -> Callable[..., Any]:
     policy = divclip_policy_config(actor_config)
     if policy is not None and policy.erc_enabled:
         loss = entropy_as_mask(loss, entropy_coeff=actor_config.entropy_coeff)  # raises on an entropy bonus
+    if policy is not None and policy.vocab_pass:
+        loss = with_vocab_pass(loss)  # both passes of this engine: no logits tensor
     return loss
 
 
@@ -284,3 +287,4 @@ def entropy_is_detached(loss: Optional[Callable[..., Any]]) -> bool:
 
 # Runs in every process that unpickles the loss (the actor workers): see the module docstring.
 install_divclip_entropy()
+install_vocab_pass()
