@@ -251,3 +251,61 @@ def test_refusals_name_the_key() -> None:
     with_bias.get_output_embeddings = lambda: torch.nn.Linear(4, 8, bias=True)  # type: ignore[method-assign]
     with pytest.raises(ValueError, match=VOCAB_PASS_KEY.replace(".", r"\.") + ".*bias"):
         output_head(with_bias)
+
+
+# ------------------------------------------------------------------------------------------------
+# The config key, before Ray starts
+# ------------------------------------------------------------------------------------------------
+
+VOCAB_PASS_ON = "actor_rollout_ref.actor.policy_loss.vocab_pass=true"
+
+
+def compose_config(*overrides: str) -> Any:
+    from hydra import compose, initialize_config_dir
+
+    from recipe.main import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        return compose(config_name="divclip_trainer", overrides=list(overrides))
+
+
+def test_config_key_is_declared_and_reaches_the_loss() -> None:
+    from recipe.validation import validate_divclip_config
+    from verl_ext.actor_loss import build_actor_loss
+    from verl_ext.vocab_pass_engine import loss_uses_vocab_pass
+
+    off = validate_divclip_config(compose_config())
+    assert off.policy_loss.vocab_pass is False and not loss_uses_vocab_pass(build_actor_loss(off))
+    erc = ["actor_rollout_ref.actor.policy_loss.erc_beta_low=0.05", "actor_rollout_ref.actor.policy_loss.erc_beta_high=0.05",
+           "actor_rollout_ref.actor.calculate_entropy=true"]
+    on = validate_divclip_config(compose_config(VOCAB_PASS_ON, *erc))
+    loss = build_actor_loss(on)
+    assert loss_uses_vocab_pass(loss)
+    from verl_ext.entropy import EntropyPath, loss_entropy_path
+
+    assert loss_entropy_path(loss) is EntropyPath.DIVCLIP_FP32  # ERC's mask declaration is kept
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["actor_rollout_ref.model.use_fused_kernels=true"], r"vocab_pass=true and actor_rollout_ref\.model\.use_fused_kernels"),
+        (["actor_rollout_ref.actor.calculate_sum_pi_squared=true"], r"actor_rollout_ref\.actor\.calculate_sum_pi_squared"),
+        (["distillation.enabled=true"], r"distillation\.enabled"),
+        (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj,lm_head]"],
+         r"target_modules=\['q_proj', 'lm_head'\] puts a LoRA adapter on lm_head"),
+    ],
+)
+def test_refused_combinations_name_the_key(overrides: list[str], message: str) -> None:
+    from recipe.validation import ConfigError, validate_divclip_config
+
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.policy_loss\.vocab_pass=true.*" + message if
+                       not message.startswith("vocab_pass") else message):
+        validate_divclip_config(compose_config(VOCAB_PASS_ON, *overrides))
+
+
+def test_lora_elsewhere_is_accepted() -> None:
+    from recipe.validation import validate_divclip_config
+
+    actor = validate_divclip_config(compose_config(VOCAB_PASS_ON, "actor_rollout_ref.model.lora_rank=8"))
+    assert actor.policy_loss.vocab_pass is True
