@@ -309,3 +309,29 @@ def test_lora_elsewhere_is_accepted() -> None:
 
     actor = validate_divclip_config(compose_config(VOCAB_PASS_ON, "actor_rollout_ref.model.lora_rank=8"))
     assert actor.policy_loss.vocab_pass is True
+
+
+def test_every_launch_script_passes_vocab_pass_through() -> None:
+    """``VOCAB_PASS`` is read by launch/common.sh (every ``divclip_launch`` script and the sweep) and
+    by launch/run_smoke_cpu.sh; a bad value exits 2 naming the variable."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "VOCAB_PASS": "1", "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(root / "launch/run_erc_dapo_1.5b.sh"), "--dry-run"], cwd="/", env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert yaml.safe_load(proc.stdout)["actor_rollout_ref"]["actor"]["policy_loss"]["vocab_pass"] is True
+    for script in ("run_grpo_7b.sh", "run_smoke_cpu.sh"):
+        bad = subprocess.run(["bash", str(root / "launch" / script), "--dry-run"], cwd="/",
+                             env={**env, "VOCAB_PASS": "yes", "PYTHON": "/bin/false"}, capture_output=True, text=True,
+                             timeout=60)
+        assert bad.returncode == 2 and "VOCAB_PASS must be 1, true, 0 or false, got 'yes'" in bad.stderr, (script, bad.stderr)
+    scripts = [p for p in (root / "launch").glob("run_*.sh") if "sft" not in p.name]
+    for path in scripts:  # the RL scripts: through divclip_launch, or the smoke script's own case
+        text = path.read_text()
+        assert "divclip_launch " in text or "VOCAB_PASS" in text, path.name
