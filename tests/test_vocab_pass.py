@@ -99,9 +99,18 @@ def norm_rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.detach().double() - ref).norm() / ref.norm())
 
 
+@pytest.fixture(params=["one_slice", "sliced"])
+def vocab_slices(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The whole vocabulary in one slice, or 8 slices of 128 columns (the last one 104): the
+    slices' row sums are merged (``verl_ext.entropy.merge_row_stats``)."""
+    if request.param == "sliced":
+        monkeypatch.setattr("verl_ext.vocab_pass.VOCAB_SLICE", 128)
+    return request.param
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 @pytest.mark.parametrize("entropy_coeff", [0.0, 0.3])
-def test_fp32_matches_fp64_reference(temperature: float, entropy_coeff: float) -> None:
+def test_fp32_matches_fp64_reference(temperature: float, entropy_coeff: float, vocab_slices: str) -> None:
     """Exact fp32 logits (and power-of-two temperatures, exact in fp32): the pass's reductions and
     gradients are within 1e-5 relative of fp64, confident rows included."""
     hidden, weight, labels = exact_logit_inputs()
@@ -141,7 +150,7 @@ def test_fp32_random_inputs_no_worse_than_the_materialised_fp32_path(temperature
     assert norm_rel_err(gw, ref_gw) <= max(1e-5, norm_rel_err(w.grad, ref_gw))
 
 
-def test_fp32_top_k_matches_reference() -> None:
+def test_fp32_top_k_matches_reference(vocab_slices: str) -> None:
     hidden, weight, labels = make_inputs(torch.float32, scale_range=(-1.0, 0.5))
     g = torch.ones(TOKENS, dtype=torch.float64)
     *_, ref_log_p = reference(hidden, weight, labels, 1.0, 0.0, g)
@@ -173,7 +182,7 @@ def test_tied_head_gradients_match_reference() -> None:
 
 
 @pytest.mark.parametrize("entropy_coeff", [0.0, 0.3])
-def test_bf16_error_is_at_most_the_materialised_bf16_paths(entropy_coeff: float) -> None:
+def test_bf16_error_is_at_most_the_materialised_bf16_paths(entropy_coeff: float, vocab_slices: str) -> None:
     from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
     hidden, weight, labels = make_inputs(torch.bfloat16)
@@ -206,9 +215,9 @@ def test_bf16_error_is_at_most_the_materialised_bf16_paths(entropy_coeff: float)
     assert errors["grad_hidden"][0] <= 2**-8 and errors["grad_weight"][0] <= 2**-8
 
 
-def test_rows_do_not_depend_on_the_chunking() -> None:
-    """With exact logits the reductions are bit-identical whatever the chunk; the gradients sum
-    over tokens in another order, so they agree to rounding."""
+def test_rows_do_not_depend_on_the_chunking(vocab_slices: str) -> None:
+    """With exact logits the reductions are bit-identical whatever the block of rows (the vocabulary
+    slices are fixed); the gradients sum over tokens in another order, so they agree to rounding."""
     hidden, weight, labels = exact_logit_inputs()
     g = torch.randn(TOKENS, generator=torch.Generator().manual_seed(2))
     results = [ours(hidden, weight, labels, 0.9, 0.0, g, chunk_bytes=rows * VOCAB * 4) for rows in (1, 7, TOKENS)]

@@ -8,14 +8,17 @@ temperature ``T``: with ``x_t = W h_t`` (the LM head) and ``z_t = x_t / T``,
 * ``H_t = -sum_j pi_j log pi_j`` (ERC's ``H(pi_theta, t)`` and ``H(pi_old, t)``, ERC paper Eq. 6),
 * the ``k`` largest ``log pi_j`` and their ids (what a full-KL trust region stores of pi_old).
 
-:class:`VocabPass` computes them over chunks of tokens: each chunk's logits are computed in
-float32 from the head weight (cast to float32 a vocabulary slice at a time, never the whole
-``vocab x hidden`` matrix), scaled by ``1/T`` in float32 -- never rounded to bf16, which removes
-the logit rounding that makes a bf16 entropy noisy -- and reduced with the project's
-cancellation-free row formula (:meth:`verl_ext.entropy._EagerRows.entropy_and_normaliser`): every
-term non-negative, ``logsumexp = max + log1p(r)``, so ``log pi`` of the arg-max token and the
-entropy of a confident token keep their relative precision. Only ``rows x vocab`` float32 buffers
-of at most :data:`verl_ext.entropy.EAGER_CHUNK_BYTES` exist at once.
+:class:`VocabPass` computes them over blocks of tokens and, within a block, over fixed slices of
+:data:`VOCAB_SLICE` vocabulary columns: each slice's logits are computed in float32 from the head
+weight (cast to float32 one slice at a time, never the whole ``vocab x hidden`` matrix), scaled by
+``1/T`` in float32 -- never rounded to bf16, which removes the logit rounding that makes a bf16
+entropy noisy -- and reduced with the project's cancellation-free row formula
+(:meth:`verl_ext.entropy._EagerRows.stats`: ``max``, ``r`` and ``s`` with every term non-negative);
+the slices' sums merge exactly (:func:`verl_ext.entropy.merge_row_stats`, still non-negative terms),
+``logsumexp = max + log1p(r)`` and ``H = log1p(r) + s / (1 + r)``, so ``log pi`` of the arg-max token
+and the entropy of a confident token keep their relative precision. Only ``rows x slice`` float32
+buffers of at most :data:`verl_ext.entropy.EAGER_CHUNK_BYTES` exist at once; the slices are fixed,
+so a token's result does not depend on the batch it is packed in.
 
 The backward recomputes the logits, one *vocabulary* slice of all tokens at a time: for a slice
 ``c`` it forms ``pi_c = exp(z_c - logsumexp)`` from the saved per-token normaliser, the logit
@@ -37,7 +40,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from verl_ext.entropy import EAGER_CHUNK_BYTES, _EagerRows
+from verl_ext.entropy import EAGER_CHUNK_BYTES, _EagerRows, merge_row_stats
 
 __all__ = ["VocabPassOutput", "VocabPass", "vocab_pass", "chunk_bytes_for"]
 
@@ -61,20 +64,23 @@ class VocabPassOutput:
     top_ids: Optional[torch.Tensor] = None
 
 
+VOCAB_SLICE = 8192
+"""Vocabulary columns per slice of the forward: fixed, so that each token's result is computed the
+same way whatever the batch it is packed in (ERC's on-policy ratio needs both passes to agree)."""
+
+
 def chunk_bytes_for(device: torch.device) -> int:
     """Bytes of one float32 ``rows x vocab`` (forward) or ``tokens x vocab-slice`` (backward) buffer."""
     return EAGER_CHUNK_BYTES.get(device.type, EAGER_CHUNK_BYTES["cpu"])
 
 
-def _float32_logits_into(out: torch.Tensor, hidden32: torch.Tensor, weight: torch.Tensor, slice_rows: int) -> None:
-    """``out = hidden32 @ weight^T`` in float32; a non-float32 weight is cast one vocabulary slice of
-    ``slice_rows`` rows at a time (never the whole matrix)."""
-    if weight.dtype == torch.float32:
-        torch.mm(hidden32, weight.t(), out=out)
-        return
-    for start in range(0, weight.shape[0], slice_rows):
-        stop = min(start + slice_rows, weight.shape[0])
-        out[:, start:stop] = hidden32 @ weight[start:stop].float().t()
+def _float32_logits_into(out: torch.Tensor, hidden32: torch.Tensor, weight_slice: torch.Tensor) -> None:
+    """``out = hidden32 @ weight_slice^T`` in float32 (a non-float32 slice is cast: products of bf16
+    values are exact in float32, so this is the exact logit up to float32 accumulation)."""
+    if out.is_contiguous():
+        torch.mm(hidden32, weight_slice.float().t(), out=out)
+    else:
+        out.copy_(hidden32 @ weight_slice.float().t())
 
 
 def _per_row(temperature: Union[float, torch.Tensor], rows: int, device: torch.device) -> torch.Tensor:
@@ -108,31 +114,52 @@ class VocabPass(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         tokens, vocab = hidden.shape[0], weight.shape[0]
         device = hidden.device
-        rows = max(1, min(tokens, chunk_bytes // (4 * vocab)))
-        slice_rows = max(1, chunk_bytes // (4 * weight.shape[1]))
+        slice_width = min(vocab, VOCAB_SLICE)  # fixed: a row's result never depends on the batch size
+        rows = max(1, min(tokens, chunk_bytes // (4 * slice_width)))
         log_probs = torch.empty(tokens, dtype=torch.float32, device=device)
         entropy = torch.empty(tokens, dtype=torch.float32, device=device)
         log_normaliser = torch.empty(tokens, dtype=torch.float32, device=device)
         top_lp = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
         top_ids = torch.empty(tokens, top_k, dtype=torch.int64, device=device)
         if tokens:
-            logits = torch.empty(rows, vocab, dtype=torch.float32, device=device)
-            reducer = _EagerRows(rows, vocab, device)
+            logits = torch.empty(rows, slice_width, dtype=torch.float32, device=device)
+            reducer = _EagerRows(rows, slice_width, device)
             with torch.autocast(device_type=device.type, enabled=False):
-                for start in range(0, tokens, rows):
+                for start in range(0, tokens, rows):  # a block of rows ...
                     stop = min(start + rows, tokens)
-                    z = logits[: stop - start]
-                    _float32_logits_into(z, hidden[start:stop].float(), weight, slice_rows)
-                    z.mul_(inv_temperature[start:stop].unsqueeze(1))
-                    h, top, log1p_rest = reducer.entropy_and_normaliser(z)
-                    entropy[start:stop] = h
+                    hidden32 = hidden[start:stop].float()
+                    inv_t = inv_temperature[start:stop].unsqueeze(1)
+                    block_labels = labels[start:stop]
+                    stats = None
+                    picked = torch.zeros(stop - start, dtype=torch.float32, device=device)
+                    best = ids = None
+                    for v0 in range(0, vocab, slice_width):  # ... over vocabulary slices, merged exactly
+                        v1 = min(v0 + slice_width, vocab)
+                        z = logits[: stop - start, : v1 - v0]
+                        _float32_logits_into(z, hidden32, weight[v0:v1])
+                        z.mul_(inv_t)
+                        part = reducer.stats(z)
+                        stats = part if stats is None else merge_row_stats(stats, part)
+                        inside = (block_labels >= v0) & (block_labels < v1)
+                        local = (block_labels - v0).clamp(0, v1 - v0 - 1).unsqueeze(1)
+                        picked = torch.where(inside, z.gather(1, local).squeeze(1), picked)
+                        if top_k:
+                            values, where = z.topk(min(top_k, v1 - v0), dim=1)
+                            where = where + v0
+                            if best is None:
+                                best, ids = values, where
+                            else:
+                                joined = torch.cat([best, values], 1)
+                                best, order = joined.topk(min(top_k, joined.shape[1]), dim=1)
+                                ids = torch.cat([ids, where], 1).gather(1, order)
+                    top, rest, spread = stats
+                    log1p_rest = torch.log1p(rest)
+                    entropy[start:stop] = log1p_rest + spread / (1.0 + rest)
                     log_normaliser[start:stop] = top + log1p_rest
-                    picked = z.gather(1, labels[start:stop].unsqueeze(1)).squeeze(1)
                     log_probs[start:stop] = (picked - top) - log1p_rest
                     if top_k:
-                        values, ids = z.topk(top_k, dim=1)
-                        top_lp[start:stop] = (values - top.unsqueeze(1)) - log1p_rest.unsqueeze(1)
-                        top_ids[start:stop] = ids
+                        top_lp[start:stop] = (best[:, :top_k] - top.unsqueeze(1)) - log1p_rest.unsqueeze(1)
+                        top_ids[start:stop] = ids[:, :top_k]
         ctx.entropy_grad = entropy_grad
         ctx.chunk_bytes = chunk_bytes
         if entropy_grad:  # dH/dz needs H
