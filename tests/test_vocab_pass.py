@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -26,7 +26,9 @@ from verl_ext.vocab_pass import vocab_pass
 TOKENS, HIDDEN, VOCAB = 96, 32, 1000
 
 
-def make_inputs(dtype: torch.dtype, seed: int = 0, scale_range: tuple[float, float] = (-1.0, 1.5)):
+def make_inputs(
+    dtype: torch.dtype, seed: int = 0, scale_range: tuple[float, float] = (-1.0, 1.5)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random hidden states whose logit scale is log-spaced over tokens: from nearly uniform to
     confident (entropy down to ~1e-10 nats), as a trained policy's tokens are."""
     gen = torch.Generator().manual_seed(seed)
@@ -35,7 +37,7 @@ def make_inputs(dtype: torch.dtype, seed: int = 0, scale_range: tuple[float, flo
     return hidden.to(dtype), weight.to(dtype), _labels(hidden, weight, gen)
 
 
-def exact_logit_inputs(seed: int = 0):
+def exact_logit_inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 inputs whose logits ``hidden @ weight^T`` are exact in float32 (dyadic values: products
     are multiples of 2^-5 times a power of two, sums stay below 2^24 units), so an fp64 reference
     on the same inputs measures the pass's own error, not the matmul's rounding. Scales 2^-3..2^4
@@ -55,7 +57,14 @@ def _labels(hidden: torch.Tensor, weight: torch.Tensor, gen: torch.Generator) ->
     return labels
 
 
-def reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature, entropy_coeff: float, g: torch.Tensor):
+def reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float | torch.Tensor,
+    entropy_coeff: float,
+    g: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
     """fp64 log-probs, entropies, and the gradients of ``sum(g * logp) + coeff * sum(g * H)``.
 
     ``logsumexp`` is taken as ``max + log1p(r)`` (r: the other terms' sum) even in fp64: the plain
@@ -77,7 +86,16 @@ def reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
     return logp_y.detach(), entropy.detach(), h.grad, w.grad, log_p.detach()
 
 
-def ours(hidden, weight, labels, temperature, entropy_coeff: float, g, chunk_bytes: Optional[int] = None, top_k: int = 0):
+def ours(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float | torch.Tensor,
+    entropy_coeff: float,
+    g: torch.Tensor,
+    chunk_bytes: Optional[int] = None,
+    top_k: int = 0,
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
     h = hidden.detach().clone().requires_grad_(True)
     w = weight.detach().clone().requires_grad_(True)
     out = vocab_pass(h, w, labels, temperature, top_k=top_k, entropy_grad=entropy_coeff != 0, chunk_bytes=chunk_bytes)
@@ -122,7 +140,7 @@ def test_fp32_matches_fp64_reference(temperature: float, entropy_coeff: float, v
     assert rel_err(out.log_probs, ref_lp) <= 1e-5
     big = ref_h >= 1e-6
     assert rel_err(out.entropy[big], ref_h[big]) <= 1e-5
-    assert float((out.entropy[~big].double() - ref_h[~big]).abs().max()) <= 1e-10
+    assert float((out.entropy.detach()[~big].double() - ref_h[~big]).abs().max()) <= 1e-10
     assert norm_rel_err(gh, ref_gh) <= 1e-5
     assert norm_rel_err(gw, ref_gw) <= 1e-5
 

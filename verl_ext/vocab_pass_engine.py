@@ -165,7 +165,9 @@ def _capture_inputs(engine: Any, prepare: Callable[..., Any], state: _StepState)
 def _prepare_vocab_pass_outputs(engine: Any) -> Callable[..., dict[str, Any]]:
     """verl's ``prepare_model_outputs`` for a head that returned ``[log pi, H]``."""
 
-    def prepare_model_outputs(output: Any, output_args: dict[str, Any], micro_batch: Any, logits_processor_func: Any = None) -> dict[str, Any]:
+    def prepare_model_outputs(
+        output: Any, output_args: dict[str, Any], micro_batch: Any, logits_processor_func: Any = None
+    ) -> dict[str, Any]:
         from verl.utils import tensordict_utils as tu
 
         calculate_entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
