@@ -19,6 +19,9 @@
 #   DATA_DIR         folder of the `python -m data_prep` parquets (default: <repo>/data), used by
 #                    the configs' default train/val files (exported as DIVCLIP_DATA_DIR)
 #   PYTHON           interpreter (default: <repo>/.venv/bin/python if present, else python3)
+#   VOCAB_PASS       actor_rollout_ref.actor.policy_loss.vocab_pass: 1/true = log-probs and entropy of
+#                    both actor passes by the chunked vocabulary pass (no logits tensor), 0/false = verl's
+#                    materialised logits (docs/losses.md, "The vocabulary pass")
 
 DIVCLIP_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DIVCLIP_EXPERIMENTS_DIR="$DIVCLIP_ROOT/configs/experiments"
@@ -90,7 +93,17 @@ divclip_env_overrides() {
     if [[ -n "${CKPT_DIR:-}" ]]; then DIVCLIP_ENV_OVERRIDES+=("trainer.default_local_dir=$(divclip_quoted CKPT_DIR "$CKPT_DIR")"); fi
     if [[ -n "${PROJECT_NAME:-}" ]]; then DIVCLIP_ENV_OVERRIDES+=("trainer.project_name=$(divclip_quoted PROJECT_NAME "$PROJECT_NAME")"); fi
     if [[ -n "${EXPERIMENT_NAME:-}" ]]; then DIVCLIP_ENV_OVERRIDES+=("trainer.experiment_name=$(divclip_quoted EXPERIMENT_NAME "$EXPERIMENT_NAME")"); fi
+    if [[ -n "${VOCAB_PASS:-}" ]]; then DIVCLIP_ENV_OVERRIDES+=("actor_rollout_ref.actor.policy_loss.vocab_pass=$(divclip_bool VOCAB_PASS "$VOCAB_PASS")"); fi
     return 0
+}
+
+# 1/true/0/false -> true/false (a Hydra bool), anything else exits 2 naming the variable.
+divclip_bool() {
+    case "${2,,}" in
+        1 | true) echo true ;;
+        0 | false) echo false ;;
+        *) divclip_die "$1 must be 1, true, 0 or false, got '$2'" ;;
+    esac
 }
 
 divclip_check_experiment() {

@@ -10,6 +10,7 @@
 #   LOSS=erc_dapo|kl3 (default erc_dapo)   STEPS=40   SMOKE_OUT=outputs/smoke/$LOSS
 #   TASK=echo   N_DEVICES=1   BATCH=16 prompts x ROLLOUT_N=8   LR=5e-3   TEST_FREQ=5   SAVE_FREQ=10
 #   REQUIRE_MARGIN=1: exit non-zero unless the last-5 mean reward beats the first-5 clearly.
+#   VOCAB_PASS=1: log-probs and entropies of both actor passes by the vocabulary pass (no logits tensor).
 #   SMOKE_MODEL=DIR: start RL from this Hugging Face model instead of the generated random one (the
 #   SFT -> RL chain: the merged output of `python -m recipe.sft` on data/sft_train.parquet, which
 #   `python -m recipe.smoke_task --sft N` writes; tests/test_sft_chain_cpu.py).
@@ -40,6 +41,12 @@ case "$LOSS" in
   kl3)       # ATR-GRPO, delta 0.07
     LOSS_ARGS=(actor_rollout_ref.actor.policy_loss.loss_mode=kl3 actor_rollout_ref.actor.policy_loss.delta=0.07) ;;
   *) echo "run_smoke_cpu.sh: LOSS must be erc_dapo or kl3, got '$LOSS'" >&2; exit 2 ;;
+esac
+case "${VOCAB_PASS:-}" in
+  "") ;;
+  1 | true | TRUE | True) LOSS_ARGS+=(actor_rollout_ref.actor.policy_loss.vocab_pass=true) ;;
+  0 | false | FALSE | False) LOSS_ARGS+=(actor_rollout_ref.actor.policy_loss.vocab_pass=false) ;;
+  *) echo "run_smoke_cpu.sh: VOCAB_PASS must be 1, true, 0 or false, got '$VOCAB_PASS'" >&2; exit 2 ;;
 esac
 
 export VERL_PLATFORM=cpu              # the cpu platform, Ray CPU pools and hf_cpu rollout (verl_ext plugin)

@@ -33,6 +33,7 @@ from verl.utils.logging_utils import configure_verl_logging
 from verl_ext.actor_loss import build_actor_loss
 from verl_ext.adaptive_delta import AdaptiveDelta
 from verl_ext.entropy import describe_entropy_path, loss_entropy_path, resolve_entropy_path
+from verl_ext.vocab_pass_engine import loss_uses_vocab_pass
 from verl_ext.losses import CONSTRAINTS
 from verl_ext.onpolicy import UpdatePacking
 
@@ -95,10 +96,11 @@ class DivClipTrainer(ValidationLengthTrainerMixin, PPOTrainerSync):
             use_fused_kernels=bool(self.config.actor_rollout_ref.model.get("use_fused_kernels", False)),
         )
         logger.info(
-            "divclip actor loss installed: loss_mode=%s, delta=%s, per-token entropy: %s",
+            "divclip actor loss installed: loss_mode=%s, delta=%s, per-token entropy: %s, log-probs: %s",
             actor_config.policy_loss.get("loss_mode", "vanilla"),
             actor_config.policy_loss.get("delta", None),
-            describe_entropy_path(path),
+            "the vocabulary pass (fp32, no logits tensor)" if loss_uses_vocab_pass(loss) else describe_entropy_path(path),
+            "the vocabulary pass" if loss_uses_vocab_pass(loss) else "verl's materialised logits",
         )
 
     def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:

@@ -79,6 +79,8 @@ def validate_divclip_config(config: DictConfig) -> Any:
                 f"and {ACTOR}.ppo_epochs=1 every update is on-policy, its measured KL3 is 0 and the controller "
                 "could only widen delta: use a smaller ppo_mini_batch_size or more ppo_epochs, or a static delta"
             )
+    if isinstance(policy, DivClipPolicyLossConfig) and policy.vocab_pass:
+        validate_vocab_pass(config, actor)
     if isinstance(policy, DivClipPolicyLossConfig) and policy.erc_enabled:
         if not actor.calculate_entropy:
             raise ConfigError(
@@ -98,6 +100,45 @@ def validate_divclip_config(config: DictConfig) -> Any:
                 "algorithm.rollout_correction.bypass_mode=True skips it. Set it to False or turn ERC off."
             )
     return actor
+
+
+VOCAB_PASS = f"{ACTOR}.policy_loss.vocab_pass"
+
+
+def validate_vocab_pass(config: DictConfig, actor: Any) -> None:
+    """``policy_loss.vocab_pass=true`` never builds the logits and runs inside verl's FSDP actor
+    engine: refuse what needs the logits or another forward (named keys), before Ray starts.
+    Per-sample temperatures need nothing: the pass takes one temperature per token."""
+    from omegaconf import OmegaConf
+
+    model = config.actor_rollout_ref.model
+    if model.get("use_fused_kernels", False):
+        raise ConfigError(
+            f"{VOCAB_PASS}=true and actor_rollout_ref.model.use_fused_kernels=true both replace the LM head's logits "
+            "(verl's fused forward reads lm_head.weight outside the head and fails under FSDP2): set one of them false"
+        )
+    if getattr(actor, "calculate_sum_pi_squared", False):
+        raise ConfigError(
+            f"{VOCAB_PASS}=true never materialises the logits that {ACTOR}.calculate_sum_pi_squared=true needs"
+        )
+    if OmegaConf.select(config, "distillation.enabled", default=False):
+        raise ConfigError(
+            f"{VOCAB_PASS}=true never materialises the student logits that distillation.enabled=true needs"
+        )
+    strategy = actor.strategy
+    if strategy not in ("fsdp", "fsdp2"):
+        raise ConfigError(
+            f"{VOCAB_PASS}=true runs inside verl's FSDP actor engine; {ACTOR}.strategy={strategy!r} has no such engine"
+        )
+    lora_rank = model.get("lora_rank", 0) or 0
+    if lora_rank > 0 or model.get("lora_adapter_path", None):
+        targets = model.get("target_modules", None)
+        names = [targets] if isinstance(targets, str) else list(targets or [])
+        if any("lm_head" in str(name) for name in names):
+            raise ConfigError(
+                f"{VOCAB_PASS}=true reads the LM head's own weight; actor_rollout_ref.model.target_modules={names} "
+                "puts a LoRA adapter on lm_head: drop lm_head from target_modules or set the vocabulary pass false"
+            )
 
 
 def _drop_unset_divclip_keys(policy_loss: DictConfig, target: Any) -> None:

@@ -20,8 +20,11 @@ def test_entropy_memory_reports_every_variant_against_the_baseline() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {row["variant"]: row for row in map(json.loads, (ln for ln in proc.stdout.splitlines() if ln.startswith("{")))}
-    assert set(rows) >= {"a_no_entropy", "b_verl_entropy", "c_detached"}
-    assert all(row["peak_rss_bytes"] > 0 and row["date"] for row in rows.values())
+    assert set(rows) >= {"a_no_entropy", "b_verl_entropy", "c_detached", "d_vocab_pass", "e_old_log_prob_detached",
+                         "f_old_log_prob_vocab_pass"}
+    assert all(row["peak_rss_bytes"] > 0 and row["date"] and "peak_ratio_vs_a" in row for row in rows.values())
+    assert {row["phase"] for name, row in rows.items() if "old_log_prob" in name} == {"old_log_prob"}
+    assert rows["d_vocab_pass"]["phase"] == "update" and rows["d_vocab_pass"]["loss"] == rows["d_vocab_pass"]["loss"]
 
 
 def test_child_runs_read_the_last_json_line_and_keep_stderr() -> None:

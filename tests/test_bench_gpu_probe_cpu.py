@@ -17,18 +17,22 @@ def test_probe_runs_on_cpu_and_checks_the_on_policy_invariant(tmp_path: Path) ->
     proc = subprocess.run(
         [sys.executable, "-m", "recipe.bench", "gpu", "--device", "cpu", "--tokens", "128", "--sequences", "4",
          "--vocab", "2048", "--layers", "1", "--hidden", "64", "--head-scale", "300", "--repeats", "1",
-         "--variants", "divclip_erc_eager,divclip_erc_dynamic", "--out", str(out)],
+         "--variants", "divclip_erc_eager,divclip_erc_dynamic,divclip_erc_vocab_pass", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = {r["variant"]: r for r in json.loads(out.read_text())}
-    assert set(results) == {"no_entropy", "divclip_erc_eager", "divclip_erc_dynamic"}  # the baseline is always measured
+    assert set(results) == {"no_entropy", "divclip_erc_eager", "divclip_erc_dynamic", "divclip_erc_vocab_pass"}  # + the baseline, always
     assert {r["strategy"] for r in results.values()} == {"fsdp2"}  # FSDP1 needs CUDA
     erc = results["divclip_erc_eager"]
     assert erc["on_policy_invariant"] is True and erc["entropy_path"] == "divclip_fp32"
     assert erc["first_update"]["actor/divclip/erc/ratio_min"] == [1.0]
     assert erc["share_entropy_below_1e-6"] > 0.2  # the scaled head makes the policy confident
     assert results["no_entropy"]["time_vs_no_entropy"] == 1.0
+    through_pass = results["divclip_erc_vocab_pass"]  # ERC through the vocabulary pass, both passes
+    assert through_pass["vocab_pass"] is True and not erc["vocab_pass"]
+    assert through_pass["on_policy_invariant"] is True
+    assert through_pass["first_update"]["actor/divclip/erc/ratio_max"] == [1.0]
     assert erc["peak_vs_no_entropy"] > 0 and erc["time_vs_no_entropy"] > 0
     assert "ratio 1, nothing masked" in proc.stdout  # the table names the invariant
     # the configs' 2:1 dynamic packing: the old-log-prob pass is packed as the update, so the gauge reads 0

@@ -37,6 +37,7 @@ from verl_ext.losses import CONSTRAINTS, constrained_policy_loss, resolve_policy
 from verl_ext.onpolicy import install_on_policy_mark, install_update_packing, is_on_policy, on_policy_gauge
 from verl_ext.token_dump import TokenDumpWriter
 from verl_ext.verl_modes import verl_policy_loss
+from verl_ext.vocab_pass_engine import install_vocab_pass, with_vocab_pass
 
 
 def divclip_actor_loss(
@@ -275,6 +276,8 @@ def build_actor_loss(actor_config: ActorConfig) -> Callable[..., Any]:
     policy = divclip_policy_config(actor_config)
     if policy is not None and policy.erc_enabled:
         loss = entropy_as_mask(loss, entropy_coeff=actor_config.entropy_coeff)  # raises on an entropy bonus
+    if policy is not None and policy.vocab_pass:
+        loss = with_vocab_pass(loss)  # both passes of this engine: no logits tensor
     return loss
 
 
@@ -303,3 +306,4 @@ def entropy_is_detached(loss: Optional[Callable[..., Any]]) -> bool:
 install_divclip_entropy()
 install_update_packing()
 install_on_policy_mark()
+install_vocab_pass()

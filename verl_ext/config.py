@@ -110,6 +110,12 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
             (default) = off. Needs ERC on.
         token_dump_every_n_steps: Dump on every n-th training step only.
         token_dump_max_tokens: At most this many tokens per dumped step and process.
+        vocab_pass: Compute log pi(y_t) and the entropy of both actor passes (old-log-prob and
+            update) with the chunked vocabulary pass (:mod:`verl_ext.vocab_pass`): float32 logits
+            one chunk at a time, never the ``tokens x vocabulary`` tensor, exact gradients by
+            recomputation, ERC's cancellation-free entropy. ``False`` (default): verl's
+            materialised logits. Refused with ``use_fused_kernels``, ``calculate_sum_pi_squared``,
+            top-k distillation and a LoRA adapter on the head (docs/losses.md, "The vocabulary pass").
     """
 
     delta: float = 0.07
@@ -131,6 +137,7 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
     token_dump_path: Optional[str] = None
     token_dump_every_n_steps: int = 10
     token_dump_max_tokens: int = 2048
+    vocab_pass: bool = False
 
     def __post_init__(self) -> None:
         prefix = POLICY_LOSS_KEY
@@ -176,6 +183,8 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
             raise ValueError(
                 f"{prefix}.token_dump_path dumps ERC's per-token entropy ratios: set erc_beta_low/erc_beta_high too"
             )
+        if not isinstance(self.vocab_pass, bool):
+            raise ValueError(f"{prefix}.vocab_pass must be true or false, got {self.vocab_pass!r}")
         for check in _MODE_CHECKS:  # the loss-mode registry's checks (see register_mode_check)
             check(self, prefix)
 

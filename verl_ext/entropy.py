@@ -105,15 +105,50 @@ class _EagerRows:
         self.exps = torch.empty(rows, vocab, dtype=torch.float32, device=device)
 
     def __call__(self, chunk: torch.Tensor) -> torch.Tensor:
+        return self.entropy_and_normaliser(chunk)[0]
+
+    def entropy_and_normaliser(self, chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(H, max, log1p(r))`` of each row: the entropy and the two parts of the log-normaliser
+        ``logsumexp(x) = max + log1p(r)``, so ``log p_j = (x_j - max) - log1p(r)`` without cancellation
+        for the arg-max."""
+        top, rest, spread = self.stats(chunk)
+        log1p_rest = torch.log1p(rest)
+        return log1p_rest + spread / (1.0 + rest), top, log1p_rest
+
+    def stats(self, chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The formula's three non-negative-term sums of each row, ``(max, r, s)`` with ``z = x - max``,
+        ``r = sum_{j != argmax} exp(z_j)`` and ``s = sum_j exp(z_j) (-z_j)``: ``H = log1p(r) + s / (1 + r)``.
+        Rows split over vocabulary slices merge exactly (:func:`merge_row_stats`; the vocabulary pass,
+        :mod:`verl_ext.vocab_pass`)."""
         n = chunk.shape[0]
-        z, e = self.shifted[:n], self.exps[:n]
+        z, e = self.shifted[:n, : chunk.shape[1]], self.exps[:n, : chunk.shape[1]]
         z.copy_(chunk)  # a copy: never touch the logits
         top, arg_top = z.max(dim=-1, keepdim=True)
         z.sub_(top).clamp_min_(_NEG_FLOOR)
         torch.exp(z, out=e)
         spread = z.mul_(e).sum(dim=-1).neg_()
         rest = e.scatter_(-1, arg_top, 0.0).sum(dim=-1)
-        return torch.log1p(rest) + spread / (1.0 + rest)
+        return top.squeeze(-1), rest, spread
+
+
+def merge_row_stats(
+    first: tuple[torch.Tensor, torch.Tensor, torch.Tensor], second: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(max, r, s)`` of rows whose vocabulary is the union of two parts' (:meth:`_EagerRows.stats`).
+
+    With ``d = |max_1 - max_2|`` and the part holding the larger max called "big": ``r = r_big +
+    (1 + r_small) e^-d`` and ``s = s_big + e^-d (s_small + d (1 + r_small))`` -- every term still
+    non-negative, so merging keeps the formula cancellation-free. Equal maxima count as a tie (``+1``
+    in ``r``), as in the single-pass formula."""
+    (top1, rest1, spread1), (top2, rest2, spread2) = first, second
+    second_bigger = top2 > top1
+    gap = (top1 - top2).abs()
+    scale = torch.exp(-gap)
+    rest_big, rest_small = torch.where(second_bigger, rest2, rest1), torch.where(second_bigger, rest1, rest2)
+    spread_big, spread_small = torch.where(second_bigger, spread2, spread1), torch.where(second_bigger, spread1, spread2)
+    rest = rest_big + (1.0 + rest_small) * scale
+    spread = spread_big + scale * (spread_small + gap * (1.0 + rest_small))
+    return torch.maximum(top1, top2), rest, spread
 
 
 @torch.no_grad()

@@ -11,9 +11,15 @@ vocabulary, one micro-batch of ``--tokens`` tokens, one optimizer step, verl's `
 * ``b_verl_entropy``  ``calculate_entropy=True`` through verl's engine: entropy with autograd.
 * ``c_detached``      ``calculate_entropy=True`` with ``verl_ext.entropy`` (``install_detached_entropy``
   + ``entropy_as_mask``): the entropy ERC needs, computed without a graph.
+* ``d_vocab_pass``    as ``c_detached`` (ERC's entropy) through the vocabulary pass
+  (``actor.policy_loss.vocab_pass``, :mod:`verl_ext.vocab_pass_engine`): no logits tensor at all.
+* ``e_old_log_prob_detached`` / ``f_old_log_prob_vocab_pass``: the old-log-prob pass
+  (``infer_batch`` with ``calculate_entropy=True``, as the trainer runs it for ERC) instead of the
+  update, materialised with ``c``'s entropy / through the vocabulary pass.
 
-Each variant reports the peak RSS of its process (``ru_maxrss``) and the RSS just before the update;
-ratios are against ``a_no_entropy`` measured in the same run. Only ratios within one run compare.
+Each variant reports the peak RSS of its process (``ru_maxrss``) and the RSS just before its phase
+(``phase``: the update, or the old-log-prob pass); ratios are against ``a_no_entropy``'s update
+measured in the same run. Only ratios within one run compare.
 Children run with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed buffers leave RSS at once (see ``_spawn``).
 """
 
@@ -29,7 +35,15 @@ from typing import Any
 
 from recipe.bench.child import run_child
 
-VARIANTS: tuple[str, ...] = ("a_no_entropy", "b_verl_entropy", "c_detached")
+VARIANTS: tuple[str, ...] = (
+    "a_no_entropy",
+    "b_verl_entropy",
+    "c_detached",
+    "d_vocab_pass",
+    "e_old_log_prob_detached",
+    "f_old_log_prob_vocab_pass",
+)
+OLD_LOG_PROB_VARIANTS = ("e_old_log_prob_detached", "f_old_log_prob_vocab_pass")
 
 
 def _rss_bytes() -> int:
@@ -50,6 +64,7 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
         TinyQwen3Spec,
         WorkerOptions,
         build_actor_worker,
+        compute_log_prob,
         make_actor_config,
         make_rollout_batch,
         ppo_loss_fn,
@@ -82,26 +97,38 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
         worker = build_actor_worker(model_path, options)
         actor_config = make_actor_config(ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences)
         loss_fn = ppo_loss_fn(actor_config)
-        if variant == "c_detached":
+        if variant not in ("a_no_entropy", "b_verl_entropy"):  # ERC's detached entropy
             from verl_ext.entropy import entropy_as_mask, install_detached_entropy
 
             install_detached_entropy()
             loss_fn = entropy_as_mask(loss_fn, entropy_coeff=actor_config.entropy_coeff)
+        if "vocab_pass" in variant:
+            from verl_ext.vocab_pass_engine import install_vocab_pass, with_vocab_pass
+
+            install_vocab_pass()
+            loss_fn = with_vocab_pass(loss_fn)
         worker.set_loss_fn(loss_fn)
         batch = make_rollout_batch([prompt_len] * sequences, [seq_len - prompt_len] * sequences, vocab, seed=0)
 
+        old_log_prob = variant in OLD_LOG_PROB_VARIANTS
         rss_before = _rss_bytes()
         start = time.perf_counter()
-        metrics = update_actor(worker, batch, calculate_entropy=variant != "a_no_entropy")
+        if old_log_prob:
+            compute_log_prob(worker, batch)
+            loss = float("nan")
+        else:
+            metrics = update_actor(worker, batch, calculate_entropy=variant != "a_no_entropy")
+            loss = float(metrics["loss"][0])
         seconds = time.perf_counter() - start
     return {
         "variant": variant,
+        "phase": "old_log_prob" if old_log_prob else "update",
         "tokens": tokens,
         "vocab_size": vocab,
         "peak_rss_bytes": _peak_rss_bytes(),
         "rss_before_update_bytes": rss_before,
-        "update_seconds": round(seconds, 2),
-        "loss": float(metrics["loss"][0]),
+        "update_seconds": round(seconds, 2),  # the phase's seconds (the update, or the old-log-prob pass)
+        "loss": loss,
     }
 
 
@@ -162,10 +189,10 @@ def main(argv: list[str]) -> int:
         for r in results:
             print(json.dumps(r))
     else:
-        print(f"{'variant':<16} {'peak RSS GiB':>12} {'update +GiB':>11} {'peak/a':>7} {'incr/a':>7} {'seconds':>8}")
+        print(f"{'variant':<26} {'peak RSS GiB':>12} {'phase +GiB':>11} {'peak/a':>7} {'incr/a':>7} {'seconds':>8}")
         for r in results:
             print(
-                f"{r['variant']:<16} {r['peak_rss_gib']:>12.3f} {r['update_increment_gib']:>11.3f} "
+                f"{r['variant']:<26} {r['peak_rss_gib']:>12.3f} {r['update_increment_gib']:>11.3f} "
                 f"{r.get('peak_ratio_vs_a', float('nan')):>7.3f} {r.get('increment_ratio_vs_a') or float('nan'):>7.3f} "
                 f"{r['update_seconds']:>8.1f}"
             )

@@ -16,6 +16,8 @@ Variants (``--variants``, comma-separated):
 * ``verl_eager``            the same with ``use_torch_compile=False``.
 * ``divclip_erc``           the divclip ERC-DAPO loss: ``entropy_fp32`` compiled, in both passes.
 * ``divclip_erc_eager``     the same with ``use_torch_compile=False`` (eager float32 chunks).
+* ``divclip_erc_vocab_pass`` the divclip ERC-DAPO loss with ``policy_loss.vocab_pass=true``: both passes
+                            through the chunked vocabulary pass (no logits tensor; ``verl_ext.vocab_pass``).
 * ``divclip_erc_fused``     ERC with ``use_fused_kernels=True`` (verl's fused kernel's entropy in both
                             passes; needs verl's kernel backend; not in the default list).
 * ``divclip_erc_dynamic``   ERC with the ERC configs' packing: dynamic batching, the update in micro-batches
@@ -25,7 +27,8 @@ Variants (``--variants``, comma-separated):
 Every variant runs under each of ``--strategies`` (default on CUDA: ``fsdp``, verl 0.9.1's FSDP1, which
 the launch scripts resolve to, and ``fsdp2``; ratios are against ``no_entropy`` of the same strategy).
 
-Per variant: peak GPU memory of the updates (``torch.cuda.max_memory_allocated``; peak RSS on CPU),
+Per variant: peak GPU memory of the old-log-prob pass (``old_log_prob_peak_bytes``, CUDA only) and of
+the updates (``torch.cuda.max_memory_allocated``; peak RSS on CPU),
 the median update time over ``--repeats`` updates after ``--warmup`` ones, both as ratios against
 ``no_entropy`` measured in the same run, and for the ERC variants the on-policy invariant of the first
 update (before any optimizer step): ``erc/ratio_min == erc/ratio_max == 1`` and nothing masked, with
@@ -55,11 +58,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "verl_eager": dict(erc=False, entropy=True, compile=False, fused=False),
     "divclip_erc": dict(erc=True, entropy=True, compile=True, fused=False),
     "divclip_erc_eager": dict(erc=True, entropy=True, compile=False, fused=False),
+    "divclip_erc_vocab_pass": dict(erc=True, entropy=True, compile=True, fused=False, vocab_pass=True),
     "divclip_erc_fused": dict(erc=True, entropy=True, compile=True, fused=True),
     # the ERC configs' packing: dynamic batching, the log-prob pass at twice the update's token budget
     "divclip_erc_dynamic": dict(erc=True, entropy=True, compile=True, fused=False, dynamic=True),
 }
-DEFAULT_VARIANTS = ("no_entropy", "verl_compiled", "verl_eager", "divclip_erc", "divclip_erc_eager", "divclip_erc_dynamic")
+DEFAULT_VARIANTS = ("no_entropy", "verl_compiled", "verl_eager", "divclip_erc", "divclip_erc_eager", "divclip_erc_dynamic",
+                    "divclip_erc_vocab_pass")
 STRATEGIES = ("fsdp", "fsdp2")
 """``actor.strategy``: verl 0.9.1 builds ``fsdp`` (what the launch scripts resolve to) as FSDP1 and
 ``fsdp2`` as FSDP2; only FSDP2 runs on the CPU platform."""
@@ -106,11 +111,11 @@ def build_model(path: Path, args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
-def _erc_actor_config(sequences: int) -> Any:
+def _erc_actor_config(sequences: int, vocab_pass: bool = False) -> Any:
     from recipe.bench.harness import make_actor_config
     from verl_ext.config import DivClipPolicyLossConfig
 
-    policy = DivClipPolicyLossConfig(loss_mode="clip", erc_beta_low=0.05, erc_beta_high=0.05)
+    policy = DivClipPolicyLossConfig(loss_mode="clip", erc_beta_low=0.05, erc_beta_high=0.05, vocab_pass=vocab_pass)
     return make_actor_config(policy_loss=policy, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0,
                              ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences)
 
@@ -134,6 +139,7 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
 
     from verl_ext.actor_loss import build_actor_loss
     from verl_ext.entropy import entropy_path_of
+    from verl_ext.vocab_pass_engine import engine_uses_vocab_pass
 
     seq_len = args.tokens // args.sequences
     prompt_len = max(1, seq_len // 8)
@@ -152,7 +158,7 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
         lr=1e-6,
     ))
     if spec["erc"]:
-        loss = build_actor_loss(_erc_actor_config(args.sequences))
+        loss = build_actor_loss(_erc_actor_config(args.sequences, vocab_pass=spec.get("vocab_pass", False)))
     else:
         loss = ppo_loss_fn(make_actor_config(ppo_mini_batch_size=args.sequences,
                                              ppo_micro_batch_size_per_gpu=args.sequences))
@@ -166,10 +172,13 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
             torch.cuda.synchronize()
 
     sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     old = compute_log_prob(worker, batch)
     sync()
     old_seconds = time.perf_counter() - start
+    old_peak = torch.cuda.max_memory_allocated() if cuda else None
     batch["old_log_probs"], batch["entropy"] = old["old_log_probs"], old["entropy"]
     old_entropy = old["entropy"].values().float()
 
@@ -191,10 +200,12 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
         "variant": name,
         "strategy": args.strategy,
         "entropy_path": entropy_path_of(worker.engine).value,
+        "vocab_pass": engine_uses_vocab_pass(worker.engine),
         "peak_bytes": int(peak),
         "update_seconds_median": statistics.median(seconds),
         "update_seconds": [round(s, 4) for s in seconds],
         "old_log_prob_seconds": round(old_seconds, 4),
+        "old_log_prob_peak_bytes": old_peak,
         "share_entropy_below_1e-3": float((old_entropy < 1e-3).float().mean()),
         "share_entropy_below_1e-6": float((old_entropy < 1e-6).float().mean()),
     }

@@ -1,0 +1,271 @@
+"""The vocabulary pass (``verl_ext.vocab_pass``) against an fp64 reference of the materialised math.
+
+* fp32 inputs: log pi(y), the entropy and the gradients w.r.t. the hidden states and the head
+  weight (log-prob loss, and log-prob + entropy-bonus loss) within 1e-5 relative of fp64; top-k
+  log-probs and ids equal the reference's; tied heads (one weight for the embedding and the head)
+  get the embedding's and the head's gradient summed exactly as with the materialised path.
+* bf16 inputs (verl's default mixed precision): every quantity's error against fp64 (computed on
+  the same bf16 values) is measured for the materialised bf16 path (``F.linear`` in bf16, verl's
+  ``logprobs_from_logits`` and ``entropy_from_logits``) and for the pass; the pass's error is at most
+  the materialised path's and within the fp32 bound (it never rounds a logit to bf16).
+* Results do not depend on the chunk size (rows are independent), per-token temperatures equal
+  the per-row scalar computation, confident rows keep relative precision, and the entropy carries
+  no graph unless asked.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from verl_ext.vocab_pass import vocab_pass
+
+TOKENS, HIDDEN, VOCAB = 96, 32, 1000
+
+
+def make_inputs(
+    dtype: torch.dtype, seed: int = 0, scale_range: tuple[float, float] = (-1.0, 1.5)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random hidden states whose logit scale is log-spaced over tokens: from nearly uniform to
+    confident (entropy down to ~1e-10 nats), as a trained policy's tokens are."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(TOKENS, HIDDEN, generator=gen) * torch.logspace(*scale_range, TOKENS).unsqueeze(1)
+    weight = torch.randn(VOCAB, HIDDEN, generator=gen) / HIDDEN**0.5
+    return hidden.to(dtype), weight.to(dtype), _labels(hidden, weight, gen)
+
+
+def exact_logit_inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 inputs whose logits ``hidden @ weight^T`` are exact in float32 (dyadic values: products
+    are multiples of 2^-5 times a power of two, sums stay below 2^24 units), so an fp64 reference
+    on the same inputs measures the pass's own error, not the matmul's rounding. Scales 2^-3..2^4
+    run from nearly uniform rows to entropies ~1e-20."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = 2.0 ** torch.randint(-4, 5, (TOKENS, 1), generator=gen).float()
+    hidden = torch.randint(-8, 9, (TOKENS, HIDDEN), generator=gen).float() / 8 * scale
+    weight = torch.randint(-4, 5, (VOCAB, HIDDEN), generator=gen).float() / 4
+    assert torch.equal((hidden.double() @ weight.double().t()).float().double(), hidden.double() @ weight.double().t())
+    return hidden, weight, _labels(hidden, weight, gen)
+
+
+def _labels(hidden: torch.Tensor, weight: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Random labels, half of them the arg-max token (the sampled token of a confident policy)."""
+    labels = torch.randint(0, VOCAB, (TOKENS,), generator=gen)
+    labels[::2] = (hidden.double() @ weight.double().t()).argmax(-1)[::2]
+    return labels
+
+
+def reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float | torch.Tensor,
+    entropy_coeff: float,
+    g: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """fp64 log-probs, entropies, and the gradients of ``sum(g * logp) + coeff * sum(g * H)``.
+
+    ``logsumexp`` is taken as ``max + log1p(r)`` (r: the other terms' sum) even in fp64: the plain
+    ``log_softmax`` loses 1e-16 absolute to ``1 + r - 1``, i.e. 1% of a confident token's
+    ``log pi ~ -1e-14``, more than the fp32 pass under test."""
+    h = hidden.detach().double().requires_grad_(True)
+    w = weight.detach().double().requires_grad_(True)
+    t = temperature if not isinstance(temperature, torch.Tensor) else temperature.double().unsqueeze(1)
+    z = (h @ w.t()) / t
+    arg_top = z.detach().argmax(dim=-1, keepdim=True)
+    top = z.gather(1, arg_top)
+    shifted = z - top
+    rest = shifted.exp().scatter(1, arg_top, 0.0).sum(-1, keepdim=True)
+    log_p = shifted - torch.log1p(rest)
+    logp_y = log_p.gather(1, labels.unsqueeze(1)).squeeze(1)
+    p = shifted.exp() / (1 + rest)
+    entropy = torch.log1p(rest).squeeze(1) - (p * shifted).sum(-1)
+    (logp_y * g).sum().add(entropy_coeff * (entropy * g).sum()).backward()
+    return logp_y.detach(), entropy.detach(), h.grad, w.grad, log_p.detach()
+
+
+def ours(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float | torch.Tensor,
+    entropy_coeff: float,
+    g: torch.Tensor,
+    chunk_bytes: Optional[int] = None,
+    top_k: int = 0,
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    h = hidden.detach().clone().requires_grad_(True)
+    w = weight.detach().clone().requires_grad_(True)
+    out = vocab_pass(h, w, labels, temperature, top_k=top_k, entropy_grad=entropy_coeff != 0, chunk_bytes=chunk_bytes)
+    loss = (out.log_probs * g).sum()
+    if entropy_coeff:
+        loss = loss + entropy_coeff * (out.entropy * g).sum()
+    loss.backward()
+    return out, h.grad, w.grad
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor, floor: float = 1e-30) -> float:
+    """Elementwise relative error, max over elements."""
+    return float(((a.detach().double() - ref).abs() / ref.abs().clamp_min(floor)).max())
+
+
+def norm_rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative error of a gradient tensor, as ||a - ref|| / ||ref|| (rows of near-zero gradient
+    make elementwise relative errors meaningless)."""
+    return float((a.detach().double() - ref).norm() / ref.norm())
+
+
+@pytest.fixture(params=["one_slice", "sliced"])
+def vocab_slices(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The whole vocabulary in one slice, or 8 slices of 128 columns (the last one 104): the
+    slices' row sums are merged (``verl_ext.entropy.merge_row_stats``)."""
+    if request.param == "sliced":
+        monkeypatch.setattr("verl_ext.vocab_pass.VOCAB_SLICE", 128)
+    return request.param
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+@pytest.mark.parametrize("entropy_coeff", [0.0, 0.3])
+def test_fp32_matches_fp64_reference(temperature: float, entropy_coeff: float, vocab_slices: str) -> None:
+    """Exact fp32 logits (and power-of-two temperatures, exact in fp32): the pass's reductions and
+    gradients are within 1e-5 relative of fp64, confident rows included."""
+    hidden, weight, labels = exact_logit_inputs()
+    g = torch.randn(TOKENS, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ref_lp, ref_h, ref_gh, ref_gw, _ = reference(hidden, weight, labels, temperature, entropy_coeff, g)
+    assert (ref_h < 1e-6).any() and (ref_h > 1).any(), "the sample must cover confident and flat rows"
+    out, gh, gw = ours(hidden, weight, labels, temperature, entropy_coeff, g.float(), chunk_bytes=16 * VOCAB * 4)
+    assert out.log_probs.dtype == torch.float32 and out.entropy.dtype == torch.float32
+    assert rel_err(out.log_probs, ref_lp) <= 1e-5
+    big = ref_h >= 1e-6
+    assert rel_err(out.entropy[big], ref_h[big]) <= 1e-5
+    assert float((out.entropy.detach()[~big].double() - ref_h[~big]).abs().max()) <= 1e-10
+    assert norm_rel_err(gh, ref_gh) <= 1e-5
+    assert norm_rel_err(gw, ref_gw) <= 1e-5
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fp32_random_inputs_no_worse_than_the_materialised_fp32_path(temperature: float) -> None:
+    """Random fp32 inputs: the fp32 matmul rounds each logit (|dx| ~ 6e-8 |x|), an error every fp32
+    path shares. The pass's error against fp64 is at most the materialised fp32 path's
+    (``F.linear`` + ``log_softmax`` + the project's ``entropy_fp32``), gradients within 1e-5."""
+    from verl_ext.entropy import entropy_fp32
+
+    hidden, weight, labels = make_inputs(torch.float32)
+    g = torch.randn(TOKENS, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ref_lp, ref_h, ref_gh, ref_gw, _ = reference(hidden, weight, labels, temperature, 0.0, g)
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    logits = F.linear(h, w) / temperature
+    mat_lp = torch.log_softmax(logits, -1).gather(1, labels.unsqueeze(1)).squeeze(1)
+    mat_h = entropy_fp32(logits)
+    (mat_lp.double() * g).sum().backward()
+    out, gh, gw = ours(hidden, weight, labels, temperature, 0.0, g.float(), chunk_bytes=16 * VOCAB * 4)
+    assert rel_err(out.log_probs, ref_lp) <= rel_err(mat_lp, ref_lp)
+    assert (out.entropy.double() - ref_h).abs().max() <= 2 * (mat_h.double() - ref_h).abs().max()
+    assert norm_rel_err(gh, ref_gh) <= max(1e-5, norm_rel_err(h.grad, ref_gh))
+    assert norm_rel_err(gw, ref_gw) <= max(1e-5, norm_rel_err(w.grad, ref_gw))
+
+
+def test_fp32_top_k_matches_reference(vocab_slices: str) -> None:
+    hidden, weight, labels = make_inputs(torch.float32, scale_range=(-1.0, 0.5))
+    g = torch.ones(TOKENS, dtype=torch.float64)
+    *_, ref_log_p = reference(hidden, weight, labels, 1.0, 0.0, g)
+    out, _, _ = ours(hidden, weight, labels, 1.0, 0.0, g.float(), top_k=5)
+    ref_values, ref_ids = ref_log_p.topk(5, dim=-1)
+    assert out.top_ids is not None and out.top_log_probs is not None
+    assert torch.equal(out.top_ids, ref_ids)
+    assert rel_err(out.top_log_probs, ref_values) <= 1e-5
+    assert not out.top_log_probs.requires_grad
+
+
+def test_tied_head_gradients_match_reference() -> None:
+    """One weight as embedding and head: hidden = RMS-free toy ``E[ids] * s``; logits ``E h``."""
+    gen = torch.Generator().manual_seed(3)
+    embedding = (torch.randn(VOCAB, HIDDEN, generator=gen) / HIDDEN**0.5)
+    ids = torch.randint(0, VOCAB, (TOKENS,), generator=gen)
+    labels = torch.roll(ids, -1)
+    scale = torch.logspace(0, 2, TOKENS).unsqueeze(1)
+    g = torch.randn(TOKENS, generator=gen, dtype=torch.float64)
+
+    e64 = embedding.double().requires_grad_(True)
+    log_p = torch.log_softmax((e64[ids] * scale.double()) @ e64.t(), dim=-1)
+    (log_p.gather(1, labels.unsqueeze(1)).squeeze(1) * g).sum().backward()
+
+    e32 = embedding.clone().requires_grad_(True)
+    out = vocab_pass(e32[ids] * scale, e32, labels, chunk_bytes=8 * VOCAB * 4)
+    (out.log_probs * g.float()).sum().backward()
+    assert norm_rel_err(e32.grad, e64.grad) <= 1e-5
+
+
+@pytest.mark.parametrize("entropy_coeff", [0.0, 0.3])
+def test_bf16_error_is_at_most_the_materialised_bf16_paths(entropy_coeff: float, vocab_slices: str) -> None:
+    from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+
+    hidden, weight, labels = make_inputs(torch.bfloat16)
+    temperature = 0.7
+    g = torch.randn(TOKENS, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ref_lp, ref_h, ref_gh, ref_gw, _ = reference(hidden, weight, labels, temperature, entropy_coeff, g)
+
+    # verl's materialised path at bf16: logits in bf16, scaled in bf16, verl's functions
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    logits = F.linear(h, w) / temperature
+    mat_lp = logprobs_from_logits(logits, labels)
+    mat_h = entropy_from_logits(logits)
+    ((mat_lp.double() * g).sum() + entropy_coeff * (mat_h.double() * g).sum()).backward()
+
+    out, gh, gw = ours(hidden, weight, labels, temperature, entropy_coeff, g.float(), chunk_bytes=16 * VOCAB * 4)
+    errors = {
+        "log_probs": ((out.log_probs.double() - ref_lp).abs().max(), (mat_lp.double() - ref_lp).abs().max()),
+        "entropy": ((out.entropy.double() - ref_h).abs().max(), (mat_h.double() - ref_h).abs().max()),
+        "grad_hidden": (norm_rel_err(gh, ref_gh), norm_rel_err(h.grad, ref_gh)),
+        "grad_weight": (norm_rel_err(gw, ref_gw), norm_rel_err(w.grad, ref_gw)),
+    }
+    for name, (pass_error, materialised_error) in errors.items():
+        assert pass_error <= materialised_error, f"{name}: pass {pass_error:.3e} > materialised bf16 {materialised_error:.3e}"
+    # the pass only rounds its outputs: log-probs and entropies at fp32 accuracy on bf16 inputs
+    assert rel_err(out.log_probs, ref_lp) <= 1e-5
+    big = ref_h >= 1e-6
+    assert rel_err(out.entropy[big], ref_h[big]) <= 1e-5
+    # the gradients are rounded once, to bf16 (relative 2^-8 per element)
+    assert errors["grad_hidden"][0] <= 2**-8 and errors["grad_weight"][0] <= 2**-8
+
+
+def test_rows_do_not_depend_on_the_chunking(vocab_slices: str) -> None:
+    """With exact logits the reductions are bit-identical whatever the block of rows (the vocabulary
+    slices are fixed); the gradients sum over tokens in another order, so they agree to rounding."""
+    hidden, weight, labels = exact_logit_inputs()
+    g = torch.randn(TOKENS, generator=torch.Generator().manual_seed(2))
+    results = [ours(hidden, weight, labels, 0.9, 0.0, g, chunk_bytes=rows * VOCAB * 4) for rows in (1, 7, TOKENS)]
+    for out, gh, gw in results[1:]:  
+        assert torch.equal(out.entropy, results[0][0].entropy)
+        assert torch.equal(out.log_probs, results[0][0].log_probs)
+        assert norm_rel_err(gh, results[0][1].double()) <= 1e-6
+        assert norm_rel_err(gw, results[0][2].double()) <= 1e-6
+
+
+def test_per_token_temperature_equals_scalar_rows() -> None:
+    hidden, weight, labels = make_inputs(torch.float32)
+    temps = torch.tensor([0.5, 1.0, 1.3]).repeat_interleave(TOKENS // 3)
+    per_token = vocab_pass(hidden, weight, labels, temps)
+    for value in (0.5, 1.0, 1.3):
+        rows = temps == value
+        scalar = vocab_pass(hidden[rows], weight, labels[rows], value)
+        torch.testing.assert_close(per_token.log_probs[rows], scalar.log_probs, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(per_token.entropy[rows], scalar.entropy, rtol=1e-6, atol=1e-12)
+
+
+def test_entropy_is_graph_free_unless_asked_and_bad_input_is_named() -> None:
+    hidden, weight, labels = make_inputs(torch.float32)
+    out = vocab_pass(hidden.requires_grad_(True), weight, labels)
+    assert out.log_probs.requires_grad and not out.entropy.requires_grad
+    with_grad = vocab_pass(hidden, weight, labels, entropy_grad=True)
+    assert with_grad.entropy.requires_grad
+    with pytest.raises(ValueError, match="temperature"):
+        vocab_pass(hidden, weight, labels, 0.0)
+    with pytest.raises(ValueError, match="labels"):
+        vocab_pass(hidden, weight, labels[:-1])
+    with pytest.raises(ValueError, match="top_k"):
+        vocab_pass(hidden, weight, labels, top_k=VOCAB + 1)

@@ -1,0 +1,337 @@
+"""The vocabulary pass in verl's real actor stack on CPU (``TrainingWorker`` -> FSDP2 on gloo).
+
+* One rank, fp32: the old-log-prob pass's log-probs and entropies and one exact-SGD update's
+  parameter change equal the materialised path's (verl's ``ppo_loss``) -- remove-padding and padded,
+  untied and tied heads, without and with an entropy bonus (the entropy's gradient through the pass).
+* One rank, verl's default bf16: both paths are compared with the fp32 materialised run; the
+  pass's error is at most the materialised bf16 path's (log-probs, entropies, update).
+* ERC's on-policy invariant through the pass (confident model, bf16): old-log-prob pass then the
+  update on the same batch with identical packing -- every entropy ratio and every policy ratio is
+  exactly 1, ERC masks nothing, the update still moves the policy.
+* Two ranks, FSDP2 with the untied head sharded (a ``DTensor`` of ``Shard(0)``): the pass's log-probs
+  and update equal the materialised path's, so FSDP2 unshards, reshards and reduce-scatters the
+  head around it; and a 2-rank Ulysses group gives the materialised path's log-probs too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+
+from recipe.bench.harness import (
+    EXACT_SGD,
+    FP32_MIXED_PRECISION,
+    TinyQwen3Spec,
+    WorkerOptions,
+    build_actor_worker,
+    compute_log_prob,
+    full_params,
+    make_actor_config,
+    make_rollout_batch,
+    param_delta,
+    ppo_loss_fn,
+    run_ranks,
+    save_tiny_qwen3,
+    shard_for_rank,
+    update_actor,
+)
+
+SPEC = TinyQwen3Spec()
+PROMPT_LENS = [3, 5, 4, 6, 2, 7]
+RESPONSE_LENS = [12, 9, 14, 6, 10, 8]
+BF16: Optional[dict[str, str]] = None  # WorkerOptions(mixed_precision=None): verl's default bf16
+
+
+def run_both(model_path: str, options: WorkerOptions, batch: Any, entropy_coeff: float = 0.0, **update: Any) -> dict[str, Any]:
+    """Old-log-prob pass and one update, materialised (verl's ppo_loss) and through the pass."""
+    import verl_ext.vocab_pass_engine as engine_hook
+
+    engine_hook.install_vocab_pass()
+    original = engine_hook.vocab_pass
+    out: dict[str, Any] = {}
+    for name in ("materialised", "vocab_pass"):
+        worker = build_actor_worker(model_path, options)
+        loss = ppo_loss_fn(make_actor_config(entropy_coeff=entropy_coeff))
+        worker.set_loss_fn(engine_hook.with_vocab_pass(loss) if name == "vocab_pass" else loss)
+        assert engine_hook.engine_uses_vocab_pass(worker.engine) == (name == "vocab_pass")
+        calls: list[int] = []  # tokens the head's pass saw (proves the logits were never built)
+        engine_hook.vocab_pass = lambda hidden, *a, **k: calls.append(hidden.shape[0]) or original(hidden, *a, **k)
+        try:
+            old = compute_log_prob(worker, batch)
+            before = full_params(worker)
+            metrics = update_actor(worker, batch, calculate_entropy=True, **update)
+        finally:
+            engine_hook.vocab_pass = original
+        out[name] = {
+            "pass_calls": len(calls),
+            "old": None if old is None else {k: v.values() for k, v in old.items()},
+            "delta": param_delta(before, full_params(worker)),
+            "loss": metrics.get("loss"),
+        }
+    return out
+
+
+def job_single_rank(rank: int, world_size: int, untied: str, tied: str) -> dict[str, Any]:
+    batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, SPEC.vocab_size, seed=4)
+    sgd: dict[str, Any] = dict(EXACT_SGD)
+    fp32 = dict(FP32_MIXED_PRECISION)
+    return {
+        "fp32/rmpad": run_both(untied, WorkerOptions(mixed_precision=fp32, **sgd), batch),
+        "fp32/padded": run_both(untied, WorkerOptions(mixed_precision=fp32, use_remove_padding=False, **sgd), batch),
+        "fp32/tied": run_both(tied, WorkerOptions(mixed_precision=fp32, **sgd), batch),
+        "fp32/entropy_bonus": run_both(untied, WorkerOptions(mixed_precision=fp32, **sgd), batch, entropy_coeff=0.05),
+        "fp32/temperature": run_both(untied, WorkerOptions(mixed_precision=fp32, **sgd), batch, temperature=0.7),
+        "bf16/rmpad": run_both(untied, WorkerOptions(mixed_precision=BF16, **sgd), batch),
+        "bf16/padded": run_both(untied, WorkerOptions(mixed_precision=BF16, use_remove_padding=False, **sgd), batch),
+    }
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    root = Path(tmp_path_factory.mktemp("vocab_pass_models"))
+    untied = save_tiny_qwen3(root / "untied", SPEC, seed=0)
+    tied = save_tiny_qwen3(root / "tied", TinyQwen3Spec(tie_word_embeddings=True), seed=0)
+    return untied, tied
+
+
+@pytest.fixture(scope="module")
+def single_rank(models: tuple[str, str]) -> dict[str, Any]:
+    return run_ranks(job_single_rank, 1, *models)[0]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def max_delta_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest per-parameter ||a - b|| / ||b|| over the parameters the update moved."""
+    return max(rel(a[k], b[k]) for k in b if b[k].abs().max() > 0)
+
+
+@pytest.mark.parametrize("variant", ["fp32/rmpad", "fp32/padded", "fp32/tied", "fp32/entropy_bonus", "fp32/temperature"])
+def test_fp32_equals_materialised_path(single_rank: dict[str, Any], variant: str) -> None:
+    mat, ours = single_rank[variant]["materialised"], single_rank[variant]["vocab_pass"]
+    assert mat["pass_calls"] == 0 and ours["pass_calls"] >= 2  # old-log-prob pass + update
+    for key in ("old_log_probs", "entropy"):
+        torch.testing.assert_close(ours["old"][key], mat["old"][key], rtol=1e-5, atol=1e-6)
+    assert any((d != 0).any() for d in ours["delta"].values())
+    assert max_delta_rel(ours["delta"], mat["delta"]) <= 1e-5
+
+
+@pytest.mark.parametrize("variant", ["bf16/rmpad", "bf16/padded"])
+def test_bf16_error_at_most_the_materialised_paths(single_rank: dict[str, Any], variant: str) -> None:
+    """Against the fp32 run (same model, same batch): both bf16 paths share the bf16 trunk's error;
+    the materialised path adds the bf16 rounding of every logit, the pass does not."""
+    reference = single_rank["fp32/rmpad"]["materialised"]
+    mat, ours = single_rank[variant]["materialised"], single_rank[variant]["vocab_pass"]
+    for key in ("old_log_probs", "entropy"):
+        pass_error = float((ours["old"][key] - reference["old"][key]).abs().max())
+        mat_error = float((mat["old"][key] - reference["old"][key]).abs().max())
+        assert pass_error <= mat_error, (key, pass_error, mat_error)
+    pass_error = max_delta_rel(ours["delta"], reference["delta"])
+    mat_error = max_delta_rel(mat["delta"], reference["delta"])
+    assert pass_error <= mat_error, (pass_error, mat_error)
+
+
+# ------------------------------------------------------------------------------------------------
+# ERC on-policy
+# ------------------------------------------------------------------------------------------------
+
+
+def job_erc_on_policy(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
+    from verl_ext.actor_loss import build_actor_loss
+    from verl_ext.config import DivClipPolicyLossConfig
+
+    batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, SPEC.vocab_size, seed=4)
+    policy = DivClipPolicyLossConfig(loss_mode="clip", erc_beta_low=0.05, erc_beta_high=0.05, vocab_pass=True)
+    actor_config = make_actor_config(policy_loss=policy, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0)
+    out: dict[str, Any] = {}
+    for name, options in {
+        "bf16/rmpad": WorkerOptions(mixed_precision=BF16, **EXACT_SGD),
+        "bf16/padded": WorkerOptions(mixed_precision=BF16, use_remove_padding=False, **EXACT_SGD),
+    }.items():
+        worker = build_actor_worker(model_path, options)
+        worker.set_loss_fn(build_actor_loss(actor_config))
+        old = compute_log_prob(worker, batch)
+        data = batch.clone()
+        data["old_log_probs"], data["entropy"] = old["old_log_probs"], old["entropy"]
+        before = full_params(worker)
+        metrics = update_actor(worker, data, calculate_entropy=True)
+        from verl_ext.vocab_pass_engine import engine_uses_vocab_pass
+
+        out[name] = {
+            "metrics": metrics,
+            "old_entropy": old["entropy"].values(),
+            "delta": param_delta(before, full_params(worker)),
+            "uses_pass": engine_uses_vocab_pass(worker.engine),
+        }
+    return out
+
+
+def test_erc_on_policy_ratio_is_exactly_one_through_the_pass(tmp_path: Path) -> None:
+    model = save_tiny_qwen3(tmp_path / "confident", SPEC, seed=0, head_scale=1000.0)
+    results = run_ranks(job_erc_on_policy, 1, model)[0]
+    for name, result in results.items():
+        m = result["metrics"]
+        assert result["uses_pass"], name
+        assert float((result["old_entropy"] <= 1e-6).float().mean()) >= 0.3, name  # a confident policy
+        for key in ("actor/divclip/erc/ratio_min", "actor/divclip/erc/ratio_max"):
+            assert all(float(v) == 1.0 for v in m[key]), (name, key, m[key])
+        for key in ("actor/divclip/erc/clipfrac_upper", "actor/divclip/erc/clipfrac_lower", "actor/pg_clipfrac",
+                    "actor/ppo_kl"):
+            assert all(float(v) == 0.0 for v in m[key]), (name, key, m[key])
+        assert any((d != 0).any() for d in result["delta"].values()), name
+
+
+# ------------------------------------------------------------------------------------------------
+# Two ranks: FSDP2 with the head sharded; Ulysses
+# ------------------------------------------------------------------------------------------------
+
+
+def job_two_ranks(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor, Shard
+
+    batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, SPEC.vocab_size, seed=4)
+    # 3 sequences per rank: one micro-batch each
+    options = WorkerOptions(mixed_precision=dict(FP32_MIXED_PRECISION), micro_batch_size_per_gpu=3, **EXACT_SGD)
+    probe = build_actor_worker(model_path, options)
+    head_weight = probe.engine.module.get_output_embeddings().weight
+    sharded = isinstance(head_weight, DTensor) and head_weight.placements == (Shard(0),)
+    local_rows = head_weight.to_local().shape[0] if isinstance(head_weight, DTensor) else None
+    del probe
+    dp = run_both(model_path, options, shard_for_rank(batch, rank, world_size), global_batch_size=len(PROMPT_LENS))
+    ulysses = run_both(
+        model_path,
+        WorkerOptions(mixed_precision=dict(FP32_MIXED_PRECISION), ulysses_sequence_parallel_size=world_size, **EXACT_SGD),
+        batch,
+        global_batch_size=len(PROMPT_LENS),
+    )
+    return {"sharded": sharded, "local_rows": local_rows, "dp": dp, "ulysses": ulysses}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(models: tuple[str, str]) -> list[dict[str, Any]]:
+    return run_ranks(job_two_ranks, 2, models[0])
+
+
+def test_two_rank_fsdp2_with_sharded_head_equals_materialised(two_ranks: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(two_ranks):
+        assert result["sharded"] and result["local_rows"] == SPEC.vocab_size // 2, rank
+        mat, ours = result["dp"]["materialised"], result["dp"]["vocab_pass"]
+        for key in ("old_log_probs", "entropy"):
+            torch.testing.assert_close(ours["old"][key], mat["old"][key], rtol=1e-5, atol=1e-6)
+        assert max_delta_rel(ours["delta"], mat["delta"]) <= 1e-5
+    # the head's gradient was reduce-scattered: both ranks applied the same full update
+    first, second = two_ranks[0]["dp"]["vocab_pass"]["delta"], two_ranks[1]["dp"]["vocab_pass"]["delta"]
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_two_rank_ulysses_equals_materialised(two_ranks: list[dict[str, Any]]) -> None:
+    result = two_ranks[0]["ulysses"]  # the group's outputs come back on its first rank
+    mat, ours = result["materialised"], result["vocab_pass"]
+    assert ours["old"]["old_log_probs"].numel() == sum(RESPONSE_LENS)
+    for key in ("old_log_probs", "entropy"):
+        torch.testing.assert_close(ours["old"][key], mat["old"][key], rtol=1e-5, atol=1e-6)
+    for r in two_ranks:
+        assert max_delta_rel(r["ulysses"]["vocab_pass"]["delta"], r["ulysses"]["materialised"]["delta"]) <= 1e-5
+
+
+def test_refusals_name_the_key() -> None:
+    from types import SimpleNamespace
+
+    from verl_ext.vocab_pass_engine import VOCAB_PASS_KEY, mark_engine_vocab_pass, output_head
+
+    fused = SimpleNamespace(model_config=SimpleNamespace(use_fused_kernels=True))
+    with pytest.raises(ValueError, match="use_fused_kernels"):
+        mark_engine_vocab_pass(fused, True)
+    with_bias = torch.nn.Module()
+    with_bias.get_output_embeddings = lambda: torch.nn.Linear(4, 8, bias=True)  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match=VOCAB_PASS_KEY.replace(".", r"\.") + ".*bias"):
+        output_head(with_bias)
+
+
+# ------------------------------------------------------------------------------------------------
+# The config key, before Ray starts
+# ------------------------------------------------------------------------------------------------
+
+VOCAB_PASS_ON = "actor_rollout_ref.actor.policy_loss.vocab_pass=true"
+
+
+def compose_config(*overrides: str) -> Any:
+    from hydra import compose, initialize_config_dir
+
+    from recipe.main import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        return compose(config_name="divclip_trainer", overrides=list(overrides))
+
+
+def test_config_key_is_declared_and_reaches_the_loss() -> None:
+    from recipe.validation import validate_divclip_config
+    from verl_ext.actor_loss import build_actor_loss
+    from verl_ext.vocab_pass_engine import loss_uses_vocab_pass
+
+    off = validate_divclip_config(compose_config())
+    assert off.policy_loss.vocab_pass is False and not loss_uses_vocab_pass(build_actor_loss(off))
+    erc = ["actor_rollout_ref.actor.policy_loss.erc_beta_low=0.05", "actor_rollout_ref.actor.policy_loss.erc_beta_high=0.05",
+           "actor_rollout_ref.actor.calculate_entropy=true"]
+    on = validate_divclip_config(compose_config(VOCAB_PASS_ON, *erc))
+    loss = build_actor_loss(on)
+    assert loss_uses_vocab_pass(loss)
+    from verl_ext.entropy import EntropyPath, loss_entropy_path
+
+    assert loss_entropy_path(loss) is EntropyPath.DIVCLIP_FP32  # ERC's mask declaration is kept
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["actor_rollout_ref.model.use_fused_kernels=true"], r"vocab_pass=true and actor_rollout_ref\.model\.use_fused_kernels"),
+        (["actor_rollout_ref.actor.calculate_sum_pi_squared=true"], r"actor_rollout_ref\.actor\.calculate_sum_pi_squared"),
+        (["distillation.enabled=true"], r"distillation\.enabled"),
+        (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj,lm_head]"],
+         r"target_modules=\['q_proj', 'lm_head'\] puts a LoRA adapter on lm_head"),
+    ],
+)
+def test_refused_combinations_name_the_key(overrides: list[str], message: str) -> None:
+    from recipe.validation import ConfigError, validate_divclip_config
+
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.policy_loss\.vocab_pass=true.*" + message if
+                       not message.startswith("vocab_pass") else message):
+        validate_divclip_config(compose_config(VOCAB_PASS_ON, *overrides))
+
+
+def test_lora_elsewhere_is_accepted() -> None:
+    from recipe.validation import validate_divclip_config
+
+    actor = validate_divclip_config(compose_config(VOCAB_PASS_ON, "actor_rollout_ref.model.lora_rank=8"))
+    assert actor.policy_loss.vocab_pass is True
+
+
+def test_every_launch_script_passes_vocab_pass_through() -> None:
+    """``VOCAB_PASS`` is read by launch/common.sh (every ``divclip_launch`` script and the sweep) and
+    by launch/run_smoke_cpu.sh; a bad value exits 2 naming the variable."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "VOCAB_PASS": "1", "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(root / "launch/run_erc_dapo_1.5b.sh"), "--dry-run"], cwd="/", env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert yaml.safe_load(proc.stdout)["actor_rollout_ref"]["actor"]["policy_loss"]["vocab_pass"] is True
+    for script in ("run_grpo_7b.sh", "run_smoke_cpu.sh"):
+        bad = subprocess.run(["bash", str(root / "launch" / script), "--dry-run"], cwd="/",
+                             env={**env, "VOCAB_PASS": "yes", "PYTHON": "/bin/false"}, capture_output=True, text=True,
+                             timeout=60)
+        assert bad.returncode == 2 and "VOCAB_PASS must be 1, true, 0 or false, got 'yes'" in bad.stderr, (script, bad.stderr)
+    scripts = [p for p in (root / "launch").glob("run_*.sh") if "sft" not in p.name]
+    for path in scripts:  # the RL scripts: through divclip_launch, or the smoke script's own case
+        text = path.read_text()
+        assert "divclip_launch " in text or "VOCAB_PASS" in text, path.name

@@ -1,0 +1,261 @@
+"""The vocabulary pass: log pi(y_t), the entropy and the top-k of pi from the final hidden states,
+without ever materialising the ``tokens x vocabulary`` logits.
+
+Every quantity the clip rules need comes from the softmax over the vocabulary at the sampling
+temperature ``T``: with ``x_t = W h_t`` (the LM head) and ``z_t = x_t / T``,
+
+* ``log pi(y_t) = z_{t,y_t} - logsumexp(z_t)`` (GRPO/DAPO/ATR-GRPO's ratio, Eq. 5's ``log r_t``),
+* ``H_t = -sum_j pi_j log pi_j`` (ERC's ``H(pi_theta, t)`` and ``H(pi_old, t)``, ERC paper Eq. 6),
+* the ``k`` largest ``log pi_j`` and their ids (what a full-KL trust region stores of pi_old).
+
+:class:`VocabPass` computes them over blocks of tokens and, within a block, over fixed slices of
+:data:`VOCAB_SLICE` vocabulary columns: each slice's logits are computed in float32 from the head
+weight (cast to float32 one slice at a time, never the whole ``vocab x hidden`` matrix), scaled by
+``1/T`` in float32 -- never rounded to bf16, which removes the logit rounding that makes a bf16
+entropy noisy -- and reduced with the project's cancellation-free row formula
+(:meth:`verl_ext.entropy._EagerRows.stats`: ``max``, ``r`` and ``s`` with every term non-negative);
+the slices' sums merge exactly (:func:`verl_ext.entropy.merge_row_stats`, still non-negative terms),
+``logsumexp = max + log1p(r)`` and ``H = log1p(r) + s / (1 + r)``, so ``log pi`` of the arg-max token
+and the entropy of a confident token keep their relative precision. Only ``rows x slice`` float32
+buffers of at most :data:`verl_ext.entropy.EAGER_CHUNK_BYTES` exist at once; the slices are fixed,
+so a token's result does not depend on the batch it is packed in.
+
+The backward recomputes the logits, one *vocabulary* slice of all tokens at a time: for a slice
+``c`` it forms ``pi_c = exp(z_c - logsumexp)`` from the saved per-token normaliser, the logit
+gradient ``dx_c = (g_logp (onehot_c - pi_c) - g_H pi_c (log pi_c + H)) / T``, then
+``dW_c = dx_c^T h`` (one float32 matmul over all tokens: the weight gradient is accumulated in
+float32 and rounded once, to the weight's dtype) and ``dh += dx_c W_c`` (a ``tokens x hidden``
+float32 accumulator). No ``vocab x hidden`` float32 buffer is ever allocated. The entropy is
+graph-free unless ``entropy_grad=True`` (an entropy bonus, ``actor.entropy_coeff != 0``).
+
+Temperature may be a scalar or one value per token (verl's ``temperature_rmpad``): the formula is
+per row. :mod:`verl_ext.vocab_pass_engine` runs this inside the LM head module's own forward, so
+FSDP1/FSDP2 unshard, reshard and reduce-scatter the head as for any layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+
+from verl_ext.entropy import EAGER_CHUNK_BYTES, _EagerRows, merge_row_stats
+
+__all__ = ["VocabPassOutput", "VocabPass", "vocab_pass", "chunk_bytes_for"]
+
+
+@dataclass
+class VocabPassOutput:
+    """Per-token results of :func:`vocab_pass`, in the order of the flattened input tokens.
+
+    Attributes:
+        log_probs: ``log pi(y_t)`` at the temperature, float32, differentiable w.r.t. the hidden
+            states and the head weight.
+        entropy: ``H(pi_t)`` in nats, float32; differentiable only with ``entropy_grad=True``.
+        top_log_probs: ``(tokens, k)`` float32 largest ``log pi_j`` (descending), no graph; ``None``
+            when ``top_k == 0``.
+        top_ids: ``(tokens, k)`` int64 vocabulary ids of ``top_log_probs``; ``None`` when ``top_k == 0``.
+    """
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
+    top_log_probs: Optional[torch.Tensor] = None
+    top_ids: Optional[torch.Tensor] = None
+
+
+VOCAB_SLICE = 8192
+"""Vocabulary columns per slice of the forward: fixed, so that each token's result is computed the
+same way whatever the batch it is packed in (ERC's on-policy ratio needs both passes to agree)."""
+
+
+def chunk_bytes_for(device: torch.device) -> int:
+    """Bytes of one float32 ``rows x vocab`` (forward) or ``tokens x vocab-slice`` (backward) buffer."""
+    return EAGER_CHUNK_BYTES.get(device.type, EAGER_CHUNK_BYTES["cpu"])
+
+
+def _float32_logits_into(out: torch.Tensor, hidden32: torch.Tensor, weight_slice: torch.Tensor) -> None:
+    """``out = hidden32 @ weight_slice^T`` in float32 (a non-float32 slice is cast: products of bf16
+    values are exact in float32, so this is the exact logit up to float32 accumulation)."""
+    if out.is_contiguous():
+        torch.mm(hidden32, weight_slice.float().t(), out=out)
+    else:
+        out.copy_(hidden32 @ weight_slice.float().t())
+
+
+def _per_row(temperature: Union[float, torch.Tensor], rows: int, device: torch.device) -> torch.Tensor:
+    """``1/T`` per token as a float32 ``(rows,)`` tensor (a scalar or one value per token)."""
+    if isinstance(temperature, torch.Tensor):
+        t = temperature.detach().to(device=device, dtype=torch.float32).reshape(-1)
+        if t.numel() == 1:
+            t = t.expand(rows)
+        if t.numel() != rows:
+            raise ValueError(f"temperature has {t.numel()} values for {rows} tokens (give a scalar or one per token)")
+    else:
+        t = torch.full((rows,), float(temperature), dtype=torch.float32, device=device)
+    if not bool(torch.isfinite(t).all()) or bool((t <= 0).any()):
+        raise ValueError("temperature must be finite and > 0 (actor_rollout_ref.rollout.temperature)")
+    return t.reciprocal()
+
+
+class VocabPass(torch.autograd.Function):
+    """Autograd function behind :func:`vocab_pass` (see the module docstring for the math)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        inv_temperature: torch.Tensor,
+        top_k: int,
+        entropy_grad: bool,
+        chunk_bytes: int,
+    ) -> tuple[torch.Tensor, ...]:
+        tokens, vocab = hidden.shape[0], weight.shape[0]
+        device = hidden.device
+        slice_width = min(vocab, VOCAB_SLICE)  # fixed: a row's result never depends on the batch size
+        rows = max(1, min(tokens, chunk_bytes // (4 * slice_width)))
+        log_probs = torch.empty(tokens, dtype=torch.float32, device=device)
+        entropy = torch.empty(tokens, dtype=torch.float32, device=device)
+        log_normaliser = torch.empty(tokens, dtype=torch.float32, device=device)
+        top_lp = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
+        top_ids = torch.empty(tokens, top_k, dtype=torch.int64, device=device)
+        if tokens:
+            logits = torch.empty(rows, slice_width, dtype=torch.float32, device=device)
+            reducer = _EagerRows(rows, slice_width, device)
+            with torch.autocast(device_type=device.type, enabled=False):
+                for start in range(0, tokens, rows):  # a block of rows ...
+                    stop = min(start + rows, tokens)
+                    hidden32 = hidden[start:stop].float()
+                    inv_t = inv_temperature[start:stop].unsqueeze(1)
+                    block_labels = labels[start:stop]
+                    stats = None
+                    picked = torch.zeros(stop - start, dtype=torch.float32, device=device)
+                    best = ids = None
+                    for v0 in range(0, vocab, slice_width):  # ... over vocabulary slices, merged exactly
+                        v1 = min(v0 + slice_width, vocab)
+                        z = logits[: stop - start, : v1 - v0]
+                        _float32_logits_into(z, hidden32, weight[v0:v1])
+                        z.mul_(inv_t)
+                        part = reducer.stats(z)
+                        stats = part if stats is None else merge_row_stats(stats, part)
+                        inside = (block_labels >= v0) & (block_labels < v1)
+                        local = (block_labels - v0).clamp(0, v1 - v0 - 1).unsqueeze(1)
+                        picked = torch.where(inside, z.gather(1, local).squeeze(1), picked)
+                        if top_k:
+                            values, where = z.topk(min(top_k, v1 - v0), dim=1)
+                            where = where + v0
+                            if best is None:
+                                best, ids = values, where
+                            else:
+                                joined = torch.cat([best, values], 1)
+                                best, order = joined.topk(min(top_k, joined.shape[1]), dim=1)
+                                ids = torch.cat([ids, where], 1).gather(1, order)
+                    top, rest, spread = stats
+                    log1p_rest = torch.log1p(rest)
+                    entropy[start:stop] = log1p_rest + spread / (1.0 + rest)
+                    log_normaliser[start:stop] = top + log1p_rest
+                    log_probs[start:stop] = (picked - top) - log1p_rest
+                    if top_k:
+                        top_lp[start:stop] = (best[:, :top_k] - top.unsqueeze(1)) - log1p_rest.unsqueeze(1)
+                        top_ids[start:stop] = ids[:, :top_k]
+        ctx.entropy_grad = entropy_grad
+        ctx.chunk_bytes = chunk_bytes
+        if entropy_grad:  # dH/dz needs H
+            ctx.save_for_backward(hidden, weight, labels, inv_temperature, log_normaliser, entropy)
+            ctx.mark_non_differentiable(top_lp, top_ids)  # (one call: a second replaces the first)
+        else:
+            ctx.save_for_backward(hidden, weight, labels, inv_temperature, log_normaliser)
+            ctx.mark_non_differentiable(entropy, top_lp, top_ids)
+        return log_probs, entropy, top_lp, top_ids
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_log_probs: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor], *_: Any
+    ) -> tuple[Optional[torch.Tensor], ...]:
+        hidden, weight, labels, inv_temperature, log_normaliser, *saved_entropy = ctx.saved_tensors
+        entropy = saved_entropy[0] if saved_entropy else None
+        tokens, vocab = hidden.shape[0], weight.shape[0]
+        device = hidden.device
+        if not ctx.entropy_grad:
+            grad_entropy = None
+        g_lp = None if grad_log_probs is None else grad_log_probs.float()
+        g_h = None if grad_entropy is None else grad_entropy.float()
+        grad_hidden32 = torch.zeros(tokens, hidden.shape[1], dtype=torch.float32, device=device)
+        grad_weight = torch.zeros_like(weight)
+        if tokens == 0 or (g_lp is None and g_h is None):
+            return grad_hidden32.to(hidden.dtype), grad_weight, None, None, None, None, None
+        slice_rows = max(1, min(vocab, ctx.chunk_bytes // (4 * tokens)))
+        with torch.autocast(device_type=device.type, enabled=False):
+            hidden32 = hidden.float()
+            rows = torch.arange(tokens, device=device)
+            for start in range(0, vocab, slice_rows):
+                stop = min(start + slice_rows, vocab)
+                weight32 = weight[start:stop].float()
+                z = hidden32 @ weight32.t()  # (tokens, slice) logits, recomputed in float32
+                z.mul_(inv_temperature.unsqueeze(1)).sub_(log_normaliser.unsqueeze(1))  # log pi
+                p = torch.exp(z)
+                if g_h is not None:  # dH/dz_j = -pi_j (log pi_j + H)
+                    dz = z.add_(entropy.unsqueeze(1)).mul_(p).mul_(-g_h.unsqueeze(1))
+                    if g_lp is not None:
+                        dz.sub_(p.mul_(g_lp.unsqueeze(1)))
+                else:  # d log pi_y / dz_j = onehot_j - pi_j
+                    dz = p.mul_(-g_lp.unsqueeze(1))
+                if g_lp is not None:
+                    inside = (labels >= start) & (labels < stop)
+                    dz[rows[inside], labels[inside] - start] += g_lp[inside]
+                dz.mul_(inv_temperature.unsqueeze(1))  # z = x / T
+                grad_weight[start:stop] = (dz.t() @ hidden32).to(weight.dtype)
+                grad_hidden32.addmm_(dz, weight32)
+        return grad_hidden32.to(hidden.dtype), grad_weight, None, None, None, None, None
+
+
+def vocab_pass(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: Union[float, torch.Tensor] = 1.0,
+    *,
+    top_k: int = 0,
+    entropy_grad: bool = False,
+    chunk_bytes: Optional[int] = None,
+) -> VocabPassOutput:
+    """log pi(labels), entropy and optionally the top-k of ``softmax(hidden @ weight^T / T)``, chunked.
+
+    Args:
+        hidden: ``(..., hidden)`` final hidden states (after the last norm), any float dtype.
+        weight: ``(vocab, hidden)`` LM-head weight (tied or not; the unsharded parameter when called
+            inside the head module's forward).
+        labels: ``(...)`` int token ids whose log-probability is returned (verl's rolled input ids).
+        temperature: The sampling temperature: a positive scalar, or a tensor with one value per token.
+        top_k: How many of the largest log-probabilities (and their ids) to return per token; 0: none.
+        entropy_grad: Whether the entropy carries a gradient (an entropy bonus); default graph-free.
+        chunk_bytes: Size of each float32 logits buffer; default :func:`chunk_bytes_for` the device.
+
+    Returns:
+        :class:`VocabPassOutput` with tensors of shape ``labels.shape`` (top-k: ``labels.shape + (k,)``).
+    """
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and head weight {tuple(weight.shape)} do not match")
+    lead = hidden.shape[:-1]
+    if tuple(labels.shape) != tuple(lead):
+        raise ValueError(f"labels {tuple(labels.shape)} must have the hidden states' leading shape {tuple(lead)}")
+    if not 0 <= int(top_k) <= weight.shape[0]:
+        raise ValueError(f"top_k must lie in [0, vocab={weight.shape[0]}], got {top_k}")
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1).to(device=hidden.device, dtype=torch.int64)
+    inv_t = _per_row(temperature, flat_hidden.shape[0], hidden.device)
+    budget = int(chunk_bytes) if chunk_bytes is not None else chunk_bytes_for(hidden.device)
+    if budget <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    log_probs, entropy, top_lp, top_ids = VocabPass.apply(
+        flat_hidden, weight, flat_labels, inv_t, int(top_k), bool(entropy_grad), budget
+    )
+    k = int(top_k)
+    return VocabPassOutput(
+        log_probs=log_probs.reshape(lead),
+        entropy=entropy.reshape(lead),
+        top_log_probs=top_lp.reshape(*lead, k) if k else None,
+        top_ids=top_ids.reshape(*lead, k) if k else None,
+    )
