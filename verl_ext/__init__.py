@@ -17,6 +17,9 @@ The method core is device-agnostic and lives at the top of the package:
   the hook that installs it on verl's engine; runs without ERC keep verl's entropy.
 * ``onpolicy`` -- under ERC the old-log-prob pass packed as the update's first epoch (on-policy
   logits bit-identical in every packing), and the ``onpolicy/*`` gauge of the first mini-batch.
+* ``vocab_pass`` -- the chunked LM-head pass (log-probs, the fp32 entropy and top-k from the final
+  hidden states, logits never materialised); ``vocab_pass_engine`` -- its hook into verl's engine
+  (``policy_loss.vocab_pass``).
 * ``verl_modes`` -- ERC and dual-clip on verl's own losses; ``adaptive_delta`` -- the opt-in
   controller of the KL budget delta (ATR section 6.5); ``token_dump`` -- the opt-in per-token
   dump for ERC's Figure 3.
@@ -41,7 +44,9 @@ and asserts that they form exactly this graph and that it has no cycle)::
     verl_modes    -> config, erc, losses
     adaptive_delta -> config, losses
     onpolicy      -> entropy
-    actor_loss    -> config, entropy, losses, onpolicy, token_dump, verl_modes
+    vocab_pass    -> entropy
+    vocab_pass_engine -> entropy, vocab_pass
+    actor_loss    -> config, entropy, losses, onpolicy, token_dump, verl_modes, vocab_pass_engine
     plugin        -> losses; cpu (only under VERL_PLATFORM=cpu)
 
 ``config`` still runs the registry's check at construction: ``losses`` registers
