@@ -5,8 +5,9 @@ groups exist, installs :func:`verl_ext.actor_loss.build_actor_loss` on the actor
 ``set_loss_fn`` -- at init, and again whenever the opt-in adaptive trust-region controller
 (``policy_loss.adaptive_delta_target``, :mod:`verl_ext.adaptive_delta`) moves delta after an actor
 update; the controller's state is saved into and restored from verl's ``global_step_N`` folders.
-Everything else (rollouts, rewards, advantages, old-log-prob recompute with entropy, checkpoints,
-validation) is verl's.
+With ``loss_mode=kl_full`` or ``kl_full_diagnostic`` the old-log-prob pass also stores pi_old's
+top-k (:func:`verl_ext.full_kl.capturing_old_topk`). Everything else (rollouts, rewards, advantages,
+old-log-prob recompute with entropy, checkpoints, validation) is verl's.
 
 ``DivClipTaskRunner`` mirrors ``verl.trainer.main_ppo.TaskRunnerV1.run``: that class is a
 ``@ray.remote`` actor class and cannot be subclassed, and its ``run`` builds the trainer
@@ -31,6 +32,7 @@ from verl.utils.logging_utils import configure_verl_logging
 from verl_ext.actor_loss import build_actor_loss
 from verl_ext.adaptive_delta import AdaptiveDelta
 from verl_ext.entropy import describe_entropy_path, loss_entropy_path, resolve_entropy_path
+from verl_ext.full_kl import capturing_old_topk, old_topk_request
 from verl_ext.losses import CONSTRAINTS
 
 logger = logging.getLogger(__name__)
@@ -94,6 +96,12 @@ class DivClipTrainer(PPOTrainerSync):
             actor_config.policy_loss.get("delta", None),
             describe_entropy_path(path),
         )
+
+    def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
+        # kl_full / kl_full_diagnostic: this pass (and only this one) stores pi_old's top-k
+        k = old_topk_request(self.config.actor_rollout_ref.actor.policy_loss)
+        with capturing_old_topk(batch.extra_info, k):
+            return super()._compute_old_log_prob(batch, metrics=metrics)
 
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
         batch = super()._update_actor(batch, metrics=metrics)

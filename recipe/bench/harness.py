@@ -314,22 +314,35 @@ def update_actor(
     return {} if output is None else dict(tu.get(output, "metrics"))  # None: an SP peer's rank
 
 
-def compute_log_prob(worker: Any, batch: TensorDict, temperature: float = 1.0) -> Optional[dict[str, torch.Tensor]]:
+def compute_log_prob(
+    worker: Any, batch: TensorDict, temperature: float = 1.0, old_topk: int = 0
+) -> Optional[dict[str, torch.Tensor]]:
     """pi_old pass, mirroring ``_compute_old_log_prob``: returns response-layout nested
     ``old_log_probs`` and ``entropy`` for this rank's shard (no loss, no gradient); None on a rank
-    whose group's output another rank collects (verl returns it from one rank per SP group)."""
+    whose group's output another rank collects (verl returns it from one rank per SP group).
+
+    ``old_topk > 0`` asks the pass for pi_old's top-k as ``recipe.trainer.DivClipTrainer`` does for
+    ``kl_full`` (the fields of :mod:`verl_ext.full_kl`, already in the response layout, are returned
+    too); the worker's process must have installed :func:`verl_ext.full_kl.install_full_kl_hook`."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import response_from_nested
 
+    from verl_ext.full_kl import CAPTURE_KEY, OLD_TOPK_IDS, OLD_TOPK_LOG_PROBS
+
     data = batch.clone()
     tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False, temperature=temperature)
+    if old_topk:
+        tu.assign_non_tensor(data, **{CAPTURE_KEY: int(old_topk)})
     output = worker.infer_batch(data)
     if output is None:  # not the rank that collects its group's output (e.g. a Ulysses SP peer)
         return None
-    return {
+    result = {
         "old_log_probs": response_from_nested(output["log_probs"], batch["response_mask"]),
         "entropy": response_from_nested(output["entropy"], batch["response_mask"]),
     }
+    if old_topk:
+        result.update({key: output[key] for key in (OLD_TOPK_LOG_PROBS, OLD_TOPK_IDS)})
+    return result
 
 
 def full_params(worker: Any) -> dict[str, torch.Tensor]:
