@@ -15,6 +15,8 @@ The method core is device-agnostic and lives at the top of the package:
   entropies, which verl's loss registry does not pass).
 * ``entropy`` -- the one fp32 entropy function both of ERC's passes use (pi_old and pi_theta), and
   the hook that installs it on verl's engine; runs without ERC keep verl's entropy.
+* ``full_kl`` -- pi_old's top-k stored by the old-log-prob pass, pi_theta's log-masses on it in the
+  update (one engine hook), and the coarsened full-vocabulary KL of ``kl_full`` (ATR-GRPO Eq. 4).
 * ``verl_modes`` -- ERC and dual-clip on verl's own losses; ``adaptive_delta`` -- the opt-in
   controller of the KL budget delta (ATR section 6.5); ``token_dump`` -- the opt-in per-token
   dump for ERC's Figure 3.

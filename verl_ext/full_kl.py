@@ -369,6 +369,11 @@ def _step_hooks(engine: Any, step: _Step) -> Iterator[None]:
 
     from verl_ext.entropy import _attribute
 
+    if getattr(engine, "use_ulysses_sp", False):
+        raise ValueError(
+            "kl_full's top-k is taken from the logits of whole packed sequences; Ulysses sequence parallelism "
+            "shards them: set actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=1"
+        )
     original_logprobs = impl.logprobs_from_logits
 
     @functools.wraps(original_logprobs)
