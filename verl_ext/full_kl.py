@@ -93,11 +93,15 @@ def log_masses_rows(chunk: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     if z.data_ptr() == chunk.data_ptr():
         z = z.clone()
     index = ids.long()
-    total = torch.logsumexp(z, dim=-1, keepdim=True)
     at_ids = z.gather(-1, index)
-    # the tail bucket: the complement's own logsumexp, so no 1 - sum(top-k) cancellation
-    tail = torch.logsumexp(z.scatter_(-1, index, -math.inf), dim=-1, keepdim=True)
-    return torch.cat([at_ids, tail], dim=-1) - total
+    # The tail bucket: the complement's own logsumexp (no 1 - sum(top-k) cancellation), in place on the
+    # working copy -- the one pass over the vocabulary; the normaliser then comes from k + 1 numbers.
+    z.scatter_(-1, index, -math.inf)
+    top = z.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, 0.0)  # an empty tail (k = vocabulary): exp(-inf) = 0
+    tail = top + torch.log(z.sub_(top).exp_().sum(dim=-1, keepdim=True))
+    buckets = torch.cat([at_ids, tail], dim=-1)
+    return buckets - torch.logsumexp(buckets, dim=-1, keepdim=True)
 
 
 @torch.no_grad()
