@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from verl_ext.config import DivClipPolicyLossConfig
 from verl_ext.full_kl import (
+    CAPTURE_KEY,
     TopKLogMasses,
     capturing_old_topk,
     coarsened_kl,
@@ -31,7 +32,6 @@ from verl_ext.full_kl import (
     old_topk_request,
     stored_bytes_per_token,
     topk_rows,
-    CAPTURE_KEY,
 )
 from verl_ext.losses import CONSTRAINTS, constrained_policy_loss
 
@@ -237,12 +237,12 @@ def test_kl_full_without_topk_names_the_fix():
 
 
 def test_kl_full_is_a_budget_mode_with_its_own_adaptive_metric():
-    from verl_ext.adaptive_delta import AdaptiveDelta
+    from verl_ext.adaptive_delta import FULL_KL_METRIC, AdaptiveDelta
 
     assert CONSTRAINTS["kl_full"].delta_budget
     controller = AdaptiveDelta.from_policy(DivClipPolicyLossConfig(loss_mode="kl_full", adaptive_delta_target=0.02))
-    assert controller.metric == "actor/divclip/kl_full_mean"
-    assert controller.update({"actor/divclip/kl_full_mean": 1.0}) and controller.delta < 0.07
+    assert controller.metric == FULL_KL_METRIC == "actor/divclip/kl_full_mean"
+    assert controller.update({FULL_KL_METRIC: 1.0}) and controller.delta < 0.07
 
 
 # ----------------------------------------------------------------------------------------------

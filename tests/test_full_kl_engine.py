@@ -149,11 +149,10 @@ def test_stored_topk_is_row_aligned_with_verls_log_probs(result: dict[str, Any])
 
 
 def test_off_policy_kl_matches_the_two_models_logits(result: dict[str, Any]) -> None:
-    from recipe.bench.harness import make_rollout_batch as _make
     from verl_ext.full_kl import coarsened_kl, log_masses_rows, topk_rows
 
     model_path, other_path = result["paths"]
-    batch = _make(PROMPT_LENS, RESPONSE_LENS, SPEC.vocab_size, seed=4)
+    batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, SPEC.vocab_size, seed=4)
     old_rows, new_rows = direct_logits(model_path, batch), direct_logits(other_path, batch)
     per_sequence = []
     for old, new in zip(old_rows, new_rows):
