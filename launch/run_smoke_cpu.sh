@@ -7,7 +7,7 @@
 #   bash launch/run_smoke_cpu.sh [extra hydra overrides...]
 #
 # Environment:
-#   LOSS=erc_dapo|kl3 (default erc_dapo)   STEPS=40   SMOKE_OUT=outputs/smoke/$LOSS
+#   LOSS=erc_dapo|kl3|kl_full (default erc_dapo)   STEPS=40   SMOKE_OUT=outputs/smoke/$LOSS
 #   TASK=echo   N_DEVICES=1   BATCH=16 prompts x ROLLOUT_N=8   LR=5e-3   TEST_FREQ=5   SAVE_FREQ=10
 #   REQUIRE_MARGIN=1: exit non-zero unless the last-5 mean reward beats the first-5 clearly.
 #   VOCAB_PASS=1: log-probs and entropies of both actor passes by the vocabulary pass (no logits tensor).
@@ -40,7 +40,10 @@ case "$LOSS" in
                actor_rollout_ref.actor.calculate_entropy=True) ;;
   kl3)       # ATR-GRPO, delta 0.07
     LOSS_ARGS=(actor_rollout_ref.actor.policy_loss.loss_mode=kl3 actor_rollout_ref.actor.policy_loss.delta=0.07) ;;
-  *) echo "run_smoke_cpu.sh: LOSS must be erc_dapo or kl3, got '$LOSS'" >&2; exit 2 ;;
+  kl_full)   # the exact trust region (ATR Eq. 4) over pi_old's top-8 of the 33-token vocabulary + tail, delta 0.07
+    LOSS_ARGS=(actor_rollout_ref.actor.policy_loss.loss_mode=kl_full actor_rollout_ref.actor.policy_loss.delta=0.07
+               actor_rollout_ref.actor.policy_loss.kl_full_top_k=8 actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=True) ;;
+  *) echo "run_smoke_cpu.sh: LOSS must be erc_dapo, kl3 or kl_full, got '$LOSS'" >&2; exit 2 ;;
 esac
 case "${VOCAB_PASS:-}" in
   "") ;;

@@ -48,6 +48,9 @@ ROWS=(
     "kl2|$P.loss_mode=kl2 $P.delta=0.07"
     "full_kl_guided|$P.loss_mode=trgppo $P.delta=0.07 $A.clip_ratio_low=0.2 $A.clip_ratio_high=0.2"
     "is_kl3|$P.loss_mode=is_kl3 $P.delta=0.07"
+    # the exact per-token trust region (ATR Eq. 4) the paper calls intractable: KL over pi_old's
+    # stored top-32 + tail bucket (docs/losses.md#kl_full)
+    "kl_full|$P.loss_mode=kl_full $P.delta=0.07 $P.kl_full_top_k=32"
     # delta ablation of ATR (kl3); 0.07 is the "atr" row
     "atr_delta0.01|$P.loss_mode=kl3 $P.delta=0.01"
     "atr_delta0.03|$P.loss_mode=kl3 $P.delta=0.03"

@@ -7,8 +7,9 @@ groups exist, installs :func:`verl_ext.actor_loss.build_actor_loss` on the actor
 update; the controller's state is saved into and restored from verl's ``global_step_N`` folders.
 With ``actor_rollout_ref.rollout.custom.validation`` set, validation runs each benchmark at its own
 response length and sample count (:mod:`recipe.validation_length`); unset, validation is verl's.
-Everything else (rollouts, rewards, advantages, old-log-prob recompute with entropy, checkpoints)
-is verl's.
+With ``loss_mode=kl_full`` or ``kl_full_diagnostic`` the old-log-prob pass also stores pi_old's
+top-k (:func:`verl_ext.full_kl.capturing_old_topk`). Everything else (rollouts, rewards, advantages,
+old-log-prob recompute with entropy, checkpoints) is verl's.
 
 ``DivClipTaskRunner`` mirrors ``verl.trainer.main_ppo.TaskRunnerV1.run``: that class is a
 ``@ray.remote`` actor class and cannot be subclassed, and its ``run`` builds the trainer
@@ -34,6 +35,7 @@ from verl_ext.actor_loss import build_actor_loss
 from verl_ext.adaptive_delta import AdaptiveDelta
 from verl_ext.entropy import describe_entropy_path, loss_entropy_path, resolve_entropy_path
 from verl_ext.vocab_pass_engine import loss_uses_vocab_pass
+from verl_ext.full_kl import capturing_old_topk, old_topk_request
 from verl_ext.losses import CONSTRAINTS
 from verl_ext.onpolicy import UpdatePacking
 
@@ -109,7 +111,10 @@ class DivClipTrainer(ValidationLengthTrainerMixin, PPOTrainerSync):
         actor_rollout_ref = self.config.actor_rollout_ref
         packing = UpdatePacking.from_actor_config(actor_rollout_ref.actor, actor_rollout_ref.rollout.n)
         batch.extra_info.update(packing.as_extra_info())
-        return super()._compute_old_log_prob(batch, metrics=metrics)
+        # kl_full / kl_full_diagnostic: this pass (and only this one) stores pi_old's top-k
+        k = old_topk_request(actor_rollout_ref.actor.policy_loss)
+        with capturing_old_topk(batch.extra_info, k):
+            return super()._compute_old_log_prob(batch, metrics=metrics)
 
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
         batch = super()._update_actor(batch, metrics=metrics)

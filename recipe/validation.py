@@ -81,6 +81,14 @@ def validate_divclip_config(config: DictConfig) -> Any:
             )
     if isinstance(policy, DivClipPolicyLossConfig) and policy.vocab_pass:
         validate_vocab_pass(config, actor)
+    if isinstance(policy, DivClipPolicyLossConfig) and policy.stores_old_topk:
+        validate_old_topk(config, actor, policy)
+        if policy.vocab_pass:
+            raise ConfigError(
+                f"{VOCAB_PASS}=true never materialises the logits from which "
+                f"{'loss_mode=kl_full' if policy.loss_mode == 'kl_full' else 'policy_loss.kl_full_diagnostic=true'} "
+                "takes pi_old's top-k and pi_theta's log-probs on it: set the vocabulary pass false for this run"
+            )
     if isinstance(policy, DivClipPolicyLossConfig) and policy.erc_enabled:
         if not actor.calculate_entropy:
             raise ConfigError(
@@ -139,6 +147,57 @@ def validate_vocab_pass(config: DictConfig, actor: Any) -> None:
                 f"{VOCAB_PASS}=true reads the LM head's own weight; actor_rollout_ref.model.target_modules={names} "
                 "puts a LoRA adapter on lm_head: drop lm_head from target_modules or set the vocabulary pass false"
             )
+
+
+def validate_old_topk(config: DictConfig, actor: Any, policy: DivClipPolicyLossConfig) -> None:
+    """``kl_full`` / ``kl_full_diagnostic`` need pi_old's top-k, stored by the old-log-prob pass from the
+    materialised logits of an unsharded sequence: refuse what skips that pass or those logits, and a k
+    larger than the model's vocabulary (read from a local checkpoint's config.json)."""
+    what = (
+        f"{ACTOR}.policy_loss.loss_mode=kl_full" if policy.loss_mode == "kl_full" else f"{ACTOR}.policy_loss.kl_full_diagnostic=true"
+    )
+    rollout_correction = config.algorithm.get("rollout_correction", None) or {}
+    if rollout_correction.get("bypass_mode", False):
+        raise ConfigError(
+            f"{what} needs pi_old's top-k, stored by the old-log-prob recompute; "
+            "algorithm.rollout_correction.bypass_mode=True skips it. Set it to False."
+        )
+    model = config.actor_rollout_ref.model
+    if model.get("use_fused_kernels", False):
+        raise ConfigError(
+            f"{what} needs the logits to take pi_old's top-k and pi_theta's log-probs on it; verl's fused kernels "
+            "never materialise them: set actor_rollout_ref.model.use_fused_kernels=False"
+        )
+    engine = getattr(actor, "fsdp_config", None)
+    sp_size = max(
+        int(getattr(actor, "ulysses_sequence_parallel_size", 1) or 1),
+        int(getattr(engine, "ulysses_sequence_parallel_size", 1) or 1),
+    )
+    if sp_size > 1:
+        raise ConfigError(
+            f"{what} takes the top-k from the logits of whole packed sequences; Ulysses sequence parallelism shards "
+            f"them: {ACTOR}.fsdp_config.ulysses_sequence_parallel_size={sp_size} must be 1"
+        )
+    vocab = _local_vocab_size(model.get("path", None))
+    if vocab is not None and policy.kl_full_top_k > vocab:
+        raise ConfigError(
+            f"{ACTOR}.policy_loss.kl_full_top_k={policy.kl_full_top_k} exceeds the model's vocabulary "
+            f"({vocab} logits, {model.path}/config.json)"
+        )
+
+
+def _local_vocab_size(model_path: Any) -> int | None:
+    """``vocab_size`` of a local Hugging Face checkpoint (its config.json); None when the path is not a
+    local directory (a hub id: the engine checks k against the logits when it runs)."""
+    import json
+
+    if not model_path:
+        return None
+    config_file = Path(str(model_path)).expanduser() / "config.json"
+    if not config_file.is_file():
+        return None
+    vocab = json.loads(config_file.read_text()).get("vocab_size", None)
+    return int(vocab) if isinstance(vocab, int) else None
 
 
 def _drop_unset_divclip_keys(policy_loss: DictConfig, target: Any) -> None:

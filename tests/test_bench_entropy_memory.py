@@ -1,6 +1,7 @@
 """``python -m recipe.bench entropy-memory`` runs each variant in its own process (through
-``recipe.bench.child``) and reports peaks against the no-entropy baseline (a tiny shape; the figures
-themselves are benchmarks, recorded in docs/benchmarks.md)."""
+``recipe.bench.child``) and reports peaks against the no-entropy baseline; ``full-kl`` does the same
+for kl_full against kl3 and prints the stored top-k's bytes (tiny shapes; the figures themselves
+are benchmarks, recorded in docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,19 @@ def test_child_runs_read_the_last_json_line_and_keep_stderr() -> None:
     assert ok.returncode == 0 and ok.result is None and not ok.ok  # no JSON line: not a result
     bad = run_child("recipe.bench.no_such_module", [])
     assert bad.returncode != 0 and not bad.ok and bad.last_error_line()
+
+
+def test_full_kl_bench_reports_kl_full_against_kl3_and_the_stored_bytes() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe.bench", "full-kl", "--json", "--tokens", "64", "--vocab", "512",
+         "--hidden", "32", "--sequences", "2", "--k", "8"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    rows = {row["variant"]: row for row in lines if "variant" in row}
+    assert set(rows) == {"kl3", "kl_full"}
+    assert rows["kl3"]["peak_ratio_vs_kl3"] == 1.0 and rows["kl_full"]["peak_rss_bytes"] > 0
+    (sizes,) = [row["stored_topk"] for row in lines if "stored_topk" in row]
+    assert sizes["bytes_per_token"] == 8 * 4 + 9 * 4
+    assert sizes["bytes_per_step_max"]["atr_grpo_qwen3_8b"] == 68 * 4 * 8 * 1536

@@ -59,6 +59,7 @@ SWEEP = {
     "kl2": {"loss_mode": "kl2", "delta": 0.07},
     "full_kl_guided": {"loss_mode": "trgppo", "delta": 0.07, "eps": (0.2, 0.2)},
     "is_kl3": {"loss_mode": "is_kl3", "delta": 0.07},
+    "kl_full": {"loss_mode": "kl_full", "delta": 0.07, "kl_full_top_k": 32},
     "atr_delta0.01": {"loss_mode": "kl3", "delta": 0.01},
     "atr_delta0.03": {"loss_mode": "kl3", "delta": 0.03},
     "atr_delta0.05": {"loss_mode": "kl3", "delta": 0.05},
@@ -69,7 +70,7 @@ SWEEP = {
 
 # rows the test dry-runs through the script itself; every row is composed and validated in-process
 # from the overrides the script lists (test_sweep_rows), which is what each row's dry run does
-SWEEP_DRY_RUN = ("clip_cov", "soft_gate", "atr")
+SWEEP_DRY_RUN = ("clip_cov", "soft_gate", "atr", "kl_full")
 
 OVERRIDE_ENV = {
     "MODEL_PATH": "/models/my model",
@@ -244,7 +245,7 @@ def _check_sweep_row(name: str, config: Any) -> None:
         assert policy["delta"] == want["delta"], name
     if "tau" in want:
         assert (actor["tau_pos"], actor["tau_neg"]) == want["tau"], name
-    for key in ("dual_clip_c", "dcpo_cap", "clip_cov_ratio"):
+    for key in ("dual_clip_c", "dcpo_cap", "clip_cov_ratio", "kl_full_top_k"):
         if key in want:
             assert policy[key] == want[key], name
     if "dual_clip_c" not in want:

@@ -19,6 +19,7 @@ from recipe.validation import ConfigError, validate_divclip_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ERC = ["actor_rollout_ref.actor.policy_loss.erc_beta_low=0.05", "actor_rollout_ref.actor.policy_loss.erc_beta_high=0.05"]
+KL_FULL = ["actor_rollout_ref.actor.policy_loss.loss_mode=kl_full"]
 
 
 def dry_run(*overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -64,11 +65,53 @@ def test_dry_run_prints_only_the_resolved_yaml():
         (["actor_rollout_ref.actor.clip_ratio_low=1.5"], r"actor_rollout_ref\.actor\.clip_ratio_low must lie in"),
         (["actor_rollout_ref.actor.policy_loss._target_=verl.workers.config.PolicyLossConfig"],
          r"needs actor_rollout_ref\.actor\.policy_loss\._target_=verl_ext\.config\.DivClipPolicyLossConfig"),
+        # kl_full: pi_old's top-k must be stored, k within [1, vocabulary], a known direction
+        ([*KL_FULL, "algorithm.rollout_correction.bypass_mode=true"], r"algorithm\.rollout_correction\.bypass_mode"),
+        ([*KL_FULL, "actor_rollout_ref.model.use_fused_kernels=true"], r"actor_rollout_ref\.model\.use_fused_kernels"),
+        ([*KL_FULL, "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2"],
+         r"actor_rollout_ref\.actor\.fsdp_config\.ulysses_sequence_parallel_size=2 must be 1"),
+        (["actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=true", "actor_rollout_ref.model.use_fused_kernels=true"],
+         r"kl_full_diagnostic=true needs the logits"),
+        ([*KL_FULL, "actor_rollout_ref.actor.policy_loss.kl_full_top_k=0"], r"policy_loss\.kl_full_top_k must be an integer >= 1"),
+        ([*KL_FULL, "actor_rollout_ref.actor.policy_loss.kl_full_top_k=null"], r"policy_loss\.kl_full_top_k must be an integer >= 1"),
+        ([*KL_FULL, "actor_rollout_ref.actor.policy_loss.kl_full_direction=sideways"], r"policy_loss\.kl_full_direction must be one of"),
     ],
 )
 def test_config_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate_divclip_config(compose_config(*overrides))
+
+
+def test_kl_full_top_k_beyond_the_vocabulary_names_the_key(tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 512}')
+    model = f"actor_rollout_ref.model.path={tmp_path}"
+    validate_divclip_config(compose_config(*KL_FULL, model, "actor_rollout_ref.actor.policy_loss.kl_full_top_k=512"))
+    with pytest.raises(ConfigError, match=r"policy_loss\.kl_full_top_k=513 exceeds the model's vocabulary \(512"):
+        validate_divclip_config(compose_config(*KL_FULL, model, "actor_rollout_ref.actor.policy_loss.kl_full_top_k=513"))
+
+
+def test_trainer_stores_the_top_k_in_the_old_log_prob_pass_only(monkeypatch):
+    """DivClipTrainer._compute_old_log_prob asks verl's pass for pi_old's top-k (kl_full, or the diagnostic)
+    and takes the request away again, so the reference pass after it stores nothing."""
+    from verl.trainer.ppo.v1 import PPOTrainerSync
+
+    from recipe.trainer import DivClipTrainer
+    from verl_ext.full_kl import CAPTURE_KEY
+
+    seen: list[Any] = []
+    monkeypatch.setattr(PPOTrainerSync, "_compute_old_log_prob", lambda self, batch, metrics: seen.append(
+        dict(batch.extra_info)) or batch)
+    batch = type("Batch", (), {"extra_info": {"temperature": 1.0}})()
+    for overrides, expected in (
+        (KL_FULL, 32),
+        (["actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=true", "actor_rollout_ref.actor.policy_loss.kl_full_top_k=8"], 8),
+        ([], None),
+    ):
+        trainer = DivClipTrainer.__new__(DivClipTrainer)
+        trainer.config = compose_config(*overrides)
+        assert trainer._compute_old_log_prob(batch, metrics={}) is batch
+        assert seen[-1].get(CAPTURE_KEY) == expected
+        assert CAPTURE_KEY not in batch.extra_info
 
 
 def test_misspelt_key_is_rejected_by_hydra_with_its_name():

@@ -148,14 +148,24 @@ def test_resume_continues_from_the_checkpoint_with_optimizer_state(erc_run: Path
     assert (erc_run / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
 
 
-def test_trainer_runs_kl3_end_to_end(tmp_path: Path) -> None:
-    run_smoke(tmp_path, "kl3", 1, SAVE_FREQ="-1", TEST_FREQ="-1")
+@pytest.mark.parametrize("loss", ["kl3", "kl_full"])
+def test_trainer_runs_kl3_end_to_end(tmp_path: Path, loss: str) -> None:
+    """kl3 with the opt-in KL3-vs-trust-region diagnostic, and kl_full (pi_old's top-8 stored by verl's
+    old-log-prob pass through TransferQueue, the diagnostic on)."""
+    run_smoke(tmp_path, loss, 1, "actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=True",
+              "actor_rollout_ref.actor.policy_loss.kl_full_top_k=8", SAVE_FREQ="-1", TEST_FREQ="-1")
     (line,) = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"step": 1' in x]
     data = line["data"]
-    assert data["actor/divclip/ratio_lower"] == pytest.approx(0.671, abs=1e-3)
-    assert data["actor/divclip/ratio_upper"] == pytest.approx(1.422, abs=1e-3)
+    if loss == "kl3":
+        assert data["actor/divclip/ratio_lower"] == pytest.approx(0.671, abs=1e-3)
+        assert data["actor/divclip/ratio_upper"] == pytest.approx(1.422, abs=1e-3)
+        assert "actor/divclip/kl_full_diag/full_only_frac_kl3delta" in data
     assert "actor/divclip/erc/ratio_mean" not in data
     assert data["actor/divclip/onpolicy/log_ratio_abs_max"] >= 0.0 and "actor/divclip/onpolicy/erc_masked_frac" not in data
+    # the coarsened KL and its tails were computed from the stored top-k (the second mini-batch is off-policy)
+    assert data["actor/divclip/kl_full_mean"] >= 0 and 0 < data["actor/divclip/kl_full_tail_old"] < 1
+    for key in ("mode_only_frac", "full_only_frac", "kl_clipped_mean", "kl_unclipped_mean"):
+        assert f"actor/divclip/kl_full_diag/{key}" in data
 
 
 ADAPTIVE = {"target": 1e-6, "tolerance": 1.5, "rate": 1.5, "min": 0.005, "max": 0.5}

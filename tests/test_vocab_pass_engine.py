@@ -294,6 +294,8 @@ def test_config_key_is_declared_and_reaches_the_loss() -> None:
         (["distillation.enabled=true"], r"distillation\.enabled"),
         (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj,lm_head]"],
          r"target_modules=\['q_proj', 'lm_head'\] puts a LoRA adapter on lm_head"),
+        (["actor_rollout_ref.actor.policy_loss.loss_mode=kl_full"], r"loss_mode=kl_full takes pi_old's top-k"),
+        (["actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=true"], r"kl_full_diagnostic=true takes pi_old's top-k"),
     ],
 )
 def test_refused_combinations_name_the_key(overrides: list[str], message: str) -> None:

@@ -20,6 +20,8 @@ The method core is device-agnostic and lives at the top of the package:
 * ``vocab_pass`` -- the chunked LM-head pass (log-probs, the fp32 entropy and top-k from the final
   hidden states, logits never materialised); ``vocab_pass_engine`` -- its hook into verl's engine
   (``policy_loss.vocab_pass``).
+* ``full_kl`` -- pi_old's top-k stored by the old-log-prob pass, pi_theta's log-masses on it in the
+  update (one engine hook), and the coarsened full-vocabulary KL of ``kl_full`` (ATR-GRPO Eq. 4).
 * ``verl_modes`` -- ERC and dual-clip on verl's own losses; ``adaptive_delta`` -- the opt-in
   controller of the KL budget delta (ATR section 6.5); ``token_dump`` -- the opt-in per-token
   dump for ERC's Figure 3.
@@ -40,13 +42,14 @@ and asserts that they form exactly this graph and that it has no cycle)::
     config        -> (verl and the standard library only: a leaf)
     divergences, entropy, token_dump -> (no verl_ext module)
     erc           -> config
-    losses        -> config, divergences, erc
+    full_kl       -> config, entropy
+    losses        -> config, divergences, erc, full_kl
     verl_modes    -> config, erc, losses
     adaptive_delta -> config, losses
     onpolicy      -> entropy
     vocab_pass    -> entropy
     vocab_pass_engine -> entropy, vocab_pass
-    actor_loss    -> config, entropy, losses, onpolicy, token_dump, verl_modes, vocab_pass_engine
+    actor_loss    -> config, entropy, full_kl, losses, onpolicy, token_dump, verl_modes, vocab_pass_engine
     plugin        -> losses; cpu (only under VERL_PLATFORM=cpu)
 
 ``config`` still runs the registry's check at construction: ``losses`` registers

@@ -9,6 +9,10 @@ metric aggregation), and additionally hands the per-token entropies of pi_old
 ``sapo``, ``clip_cov``, ...) go through their registry functions unchanged, so one actor loss
 serves every baseline.
 
+With ``loss_mode=kl_full`` or ``kl_full_diagnostic`` the loss also reads pi_old's stored top-k
+(``data["divclip_old_topk_log_probs"]``) and pi_theta's log-masses on it, which the forward-step hook
+of :mod:`verl_ext.full_kl` adds to the model output (installed on import, like the entropy hook).
+
 Importing this module in a worker (which happens when Ray unpickles the loss sent by
 ``set_loss_fn``) installs :func:`verl_ext.entropy.install_divclip_entropy`: inert for any
 loss that does not opt in; for ERC (``build_actor_loss``) the
@@ -33,6 +37,7 @@ from verl.workers.utils.padding import no_padding_2_padding
 
 from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig, actor_clip_ratios
 from verl_ext.entropy import EntropyPath, entropy_as_mask, install_divclip_entropy, loss_entropy_path
+from verl_ext.full_kl import NEW_TOPK_LOG_PROBS, OLD_TOPK_LOG_PROBS, TopKLogMasses, install_full_kl_hook, padded_response
 from verl_ext.losses import CONSTRAINTS, constrained_policy_loss, resolve_policy_config
 from verl_ext.onpolicy import install_on_policy_mark, install_update_packing, is_on_policy, on_policy_gauge
 from verl_ext.token_dump import TokenDumpWriter
@@ -73,6 +78,7 @@ def divclip_actor_loss(
     mode = config.policy_loss.get("loss_mode", "vanilla")
     policy = divclip_policy_config(config)
     erc = policy is not None and policy.erc_enabled
+    topk_stored = mode in CONSTRAINTS and policy.stores_old_topk
     needs_rewards = policy is not None and policy.correct_nll_coef > 0
 
     fields = ["response_mask", "old_log_probs", "advantages"]
@@ -84,6 +90,13 @@ def divclip_actor_loss(
             raise ValueError(
                 "ERC needs the current per-token entropy, but the engine returned none: set "
                 "actor_rollout_ref.actor.calculate_entropy=True"
+            )
+    if topk_stored:
+        _require(data, OLD_TOPK_LOG_PROBS, _TOPK_WHY.format(mode=mode))
+        if NEW_TOPK_LOG_PROBS not in model_output:
+            raise ValueError(
+                f"{_TOPK_WHY.format(mode=mode)}, but the engine returned no {NEW_TOPK_LOG_PROBS!r}: the forward "
+                "step hook (verl_ext.full_kl.install_full_kl_hook) is not installed in this process"
             )
     if needs_rewards:
         # verl's v1 trainer stores the rule reward as rm_scores and writes token_level_rewards back
@@ -110,6 +123,12 @@ def divclip_actor_loss(
             rollout_is_weights=padded.get("rollout_is_weights", None),
             old_entropy=padded["entropy"] if erc else None,
             entropy=entropy if erc else None,
+            topk=TopKLogMasses(
+                old=padded_response(data[OLD_TOPK_LOG_PROBS], response_mask.shape[-1]),
+                new=padded_response(model_output[NEW_TOPK_LOG_PROBS], response_mask.shape[-1]),
+            )
+            if topk_stored
+            else None,
         )
     else:  # verl's own mode, with ERC / dual-clip composed on top when the divclip config sets them
         pg_loss, pg_metrics = verl_policy_loss(
@@ -258,6 +277,12 @@ def _dump_tokens(
         writer.maybe_dump(step, old_log_prob.float(), rho, clipped, response_mask)
 
 
+_TOPK_WHY = (
+    "loss_mode={mode!r} with policy_loss.loss_mode=kl_full or kl_full_diagnostic=True needs pi_old's top-k, "
+    "stored by the old-log-prob pass of recipe.trainer.DivClipTrainer"
+)
+
+
 def _require(data: TensorDict, key: str, why: str) -> str:
     if key not in data:
         raise KeyError(f"{why}, but the micro-batch has no '{key}' (fields: {sorted(data.keys())})")
@@ -307,3 +332,4 @@ install_divclip_entropy()
 install_update_packing()
 install_on_policy_mark()
 install_vocab_pass()
+install_full_kl_hook()

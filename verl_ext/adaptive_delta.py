@@ -1,7 +1,7 @@
 """Adaptive trust-region threshold (ATR-GRPO Sec. 6.5, "Adaptive Trust Region Threshold").
 
 An opt-in controller for the KL-budget modes (``kl3``, ``kl1``, ``kl2``, ``is_kl3``, ``trgppo``,
-``seq_kl3``): between actor updates the budget delta moves so that the update's measured mean
+``seq_kl3``, ``kl_full``): between actor updates the budget delta moves so that the update's measured mean
 KL3 tracks a target d_targ, with PPO's adaptive-KL rule (Schulman et al. 2017, Sec. 4) acting on
 the budget instead of on a penalty coefficient::
 
@@ -12,7 +12,8 @@ the budget instead of on a penalty coefficient::
 d is the actor update's ``actor/divclip/kl3_mean`` (token KL3 w - 1 - log w averaged over valid
 tokens, micro-batches and data-parallel ranks -- verl all-gathers the loss metrics before the
 driver sees them), or ``actor/divclip/seq_kl3_mean`` for ``seq_kl3``, whose budget bounds KL3 of
-the sequence ratio.
+the sequence ratio, or ``actor/divclip/kl_full_mean`` for ``kl_full``, whose budget bounds the
+coarsened full-vocabulary KL (each constraint's ``budget_metric``).
 
 Where it runs: on the driver, in ``recipe.trainer.DivClipTrainer``. After each actor update the
 trainer feeds d to :meth:`AdaptiveDelta.update` and, when delta changed, re-installs the actor
@@ -36,6 +37,7 @@ from verl_ext.losses import CONSTRAINTS, check_policy_config
 STATE_FILE = "divclip_adaptive_delta.json"
 TOKEN_METRIC = "actor/divclip/kl3_mean"
 SEQUENCE_METRIC = "actor/divclip/seq_kl3_mean"
+FULL_KL_METRIC = "actor/divclip/kl_full_mean"
 
 
 @dataclass
@@ -58,7 +60,6 @@ class AdaptiveDelta:
         check_policy_config(policy)
         if not policy.adaptive_delta_enabled:
             return None
-        sequence = CONSTRAINTS[policy.loss_mode].level == "sequence"
         return cls(
             delta=float(policy.delta),
             target=float(policy.adaptive_delta_target),
@@ -66,7 +67,7 @@ class AdaptiveDelta:
             rate=float(policy.adaptive_delta_rate),
             minimum=float(policy.adaptive_delta_min),
             maximum=float(policy.adaptive_delta_max),
-            metric=SEQUENCE_METRIC if sequence else TOKEN_METRIC,
+            metric=f"actor/divclip/{CONSTRAINTS[policy.loss_mode].budget_metric}",
         )
 
     def next_delta(self, measured: float) -> float:

@@ -33,6 +33,8 @@ CONFIG_TARGET = "verl_ext.config.DivClipPolicyLossConfig"
 POLICY_LOSS_KEY = "actor_rollout_ref.actor.policy_loss"
 #: ``correct_nll_norm`` values: verl's global normalisation, or the released ERC code's per micro-batch one.
 CORRECT_NLL_NORMS = ("global", "micro_batch")
+#: ``kl_full_direction`` values: KL(pi_theta || pi_old) (ATR-GRPO Eq. 4) or KL(pi_old || pi_theta) (Truly PPO).
+KL_FULL_DIRECTIONS = ("forward", "reverse")
 
 
 #: Checks that need the loss-mode registry, run by ``DivClipPolicyLossConfig.__post_init__``
@@ -85,6 +87,17 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
         gppo_beta_high: GPPO scale beta_2 of tokens clipped at the upper bound (A > 0):
             gradient beta_2 * (1 + eps_high) * A. Both 1.0 in the paper.
         dcpo_cap: Upper cap of DCPO's dynamic upper bound (DCPO default 10).
+        kl_full_top_k: k of ``kl_full`` (ATR-GRPO Eq. 4): the old-log-prob pass stores pi_old's k most
+            likely ids and log-probs per response token plus the tail bucket's log-mass, and KL_t is
+            computed over those k + 1 buckets (a lower bound of the full-vocabulary KL, exact when the
+            tail holds no mass). 1 <= k <= vocabulary size; default 32 (4 (2k + 1) = 260 bytes per token).
+        kl_full_direction: ``"forward"`` (default): KL(pi_theta || pi_old), Eq. 4; ``"reverse"``:
+            KL(pi_old || pi_theta), the trigger of Truly PPO (Wang et al. 2019).
+        kl_full_diagnostic: Opt-in KL3-vs-trust-region diagnostic on any divclip mode: stores pi_old's
+            top-k (``kl_full_top_k``) and reports, per update, the token fractions where the mode's clip
+            decision and the full-KL rule's (KL_t > delta on Eq. 5's pessimistic side) disagree, at delta
+            and at the KL3 budget of the mode's ratio bounds, and the mean coarsened KL of clipped and
+            unclipped tokens (docs/losses.md). ``False`` (default) = off.
         erc_beta_low: ERC lower band beta_l: tokens with H_new / H_old <= 1 - beta_l lose
             their gradient (ERC paper Eq. 6, beta = 0.05). ``None`` (default) disables ERC.
             Stacks on every divclip mode and on verl's own modes (``verl_ext.verl_modes``).
@@ -128,6 +141,9 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
     gppo_beta_low: float = 1.0
     gppo_beta_high: float = 1.0
     dcpo_cap: float = 10.0
+    kl_full_top_k: int = 32
+    kl_full_direction: str = "forward"
+    kl_full_diagnostic: bool = False
     erc_beta_low: Optional[float] = None
     erc_beta_high: Optional[float] = None
     erc_eps: float = 1e-8
@@ -154,6 +170,14 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
                 raise ValueError(f"{prefix}.{key} must be a finite number >= 0, got {value!r}")
         if not (_finite(self.dcpo_cap) and self.dcpo_cap > 1):
             raise ValueError(f"{prefix}.dcpo_cap must be > 1, got {self.dcpo_cap!r}")
+        if isinstance(self.kl_full_top_k, bool) or not isinstance(self.kl_full_top_k, int) or self.kl_full_top_k < 1:
+            raise ValueError(f"{prefix}.kl_full_top_k must be an integer >= 1, got {self.kl_full_top_k!r}")
+        if self.kl_full_direction not in KL_FULL_DIRECTIONS:
+            raise ValueError(
+                f"{prefix}.kl_full_direction must be one of {KL_FULL_DIRECTIONS}, got {self.kl_full_direction!r}"
+            )
+        if not isinstance(self.kl_full_diagnostic, bool):
+            raise ValueError(f"{prefix}.kl_full_diagnostic must be true or false, got {self.kl_full_diagnostic!r}")
         if (self.erc_beta_low is None) != (self.erc_beta_high is None):
             missing = "erc_beta_high" if self.erc_beta_high is None else "erc_beta_low"
             raise ValueError(
@@ -191,6 +215,11 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
     @property
     def erc_enabled(self) -> bool:
         return self.erc_beta_low is not None
+
+    @property
+    def stores_old_topk(self) -> bool:
+        """Whether the old-log-prob pass must store pi_old's top-k: ``kl_full`` or the diagnostic."""
+        return self.loss_mode == "kl_full" or self.kl_full_diagnostic
 
     @property
     def adaptive_delta_enabled(self) -> bool:

@@ -23,6 +23,10 @@ Three further behaviours are explicit options of the same operator, not copies o
   ERC implementation, so ERC changes which tokens push the policy, not the loss scale.
 * dual-clip (opt-in ``dual_clip_c``): for A < 0 and w > c the ratio is the constant c.
 
+``kl_full`` (ATR-GRPO Eq. 4, the exact per-token trust region) evaluates C_t = KL(pi_theta || pi_old)
+<= delta over pi_old's stored top-k plus a tail bucket (:mod:`verl_ext.full_kl`); the same KL feeds
+an opt-in diagnostic on every mode: where the mode's decision and the full-KL rule's disagree.
+
 A constraint registered with ``level="sequence"`` (``seq_kl3``, ATR-GRPO Sec. 6.5) is
 evaluated on GSPO's sequence ratio s_i = exp(mean_t log w_{i,t}) instead of w_t: every
 token of sequence i carries the ratio s_i (value s_i, d s_i / d log pi_t = s_i, GSPO-token
@@ -50,6 +54,13 @@ from verl_ext.config import (
     actor_clip_ratios,
     register_mode_check,
 )
+from verl_ext.full_kl import (
+    NOT_AVERAGED as FULL_KL_NOT_AVERAGED,
+    TopKLogMasses,
+    diagnostic_sums,
+    finish_full_kl_metrics,
+    full_kl_sums,
+)
 from verl_ext.erc import (
     EntropyBand,
     entropy_band_sums,
@@ -73,6 +84,7 @@ class ConstraintInputs:
     clip_ratio_low: float
     clip_ratio_high: float
     policy: DivClipPolicyLossConfig
+    full_kl: Optional[torch.Tensor] = None  # per-token coarsened KL (kl_full_direction), when pi_old's top-k is stored
 
 
 @dataclass(frozen=True)
@@ -101,7 +113,8 @@ class ConstraintSpec:
     ``level``: ``"token"`` evaluates C_t on w_t; ``"sequence"`` on the sequence ratio s_i,
     which then also replaces w_t in the surrogate. ``delta_budget``: the constraint is a
     divergence budget ``policy_loss.delta`` (logged as ``actor/divclip/delta``; the modes
-    the adaptive-delta controller may drive).
+    the adaptive-delta controller may drive). ``budget_metric``: the ``actor/divclip/<name>`` metric
+    that measures what delta bounds (the adaptive-delta controller's measurement).
     """
 
     name: str
@@ -109,6 +122,7 @@ class ConstraintSpec:
     on_violation: Literal["drop", "preserve"] = "drop"
     level: Literal["token", "sequence"] = "token"
     delta_budget: bool = False
+    budget_metric: str = "kl3_mean"
 
 
 CONSTRAINTS: dict[str, ConstraintSpec] = {}
@@ -119,13 +133,15 @@ def register_constraint(
     on_violation: Literal["drop", "preserve"] = "drop",
     level: Literal["token", "sequence"] = "token",
     delta_budget: bool = False,
+    budget_metric: Optional[str] = None,
 ) -> Callable[[ConstraintFn], ConstraintFn]:
     """Register a constraint and expose it to verl as ``policy_loss.loss_mode=<name>``."""
     if level == "sequence" and on_violation != "drop":
         raise ValueError(f"constraint {name!r}: sequence-level constraints only drop violations")
+    metric = budget_metric or ("seq_kl3_mean" if level == "sequence" else "kl3_mean")
 
     def decorator(region: ConstraintFn) -> ConstraintFn:
-        CONSTRAINTS[name] = ConstraintSpec(name, region, on_violation, level, delta_budget)
+        CONSTRAINTS[name] = ConstraintSpec(name, region, on_violation, level, delta_budget, metric)
         register_policy_loss(name)(_make_registry_loss(name))
         return region
 
@@ -188,6 +204,11 @@ def check_policy_config(policy: DivClipPolicyLossConfig, prefix: str = POLICY_LO
             f"{prefix}.adaptive_delta_target adapts the KL budget delta, which loss_mode={mode!r} "
             f"does not have; the KL-budget modes are {budget_modes}"
         )
+    if policy.kl_full_diagnostic and mode not in CONSTRAINTS:
+        raise ValueError(
+            f"{prefix}.kl_full_diagnostic compares a divclip mode's clip decisions with the full-KL rule; "
+            f"verl's loss_mode={mode!r} makes none through the divclip operator: set it to false"
+        )
     if mode not in CONSTRAINTS:  # verl's own mode: ERC / dual-clip compose with it
         check_verl_mode_options(policy, prefix)
 
@@ -230,6 +251,8 @@ def _make_registry_loss(mode: str) -> Callable[..., tuple[torch.Tensor, dict[str
         policy = resolve_policy_config(config)
         if policy.adaptive_delta_enabled:
             raise ValueError(_ADAPTIVE_NEEDS_TRAINER.format(mode=mode))
+        if policy.kl_full_diagnostic:
+            raise ValueError(_KL_FULL_NEEDS_TOPK.replace("loss_mode='kl_full'", "kl_full_diagnostic"))
         return constrained_policy_loss(
             old_log_prob,
             log_prob,
@@ -326,6 +349,21 @@ def seq_kl3_region(inputs: ConstraintInputs) -> TrustRegion:
     return kl3_region(inputs)
 
 
+@register_constraint("kl_full", delta_budget=True, budget_metric="kl_full_mean")
+def kl_full_region(inputs: ConstraintInputs) -> TrustRegion:
+    """The exact trust region of ATR-GRPO Eq. 4 on pi_old's top-k: KL_t <= delta, where KL_t is
+    KL(pi_theta || pi_old) (``kl_full_direction=forward``) or KL(pi_old || pi_theta) (``reverse``, Truly
+    PPO's trigger) between the two policies' (k + 1)-bucket coarsenings (top-k ids + tail), a lower
+    bound of the full-vocabulary KL (:func:`verl_ext.full_kl.coarsened_kl`).
+
+    The region is not a ratio interval (it depends on the whole distribution), so no ratio bounds are
+    reported."""
+    if inputs.full_kl is None:
+        raise ValueError(_KL_FULL_NEEDS_TOPK)
+    no_bounds = inputs.ratio.new_zeros(0)
+    return TrustRegion(inputs.full_kl <= inputs.policy.delta, no_bounds, no_bounds, bounds_sampled=True)
+
+
 @register_constraint("dcpo")
 def dcpo_region(inputs: ConstraintInputs) -> TrustRegion:
     """DCPO dynamic clipping with eps_low/eps_high = actor.clip_ratio_low/high and
@@ -402,6 +440,7 @@ def constrained_policy_loss(
     rollout_is_weights: Optional[torch.Tensor] = None,
     old_entropy: Optional[torch.Tensor] = None,
     entropy: Optional[torch.Tensor] = None,
+    topk: Optional[TopKLogMasses] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Divergence-constrained PPO surrogate, aggregated with verl's ``agg_loss``.
 
@@ -417,6 +456,9 @@ def constrained_policy_loss(
         rollout_is_weights: optional per-token rollout-correction weights (verl).
         old_entropy, entropy: per-token entropies of pi_old and pi_theta over the full
             vocabulary, required when ERC is on. Only used as a mask, never differentiated.
+        topk: pi_old's stored top-k log-masses and pi_theta's on the same buckets, ``(batch,
+            response_length, k + 1)``: required by ``kl_full``; with it every mode reports the coarsened
+            KL's metrics, and with ``policy.kl_full_diagnostic`` the KL3-vs-trust-region diagnostic.
 
     Returns:
         The scalar loss and a dict of ``actor/...`` metrics (floats).
@@ -449,13 +491,17 @@ def constrained_policy_loss(
     ratio = torch.exp(log_ratio)
     log_ratio_d, ratio_d = log_ratio.detach(), ratio.detach()
 
+    full_kl = topk.kl(policy.kl_full_direction) if topk is not None else None
     region = spec.region(
-        ConstraintInputs(log_ratio_d, ratio_d, old_log_prob, mask, clip_ratio_low, clip_ratio_high, policy)
+        ConstraintInputs(
+            log_ratio_d, ratio_d, old_log_prob, mask, clip_ratio_low, clip_ratio_high, policy, full_kl=full_kl
+        )
     )
     # Pessimistic min of Eq. 5: a violation matters only when it lies on the side the
     # advantage pushes towards, i.e. (w - 1) * A > 0; on the other side min() keeps w * A
     # and its gradient.
-    clipped = ~region.inside & ((ratio_d - 1.0) * advantages > 0)
+    pessimistic_side = (ratio_d - 1.0) * advantages > 0
+    clipped = ~region.inside & pessimistic_side
     upper_side = ratio_d > 1.0
 
     dual = None
@@ -499,13 +545,34 @@ def constrained_policy_loss(
         loss = (surrogate * 0.0).sum()
     else:
         loss = -agg_loss(loss_mat=surrogate, loss_mask=mask, loss_agg_mode=loss_agg_mode, **batch_info)
+    vocab_sums = None
+    if full_kl is not None:
+        with torch.no_grad():
+            vocab_sums = full_kl_sums(full_kl, topk, mask)
+            if policy.kl_full_diagnostic:
+                vocab_sums.update(
+                    diagnostic_sums(full_kl, mask, clipped, pessimistic_side, _diagnostic_deltas(policy.delta, region))
+                )
     metrics = _metrics(
         mask, token_log_ratio, region, clipped, upper_side, no_grad, dual, erc,
-        sequence_log_ratio=seq_log_ratio,
+        sequence_log_ratio=seq_log_ratio, vocab_sums=vocab_sums,
     )
     if spec.delta_budget:
         metrics["actor/divclip/delta"] = float(policy.delta)
     return loss, metrics
+
+
+def _diagnostic_deltas(delta: float, region: TrustRegion) -> dict[str, float]:
+    """The budgets the diagnostic compares the mode with: the configured delta (suffix ``""``), and,
+    for a mode with scalar ratio bounds [l, u], the KL3 budget those bounds amount to,
+    max(KL3(l), KL3(u)) -- the smallest delta whose KL3 region holds the mode's interval (suffix
+    ``_kl3delta``; for ``kl3`` it is delta itself)."""
+    deltas = {"": float(delta)}
+    lower, upper = region.lower, region.upper
+    if not isinstance(lower, torch.Tensor) and not isinstance(upper, torch.Tensor) and lower > 0:
+        kl3_at = lambda w: w - 1.0 - math.log(w)  # noqa: E731
+        deltas["_kl3delta"] = max(kl3_at(float(lower)), kl3_at(float(upper)))
+    return deltas
 
 
 def sequence_mean_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -536,6 +603,12 @@ _ADAPTIVE_NEEDS_TRAINER = (
     "through `python -m recipe.main`, or set adaptive_delta_target to null."
 )
 
+_KL_FULL_NEEDS_TOPK = (
+    "policy_loss.loss_mode='kl_full' needs pi_old's top-k (stored by the old-log-prob pass) and pi_theta's "
+    "log-probs on it, which verl's policy-loss registry does not pass: run training through "
+    "`python -m recipe.main` (its trainer stores the top-k and installs the actor loss that reads it)"
+)
+
 _ERC_NEEDS_ENTROPY = (
     "policy_loss.erc_beta_low/erc_beta_high enable ERC for loss_mode={mode!r}, but no per-token "
     "entropies reached the loss: verl's policy-loss registry passes only log-probs, advantages and "
@@ -555,6 +628,7 @@ def _metrics(
     dual: Optional[torch.Tensor],
     erc: Optional[EntropyBand],
     sequence_log_ratio: Optional[torch.Tensor] = None,
+    vocab_sums: Optional[dict[str, torch.Tensor]] = None,
 ) -> dict[str, float]:
     """Means over valid tokens, reduced with a single host sync.
 
@@ -600,9 +674,12 @@ def _metrics(
                 sums[name] = bound.mean()
         if erc is not None and mask.numel():
             sums.update(entropy_band_sums(erc))
+        if vocab_sums is not None:
+            sums.update(vocab_sums)
         values = dict(zip(sums, torch.stack([v.double() for v in sums.values()]).tolist()))
 
     n_valid = values.pop("n_valid")
+    finish_full_kl_metrics(values, n_valid)
     if "erc/ratio_mean" in values:
         finish_entropy_band_metrics(values, erc, n_valid)
     if "n_sequences" in values:
@@ -611,7 +688,7 @@ def _metrics(
         values.pop("erc/ratio_min", None)
         values.pop("erc/ratio_max", None)
     n_valid = max(n_valid, 1.0)
-    not_averaged = {"kl3_max", "seq_kl3_mean", "seq_kl3_max", "erc/ratio_min", "erc/ratio_max"}
+    not_averaged = {"kl3_max", "seq_kl3_mean", "seq_kl3_max", "erc/ratio_min", "erc/ratio_max", *FULL_KL_NOT_AVERAGED}
     if region.bounds_sampled:
         not_averaged |= {"ratio_lower", "ratio_upper"}
     metrics = {

@@ -8,6 +8,7 @@ import sys
 BENCHMARKS: dict[str, str] = {
     "losses": "recipe.bench.losses",
     "entropy-memory": "recipe.bench.entropy_memory",
+    "full-kl": "recipe.bench.full_kl",
     "reward": "recipe.bench.reward",
     "gpu": "recipe.bench.gpu",
     "onpolicy": "recipe.bench.onpolicy",

@@ -322,27 +322,37 @@ def update_actor(
 
 
 def compute_log_prob(
-    worker: Any, batch: TensorDict, temperature: float = 1.0, packing: Any = None
+    worker: Any, batch: TensorDict, temperature: float = 1.0, packing: Any = None, old_topk: int = 0
 ) -> Optional[dict[str, torch.Tensor]]:
     """pi_old pass, mirroring ``_compute_old_log_prob``: returns response-layout nested
     ``old_log_probs`` and ``entropy`` for this rank's shard (no loss, no gradient); None on a rank
     whose group's output another rank collects (verl returns it from one rank per SP group).
     ``packing`` (a ``verl_ext.onpolicy.UpdatePacking``) is the update's mini-batch split, as
-    ``DivClipTrainer`` passes it; None: the whole shard is one mini-batch, as :func:`update_actor`'s default."""
+    ``DivClipTrainer`` passes it; None: the whole shard is one mini-batch, as :func:`update_actor`'s default.
+    ``old_topk > 0`` asks the pass for pi_old's top-k as ``recipe.trainer.DivClipTrainer`` does for
+    ``kl_full`` (the fields of :mod:`verl_ext.full_kl`, already in the response layout, are returned
+    too); the worker's process must have installed :func:`verl_ext.full_kl.install_full_kl_hook`."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import response_from_nested
+
+    from verl_ext.full_kl import CAPTURE_KEY, OLD_TOPK_IDS, OLD_TOPK_LOG_PROBS
 
     data = batch.clone()
     tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False, temperature=temperature)
     if packing is not None:
         tu.assign_non_tensor(data, **packing.as_extra_info())
+    if old_topk:
+        tu.assign_non_tensor(data, **{CAPTURE_KEY: int(old_topk)})
     output = worker.infer_batch(data)
     if output is None:  # not the rank that collects its group's output (e.g. a Ulysses SP peer)
         return None
-    return {
+    result = {
         "old_log_probs": response_from_nested(output["log_probs"], batch["response_mask"]),
         "entropy": response_from_nested(output["entropy"], batch["response_mask"]),
     }
+    if old_topk:
+        result.update({key: output[key] for key in (OLD_TOPK_LOG_PROBS, OLD_TOPK_IDS)})
+    return result
 
 
 def full_params(worker: Any) -> dict[str, torch.Tensor]:

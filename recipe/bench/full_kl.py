@@ -1,0 +1,183 @@
+"""Cost of ``kl_full`` in one actor update, against the same update with ``kl3``; bytes of the stored top-k.
+
+``python -m recipe.bench full-kl [--json] [--tokens 4096] [--vocab 151936] [--k 32]``
+
+Runs verl 0.9.1's real actor stack on the CPU platform (``TrainingWorker`` -> ``FSDPEngineWithLMHead``,
+FSDP2 on gloo, verl's default bf16 mixed precision, one rank) on a tiny Qwen3 with the real Qwen
+vocabulary, one micro-batch of ``--tokens`` tokens, one optimizer step, the divclip actor loss
+(``verl_ext.actor_loss.build_actor_loss``). Variants, each in its own fresh process:
+
+* ``kl3``      ``loss_mode=kl3``: the baseline.
+* ``kl_full``  ``loss_mode=kl_full`` with pi_old's top-k stored in the batch (k = ``--k``): the update
+  additionally evaluates pi_theta's log-masses on those buckets from the logits (row chunks, no graph)
+  and the coarsened KL.
+
+Each reports the peak RSS of its process, the RSS just before the update and the update's wall and
+process CPU time (the latter less sensitive to other jobs on a shared machine);
+ratios are against ``kl3`` measured in the same run. Also printed: the stored top-k's bytes per
+response token and per training step at the maximum response length of the ERC 7B and ATR 8B
+configs (``verl_ext.full_kl.stored_bytes_per_token``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import sys
+from typing import Any
+
+from recipe.bench.child import run_child
+from recipe.bench.entropy_memory import _gib, _peak_rss_bytes, _rss_bytes
+
+VARIANTS: tuple[str, ...] = ("kl3", "kl_full")
+
+#: Response tokens per training step at the maximum response length: prompts x rollout.n x max_response_length.
+STEP_TOKENS: dict[str, tuple[int, int, int]] = {
+    "erc_dapo_7b": (128, 8, 16_384),  # configs/experiments/base/erc.yaml
+    "atr_grpo_qwen3_8b": (4, 8, 1_536),  # configs/experiments/base/atr.yaml
+}
+
+
+def stored_bytes(k: int) -> dict[str, Any]:
+    """Bytes of the stored top-k per response token, and per step of each config at full length."""
+    from verl_ext.full_kl import stored_bytes_per_token
+
+    per_token = stored_bytes_per_token(k)
+    per_step = {name: per_token * prompts * n * length for name, (prompts, n, length) in STEP_TOKENS.items()}
+    old_log_probs = {name: 4 * prompts * n * length for name, (prompts, n, length) in STEP_TOKENS.items()}
+    return {"k": k, "bytes_per_token": per_token, "bytes_per_step_max": per_step, "old_log_probs_bytes_per_step_max": old_log_probs}
+
+
+def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: int, k: int) -> dict[str, Any]:
+    """Inside the child process: build the actor, run one update, return the figures."""
+    import tempfile
+    import time
+
+    import torch
+
+    from recipe.bench.harness import (
+        TinyQwen3Spec,
+        WorkerOptions,
+        build_actor_worker,
+        make_actor_config,
+        make_rollout_batch,
+        save_tiny_qwen3,
+        single_rank_env,
+        update_actor,
+    )
+
+    single_rank_env()
+    from verl_ext.actor_loss import build_actor_loss
+    from verl_ext.config import DivClipPolicyLossConfig
+    from verl_ext.full_kl import OLD_TOPK_IDS, OLD_TOPK_LOG_PROBS
+
+    if tokens % sequences:
+        raise ValueError(f"--tokens ({tokens}) must be divisible by --sequences ({sequences})")
+    seq_len = tokens // sequences
+    prompt_len = max(1, seq_len // 4)
+    response_len = seq_len - prompt_len
+    spec = TinyQwen3Spec(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=max(8192, seq_len),
+    )
+    with tempfile.TemporaryDirectory(prefix="full_kl_bench_") as tmp:
+        model_path = save_tiny_qwen3(tmp, spec, seed=0)
+        options = WorkerOptions(micro_batch_size_per_gpu=sequences, max_token_len_per_gpu=tokens, mixed_precision=None)
+        worker = build_actor_worker(model_path, options)
+        policy = DivClipPolicyLossConfig(loss_mode=variant, kl_full_top_k=k)
+        actor_config = make_actor_config(
+            ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences, policy_loss=policy
+        )
+        worker.set_loss_fn(build_actor_loss(actor_config))
+        batch = make_rollout_batch([prompt_len] * sequences, [response_len] * sequences, vocab, seed=0)
+        if variant == "kl_full":
+            # pi_old's stored top-k: any k distinct ids and normalised log-masses cost the same
+            gen = torch.Generator().manual_seed(0)
+            masses = [torch.log_softmax(torch.randn(response_len, k + 1, generator=gen), -1) for _ in range(sequences)]
+            ids = [torch.randperm(vocab, generator=gen)[:k].to(torch.int32).expand(response_len, k).clone()
+                   for _ in range(sequences)]
+            batch[OLD_TOPK_LOG_PROBS] = torch.nested.as_nested_tensor(masses, layout=torch.jagged)
+            batch[OLD_TOPK_IDS] = torch.nested.as_nested_tensor(ids, layout=torch.jagged)
+
+        rss_before = _rss_bytes()
+        start, cpu_start = time.perf_counter(), time.process_time()
+        metrics = update_actor(worker, batch, calculate_entropy=False)
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    return {
+        "variant": variant,
+        "tokens": tokens,
+        "vocab_size": vocab,
+        "k": k,
+        "peak_rss_bytes": _peak_rss_bytes(),
+        "rss_before_update_bytes": rss_before,
+        "update_seconds": round(seconds, 2),
+        "update_cpu_seconds": round(cpu_seconds, 2),
+        "loss": float(metrics["loss"][0]),
+    }
+
+
+def _spawn(variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    argv = ["--_child", variant, "--tokens", str(args.tokens), "--vocab", str(args.vocab),
+            "--hidden", str(args.hidden), "--sequences", str(args.sequences), "--k", str(args.k)]
+    # as in recipe.bench.entropy_memory: serve allocations over 64 KiB with mmap so RSS tracks live memory
+    env = {key: os.environ.get(key, default) for key, default in
+           (("MALLOC_MMAP_THRESHOLD_", str(64 << 10)), ("MALLOC_ARENA_MAX", "2"))}
+    child = run_child("recipe.bench.full_kl", argv, env)
+    if not child.ok:
+        sys.stderr.write(child.stderr[-4000:])
+        raise RuntimeError(f"variant {variant} failed with exit code {child.returncode}")
+    return child.result
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recipe.bench full-kl", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object per variant, then the bytes")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens in the update's micro-batch")
+    parser.add_argument("--vocab", type=int, default=151_936, help="vocabulary size (Qwen: 151936)")
+    parser.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny model")
+    parser.add_argument("--sequences", type=int, default=4, help="sequences the tokens are split into")
+    parser.add_argument("--k", type=int, default=32, help="kl_full_top_k")
+    parser.add_argument("--repeats", type=int, default=1, help="run the variants this many times, alternating")
+    parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args._child is not None:
+        print(json.dumps(_run_variant(args._child, args.tokens, args.vocab, args.hidden, args.sequences, args.k)))
+        return 0
+
+    date = _dt.date.today().isoformat()
+    results = []
+    for repeat in range(args.repeats):
+        runs = {v: _spawn(v, args) for v in VARIANTS}
+        base = runs["kl3"]
+        for r in runs.values():
+            r.update(date=date, repeat=repeat, peak_rss_gib=_gib(r["peak_rss_bytes"]),
+                     update_increment_gib=_gib(r["peak_rss_bytes"] - r["rss_before_update_bytes"]))
+            r["peak_ratio_vs_kl3"] = round(r["peak_rss_bytes"] / base["peak_rss_bytes"], 3)
+            r["time_ratio_vs_kl3"] = round(r["update_seconds"] / base["update_seconds"], 3)
+            # CPU time of the process: less sensitive than wall time to other jobs on a shared machine
+            r["cpu_time_ratio_vs_kl3"] = round(r["update_cpu_seconds"] / base["update_cpu_seconds"], 3)
+            results.append(r)
+    sizes = stored_bytes(args.k)
+    if args.json:
+        for r in results:
+            print(json.dumps(r))
+        print(json.dumps({"stored_topk": sizes}))
+        return 0
+    print(f"{'variant':<8} {'rep':>3} {'peak RSS GiB':>12} {'update +GiB':>11} {'peak/kl3':>8} {'seconds':>8} "
+          f"{'time/kl3':>8} {'CPU s':>7} {'CPU/kl3':>7}")
+    for r in results:
+        print(f"{r['variant']:<8} {r['repeat']:>3} {r['peak_rss_gib']:>12.3f} {r['update_increment_gib']:>11.3f} "
+              f"{r['peak_ratio_vs_kl3']:>8.3f} {r['update_seconds']:>8.1f} {r['time_ratio_vs_kl3']:>8.3f} "
+              f"{r['update_cpu_seconds']:>7.1f} {r['cpu_time_ratio_vs_kl3']:>7.3f}")
+    print(f"stored top-k, k={sizes['k']}: {sizes['bytes_per_token']} bytes per response token")
+    for name, n in sizes["bytes_per_step_max"].items():
+        print(f"  {name}: {n / 2**20:,.1f} MiB per step at the maximum response length "
+              f"(old_log_probs: {sizes['old_log_probs_bytes_per_step_max'][name] / 2**20:,.1f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
