@@ -69,7 +69,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     (site / "_divclip_test_dependencies.pth").write_text("".join(f"{path}\n" for path in dependencies))
     cwd = base / "elsewhere"
     cwd.mkdir()
-    return {"python": python, "site": site, "wheel": wheel, "cwd": cwd, "env": env}
+    return {"python": python, "site": site, "wheel": wheel, "cwd": cwd, "env": env, "dependencies": list(dependencies)}
 
 
 def _run(installed: dict[str, Any], *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -110,7 +110,12 @@ print(json.dumps({{
     assert result["failed"] == {}
     assert {"recipe.bench.harness", "recipe.bench.gpu", "recipe.bench.entropy_memory", "data_prep.sft_tokens", "verl_ext.plugin"} <= set(result["names"])
     assert all(Path(file).is_relative_to(installed["site"]) for file in result["files"].values()), result["files"]
-    assert not [entry for entry in result["path"] if entry and Path(entry).resolve().is_relative_to(ROOT)], result["path"]
+    # the running environment's site-packages may sit inside the checkout (CI's .venv at the repo root):
+    # besides those, nothing on the path may come from the checkout
+    dependencies = [Path(path).resolve() for path in installed["dependencies"]]
+    from_checkout = [entry for entry in result["path"] if entry and Path(entry).resolve().is_relative_to(ROOT)
+                     and not any(Path(entry).resolve().is_relative_to(dep) for dep in dependencies)]
+    assert not from_checkout, result["path"]
     assert result["project_tests"] == []
 
 
