@@ -88,6 +88,12 @@ def job(rank: int, world_size: int, model_path: str, other_path: str) -> dict[st
         "fp32/rmpad": WorkerOptions(mixed_precision=dict(FP32_MIXED_PRECISION), **sgd),
     }.items():
         out[name] = on_policy(model_path, options, batch, kl_full_config())["metrics"]
+    # with ERC the old-log-prob pass is packed as the update (verl_ext.onpolicy) and the top-k fields
+    # are put back in the batch's order with the others: dynamic batching at a 2:1 budget
+    dynamic = WorkerOptions(mixed_precision=BF16_DEFAULT, use_dynamic_bsz=True, max_token_len_per_gpu=24,
+                            infer_max_token_len_per_gpu=48, **sgd)
+    out["bf16/erc/dynamic"] = on_policy(model_path, dynamic, batch,
+                                        kl_full_config(erc_beta_low=0.05, erc_beta_high=0.05))["metrics"]
     out["bf16/kl3_diagnostic"] = on_policy(
         model_path, WorkerOptions(mixed_precision=BF16_DEFAULT, **sgd), batch, kl_full_config("kl3", kl_full_diagnostic=True)
     )["metrics"]
@@ -118,7 +124,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("variant", ["bf16/rmpad", "bf16/padded", "fp32/rmpad"])
+@pytest.mark.parametrize("variant", ["bf16/rmpad", "bf16/padded", "fp32/rmpad", "bf16/erc/dynamic"])
 def test_on_policy_kl_full_is_exactly_zero_and_clips_nothing(result: dict[str, Any], variant: str) -> None:
     m = result[variant]
     for key in ("actor/divclip/kl_full_mean", "actor/divclip/kl_full_max", "actor/pg_clipfrac", "actor/ppo_kl",
