@@ -619,6 +619,7 @@ def test_every_constraint_is_registered_with_verl():
 
     # kl_full needs pi_old's stored top-k, which verl's registry cannot pass: tests/test_full_kl.py
     assert set(MODES) | {"kl_full"} == set(CONSTRAINTS)
+    assert {mode for mode, spec in CONSTRAINTS.items() if spec.needs_old_topk} == {"kl_full"}
     assert set(CONSTRAINTS) <= set(POLICY_LOSS_REGISTRY)
 
 

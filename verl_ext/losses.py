@@ -114,7 +114,9 @@ class ConstraintSpec:
     which then also replaces w_t in the surrogate. ``delta_budget``: the constraint is a
     divergence budget ``policy_loss.delta`` (logged as ``actor/divclip/delta``; the modes
     the adaptive-delta controller may drive). ``budget_metric``: the ``actor/divclip/<name>`` metric
-    that measures what delta bounds (the adaptive-delta controller's measurement).
+    that measures what delta bounds (the adaptive-delta controller's measurement). ``needs_old_topk``:
+    C_t reads pi_old's stored top-k (:mod:`verl_ext.full_kl`), which verl's policy-loss registry cannot
+    pass: the mode runs only through the actor loss (``python -m recipe.main``).
     """
 
     name: str
@@ -123,6 +125,7 @@ class ConstraintSpec:
     level: Literal["token", "sequence"] = "token"
     delta_budget: bool = False
     budget_metric: str = "kl3_mean"
+    needs_old_topk: bool = False
 
 
 CONSTRAINTS: dict[str, ConstraintSpec] = {}
@@ -134,6 +137,7 @@ def register_constraint(
     level: Literal["token", "sequence"] = "token",
     delta_budget: bool = False,
     budget_metric: Optional[str] = None,
+    needs_old_topk: bool = False,
 ) -> Callable[[ConstraintFn], ConstraintFn]:
     """Register a constraint and expose it to verl as ``policy_loss.loss_mode=<name>``."""
     if level == "sequence" and on_violation != "drop":
@@ -141,7 +145,7 @@ def register_constraint(
     metric = budget_metric or ("seq_kl3_mean" if level == "sequence" else "kl3_mean")
 
     def decorator(region: ConstraintFn) -> ConstraintFn:
-        CONSTRAINTS[name] = ConstraintSpec(name, region, on_violation, level, delta_budget, metric)
+        CONSTRAINTS[name] = ConstraintSpec(name, region, on_violation, level, delta_budget, metric, needs_old_topk)
         register_policy_loss(name)(_make_registry_loss(name))
         return region
 
@@ -349,7 +353,7 @@ def seq_kl3_region(inputs: ConstraintInputs) -> TrustRegion:
     return kl3_region(inputs)
 
 
-@register_constraint("kl_full", delta_budget=True, budget_metric="kl_full_mean")
+@register_constraint("kl_full", delta_budget=True, budget_metric="kl_full_mean", needs_old_topk=True)
 def kl_full_region(inputs: ConstraintInputs) -> TrustRegion:
     """The exact trust region of ATR-GRPO Eq. 4 on pi_old's top-k: KL_t <= delta, where KL_t is
     KL(pi_theta || pi_old) (``kl_full_direction=forward``) or KL(pi_old || pi_theta) (``reverse``, Truly

@@ -6,7 +6,8 @@ hits all of them alike); the figure per variant is the median over rounds, and t
 against ``vanilla``'s median from the same rounds. ``<verl mode>+erc`` rows are verl's own
 losses with ERC composed on top (``verl_ext.verl_modes``). ERC variants get the per-token entropies
 as inputs (their cost in the trainer is the entropy computation, benchmarked separately by
-``entropy-memory``). fp32 on CPU.
+``entropy-memory``). fp32 on CPU. ``kl_full`` reads pi_old's stored top-k, which the registry call
+cannot pass: its update is benchmarked in the engine by ``full-kl``.
 
 **The heap is held steady** (``--heap steady``, the default): with glibc's defaults every freed
 block above the mmap threshold, and the heap's free top, go back to the kernel, so each step
@@ -82,9 +83,11 @@ def _actor_config(policy: PolicyLossConfig) -> FSDPActorConfig:
 def _variants() -> dict[str, tuple[str, FSDPActorConfig, bool]]:
     """name -> (registry mode, actor config, needs entropies)."""
     variants = {"vanilla": ("vanilla", _actor_config(PolicyLossConfig(loss_mode="vanilla")), False)}
-    for mode in CONSTRAINTS:
+    # modes that read pi_old's stored top-k run only in the engine (python -m recipe.bench full-kl)
+    registry_modes = [mode for mode, spec in CONSTRAINTS.items() if not spec.needs_old_topk]
+    for mode in registry_modes:
         variants[mode] = (mode, _actor_config(DivClipPolicyLossConfig(loss_mode=mode)), False)
-    for mode in (*CONSTRAINTS, *VERL_MODES_WITH_ERC):
+    for mode in (*registry_modes, *VERL_MODES_WITH_ERC):
         policy = DivClipPolicyLossConfig(loss_mode=mode, erc_beta_low=0.05, erc_beta_high=0.05)
         check_policy_config(policy)  # the verl modes' ERC goes to verl_policy_loss, which does not resolve it
         variants[f"{mode}+erc"] = (mode, _actor_config(policy), True)
