@@ -83,12 +83,6 @@ def validate_divclip_config(config: DictConfig) -> Any:
         validate_vocab_pass(config, actor)
     if isinstance(policy, DivClipPolicyLossConfig) and policy.stores_old_topk:
         validate_old_topk(config, actor, policy)
-        if policy.vocab_pass:
-            raise ConfigError(
-                f"{VOCAB_PASS}=true never materialises the logits from which "
-                f"{'loss_mode=kl_full' if policy.loss_mode == 'kl_full' else 'policy_loss.kl_full_diagnostic=true'} "
-                "takes pi_old's top-k and pi_theta's log-probs on it: set the vocabulary pass false for this run"
-            )
     if isinstance(policy, DivClipPolicyLossConfig) and policy.erc_enabled:
         if not actor.calculate_entropy:
             raise ConfigError(
@@ -151,8 +145,9 @@ def validate_vocab_pass(config: DictConfig, actor: Any) -> None:
 
 def validate_old_topk(config: DictConfig, actor: Any, policy: DivClipPolicyLossConfig) -> None:
     """``kl_full`` / ``kl_full_diagnostic`` need pi_old's top-k, stored by the old-log-prob pass from the
-    materialised logits of an unsharded sequence: refuse what skips that pass or those logits, and a k
-    larger than the model's vocabulary (read from a local checkpoint's config.json)."""
+    logits (materialised, or the vocabulary pass's slices) of an unsharded sequence: refuse what skips
+    that pass or those logits, and a k larger than the model's vocabulary (read from a local
+    checkpoint's config.json)."""
     what = (
         f"{ACTOR}.policy_loss.loss_mode=kl_full" if policy.loss_mode == "kl_full" else f"{ACTOR}.policy_loss.kl_full_diagnostic=true"
     )

@@ -6,7 +6,10 @@
   under verl's default bf16 (remove-padding on and off) and fp32, and the diagnostic on kl3 reports
   no disagreement;
 * off-policy, the update's per-micro-batch mean coarsened KL is the one computed directly from the two
-  models' logits (pi_theta evaluated on the stored ids at the right rows).
+  models' logits (pi_theta evaluated on the stored ids at the right rows);
+* the same through the vocabulary pass (``policy_loss.vocab_pass``: no logits tensor in either pass):
+  on-policy exactly 0 under bf16 (remove-padding, padded, ERC with 2:1 dynamic batching), the stored
+  top-k equals the materialised one in fp32, and the off-policy KL matches the direct computation.
 """
 
 from __future__ import annotations
@@ -111,6 +114,42 @@ def job(rank: int, world_size: int, model_path: str, other_path: str) -> dict[st
     other = build_actor_worker(other_path, fp32)
     other.set_loss_fn(build_actor_loss(kl_full_config(delta=0.005)))
     out["off_policy"] = update_actor(other, with_old(batch, old), calculate_entropy=True)
+    out["topk_materialised"] = {key: value.values() for key, value in old.items()}
+    out.update(job_vocab_pass(model_path, other_path, batch, sgd, dynamic, fp32))
+    return out
+
+
+def job_vocab_pass(model_path: str, other_path: str, batch: Any, sgd: dict[str, Any], dynamic: WorkerOptions,
+                   fp32: WorkerOptions) -> dict[str, Any]:
+    """The variants above with ``policy_loss.vocab_pass=true``; counts the pass's bucket evaluations
+    (each a chunked sweep of the head: the logits tensor is never built)."""
+    import verl_ext.vocab_pass as vocab_pass_module
+    from verl_ext.actor_loss import build_actor_loss
+
+    original = vocab_pass_module.bucket_log_masses
+    calls: list[int] = []
+    vocab_pass_module.bucket_log_masses = lambda hidden, *a, **k: calls.append(hidden.shape[0]) or original(hidden, *a, **k)
+    out: dict[str, Any] = {}
+    try:
+        for name, options, cfg in (
+            ("vp/bf16/rmpad", WorkerOptions(mixed_precision=BF16_DEFAULT, **sgd), kl_full_config(vocab_pass=True)),
+            ("vp/bf16/padded", WorkerOptions(mixed_precision=BF16_DEFAULT, use_remove_padding=False, **sgd),
+             kl_full_config(vocab_pass=True)),
+            ("vp/bf16/erc/dynamic", dynamic, kl_full_config(vocab_pass=True, erc_beta_low=0.05, erc_beta_high=0.05)),
+            ("vp/bf16/kl3_diagnostic", WorkerOptions(mixed_precision=BF16_DEFAULT, **sgd),
+             kl_full_config("kl3", kl_full_diagnostic=True, vocab_pass=True)),
+        ):
+            out[name] = on_policy(model_path, options, batch, cfg)["metrics"]
+        worker = build_actor_worker(model_path, fp32)
+        worker.set_loss_fn(build_actor_loss(kl_full_config(vocab_pass=True)))
+        old = compute_log_prob(worker, batch, old_topk=K)
+        out["topk_vocab_pass"] = {key: value.values() for key, value in old.items()}
+        other = build_actor_worker(other_path, fp32)
+        other.set_loss_fn(build_actor_loss(kl_full_config(delta=0.005, vocab_pass=True)))
+        out["vp/off_policy"] = update_actor(other, with_old(batch, old), calculate_entropy=True)
+    finally:
+        vocab_pass_module.bucket_log_masses = original
+    out["bucket_rows_evaluated"] = sum(calls)
     return out
 
 
@@ -124,7 +163,8 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("variant", ["bf16/rmpad", "bf16/padded", "fp32/rmpad", "bf16/erc/dynamic"])
+@pytest.mark.parametrize("variant", ["bf16/rmpad", "bf16/padded", "fp32/rmpad", "bf16/erc/dynamic",
+                                     "vp/bf16/rmpad", "vp/bf16/padded", "vp/bf16/erc/dynamic"])
 def test_on_policy_kl_full_is_exactly_zero_and_clips_nothing(result: dict[str, Any], variant: str) -> None:
     m = result[variant]
     for key in ("actor/divclip/kl_full_mean", "actor/divclip/kl_full_max", "actor/pg_clipfrac", "actor/ppo_kl",
@@ -135,8 +175,9 @@ def test_on_policy_kl_full_is_exactly_zero_and_clips_nothing(result: dict[str, A
     assert m["actor/divclip/kl_full_tail_old"] == m["actor/divclip/kl_full_tail_new"]
 
 
-def test_on_policy_diagnostic_on_kl3_reports_no_disagreement(result: dict[str, Any]) -> None:
-    m = result["bf16/kl3_diagnostic"]
+@pytest.mark.parametrize("variant", ["bf16/kl3_diagnostic", "vp/bf16/kl3_diagnostic"])
+def test_on_policy_diagnostic_on_kl3_reports_no_disagreement(result: dict[str, Any], variant: str) -> None:
+    m = result[variant]
     for key in ("actor/divclip/kl_full_diag/mode_only_frac", "actor/divclip/kl_full_diag/full_only_frac",
                 "actor/divclip/kl_full_diag/mode_only_frac_kl3delta", "actor/divclip/kl_full_diag/full_only_frac_kl3delta",
                 "actor/divclip/kl_full_mean", "actor/pg_clipfrac"):
@@ -154,7 +195,23 @@ def test_stored_topk_is_row_aligned_with_verls_log_probs(result: dict[str, Any])
     assert (masses[:, :-2] >= masses[:, 1:-1]).all()  # sorted, most likely first
 
 
-def test_off_policy_kl_matches_the_two_models_logits(result: dict[str, Any]) -> None:
+def test_vocab_pass_stores_the_materialised_top_k(result: dict[str, Any]) -> None:
+    """fp32: the pass's top-k ids are the materialised logits' (as sets: ties may order differently)
+    and each log-mass agrees to float32 logit rounding; the pass evaluated the buckets of every response
+    row: 5 on-policy runs x (old pass + update) + the fp32 old pass + the off-policy update."""
+    mat, vp = result["topk_materialised"], result["topk_vocab_pass"]
+    ids_mat, ids_vp = mat["divclip_old_topk_ids"].long(), vp["divclip_old_topk_ids"].long()
+    assert ids_vp.shape == ids_mat.shape == (sum(RESPONSE_LENS), K) and vp["divclip_old_topk_ids"].dtype == torch.int32
+    assert torch.equal(ids_vp.sort(-1).values, ids_mat.sort(-1).values)
+    order_mat, order_vp = ids_mat.argsort(-1), ids_vp.argsort(-1)
+    masses_mat, masses_vp = mat["divclip_old_topk_log_probs"], vp["divclip_old_topk_log_probs"]
+    torch.testing.assert_close(masses_vp[:, :-1].gather(1, order_vp), masses_mat[:, :-1].gather(1, order_mat), rtol=0, atol=2e-5)
+    torch.testing.assert_close(masses_vp[:, -1], masses_mat[:, -1], rtol=0, atol=2e-5)
+    assert result["bucket_rows_evaluated"] == (4 * 2 + 1 + 1) * sum(RESPONSE_LENS)
+
+
+@pytest.mark.parametrize("variant", ["off_policy", "vp/off_policy"])
+def test_off_policy_kl_matches_the_two_models_logits(result: dict[str, Any], variant: str) -> None:
     from verl_ext.full_kl import coarsened_kl, log_masses_rows, topk_rows
 
     model_path, other_path = result["paths"]
@@ -164,7 +221,7 @@ def test_off_policy_kl_matches_the_two_models_logits(result: dict[str, Any]) -> 
     for old, new in zip(old_rows, new_rows):
         old_masses, ids = topk_rows(old, K)
         per_sequence.append(coarsened_kl(log_masses_rows(new, ids), old_masses, "forward"))
-    m = result["off_policy"]
+    m = result[variant]
     # micro-batches of 2 sequences (the harness' micro_batch_size_per_gpu): verl averages their token means
     expected = sum(torch.cat(per_sequence[i : i + 2]).mean().item() for i in (0, 2)) / 2
     (got,) = [float(v) for v in m["actor/divclip/kl_full_mean"]]

@@ -294,8 +294,6 @@ def test_config_key_is_declared_and_reaches_the_loss() -> None:
         (["distillation.enabled=true"], r"distillation\.enabled"),
         (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj,lm_head]"],
          r"target_modules=\['q_proj', 'lm_head'\] puts a LoRA adapter on lm_head"),
-        (["actor_rollout_ref.actor.policy_loss.loss_mode=kl_full"], r"loss_mode=kl_full takes pi_old's top-k"),
-        (["actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=true"], r"kl_full_diagnostic=true takes pi_old's top-k"),
     ],
 )
 def test_refused_combinations_name_the_key(overrides: list[str], message: str) -> None:
@@ -304,6 +302,16 @@ def test_refused_combinations_name_the_key(overrides: list[str], message: str) -
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.policy_loss\.vocab_pass=true.*" + message if
                        not message.startswith("vocab_pass") else message):
         validate_divclip_config(compose_config(VOCAB_PASS_ON, *overrides))
+
+
+@pytest.mark.parametrize("store_topk", ["actor_rollout_ref.actor.policy_loss.loss_mode=kl_full",
+                                        "actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=true"])
+def test_stored_topk_is_accepted_with_the_pass(store_topk: str) -> None:
+    """kl_full's top-k comes from the pass's slices (tests/test_full_kl_engine.py runs it)."""
+    from recipe.validation import validate_divclip_config
+
+    actor = validate_divclip_config(compose_config(VOCAB_PASS_ON, store_topk))
+    assert actor.policy_loss.vocab_pass is True and actor.policy_loss.stores_old_topk
 
 
 def test_lora_elsewhere_is_accepted() -> None:

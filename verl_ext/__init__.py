@@ -21,7 +21,8 @@ The method core is device-agnostic and lives at the top of the package:
   hidden states, logits never materialised); ``vocab_pass_engine`` -- its hook into verl's engine
   (``policy_loss.vocab_pass``).
 * ``full_kl`` -- pi_old's top-k stored by the old-log-prob pass, pi_theta's log-masses on it in the
-  update (one engine hook), and the coarsened full-vocabulary KL of ``kl_full`` (ATR-GRPO Eq. 4).
+  update (one engine hook, on verl's logits or on the vocabulary pass), and the coarsened
+  full-vocabulary KL of ``kl_full`` (ATR-GRPO Eq. 4).
 * ``verl_modes`` -- ERC and dual-clip on verl's own losses; ``adaptive_delta`` -- the opt-in
   controller of the KL budget delta (ATR section 6.5); ``token_dump`` -- the opt-in per-token
   dump for ERC's Figure 3.
@@ -42,7 +43,7 @@ and asserts that they form exactly this graph and that it has no cycle)::
     config        -> (verl and the standard library only: a leaf)
     divergences, entropy, token_dump -> (no verl_ext module)
     erc           -> config
-    full_kl       -> config, entropy
+    full_kl       -> config, entropy, vocab_pass, vocab_pass_engine
     losses        -> config, divergences, erc, full_kl
     verl_modes    -> config, erc, losses
     adaptive_delta -> config, losses

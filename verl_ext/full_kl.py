@@ -9,9 +9,12 @@ of it and evaluates the KL on that summary:
 * **Stored top-k.** In the old-log-prob pass each response token keeps pi_old's k most likely ids
   (int32) and k + 1 log-masses (float32): the k top-k log-probs and the log of the *tail bucket*,
   the mass of every other id. :func:`topk_rows` computes them from a row chunk of logits; the
-  engine hook below feeds it the materialised logits (a chunked LM-head pass can feed it its
-  chunks: it only needs the rows' logits).
-* **pi_theta on the same buckets.** In the update pass :func:`log_masses_at` evaluates pi_theta's
+  engine hook below feeds it the materialised logits. Under the vocabulary pass
+  (``policy_loss.vocab_pass``) the ids come from the pass's own top-k and the log-masses from
+  :func:`verl_ext.vocab_pass.bucket_log_masses`, the same k + 1 buckets computed from float32 logit
+  slices: no ``tokens x vocabulary`` tensor in either pass.
+* **pi_theta on the same buckets.** In the update pass :func:`log_masses_of_rows` (or, under the
+  vocabulary pass, :func:`verl_ext.vocab_pass.bucket_log_masses`) evaluates pi_theta's
   log-probs at pi_old's ids and its log-mass on the complement (the same tail bucket), row chunk by
   row chunk, without a graph: the constraint is evaluated on detached quantities (Eq. 5).
 * **Coarsened KL.** :func:`coarsened_kl` is the KL between the two (k + 1)-bucket distributions.
@@ -304,7 +307,10 @@ def response_rows(micro_batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _Step:
-    """What one forward step captures from the logits verl hands to ``logprobs_from_logits``."""
+    """What one forward step captures: from the logits verl hands to ``logprobs_from_logits``
+    (materialised path), or from the LM head's input under the vocabulary pass (a
+    :class:`verl_ext.vocab_pass_engine.HeadObserver`: pi_old's ids come from the pass's top-k, the
+    log-masses from :func:`verl_ext.vocab_pass.bucket_log_masses` on the response rows)."""
 
     def __init__(self, micro_batch: Any, capture_k: int, old_ids: Optional[torch.Tensor]) -> None:
         self.micro_batch = micro_batch
@@ -313,25 +319,59 @@ class _Step:
         self.outputs: dict[str, torch.Tensor] = {}
         self.seen_logits = False
 
-    def on_logits(self, logits: torch.Tensor) -> None:
+    def _rows(self, available: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.seen_logits:
-            raise RuntimeError("kl_full: logprobs_from_logits ran twice in one forward step")
+            raise RuntimeError("kl_full: the step's logits (or LM-head input) were seen twice in one forward step")
         self.seen_logits = True
         rows, offsets = response_rows(self.micro_batch)
-        rows = rows.to(logits.device)
-        if rows.numel() and int(rows.max()) >= logits.shape[0]:
+        if rows.numel() and int(rows.max()) >= available:
             raise ValueError(
-                f"kl_full: the logits hold {logits.shape[0]} rows, fewer than the packed sequence "
+                f"kl_full: the logits hold {available} rows, fewer than the packed sequence "
                 "(Ulysses sequence parallelism shards them; kl_full needs ulysses_sequence_parallel_size=1)"
             )
-        offsets = offsets.to(logits.device)
-        if self.capture_k:
-            log_masses, ids = topk_of_rows(logits, rows, self.capture_k)
-            self.outputs[OLD_TOPK_LOG_PROBS] = torch.nested.nested_tensor_from_jagged(log_masses, offsets)
-            self.outputs[OLD_TOPK_IDS] = torch.nested.nested_tensor_from_jagged(ids, offsets)
-        if self.old_ids is not None:
-            new = log_masses_of_rows(logits, rows, self.old_ids.to(logits.device))
+        return rows.to(device), offsets.to(device)
+
+    def _store(self, offsets: torch.Tensor, old: Optional[tuple[torch.Tensor, torch.Tensor]], new: Optional[torch.Tensor]) -> None:
+        if old is not None:
+            self.outputs[OLD_TOPK_LOG_PROBS] = torch.nested.nested_tensor_from_jagged(old[0], offsets)
+            self.outputs[OLD_TOPK_IDS] = torch.nested.nested_tensor_from_jagged(old[1], offsets)
+        if new is not None:
             self.outputs[NEW_TOPK_LOG_PROBS] = torch.nested.nested_tensor_from_jagged(new, offsets)
+
+    def on_logits(self, logits: torch.Tensor) -> None:
+        rows, offsets = self._rows(logits.shape[0], logits.device)
+        old = topk_of_rows(logits, rows, self.capture_k) if self.capture_k else None
+        new = None if self.old_ids is None else log_masses_of_rows(logits, rows, self.old_ids.to(logits.device))
+        self._store(offsets, old, new)
+
+    # -- the vocabulary pass's HeadObserver protocol ------------------------------------------------
+
+    def requested_top_k(self, vocab: int) -> int:
+        if self.capture_k > vocab:
+            raise ValueError(
+                f"actor_rollout_ref.actor.policy_loss.kl_full_top_k={self.capture_k} must lie in [1, vocabulary size {vocab}]"
+            )
+        return self.capture_k
+
+    def on_head(self, hidden: torch.Tensor, weight: torch.Tensor, temperature: torch.Tensor, top_ids: Optional[torch.Tensor]) -> None:
+        from verl_ext.vocab_pass import bucket_log_masses
+
+        rows, offsets = self._rows(hidden.shape[0], hidden.device)
+        hidden_rows, temperature_rows = hidden[rows], temperature.reshape(-1)[rows]
+        old = None
+        if self.capture_k:
+            assert top_ids is not None  # requested_top_k asked the pass for them
+            ids = top_ids[rows]
+            old = (bucket_log_masses(hidden_rows, weight, ids, temperature_rows), ids.to(torch.int32))
+        new = None
+        if self.old_ids is not None:
+            new = bucket_log_masses(hidden_rows, weight, self.old_ids.to(hidden.device), temperature_rows)
+        self._store(offsets, old, new)
+
+    def model_outputs(self) -> dict[str, torch.Tensor]:
+        if not self.seen_logits:
+            raise RuntimeError("kl_full: the vocabulary pass's head never ran in this forward step")
+        return dict(self.outputs)
 
 
 def _step_request(micro_batch: Any, loss_function: Any) -> tuple[int, Optional[torch.Tensor]]:
@@ -358,17 +398,26 @@ def _wrap_forward_step(forward_step: Callable[..., Any]) -> Callable[..., Any]:
         if not capture_k and old_ids is None:
             return forward_step(self, micro_batch, loss_function=loss_function, forward_only=forward_only)
         step = _Step(micro_batch, capture_k, old_ids)
-        with _step_hooks(self, step):
+        with _step_hooks(self, step, _vocab_pass_serves(self, loss_function)):
             return forward_step(self, micro_batch, loss_function=loss_function, forward_only=forward_only)
 
     setattr(forward_step_with_full_kl, _INSTALLED_MARK, True)
     return forward_step_with_full_kl
 
 
+def _vocab_pass_serves(engine: Any, loss_function: Any) -> bool:
+    """Whether this step runs through the vocabulary pass (no logits tensor to read)."""
+    from verl_ext.vocab_pass_engine import engine_uses_vocab_pass, loss_uses_vocab_pass
+
+    return engine_uses_vocab_pass(engine) or loss_uses_vocab_pass(loss_function)
+
+
 @contextmanager
-def _step_hooks(engine: Any, step: _Step) -> Iterator[None]:
+def _step_hooks(engine: Any, step: _Step, vocab_pass: bool) -> Iterator[None]:
     """For one forward step: see the logits verl passes to ``logprobs_from_logits`` and add the
-    step's outputs to the model output ``prepare_model_outputs`` returns (before the loss runs)."""
+    step's outputs to the model output ``prepare_model_outputs`` returns (before the loss runs).
+    Under the vocabulary pass the step observes the LM head's input instead, and the pass's own
+    ``prepare_model_outputs`` adds the outputs."""
     import verl.workers.engine.fsdp.transformer_impl as impl
 
     from verl_ext.entropy import _attribute
@@ -378,6 +427,12 @@ def _step_hooks(engine: Any, step: _Step) -> Iterator[None]:
             "kl_full's top-k is taken from the logits of whole packed sequences; Ulysses sequence parallelism "
             "shards them: set actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=1"
         )
+    if vocab_pass:
+        from verl_ext.vocab_pass_engine import observing_head
+
+        with observing_head(engine, step):
+            yield
+        return
     original_logprobs = impl.logprobs_from_logits
 
     @functools.wraps(original_logprobs)

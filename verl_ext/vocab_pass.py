@@ -6,7 +6,9 @@ temperature ``T``: with ``x_t = W h_t`` (the LM head) and ``z_t = x_t / T``,
 
 * ``log pi(y_t) = z_{t,y_t} - logsumexp(z_t)`` (GRPO/DAPO/ATR-GRPO's ratio, Eq. 5's ``log r_t``),
 * ``H_t = -sum_j pi_j log pi_j`` (ERC's ``H(pi_theta, t)`` and ``H(pi_old, t)``, ERC paper Eq. 6),
-* the ``k`` largest ``log pi_j`` and their ids (what a full-KL trust region stores of pi_old).
+* the ``k`` largest ``log pi_j`` and their ids (what a full-KL trust region stores of pi_old),
+* :func:`bucket_log_masses`: ``log pi`` on ``k`` given ids plus the tail bucket of every other id
+  (the coarsened distribution of :mod:`verl_ext.full_kl`, evaluated for pi_old and pi_theta alike).
 
 :class:`VocabPass` computes them over blocks of tokens and, within a block, over fixed slices of
 :data:`VOCAB_SLICE` vocabulary columns: each slice's logits are computed in float32 from the head
@@ -35,6 +37,7 @@ FSDP1/FSDP2 unshard, reshard and reduce-scatter the head as for any layer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -42,7 +45,7 @@ import torch
 
 from verl_ext.entropy import EAGER_CHUNK_BYTES, _EagerRows, merge_row_stats
 
-__all__ = ["VocabPassOutput", "VocabPass", "vocab_pass", "chunk_bytes_for"]
+__all__ = ["VocabPassOutput", "VocabPass", "vocab_pass", "bucket_log_masses", "chunk_bytes_for"]
 
 
 @dataclass
@@ -259,3 +262,79 @@ def vocab_pass(
         top_log_probs=top_lp.reshape(*lead, k) if k else None,
         top_ids=top_ids.reshape(*lead, k) if k else None,
     )
+
+
+@torch.no_grad()
+def bucket_log_masses(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    temperature: Union[float, torch.Tensor] = 1.0,
+    *,
+    chunk_bytes: Optional[int] = None,
+) -> torch.Tensor:
+    """Log-masses of ``softmax(hidden @ weight^T / T)`` on ``k + 1`` buckets, without the logits tensor.
+
+    Each of a token's ``k`` ids is its own bucket; the last bucket, the *tail*, holds every other id
+    (:func:`verl_ext.full_kl.log_masses_rows` computes the same from materialised logits). The logits
+    are built in float32 slices of :data:`VOCAB_SLICE` columns as in :func:`vocab_pass`; in each slice
+    the bucket ids' logits are read and then set to ``-inf``, and the slice's remaining columns reduce
+    to their own logsumexp -- the tail is the logsumexp of those per-slice values, computed directly
+    (no ``1 - sum(top-k)`` cancellation, so a tail of 1e-12 keeps its digits). No graph.
+
+    Both passes of a full-KL constraint call this on the same rows (pi_old's response rows and ids in
+    the old-log-prob pass, pi_theta's in the update): same hidden states, ids and row count give the
+    same float operations in the same order, so on-policy the two results are bit-identical.
+
+    Args:
+        hidden: ``(tokens, hidden)`` final hidden states, any float dtype.
+        weight: ``(vocab, hidden)`` LM-head weight.
+        ids: ``(tokens, k)`` distinct ids per token, ``1 <= k <= vocab``.
+        temperature: a positive scalar or one value per token.
+        chunk_bytes: size of the float32 logits buffer; default :func:`chunk_bytes_for` the device.
+
+    Returns:
+        ``(tokens, k + 1)`` float32 log-masses normalised over the ``k + 1`` buckets (the tail is
+        ``-inf`` when ``k`` = vocabulary).
+    """
+    if weight.dim() != 2 or hidden.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and head weight {tuple(weight.shape)} do not match")
+    tokens, vocab = hidden.shape[0], weight.shape[0]
+    if ids.dim() != 2 or ids.shape[0] != tokens or not 1 <= ids.shape[1] <= vocab:
+        raise ValueError(f"ids {tuple(ids.shape)} must be (tokens={tokens}, k) with 1 <= k <= vocab={vocab}")
+    k = ids.shape[1]
+    device = hidden.device
+    inv_temperature = _per_row(temperature, tokens, device)
+    budget = int(chunk_bytes) if chunk_bytes is not None else chunk_bytes_for(device)
+    slice_width = min(vocab, VOCAB_SLICE)
+    n_slices = -(-vocab // slice_width)
+    rows = max(1, min(tokens, budget // (4 * slice_width)))
+    out = torch.empty(tokens, k + 1, dtype=torch.float32, device=device)
+    if tokens == 0:
+        return out
+    logits = torch.empty(rows, slice_width, dtype=torch.float32, device=device)
+    with torch.autocast(device_type=device.type, enabled=False):
+        for start in range(0, tokens, rows):
+            stop = min(start + rows, tokens)
+            hidden32 = hidden[start:stop].float()
+            inv_t = inv_temperature[start:stop].unsqueeze(1)
+            block_ids = ids[start:stop].to(dtype=torch.int64)
+            at_ids = torch.full((stop - start, k), -math.inf, dtype=torch.float32, device=device)
+            slice_tails = torch.empty(stop - start, n_slices, dtype=torch.float32, device=device)
+            for s, v0 in enumerate(range(0, vocab, slice_width)):
+                v1 = min(v0 + slice_width, vocab)
+                z = logits[: stop - start, : v1 - v0]
+                _float32_logits_into(z, hidden32, weight[v0:v1])
+                z.mul_(inv_t)
+                inside = (block_ids >= v0) & (block_ids < v1)
+                local = (block_ids - v0).clamp_(0, v1 - v0 - 1)
+                at_ids = torch.where(inside, z.gather(1, local), at_ids)
+                # the bucket ids leave the slice's tail: -inf at their columns; ids of other slices
+                # point (clamped) at some column with +inf, which amin ignores -- order-independent
+                z.scatter_reduce_(1, local, torch.where(inside, -math.inf, math.inf), reduce="amin")
+                top = z.amax(dim=1, keepdim=True)
+                top = torch.where(torch.isfinite(top), top, 0.0)  # every column a bucket: an empty tail
+                slice_tails[:, s] = (top + torch.log(z.sub_(top).exp_().sum(dim=1, keepdim=True))).squeeze(1)
+            buckets = torch.cat([at_ids, torch.logsumexp(slice_tails, dim=1, keepdim=True)], dim=1)
+            out[start:stop] = buckets - torch.logsumexp(buckets, dim=1, keepdim=True)
+    return out

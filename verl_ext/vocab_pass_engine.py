@@ -20,6 +20,11 @@ materialising the ``tokens x vocabulary`` logits. For the duration of one step:
   head's ``[log pi, H]`` into verl's ``model_output`` (nested ``log_probs`` / ``entropy``), with the
   same Ulysses all-gather and pad removal verl applies to its log-probs.
 
+Another hook may observe the head's input for the step (:func:`observing_head`, a
+:class:`HeadObserver`): it asks the pass for each token's top-k ids, receives the hidden states, the
+head weight (unsharded: inside the head's forward), the per-token temperatures and those ids, and adds
+its own fields to ``model_output``. :mod:`verl_ext.full_kl` stores pi_old's top-k this way.
+
 The entropy carries a gradient only when the loss may differentiate it (no :func:`entropy_as_mask`
 declaration: an entropy bonus); ERC's masking entropy stays graph-free. Combinations the pass
 cannot serve raise at the first step (and, for a recipe run, in ``recipe.validation`` before Ray
@@ -33,7 +38,7 @@ import functools
 import logging
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 
@@ -93,10 +98,41 @@ def _refuse_engine(engine: Any) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+class HeadObserver(Protocol):
+    """A consumer of the LM head's input during one vocabulary-pass step (see :func:`observing_head`)."""
+
+    def requested_top_k(self, vocab: int) -> int:
+        """How many top ids per token to ask the pass for (0: none); may raise naming its config key."""
+
+    def on_head(self, hidden: torch.Tensor, weight: torch.Tensor, temperature: torch.Tensor, top_ids: Optional[torch.Tensor]) -> None:
+        """Called once per step inside the head's forward, without a graph: ``(tokens, hidden)`` states
+        in verl's packed order, the head weight, ``(tokens,)`` temperatures, ``(tokens, k)`` top ids."""
+
+    def model_outputs(self) -> dict[str, torch.Tensor]:
+        """Fields to add to the step's ``model_output``."""
+
+
+_OBSERVERS_ATTR = "_divclip_head_observers"
+
+
+@contextmanager
+def observing_head(engine: Any, observer: HeadObserver) -> Iterator[None]:
+    """Register ``observer`` for the forward steps of ``engine`` run inside the block (looked up when
+    the head runs, so it works whichever of the engine's ``forward_step`` wrappers is outermost)."""
+    observers = list(getattr(engine, _OBSERVERS_ATTR, ()))
+    with _attribute(engine, _OBSERVERS_ATTR, observers + [observer]):
+        yield
+
+
+def head_observers(engine: Any) -> list[HeadObserver]:
+    return list(getattr(engine, _OBSERVERS_ATTR, ()))
+
+
 @dataclass
 class _StepState:
     """What the head needs from ``prepare_model_inputs`` for one micro-batch."""
 
+    engine: Any = None
     labels: Optional[torch.Tensor] = None  # (rows,) rolled input ids, in the head's row order
     temperature: Optional[torch.Tensor] = None  # (rows,) per-token temperature
     valid: Optional[torch.Tensor] = None  # padded path: (batch, seq) mask of real tokens
@@ -130,7 +166,13 @@ def _head_forward(head: torch.nn.Module, state: _StepState, hidden_states: torch
         hidden = hidden_states[state.valid]
     else:
         hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
-    out = vocab_pass(hidden, head.weight, state.labels, state.temperature, entropy_grad=state.entropy_grad)
+    observers = head_observers(state.engine)
+    vocab = head.weight.shape[0]
+    top_k = max((observer.requested_top_k(vocab) for observer in observers), default=0)
+    out = vocab_pass(hidden, head.weight, state.labels, state.temperature, top_k=top_k, entropy_grad=state.entropy_grad)
+    with torch.no_grad():
+        for observer in observers:
+            observer.on_head(hidden.detach(), head.weight.detach(), state.temperature, out.top_ids)
     return torch.stack([out.log_probs, out.entropy], dim=-1)
 
 
@@ -184,6 +226,8 @@ def _prepare_vocab_pass_outputs(engine: Any) -> Callable[..., dict[str, Any]]:
         model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(log_probs, cu_seqlens)}
         if calculate_entropy:
             model_output["entropy"] = torch.nested.nested_tensor_from_jagged(entropy, cu_seqlens)
+        for observer in head_observers(engine):
+            model_output.update(observer.model_outputs())
         return model_output
 
     return prepare_model_outputs
@@ -195,6 +239,7 @@ def vocab_pass_step(engine: Any, loss_function: Optional[Callable[..., Any]]) ->
     _refuse_engine(engine)
     head = output_head(engine.module)
     state = _StepState(
+        engine=engine,
         entropy_grad=torch.is_grad_enabled()
         and loss_function is not None
         and loss_entropy_path(loss_function) is not EntropyPath.DIVCLIP_FP32
