@@ -9,6 +9,7 @@ BENCHMARKS: dict[str, str] = {
     "losses": "recipe.bench.losses",
     "entropy-memory": "recipe.bench.entropy_memory",
     "full-kl": "recipe.bench.full_kl",
+    "topk-tail": "recipe.bench.topk_tail",
     "reward": "recipe.bench.reward",
     "gpu": "recipe.bench.gpu",
     "onpolicy": "recipe.bench.onpolicy",
