@@ -150,10 +150,13 @@ def test_resume_continues_from_the_checkpoint_with_optimizer_state(erc_run: Path
 
 @pytest.mark.parametrize("loss", ["kl3", "kl_full"])
 def test_trainer_runs_kl3_end_to_end(tmp_path: Path, loss: str) -> None:
-    """kl3 with the opt-in KL3-vs-trust-region diagnostic, and kl_full (pi_old's top-8 stored by verl's
-    old-log-prob pass through TransferQueue, the diagnostic on)."""
-    run_smoke(tmp_path, loss, 1, "actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=True",
-              "actor_rollout_ref.actor.policy_loss.kl_full_top_k=8", SAVE_FREQ="-1", TEST_FREQ="-1")
+    """kl3 with the opt-in KL3-vs-trust-region diagnostic (pi_old's top-8 from verl's logits), and
+    kl_full through the vocabulary pass (VOCAB_PASS=1: pi_old's top-8 from the pass's slices, no logits
+    tensor), stored by verl's old-log-prob pass through TransferQueue, the diagnostic on."""
+    proc = run_smoke(tmp_path, loss, 1, "actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=True",
+                     "actor_rollout_ref.actor.policy_loss.kl_full_top_k=8", SAVE_FREQ="-1", TEST_FREQ="-1",
+                     VOCAB_PASS="1" if loss == "kl_full" else "0")
+    assert f"'vocab_pass': {loss == 'kl_full'}" in proc.stdout  # the config verl's TaskRunner prints
     (line,) = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"step": 1' in x]
     data = line["data"]
     if loss == "kl3":
