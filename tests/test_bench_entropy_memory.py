@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -26,6 +28,27 @@ def test_entropy_memory_reports_every_variant_against_the_baseline() -> None:
     assert all(row["peak_rss_bytes"] > 0 and row["date"] and "peak_ratio_vs_a" in row for row in rows.values())
     assert {row["phase"] for name, row in rows.items() if "old_log_prob" in name} == {"old_log_prob"}
     assert rows["d_vocab_pass"]["phase"] == "update" and rows["d_vocab_pass"]["loss"] == rows["d_vocab_pass"]["loss"]
+
+
+def test_engine_benches_share_one_model_and_micro_batch_shape() -> None:
+    """``entropy-memory``, ``full-kl`` and ``onpolicy --cost`` build their model and batch from
+    ``bench_micro_batch``: a quarter of each sequence is prompt, the MLP is twice the width."""
+    from recipe.bench.harness import TinyQwen3Spec, bench_micro_batch
+
+    shape = bench_micro_batch(tokens=256, sequences=4, vocab=4096, hidden=64)
+    assert shape.spec == TinyQwen3Spec(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       max_position_embeddings=8192)
+    assert (shape.prompt_lens, shape.response_lens) == ([16] * 4, [48] * 4)
+    long = bench_micro_batch(tokens=65_536, sequences=2, vocab=512, hidden=32)
+    assert (long.prompt_len, long.response_len, long.spec.max_position_embeddings) == (8192, 24_576, 32_768)
+    assert (bench_micro_batch(6, 3, 512, 32).prompt_len, bench_micro_batch(6, 3, 512, 32).response_len) == (1, 1)
+    with pytest.raises(ValueError, match=r"--tokens \(63\) must be divisible by --sequences \(2\)"):
+        bench_micro_batch(63, 2, 512, 32)
+    with pytest.raises(ValueError, match="--sequences"):
+        bench_micro_batch(64, 0, 512, 32)
+    with pytest.raises(ValueError, match="fewer than 2 tokens per sequence"):
+        bench_micro_batch(4, 4, 512, 32)
 
 
 def test_child_runs_read_the_last_json_line_and_keep_stderr() -> None:

@@ -61,8 +61,8 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
     import time
 
     from recipe.bench.harness import (
-        TinyQwen3Spec,
         WorkerOptions,
+        bench_micro_batch,
         build_actor_worker,
         compute_log_prob,
         make_actor_config,
@@ -74,21 +74,9 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
     )
 
     single_rank_env()
-    if tokens % sequences:
-        raise ValueError(f"--tokens ({tokens}) must be divisible by --sequences ({sequences})")
-    seq_len = tokens // sequences
-    prompt_len = max(1, seq_len // 4)
-    spec = TinyQwen3Spec(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,
-        max_position_embeddings=max(8192, seq_len),
-    )
+    shape = bench_micro_batch(tokens, sequences, vocab, hidden)
     with tempfile.TemporaryDirectory(prefix="entropy_memory_") as tmp:
-        model_path = save_tiny_qwen3(tmp, spec, seed=0)
+        model_path = save_tiny_qwen3(tmp, shape.spec, seed=0)
         options = WorkerOptions(
             micro_batch_size_per_gpu=sequences,  # the whole update is one micro-batch of `tokens`
             max_token_len_per_gpu=tokens,
@@ -108,7 +96,7 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
             install_vocab_pass()
             loss_fn = with_vocab_pass(loss_fn)
         worker.set_loss_fn(loss_fn)
-        batch = make_rollout_batch([prompt_len] * sequences, [seq_len - prompt_len] * sequences, vocab, seed=0)
+        batch = make_rollout_batch(shape.prompt_lens, shape.response_lens, vocab, seed=0)
 
         old_log_prob = variant in OLD_LOG_PROB_VARIANTS
         rss_before = _rss_bytes()

@@ -58,8 +58,8 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
     import torch
 
     from recipe.bench.harness import (
-        TinyQwen3Spec,
         WorkerOptions,
+        bench_micro_batch,
         build_actor_worker,
         make_actor_config,
         make_rollout_batch,
@@ -73,15 +73,8 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
     from verl_ext.config import DivClipPolicyLossConfig
     from verl_ext.full_kl import OLD_TOPK_IDS, OLD_TOPK_LOG_PROBS
 
-    if tokens % sequences:
-        raise ValueError(f"--tokens ({tokens}) must be divisible by --sequences ({sequences})")
-    seq_len = tokens // sequences
-    prompt_len = max(1, seq_len // 4)
-    response_len = seq_len - prompt_len
-    spec = TinyQwen3Spec(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=max(8192, seq_len),
-    )
+    shape = bench_micro_batch(tokens, sequences, vocab, hidden)
+    spec, prompt_len, response_len = shape.spec, shape.prompt_len, shape.response_len
     with tempfile.TemporaryDirectory(prefix="full_kl_bench_") as tmp:
         model_path = save_tiny_qwen3(tmp, spec, seed=0)
         options = WorkerOptions(micro_batch_size_per_gpu=sequences, max_token_len_per_gpu=tokens, mixed_precision=None)

@@ -7,7 +7,8 @@ instead of through Ray, so the code under test is exactly what the v1 trainer ru
 
 Pieces (all CPU, no downloads):
 
-* :func:`save_tiny_qwen3` writes a random-weight Qwen3 checkpoint built from a config.
+* :func:`save_tiny_qwen3` writes a random-weight Qwen3 checkpoint built from a config;
+  :func:`bench_micro_batch` gives the engine benchmarks' shared model and micro-batch shape.
 * :func:`build_actor_worker` builds and initialises the ``TrainingWorker`` (``VERL_PLATFORM=cpu``,
   FSDP2 on gloo). It initialises the process group itself from ``RANK``/``WORLD_SIZE``/``MASTER_*``
   like a Ray worker does; :func:`run_ranks` sets those for 1..N spawned ranks.
@@ -71,6 +72,58 @@ class TinyQwen3Spec:
     head_dim: int = 8
     max_position_embeddings: int = 8192
     tie_word_embeddings: bool = False
+
+
+@dataclass(frozen=True)
+class BenchMicroBatch:
+    """The model and the one micro-batch of an engine benchmark (see :func:`bench_micro_batch`)."""
+
+    spec: TinyQwen3Spec
+    sequences: int
+    prompt_len: int
+    response_len: int
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        """Per-sequence prompt lengths, as :func:`make_rollout_batch` takes them."""
+        return [self.prompt_len] * self.sequences
+
+    @property
+    def response_lens(self) -> list[int]:
+        """Per-sequence response lengths, as :func:`make_rollout_batch` takes them."""
+        return [self.response_len] * self.sequences
+
+
+def bench_micro_batch(tokens: int, sequences: int, vocab: int, hidden: int) -> BenchMicroBatch:
+    """The tiny Qwen3 and the micro-batch that the engine benchmarks (``entropy-memory``, ``full-kl``,
+    ``onpolicy --cost``) build from their ``--tokens``/``--sequences``/``--vocab`` (and ``--hidden``).
+
+    What they share: ``tokens`` split into ``sequences`` equal sequences, each a quarter prompt
+    (at least one token) and the rest response; a 2-layer Qwen3 with ``vocab`` logits, width
+    ``hidden``, an MLP of ``2 * hidden``, 4 query and 2 key/value heads of ``hidden // 4`` each, and
+    positions for at least 8192 tokens. The memory these benchmarks compare is dominated by the
+    ``tokens x vocab`` logits, so the body stays small. Bad sizes raise a ``ValueError`` naming the
+    CLI options.
+    """
+    if tokens < 1 or sequences < 1:
+        raise ValueError(f"--tokens ({tokens}) and --sequences ({sequences}) must be positive")
+    if tokens % sequences:
+        raise ValueError(f"--tokens ({tokens}) must be divisible by --sequences ({sequences})")
+    seq_len = tokens // sequences
+    if seq_len < 2:
+        raise ValueError(f"--tokens ({tokens}) / --sequences ({sequences}) leaves fewer than 2 tokens per sequence "
+                         "(one prompt and one response token at least)")
+    prompt_len = max(1, seq_len // 4)
+    spec = TinyQwen3Spec(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=max(8192, seq_len),
+    )
+    return BenchMicroBatch(spec=spec, sequences=sequences, prompt_len=prompt_len, response_len=seq_len - prompt_len)
 
 
 def save_tiny_qwen3(

@@ -42,6 +42,8 @@ BUDGET_PAIRS: tuple[tuple[int, int], ...] = ((40, 64), (40, 80), (24, 48), (64, 
 PROMPT_LENS = [3, 5, 4, 6, 2, 7, 5, 3]
 RESPONSE_LENS = [12, 9, 14, 6, 10, 8, 11, 7]
 HEAD_SCALE = 1000.0  # makes 70-84% of the tokens' entropy < 1e-3 nats
+COST_HIDDEN = 64
+"""``--cost``: the tiny Qwen3's width (the vocabulary, not the body, dominates the pass's memory)."""
 
 
 def _erc_loss() -> Any:
@@ -190,8 +192,8 @@ def _run_cost(arm: str, tokens: int, vocab: int, sequences: int, rounds: int = 3
     import torch
 
     from recipe.bench.harness import (
-        TinyQwen3Spec,
         WorkerOptions,
+        bench_micro_batch,
         build_actor_worker,
         compute_log_prob,
         make_rollout_batch,
@@ -201,18 +203,15 @@ def _run_cost(arm: str, tokens: int, vocab: int, sequences: int, rounds: int = 3
     from verl_ext.onpolicy import set_pack_as_update
 
     single_rank_env()
-    seq_len = tokens // sequences
-    spec = TinyQwen3Spec(vocab_size=vocab, hidden_size=64, intermediate_size=128, head_dim=16,
-                         max_position_embeddings=max(8192, seq_len))
+    shape = bench_micro_batch(tokens, sequences, vocab, hidden=COST_HIDDEN)
     with tempfile.TemporaryDirectory(prefix="onpolicy_cost_") as tmp:
-        model_path = save_tiny_qwen3(tmp, spec, seed=0)
+        model_path = save_tiny_qwen3(tmp, shape.spec, seed=0)
         # the ERC configs' budgets, scaled: the log-prob pass holds the whole batch, the update half
         options = WorkerOptions(mixed_precision=None, use_dynamic_bsz=True, max_token_len_per_gpu=tokens // 2,
                                 infer_max_token_len_per_gpu=tokens)
         worker = build_actor_worker(model_path, options)
         worker.set_loss_fn(_erc_loss())
-        prompt = max(1, seq_len // 4)
-        batch = make_rollout_batch([prompt] * sequences, [seq_len - prompt] * sequences, vocab, seed=0)
+        batch = make_rollout_batch(shape.prompt_lens, shape.response_lens, vocab, seed=0)
         row: dict[str, Any] = {"arm": arm, "tokens": tokens, "vocab_size": vocab, "threads": torch.get_num_threads()}
         if arm != "time":
             set_pack_as_update(worker.engine, arm == "aligned")

@@ -1,10 +1,11 @@
-"""``python -m recipe.bench reward [--json]``: reward throughput, ours vs verl's.
+"""``python -m recipe.bench reward [--json] [--math500 PATH]``: reward throughput, ours vs verl's.
 
 One mixed corpus (real MATH-500 worked solutions, each against its own answer and against
 the next problem's answer, plus long synthetic chains of thought that end in a boxed answer)
 is scored by three functions under the same conditions: called from a thread pool, as
 verl's reward loop calls a synchronous ``compute_score``. Items/s and the ratios are
-measured in this one run; nothing is asserted.
+measured in this one run; nothing is asserted. The MATH-500 rows (``solution`` and ``answer``
+per JSON line) come from ``--math500``, by default the checkout's ``../shared`` copy.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MATH500 = REPO_ROOT.parent / "shared/data/eval/math500.h4.jsonl"
+"""``--math500``'s default: the shared data beside a checkout (an installed wheel has none)."""
 
 Item = tuple[str, str]  # (solution_str, ground_truth)
 
@@ -45,8 +47,26 @@ def synthetic_cot(rng: random.Random, answer: str, target_chars: int) -> str:
     return "<think>\n" + "".join(steps) + f"\n</think>\nTherefore the answer is $\\boxed{{{answer}}}$."
 
 
-def build_corpus(n_synthetic: int, synthetic_chars: int, seed: int = 0) -> list[Item]:
-    rows = [json.loads(line) for line in MATH500.read_text(encoding="utf-8").splitlines() if line.strip()]
+def load_math500(path: Path) -> list[dict[str, str]]:
+    """The ``solution``/``answer`` rows of a MATH-500 JSONL file; a bad line is named with its number."""
+    numbered = [(number, line) for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                if line.strip()]
+    rows = []
+    for number, line in numbered:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not (isinstance(row, dict) and all(isinstance(row.get(key), str) for key in ("solution", "answer"))):
+            raise ValueError(f"--math500 {path}: line {number} is not a JSON object with string 'solution' and 'answer'")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"--math500 {path}: no rows")
+    return rows
+
+
+def build_corpus(rows: list[dict[str, str]], n_synthetic: int, synthetic_chars: int, seed: int = 0) -> list[Item]:
+    """Each MATH-500 solution against its own answer and against the next row's, plus the synthetic items."""
     corpus: list[Item] = [(r["solution"], r["answer"]) for r in rows]
     corpus += [(r["solution"], rows[(i + 1) % len(rows)]["answer"]) for i, r in enumerate(rows)]
     rng = random.Random(seed)
@@ -91,9 +111,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--synthetic", type=int, default=200, help="long synthetic CoT items")
     parser.add_argument("--synthetic-chars", type=int, default=40_000, help="length of each (~10k tokens)")
     parser.add_argument("--threads", type=int, default=8, help="calling threads (verl's reward loop uses many)")
+    parser.add_argument("--math500", type=Path, default=None,
+                        help=f"MATH-500 JSONL with 'solution' and 'answer' per line (default: {MATH500})")
     args = parser.parse_args(argv)
-    if not MATH500.is_file():
-        print(f"error: {MATH500} is missing; the benchmark needs the real MATH-500 solutions", file=sys.stderr)
+    math500: Path = args.math500 if args.math500 is not None else MATH500
+    if not math500.is_file():
+        where = "the given" if args.math500 is not None else "the default"
+        print(f"error: --math500 {math500} ({where} path) is not a file; the benchmark needs the real MATH-500 "
+              "solutions: pass --math500 PATH", file=sys.stderr)
+        return 2
+    try:
+        rows = load_math500(math500)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
 
     from verl.utils.reward_score import math_dapo
@@ -101,7 +131,7 @@ def main(argv: list[str]) -> int:
 
     import recipe.reward as ours
 
-    corpus = build_corpus(args.synthetic, args.synthetic_chars)
+    corpus = build_corpus(rows, args.synthetic, args.synthetic_chars)
     # Warm every pool (process start-up is not throughput) before timing.
     ours.compute_score("math500", "\\boxed{1}", "2")
     verl_math_verify.compute_score("\\boxed{1}", "2")
@@ -118,8 +148,8 @@ def main(argv: list[str]) -> int:
     report = {
         "cpu_count": os.cpu_count(),
         "threads": args.threads,
-        "corpus": {"math500_self": 500, "math500_shifted": 500, "synthetic": args.synthetic,
-                   "synthetic_chars": args.synthetic_chars},
+        "corpus": {"math500": str(math500), "math500_self": len(rows), "math500_shifted": len(rows),
+                   "synthetic": args.synthetic, "synthetic_chars": args.synthetic_chars},
         "results": results,
         "ratio_vs_verl_math_verify": round(by_name["ours"]["items_per_s"] / by_name["verl_math_verify"]["items_per_s"], 2),
         "ratio_vs_verl_math_dapo": round(by_name["ours"]["items_per_s"] / by_name["verl_math_dapo"]["items_per_s"], 3),
