@@ -60,17 +60,21 @@ def test_child_runs_read_the_last_json_line_and_keep_stderr() -> None:
     assert bad.returncode != 0 and not bad.ok and bad.last_error_line()
 
 
-def test_full_kl_bench_reports_kl_full_against_kl3_and_the_stored_bytes() -> None:
+@pytest.mark.parametrize("phase, vocab_pass", [("update", False), ("old", True)])
+def test_full_kl_bench_reports_kl_full_against_kl3_and_the_stored_bytes(phase: str, vocab_pass: bool) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "recipe.bench", "full-kl", "--json", "--tokens", "64", "--vocab", "512",
-         "--hidden", "32", "--sequences", "2", "--k", "8"],
+         "--hidden", "32", "--sequences", "2", "--k", "8", "--phase", phase, *(["--vocab-pass"] if vocab_pass else [])],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
     rows = {row["variant"]: row for row in lines if "variant" in row}
     assert set(rows) == {"kl3", "kl_full"}
+    assert {(row["phase"], row["path"]) for row in rows.values()} == {(phase, "vocab_pass" if vocab_pass else "logits")}
     assert rows["kl3"]["peak_ratio_vs_kl3"] == 1.0 and rows["kl_full"]["peak_rss_bytes"] > 0
+    if phase == "old":  # same model and batch: storing the top-k leaves the old log-probs as they are
+        assert rows["kl3"]["check"] == rows["kl_full"]["check"]
     (sizes,) = [row["stored_topk"] for row in lines if "stored_topk" in row]
     assert sizes["bytes_per_token"] == 8 * 4 + 9 * 4
     assert sizes["bytes_per_step_max"]["atr_grpo_qwen3_8b"] == 68 * 4 * 8 * 1536

@@ -1,22 +1,27 @@
-"""Cost of ``kl_full`` in one actor update, against the same update with ``kl3``; bytes of the stored top-k.
+"""Cost of ``kl_full`` against ``kl3`` in the actor's two passes; bytes of the stored top-k.
 
-``python -m recipe.bench full-kl [--json] [--tokens 4096] [--vocab 151936] [--k 32]``
+``python -m recipe.bench full-kl [--json] [--tokens 4096] [--vocab 151936] [--k 32] [--phase update|old]
+[--vocab-pass] [--repeats N]``
 
 Runs verl 0.9.1's real actor stack on the CPU platform (``TrainingWorker`` -> ``FSDPEngineWithLMHead``,
 FSDP2 on gloo, verl's default bf16 mixed precision, one rank) on a tiny Qwen3 with the real Qwen
-vocabulary, one micro-batch of ``--tokens`` tokens, one optimizer step, the divclip actor loss
-(``verl_ext.actor_loss.build_actor_loss``). Variants, each in its own fresh process:
+vocabulary, one micro-batch of ``--tokens`` tokens, the divclip actor loss
+(``verl_ext.actor_loss.build_actor_loss``). ``--phase`` picks the pass that is measured:
 
-* ``kl3``      ``loss_mode=kl3``: the baseline.
-* ``kl_full``  ``loss_mode=kl_full`` with pi_old's top-k stored in the batch (k = ``--k``): the update
-  additionally evaluates pi_theta's log-masses on those buckets from the logits (row chunks, no graph)
-  and the coarsened KL.
+* ``update`` (default): one update with one optimizer step. ``kl3`` is the baseline; ``kl_full`` has
+  pi_old's top-k stored in the batch (k = ``--k``) and additionally evaluates pi_theta's log-masses on
+  those buckets (row chunks of the logits, or the vocabulary pass's slices; no graph) and the
+  coarsened KL.
+* ``old``: the old-log-prob pass. ``kl3`` computes log-probs and entropies; ``kl_full`` also stores
+  pi_old's top-k (the ids and k + 1 log-masses of every response token).
 
-Each reports the peak RSS of its process, the RSS just before the update and the update's wall and
-process CPU time (the latter less sensitive to other jobs on a shared machine);
-ratios are against ``kl3`` measured in the same run. Also printed: the stored top-k's bytes per
-response token and per training step at the maximum response length of the ERC 7B and ATR 8B
-configs (``verl_ext.full_kl.stored_bytes_per_token``).
+Without ``--vocab-pass`` both variants use verl's materialised logits; with it, both run through
+the vocabulary pass (``policy_loss.vocab_pass=true``), and ``kl_full`` is compared with ``kl3`` on the
+same path. Each variant runs in its own fresh process and reports its peak RSS, the RSS just before
+the measured pass, and the pass's wall and process CPU time (the latter less sensitive to other jobs
+on a shared machine); ratios are against ``kl3`` measured in the same run, variants alternating over
+``--repeats``. Also printed: the stored top-k's bytes per response token and per training step at
+the maximum response length of the ERC 7B and ATR 8B configs (``verl_ext.full_kl.stored_bytes_per_token``).
 """
 
 from __future__ import annotations
@@ -50,8 +55,12 @@ def stored_bytes(k: int) -> dict[str, Any]:
     return {"k": k, "bytes_per_token": per_token, "bytes_per_step_max": per_step, "old_log_probs_bytes_per_step_max": old_log_probs}
 
 
-def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: int, k: int) -> dict[str, Any]:
-    """Inside the child process: build the actor, run one update, return the figures."""
+PHASES: tuple[str, ...] = ("update", "old")
+
+
+def _run_variant(variant: str, phase: str, vocab_pass: bool, tokens: int, vocab: int, hidden: int, sequences: int,
+                 k: int) -> dict[str, Any]:
+    """Inside the child process: build the actor, run the measured pass, return the figures."""
     import tempfile
     import time
 
@@ -65,6 +74,7 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
         make_rollout_batch,
         save_tiny_qwen3,
         single_rank_env,
+        compute_log_prob,
         update_actor,
     )
 
@@ -79,12 +89,20 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
         model_path = save_tiny_qwen3(tmp, spec, seed=0)
         options = WorkerOptions(micro_batch_size_per_gpu=sequences, max_token_len_per_gpu=tokens, mixed_precision=None)
         worker = build_actor_worker(model_path, options)
-        policy = DivClipPolicyLossConfig(loss_mode=variant, kl_full_top_k=k)
+        policy = DivClipPolicyLossConfig(loss_mode=variant, kl_full_top_k=k, vocab_pass=vocab_pass)
         actor_config = make_actor_config(
             ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences, policy_loss=policy
         )
         worker.set_loss_fn(build_actor_loss(actor_config))
         batch = make_rollout_batch([prompt_len] * sequences, [response_len] * sequences, vocab, seed=0)
+        if phase == "old":
+            rss_before = _rss_bytes()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            old = compute_log_prob(worker, batch, old_topk=k if variant == "kl_full" else 0)
+            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+            assert old is not None and (variant != "kl_full" or OLD_TOPK_IDS in old)
+            return _figures(variant, phase, vocab_pass, tokens, vocab, k, rss_before, seconds, cpu_seconds,
+                            float(old["old_log_probs"].values().float().mean()))
         if variant == "kl_full":
             # pi_old's stored top-k: any k distinct ids and normalised log-masses cost the same
             gen = torch.Generator().manual_seed(0)
@@ -98,21 +116,28 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
         start, cpu_start = time.perf_counter(), time.process_time()
         metrics = update_actor(worker, batch, calculate_entropy=False)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    return _figures(variant, phase, vocab_pass, tokens, vocab, k, rss_before, seconds, cpu_seconds, float(metrics["loss"][0]))
+
+
+def _figures(variant: str, phase: str, vocab_pass: bool, tokens: int, vocab: int, k: int, rss_before: int,
+             seconds: float, cpu_seconds: float, check: float) -> dict[str, Any]:
     return {
         "variant": variant,
+        "phase": phase,
+        "path": "vocab_pass" if vocab_pass else "logits",
         "tokens": tokens,
         "vocab_size": vocab,
         "k": k,
         "peak_rss_bytes": _peak_rss_bytes(),
-        "rss_before_update_bytes": rss_before,
-        "update_seconds": round(seconds, 2),
-        "update_cpu_seconds": round(cpu_seconds, 2),
-        "loss": float(metrics["loss"][0]),
+        "rss_before_pass_bytes": rss_before,
+        "pass_seconds": round(seconds, 2),
+        "pass_cpu_seconds": round(cpu_seconds, 2),
+        "check": check,  # the update's loss, or the old pass's mean log-prob (equal with and without the top-k)
     }
 
 
 def _spawn(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    argv = ["--_child", variant, "--tokens", str(args.tokens), "--vocab", str(args.vocab),
+    argv = ["--_child", variant, "--phase", args.phase, *(["--vocab-pass"] if args.vocab_pass else []), "--tokens", str(args.tokens), "--vocab", str(args.vocab),
             "--hidden", str(args.hidden), "--sequences", str(args.sequences), "--k", str(args.k)]
     # as in recipe.bench.entropy_memory: serve allocations over 64 KiB with mmap so RSS tracks live memory
     env = {key: os.environ.get(key, default) for key, default in
@@ -132,12 +157,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny model")
     parser.add_argument("--sequences", type=int, default=4, help="sequences the tokens are split into")
     parser.add_argument("--k", type=int, default=32, help="kl_full_top_k")
+    parser.add_argument("--phase", choices=PHASES, default="update", help="the pass that is measured")
+    parser.add_argument("--vocab-pass", action="store_true", help="both variants through the vocabulary pass")
     parser.add_argument("--repeats", type=int, default=1, help="run the variants this many times, alternating")
     parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args._child is not None:
-        print(json.dumps(_run_variant(args._child, args.tokens, args.vocab, args.hidden, args.sequences, args.k)))
+        print(json.dumps(_run_variant(args._child, args.phase, args.vocab_pass, args.tokens, args.vocab, args.hidden,
+                                      args.sequences, args.k)))
         return 0
 
     date = _dt.date.today().isoformat()
@@ -147,11 +175,11 @@ def main(argv: list[str]) -> int:
         base = runs["kl3"]
         for r in runs.values():
             r.update(date=date, repeat=repeat, peak_rss_gib=_gib(r["peak_rss_bytes"]),
-                     update_increment_gib=_gib(r["peak_rss_bytes"] - r["rss_before_update_bytes"]))
+                     pass_increment_gib=_gib(r["peak_rss_bytes"] - r["rss_before_pass_bytes"]))
             r["peak_ratio_vs_kl3"] = round(r["peak_rss_bytes"] / base["peak_rss_bytes"], 3)
-            r["time_ratio_vs_kl3"] = round(r["update_seconds"] / base["update_seconds"], 3)
+            r["time_ratio_vs_kl3"] = round(r["pass_seconds"] / base["pass_seconds"], 3)
             # CPU time of the process: less sensitive than wall time to other jobs on a shared machine
-            r["cpu_time_ratio_vs_kl3"] = round(r["update_cpu_seconds"] / base["update_cpu_seconds"], 3)
+            r["cpu_time_ratio_vs_kl3"] = round(r["pass_cpu_seconds"] / base["pass_cpu_seconds"], 3)
             results.append(r)
     sizes = stored_bytes(args.k)
     if args.json:
@@ -159,12 +187,15 @@ def main(argv: list[str]) -> int:
             print(json.dumps(r))
         print(json.dumps({"stored_topk": sizes}))
         return 0
-    print(f"{'variant':<8} {'rep':>3} {'peak RSS GiB':>12} {'update +GiB':>11} {'peak/kl3':>8} {'seconds':>8} "
+    path = "the vocabulary pass" if args.vocab_pass else "verl's materialised logits"
+    print(f"pass: {args.phase}, {path}, "
+          f"{args.tokens} tokens, vocabulary {args.vocab}, k={args.k}")
+    print(f"{'variant':<8} {'rep':>3} {'peak RSS GiB':>12} {'pass +GiB':>9} {'peak/kl3':>8} {'seconds':>8} "
           f"{'time/kl3':>8} {'CPU s':>7} {'CPU/kl3':>7}")
     for r in results:
-        print(f"{r['variant']:<8} {r['repeat']:>3} {r['peak_rss_gib']:>12.3f} {r['update_increment_gib']:>11.3f} "
-              f"{r['peak_ratio_vs_kl3']:>8.3f} {r['update_seconds']:>8.1f} {r['time_ratio_vs_kl3']:>8.3f} "
-              f"{r['update_cpu_seconds']:>7.1f} {r['cpu_time_ratio_vs_kl3']:>7.3f}")
+        print(f"{r['variant']:<8} {r['repeat']:>3} {r['peak_rss_gib']:>12.3f} {r['pass_increment_gib']:>9.3f} "
+              f"{r['peak_ratio_vs_kl3']:>8.3f} {r['pass_seconds']:>8.1f} {r['time_ratio_vs_kl3']:>8.3f} "
+              f"{r['pass_cpu_seconds']:>7.1f} {r['cpu_time_ratio_vs_kl3']:>7.3f}")
     print(f"stored top-k, k={sizes['k']}: {sizes['bytes_per_token']} bytes per response token")
     for name, n in sizes["bytes_per_step_max"].items():
         print(f"  {name}: {n / 2**20:,.1f} MiB per step at the maximum response length "
