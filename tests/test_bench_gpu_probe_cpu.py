@@ -42,6 +42,29 @@ def test_probe_runs_on_cpu_and_checks_the_on_policy_invariant(tmp_path: Path) ->
     assert dynamic["first_update"]["actor/divclip/onpolicy/log_ratio_abs_max"] == [0.0]
 
 
+def test_probe_kl_full_variants_report_against_kl3_and_check_the_on_policy_zero(tmp_path: Path) -> None:
+    """kl_full on verl's logits and through the vocabulary pass, kl3 added as their baseline."""
+    out = tmp_path / "probe.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe.bench", "gpu", "--device", "cpu", "--tokens", "128", "--sequences", "4",
+         "--vocab", "2048", "--layers", "1", "--hidden", "64", "--repeats", "1", "--k", "8",
+         "--variants", "divclip_kl_full,divclip_kl_full_vocab_pass", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = {r["variant"]: r for r in json.loads(out.read_text())}
+    assert set(results) == {"no_entropy", "divclip_kl3", "divclip_kl_full", "divclip_kl_full_vocab_pass"}
+    assert results["divclip_kl3"]["time_vs_kl3"] == 1.0 and "on_policy_invariant" not in results["divclip_kl3"]
+    for name in ("divclip_kl_full", "divclip_kl_full_vocab_pass"):
+        r = results[name]
+        assert r["on_policy_invariant"] is True, r
+        assert r["first_update"]["actor/divclip/kl_full_mean"] == [0.0]
+        assert 0.0 < r["first_update"]["actor/divclip/kl_full_tail_old"][0] < 1.0  # top-8 of 2,048 ids
+        assert r["peak_vs_kl3"] > 0 and r["old_log_prob_time_vs_kl3"] > 0
+    assert results["divclip_kl_full_vocab_pass"]["vocab_pass"] is True and not results["divclip_kl_full"]["vocab_pass"]
+    assert "KL 0, nothing clipped" in proc.stdout and "vs kl3: peak" in proc.stdout
+
+
 def test_probe_refuses_fsdp1_on_cpu() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "recipe.bench", "gpu", "--device", "cpu", "--strategies", "fsdp"],

@@ -23,6 +23,12 @@ Variants (``--variants``, comma-separated):
 * ``divclip_erc_dynamic``   ERC with the ERC configs' packing: dynamic batching, the update in micro-batches
                             of ``--tokens / 2``, the old-log-prob pass at ``--tokens`` (2:1), which
                             :mod:`verl_ext.onpolicy` packs as the update.
+* ``divclip_kl3``           ``loss_mode=kl3`` (ATR-GRPO), no entropy: the baseline of the two below.
+* ``divclip_kl_full``       ``loss_mode=kl_full`` (Eq. 4 over pi_old's top-k, k = ``--k``): the old-log-prob
+                            pass stores the top-k, the update evaluates pi_theta on it (verl's logits).
+* ``divclip_kl_full_vocab_pass`` the same through the vocabulary pass (no logits tensor in either pass).
+  These three are not in the default list (``--variants divclip_kl3,divclip_kl_full,...``); their
+  on-policy check is that the first update's coarsened KL is 0 and nothing is clipped.
 
 Every variant runs under each of ``--strategies`` (default on CUDA: ``fsdp``, verl 0.9.1's FSDP1, which
 the launch scripts resolve to, and ``fsdp2``; ratios are against ``no_entropy`` of the same strategy).
@@ -62,6 +68,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "divclip_erc_fused": dict(erc=True, entropy=True, compile=True, fused=True),
     # the ERC configs' packing: dynamic batching, the log-prob pass at twice the update's token budget
     "divclip_erc_dynamic": dict(erc=True, entropy=True, compile=True, fused=False, dynamic=True),
+    # ATR-GRPO's kl3 and the exact trust region over pi_old's stored top-k (Eq. 4), without entropy
+    "divclip_kl3": dict(erc=False, entropy=False, compile=True, fused=False, mode="kl3"),
+    "divclip_kl_full": dict(erc=False, entropy=False, compile=True, fused=False, mode="kl_full"),
+    "divclip_kl_full_vocab_pass": dict(erc=False, entropy=False, compile=True, fused=False, mode="kl_full",
+                                       vocab_pass=True),
 }
 DEFAULT_VARIANTS = ("no_entropy", "verl_compiled", "verl_eager", "divclip_erc", "divclip_erc_eager", "divclip_erc_dynamic",
                     "divclip_erc_vocab_pass")
@@ -83,6 +94,8 @@ R1_DISTILL_QWEN_1_5B = dict(  # DeepSeek-R1-Distill-Qwen-1.5B's config.json (Qwe
 )
 ERC_METRICS = ("actor/divclip/erc/ratio_min", "actor/divclip/erc/ratio_max", "actor/divclip/erc/clipfrac_upper",
                "actor/divclip/erc/clipfrac_lower", "actor/ppo_kl")
+KL_FULL_METRICS = ("actor/divclip/kl_full_mean", "actor/divclip/kl_full_max", "actor/divclip/kl_full_tail_old",
+                   "actor/pg_clipfrac")
 GAUGE_METRICS = ("actor/divclip/onpolicy/log_ratio_abs_max", "actor/divclip/onpolicy/ratio_clipfrac",
                  "actor/divclip/onpolicy/erc_ratio_dev_max", "actor/divclip/onpolicy/erc_masked_frac")
 
@@ -118,6 +131,14 @@ def _erc_actor_config(sequences: int, vocab_pass: bool = False) -> Any:
     policy = DivClipPolicyLossConfig(loss_mode="clip", erc_beta_low=0.05, erc_beta_high=0.05, vocab_pass=vocab_pass)
     return make_actor_config(policy_loss=policy, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0,
                              ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences)
+
+
+def _divclip_actor_config(mode: str, sequences: int, k: int, vocab_pass: bool) -> Any:
+    from recipe.bench.harness import make_actor_config
+    from verl_ext.config import DivClipPolicyLossConfig
+
+    policy = DivClipPolicyLossConfig(loss_mode=mode, delta=0.07, kl_full_top_k=k, vocab_pass=vocab_pass)
+    return make_actor_config(policy_loss=policy, ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences)
 
 
 def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -157,8 +178,11 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
         use_fused_kernels=spec["fused"],
         lr=1e-6,
     ))
+    mode = spec.get("mode")
     if spec["erc"]:
         loss = build_actor_loss(_erc_actor_config(args.sequences, vocab_pass=spec.get("vocab_pass", False)))
+    elif mode is not None:
+        loss = build_actor_loss(_divclip_actor_config(mode, args.sequences, args.k, spec.get("vocab_pass", False)))
     else:
         loss = ppo_loss_fn(make_actor_config(ppo_mini_batch_size=args.sequences,
                                              ppo_micro_batch_size_per_gpu=args.sequences))
@@ -175,11 +199,12 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    old = compute_log_prob(worker, batch)
+    old = compute_log_prob(worker, batch, old_topk=args.k if mode == "kl_full" else 0)
     sync()
     old_seconds = time.perf_counter() - start
     old_peak = torch.cuda.max_memory_allocated() if cuda else None
-    batch["old_log_probs"], batch["entropy"] = old["old_log_probs"], old["entropy"]
+    for key, value in old.items():  # old_log_probs, entropy (and pi_old's top-k for kl_full)
+        batch[key] = value
     old_entropy = old["entropy"].values().float()
 
     if cuda:
@@ -192,7 +217,8 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
         metrics = update_actor(worker, batch, calculate_entropy=spec["entropy"])
         sync()
         if step == 0:
-            first = {k: [float(v) for v in metrics[k]] for k in ERC_METRICS + GAUGE_METRICS if k in metrics}
+            first = {k: [float(v) for v in metrics[k]] for k in ERC_METRICS + KL_FULL_METRICS + GAUGE_METRICS
+                     if k in metrics}
         if step >= args.warmup:
             seconds.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -214,6 +240,12 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
         result["on_policy_invariant"] = bool(
             all(v == 1.0 for v in first["actor/divclip/erc/ratio_min"] + first["actor/divclip/erc/ratio_max"])
             and all(v == 0.0 for v in first["actor/divclip/erc/clipfrac_upper"] + first["actor/divclip/erc/clipfrac_lower"])
+        )
+    if mode == "kl_full":
+        result["first_update"] = first
+        result["on_policy_invariant"] = bool(
+            all(v == 0.0 for v in first["actor/divclip/kl_full_mean"] + first["actor/divclip/kl_full_max"]
+                + first["actor/pg_clipfrac"])
         )
     return result
 
@@ -244,6 +276,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=None, help="override the model's layer count")
     p.add_argument("--hidden", type=int, default=None, help="override the model's hidden size (small probes)")
     p.add_argument("--head-scale", type=float, default=50.0, help="multiplies the random output head (peakiness)")
+    p.add_argument("--k", type=int, default=32, help="kl_full_top_k of the kl_full variants")
     p.add_argument("--warmup", type=int, default=1, help="untimed updates first (the on-policy one included)")
     p.add_argument("--repeats", type=int, default=3, help="timed updates (the median is reported)")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
@@ -287,6 +320,8 @@ def main(argv: list[str]) -> int:
         parser.error(f"unknown --variants {unknown}; choose from {list(VARIANTS)}")
     if "no_entropy" not in chosen:
         chosen.insert(0, "no_entropy")  # ratios need the baseline measured in the same run
+    if any(VARIANTS[v].get("mode") == "kl_full" for v in chosen) and "divclip_kl3" not in chosen:
+        chosen.insert(1, "divclip_kl3")  # kl_full's own baseline
     if args.device == "cuda":
         import torch
 
@@ -303,13 +338,19 @@ def main(argv: list[str]) -> int:
         if base is not None and "update_seconds_median" in r:
             r["time_vs_no_entropy"] = round(r["update_seconds_median"] / base["update_seconds_median"], 3)
             r["peak_vs_no_entropy"] = round(r["peak_bytes"] / base["peak_bytes"], 3)
+        kl3 = next((b for b in results if b["variant"] == "divclip_kl3" and b["strategy"] == r["strategy"]
+                    and "error" not in b), None)
+        if kl3 is not None and VARIANTS[r["variant"]].get("mode") and "update_seconds_median" in r:
+            r["time_vs_kl3"] = round(r["update_seconds_median"] / kl3["update_seconds_median"], 3)
+            r["peak_vs_kl3"] = round(r["peak_bytes"] / kl3["peak_bytes"], 3)
+            r["old_log_prob_time_vs_kl3"] = round(r["old_log_prob_seconds"] / kl3["old_log_prob_seconds"], 3)
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=1))
     if args.json:
         for r in results:
             print(json.dumps(r))
     else:
-        print(f"{'strategy':<8} {'variant':<20} {'path':<13} {'peak GiB':>8} {'x base':>7} {'update s':>9} {'x base':>7}  on-policy ERC")
+        print(f"{'strategy':<8} {'variant':<20} {'path':<13} {'peak GiB':>8} {'x base':>7} {'update s':>9} {'x base':>7}  on-policy")
         for r in results:
             print(f"{r['strategy']:<8} ", end="")
             if "error" in r:
@@ -318,11 +359,16 @@ def main(argv: list[str]) -> int:
             if r.get("out_of_memory"):
                 print(f"{r['variant']:<20} out of memory (verl's path): {r['error_line']}")
                 continue
-            invariant = {True: "ratio 1, nothing masked", False: f"VIOLATED {r.get('first_update')}"}.get(
+            holds = "KL 0, nothing clipped" if VARIANTS[r["variant"]].get("mode") == "kl_full" else "ratio 1, nothing masked"
+            invariant = {True: holds, False: f"VIOLATED {r.get('first_update')}"}.get(
                 r.get("on_policy_invariant"), "-")
             print(f"{r['variant']:<20} {r['entropy_path']:<13} {r['peak_bytes'] / 2**30:>8.2f} "
                   f"{r.get('peak_vs_no_entropy', float('nan')):>7.3f} {r['update_seconds_median']:>9.3f} "
-                  f"{r.get('time_vs_no_entropy', float('nan')):>7.3f}  {invariant}")
+                  f"{r.get('time_vs_no_entropy', float('nan')):>7.3f}  {invariant}", end="")
+            if "time_vs_kl3" in r:
+                print(f"  vs kl3: peak {r['peak_vs_kl3']:.3f}, update {r['time_vs_kl3']:.3f}, "
+                      f"old-log-prob pass {r['old_log_prob_time_vs_kl3']:.3f}", end="")
+            print()
     return 1 if any("error" in r for r in results) or any(r.get("on_policy_invariant") is False for r in results) else 0
 
 
