@@ -27,9 +27,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return save_model_and_tokenizer(tmp_path_factory.mktemp("topk_tail_model"), seed=0)
 
 
-def test_tail_log_masses_are_the_direct_sums() -> None:
+def test_tail_log_masses_are_the_direct_sums(monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(7, 300, generator=gen) * torch.logspace(-1, 1.5, 7).unsqueeze(1)
+    monkeypatch.setattr(topk_tail, "ROWS_PER_CHUNK", 3)  # rows in chunks of 3, 3 and 1
     log_probs = torch.log_softmax(logits, dim=-1)
     ks = [1, 3, 32, 300]
     got = topk_tail.tail_log_masses(log_probs, ks)
@@ -66,6 +67,10 @@ def test_bad_input_is_named(model_dir: str, tmp_path: Path) -> None:
     bad.write_text(json.dumps({"problem": "1+1?", "solution": "2"}) + "\n" + json.dumps({"problem": "x"}) + "\n")
     with pytest.raises(ValueError, match=r"bad\.jsonl:2 has no non-empty string 'solution'"):
         topk_tail.main(["--model", model_dir, "--data", str(bad)])
+    not_json = tmp_path / "not_json.jsonl"
+    not_json.write_text(json.dumps({"problem": "1+1?", "solution": "2"}) + "\n{problem: 1}\n")
+    with pytest.raises(ValueError, match=r"not_json\.jsonl:2 is not JSON"):
+        topk_tail.main(["--model", model_dir, "--data", str(not_json)])
     with pytest.raises(SystemExit, match="--k '0,4': every k must be >= 1"):
         topk_tail.main(["--model", model_dir, "--data", str(bad), "--k", "0,4"])
     with pytest.raises(SystemExit, match="--model .*: not a local checkpoint directory"):

@@ -322,3 +322,20 @@ def test_bad_knobs_raise_naming_the_key(kwargs, key):
 def test_k_larger_than_the_logits_raises_naming_the_key():
     with pytest.raises(ValueError, match=r"kl_full_top_k=65"):
         topk_rows(torch.zeros(2, 64), 65)
+
+
+def test_a_vocab_pass_step_whose_head_never_ran_raises() -> None:
+    """Under the vocabulary pass the top-k comes from the head's observer: a step that ends without
+    the head having called it (the pass's hook missing in the process) raises instead of storing nothing."""
+    from types import SimpleNamespace
+
+    from verl_ext.full_kl import _Step, _step_hooks
+    from verl_ext.vocab_pass_engine import head_observers, mark_engine_vocab_pass
+
+    engine = SimpleNamespace(use_ulysses_sp=False)
+    mark_engine_vocab_pass(engine, True)
+    step = _Step(micro_batch=None, capture_k=4, old_ids=None)
+    with pytest.raises(RuntimeError, match="head never ran.*install_vocab_pass"):
+        with _step_hooks(engine, step, vocab_pass=True):
+            assert head_observers(engine) == [step]
+    assert head_observers(engine) == []  # unregistered after the step

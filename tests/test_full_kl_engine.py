@@ -198,7 +198,7 @@ def test_stored_topk_is_row_aligned_with_verls_log_probs(result: dict[str, Any])
 def test_vocab_pass_stores_the_materialised_top_k(result: dict[str, Any]) -> None:
     """fp32: the pass's top-k ids are the materialised logits' (as sets: ties may order differently)
     and each log-mass agrees to float32 logit rounding; the pass evaluated the buckets of every response
-    row: 5 on-policy runs x (old pass + update) + the fp32 old pass + the off-policy update."""
+    row: 4 on-policy runs x (old pass + update) + the fp32 old pass + the off-policy update."""
     mat, vp = result["topk_materialised"], result["topk_vocab_pass"]
     ids_mat, ids_vp = mat["divclip_old_topk_ids"].long(), vp["divclip_old_topk_ids"].long()
     assert ids_vp.shape == ids_mat.shape == (sum(RESPONSE_LENS), K) and vp["divclip_old_topk_ids"].dtype == torch.int32

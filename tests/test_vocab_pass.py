@@ -325,3 +325,21 @@ def test_bucket_log_masses_rows_do_not_depend_on_the_chunking_and_bad_ids_are_na
     assert float(((results[0][tiny, -1].double() - ref[tiny, -1]) / ref[tiny, -1]).abs().max()) <= 1e-5
     with pytest.raises(ValueError, match=r"ids \(96, 1001\) must be \(tokens=96, k\) with 1 <= k <= vocab=1000"):
         bucket_log_masses(hidden, weight, torch.zeros(TOKENS, VOCAB + 1, dtype=torch.long))
+    out_of_range = ids.clone()
+    out_of_range[3, 1] = VOCAB + 4
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, vocab=1000\), got \[\d+, 1004\].*divclip_old_topk_ids"):
+        bucket_log_masses(hidden, weight, out_of_range)
+
+
+def test_bucket_log_masses_per_token_temperature_equals_scalar_rows(vocab_slices: str) -> None:
+    """verl's per-token temperatures (``temperature_rmpad``): each row as its scalar computation
+    (bit for bit: exact logits), within 1e-5 of fp64."""
+    hidden, weight, _ = exact_logit_inputs(1)
+    ids = (hidden.double() @ weight.double().t()).topk(6, dim=-1).indices.to(torch.int32)
+    temperature = torch.linspace(0.5, 1.5, TOKENS)
+    got = bucket_log_masses(hidden, weight, ids, temperature)
+    for row in (0, 17, TOKENS - 1):
+        alone = bucket_log_masses(hidden[row : row + 1], weight, ids[row : row + 1], float(temperature[row]))
+        torch.testing.assert_close(got[row : row + 1], alone, rtol=0, atol=0)
+        ref = reference_buckets(hidden[row : row + 1], weight, ids[row : row + 1].long(), float(temperature[row]))
+        assert float(((got[row].double() - ref[0]).abs() / ref[0].abs().clamp_min(1.0)).max()) <= 1e-5

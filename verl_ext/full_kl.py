@@ -22,8 +22,9 @@ of it and evaluates the KL on that summary:
   full-vocabulary KL, equal to it when both tails are empty (k = vocabulary) -- and, since pi_old's
   top-k ids are fixed, it is exact whenever both policies put no mass in the tail.
 
-Both passes compute the log-masses with the same function on the same logits, so on-policy the
-coarsened KL is exactly 0 (no token clipped) whatever the logits' dtype.
+Both passes compute the log-masses with the same function on the same inputs (the logits, or under
+the vocabulary pass the hidden states and head weight), so on-policy -- identical packing -- the
+coarsened KL is exactly 0 (no token clipped) whatever the dtype.
 
 Wiring: the driver turns the capture on for the old-log-prob pass only
 (:func:`capturing_old_topk`, a non-tensor key of the batch), the engine hook
@@ -112,8 +113,8 @@ def topk_rows(chunk: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """pi_old's top-k of each row of ``chunk`` (``(rows, vocab)`` logits): ``(log_masses, ids)``,
     ``(rows, k + 1)`` float32 (see :func:`log_masses_rows`) and ``(rows, k)`` int32.
 
-    The producer interface: any pass that sees the logits of some rows (materialised, or a chunked
-    LM-head pass) calls this on them."""
+    The producer on materialised logits (the vocabulary pass has its own:
+    :func:`verl_ext.vocab_pass.bucket_log_masses` on the pass's top-k ids)."""
     if not 1 <= k <= chunk.shape[-1]:
         raise ValueError(
             f"actor_rollout_ref.actor.policy_loss.kl_full_top_k={k} must lie in [1, vocabulary size "
@@ -317,16 +318,16 @@ class _Step:
         self.capture_k = capture_k
         self.old_ids = old_ids
         self.outputs: dict[str, torch.Tensor] = {}
-        self.seen_logits = False
+        self.served = False  # the step's logits (or LM-head input) were seen and the outputs computed
 
     def _rows(self, available: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.seen_logits:
+        if self.served:
             raise RuntimeError("kl_full: the step's logits (or LM-head input) were seen twice in one forward step")
-        self.seen_logits = True
+        self.served = True
         rows, offsets = response_rows(self.micro_batch)
         if rows.numel() and int(rows.max()) >= available:
             raise ValueError(
-                f"kl_full: the logits hold {available} rows, fewer than the packed sequence "
+                f"kl_full: the step's logits (or LM-head input) hold {available} rows, fewer than the packed sequence "
                 "(Ulysses sequence parallelism shards them; kl_full needs ulysses_sequence_parallel_size=1)"
             )
         return rows.to(device), offsets.to(device)
@@ -361,7 +362,7 @@ class _Step:
         old = None
         if self.capture_k:
             assert top_ids is not None  # requested_top_k asked the pass for them
-            ids = top_ids[rows]
+            ids = top_ids[rows, : self.capture_k]  # another observer may have asked for more
             old = (bucket_log_masses(hidden_rows, weight, ids, temperature_rows), ids.to(torch.int32))
         new = None
         if self.old_ids is not None:
@@ -369,7 +370,7 @@ class _Step:
         self._store(offsets, old, new)
 
     def model_outputs(self) -> dict[str, torch.Tensor]:
-        if not self.seen_logits:
+        if not self.served:
             raise RuntimeError("kl_full: the vocabulary pass's head never ran in this forward step")
         return dict(self.outputs)
 
@@ -406,10 +407,11 @@ def _wrap_forward_step(forward_step: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _vocab_pass_serves(engine: Any, loss_function: Any) -> bool:
-    """Whether this step runs through the vocabulary pass (no logits tensor to read)."""
-    from verl_ext.vocab_pass_engine import engine_uses_vocab_pass, loss_uses_vocab_pass
+    """Whether this step runs through the vocabulary pass (no logits tensor to read): the pass's own
+    routing rule, so the two hooks cannot disagree."""
+    from verl_ext.vocab_pass_engine import step_uses_vocab_pass
 
-    return engine_uses_vocab_pass(engine) or loss_uses_vocab_pass(loss_function)
+    return step_uses_vocab_pass(engine, loss_function)
 
 
 @contextmanager
@@ -432,6 +434,9 @@ def _step_hooks(engine: Any, step: _Step, vocab_pass: bool) -> Iterator[None]:
 
         with observing_head(engine, step):
             yield
+        if not step.served:  # e.g. the pass's own hook (install_vocab_pass) is missing in this process
+            raise RuntimeError("kl_full: the vocabulary pass's head never ran in this forward step "
+                               "(is verl_ext.vocab_pass_engine.install_vocab_pass installed in this process?)")
         return
     original_logprobs = impl.logprobs_from_logits
 
@@ -444,7 +449,7 @@ def _step_hooks(engine: Any, step: _Step, vocab_pass: bool) -> Iterator[None]:
 
     def prepare_model_outputs(*args: Any, **kwargs: Any) -> dict[str, Any]:
         model_output = original_prepare(*args, **kwargs)
-        if not step.seen_logits:
+        if not step.served:
             raise ValueError(
                 "kl_full needs the materialised logits, and this forward step computed none (verl's fused "
                 "kernels or distillation_only): set actor_rollout_ref.model.use_fused_kernels=False"

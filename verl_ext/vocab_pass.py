@@ -302,6 +302,11 @@ def bucket_log_masses(
     tokens, vocab = hidden.shape[0], weight.shape[0]
     if ids.dim() != 2 or ids.shape[0] != tokens or not 1 <= ids.shape[1] <= vocab:
         raise ValueError(f"ids {tuple(ids.shape)} must be (tokens={tokens}, k) with 1 <= k <= vocab={vocab}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(
+            f"ids must lie in [0, vocab={vocab}), got [{int(ids.min())}, {int(ids.max())}] "
+            "(pi_old's stored divclip_old_topk_ids from another model?)"
+        )
     k = ids.shape[1]
     device = hidden.device
     inv_temperature = _per_row(temperature, tokens, device)

@@ -84,6 +84,12 @@ def engine_uses_vocab_pass(engine: Any) -> bool:
     return bool(getattr(engine, _ENGINE_ATTR, False))
 
 
+def step_uses_vocab_pass(engine: Any, loss_function: Optional[Callable[..., Any]]) -> bool:
+    """Whether a forward step of ``engine`` with ``loss_function`` runs through the pass: the engine is
+    marked, or the loss declares it (an engine driven without ``TrainingWorker``, marked at this step)."""
+    return engine_uses_vocab_pass(engine) or loss_uses_vocab_pass(loss_function)
+
+
 def _refuse_engine(engine: Any) -> None:
     model_config = getattr(engine, "model_config", None)
     if bool(getattr(model_config, "use_fused_kernels", False)):
@@ -261,10 +267,10 @@ def vocab_pass_step(engine: Any, loss_function: Optional[Callable[..., Any]]) ->
 def _wrap_forward_step(forward_step: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(forward_step)
     def forward_step_with_vocab_pass(self: Any, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
-        if not engine_uses_vocab_pass(self) and loss_uses_vocab_pass(loss_function):
-            mark_engine_vocab_pass(self, True)  # an engine driven without TrainingWorker
-        if not engine_uses_vocab_pass(self):
+        if not step_uses_vocab_pass(self, loss_function):
             return forward_step(self, micro_batch, loss_function=loss_function, forward_only=forward_only)
+        if not engine_uses_vocab_pass(self):
+            mark_engine_vocab_pass(self, True)  # an engine driven without TrainingWorker
         with vocab_pass_step(self, loss_function):
             return forward_step(self, micro_batch, loss_function=loss_function, forward_only=forward_only)
 

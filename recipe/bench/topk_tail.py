@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_KS = "1,2,4,8,16,32,64,128"
+ROWS_PER_CHUNK = 256
 QUANTILES = (0.5, 0.9, 0.99)
 
 
@@ -38,7 +39,12 @@ def read_rows(path: Path, prompt_key: str, response_key: str) -> list[tuple[str,
     for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--data {path}:{line_no} is not JSON ({error.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"--data {path}:{line_no} is not a JSON object")
         for key in (prompt_key, response_key):
             if not isinstance(row.get(key), str) or not row[key]:
                 raise ValueError(f"--data {path}:{line_no} has no non-empty string {key!r} (--prompt-key/--response-key)")
@@ -57,11 +63,14 @@ def tail_log_masses(log_probs: Any, ks: list[int]) -> Any:
     import torch
 
     k_max = max(ks)
-    top = log_probs.topk(k_max, dim=-1)
-    rest = log_probs.double().scatter(-1, top.indices, -math.inf)
-    rest_lse = torch.logsumexp(rest, dim=-1, keepdim=True)  # -inf when k_max is the vocabulary
-    ranked = top.values.double()
-    return torch.stack([torch.logsumexp(torch.cat([ranked[:, k:], rest_lse], dim=-1), dim=-1) for k in ks], dim=-1)
+    out = []
+    for chunk in log_probs.split(ROWS_PER_CHUNK):  # a float64 copy of 256 rows at a time
+        top = chunk.topk(k_max, dim=-1)
+        rest = chunk.double().scatter_(-1, top.indices, -math.inf)
+        rest_lse = torch.logsumexp(rest, dim=-1, keepdim=True)  # -inf when k_max is the vocabulary
+        ranked = top.values.double()
+        out.append(torch.stack([torch.logsumexp(torch.cat([ranked[:, k:], rest_lse], dim=-1), dim=-1) for k in ks], dim=-1))
+    return torch.cat(out) if out else log_probs.new_zeros((0, len(ks)), dtype=torch.float64)
 
 
 def measure(model_path: str, rows: list[tuple[str, str]], ks: list[int], temperature: float, max_tokens: int,
