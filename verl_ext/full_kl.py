@@ -46,6 +46,7 @@ from typing import Any, Callable, Literal, Optional
 import torch
 
 from verl_ext.config import KL_FULL_DIRECTIONS
+from verl_ext.entropy import EAGER_CHUNK_BYTES
 
 #: Batch fields (verl's response layout, nested): pi_old's k + 1 log-masses, its k top ids.
 OLD_TOPK_LOG_PROBS = "divclip_old_topk_log_probs"
@@ -57,10 +58,6 @@ CAPTURE_KEY = "divclip_old_topk_k"
 
 KL_DIRECTIONS = KL_FULL_DIRECTIONS
 Direction = Literal["forward", "reverse"]
-
-CHUNK_BYTES: dict[str, int] = {"cpu": 16 << 20, "cuda": 256 << 20}
-"""Size of the one float32 ``rows x vocab`` working copy per chunk, per device type (as the entropy
-path's eager chunks, :data:`verl_ext.entropy.EAGER_CHUNK_BYTES`)."""
 
 BYTES_PER_ID = 4  # int32 ids: every vocabulary in use is < 2^31
 BYTES_PER_LOG_MASS = 4  # float32
@@ -77,7 +74,8 @@ def stored_bytes_per_token(k: int) -> int:
 
 
 def _chunk_rows(logits: torch.Tensor) -> int:
-    budget = CHUNK_BYTES.get(logits.device.type, CHUNK_BYTES["cpu"])
+    """Rows per chunk: one float32 ``rows x vocab`` working copy of the entropy path's eager size."""
+    budget = EAGER_CHUNK_BYTES.get(logits.device.type, EAGER_CHUNK_BYTES["cpu"])
     return max(1, budget // (4 * max(1, logits.shape[-1])))
 
 
@@ -133,7 +131,7 @@ def _over_row_chunks(
 
 @torch.no_grad()
 def topk_of_rows(logits: torch.Tensor, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`topk_rows` of ``logits[rows]``, in chunks of :data:`CHUNK_BYTES` of float32."""
+    """:func:`topk_rows` of ``logits[rows]``, in chunks of :data:`verl_ext.entropy.EAGER_CHUNK_BYTES` of float32."""
     parts = _over_row_chunks(logits, rows, lambda chunk, _: topk_rows(chunk, k))
     if not parts:
         return logits.new_zeros((0, k + 1), dtype=torch.float32), torch.zeros((0, k), dtype=torch.int32, device=logits.device)
