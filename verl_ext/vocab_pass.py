@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 
@@ -86,6 +86,29 @@ def _float32_logits_into(out: torch.Tensor, hidden32: torch.Tensor, weight_slice
         out.copy_(hidden32 @ weight_slice.float().t())
 
 
+def _forward_blocks(tokens: int, vocab: int, chunk_bytes: int) -> tuple[int, int]:
+    """``(rows per block, columns per vocabulary slice)`` of a forward sweep: the slice width is fixed
+    (:data:`VOCAB_SLICE`), so a row's logits never depend on the batch size; one block's float32
+    ``rows x slice`` buffer holds at most ``chunk_bytes``."""
+    slice_width = min(vocab, VOCAB_SLICE)
+    return max(1, min(tokens, chunk_bytes // (4 * slice_width))), slice_width
+
+
+def _logit_slices(
+    hidden32: torch.Tensor, weight: torch.Tensor, inv_t: torch.Tensor, buffer: torch.Tensor
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``(v0, v1, z)``: one block's float32 logits ``z = hidden32 @ weight[v0:v1]^T / T`` (``inv_t``:
+    ``(rows, 1)``), one fixed vocabulary slice at a time, written into ``buffer`` and overwritten by
+    the next slice. Every forward sweep (:class:`VocabPass`, :func:`bucket_log_masses`) builds its
+    logits here, so they are the same numbers in each."""
+    rows, width, vocab = hidden32.shape[0], buffer.shape[1], weight.shape[0]
+    for v0 in range(0, vocab, width):
+        v1 = min(v0 + width, vocab)
+        z = buffer[:rows, : v1 - v0]
+        _float32_logits_into(z, hidden32, weight[v0:v1])
+        yield v0, v1, z.mul_(inv_t)
+
+
 def _per_row(temperature: Union[float, torch.Tensor], rows: int, device: torch.device) -> torch.Tensor:
     """``1/T`` per token as a float32 ``(rows,)`` tensor (a scalar or one value per token)."""
     if isinstance(temperature, torch.Tensor):
@@ -117,8 +140,7 @@ class VocabPass(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         tokens, vocab = hidden.shape[0], weight.shape[0]
         device = hidden.device
-        slice_width = min(vocab, VOCAB_SLICE)  # fixed: a row's result never depends on the batch size
-        rows = max(1, min(tokens, chunk_bytes // (4 * slice_width)))
+        rows, slice_width = _forward_blocks(tokens, vocab, chunk_bytes)
         log_probs = torch.empty(tokens, dtype=torch.float32, device=device)
         entropy = torch.empty(tokens, dtype=torch.float32, device=device)
         log_normaliser = torch.empty(tokens, dtype=torch.float32, device=device)
@@ -136,11 +158,8 @@ class VocabPass(torch.autograd.Function):
                     stats = None
                     picked = torch.zeros(stop - start, dtype=torch.float32, device=device)
                     best = ids = None
-                    for v0 in range(0, vocab, slice_width):  # ... over vocabulary slices, merged exactly
-                        v1 = min(v0 + slice_width, vocab)
-                        z = logits[: stop - start, : v1 - v0]
-                        _float32_logits_into(z, hidden32, weight[v0:v1])
-                        z.mul_(inv_t)
+                    # ... over vocabulary slices, merged exactly
+                    for v0, v1, z in _logit_slices(hidden32, weight, inv_t, logits):
                         part = reducer.stats(z)
                         stats = part if stats is None else merge_row_stats(stats, part)
                         inside = (block_labels >= v0) & (block_labels < v1)
@@ -311,9 +330,8 @@ def bucket_log_masses(
     device = hidden.device
     inv_temperature = _per_row(temperature, tokens, device)
     budget = int(chunk_bytes) if chunk_bytes is not None else chunk_bytes_for(device)
-    slice_width = min(vocab, VOCAB_SLICE)
+    rows, slice_width = _forward_blocks(tokens, vocab, budget)
     n_slices = -(-vocab // slice_width)
-    rows = max(1, min(tokens, budget // (4 * slice_width)))
     out = torch.empty(tokens, k + 1, dtype=torch.float32, device=device)
     if tokens == 0:
         return out
@@ -326,11 +344,7 @@ def bucket_log_masses(
             block_ids = ids[start:stop].to(dtype=torch.int64)
             at_ids = torch.full((stop - start, k), -math.inf, dtype=torch.float32, device=device)
             slice_tails = torch.empty(stop - start, n_slices, dtype=torch.float32, device=device)
-            for s, v0 in enumerate(range(0, vocab, slice_width)):
-                v1 = min(v0 + slice_width, vocab)
-                z = logits[: stop - start, : v1 - v0]
-                _float32_logits_into(z, hidden32, weight[v0:v1])
-                z.mul_(inv_t)
+            for s, (v0, v1, z) in enumerate(_logit_slices(hidden32, weight, inv_t, logits)):
                 inside = (block_ids >= v0) & (block_ids < v1)
                 local = (block_ids - v0).clamp_(0, v1 - v0 - 1)
                 at_ids = torch.where(inside, z.gather(1, local), at_ids)
