@@ -2,13 +2,16 @@
 
 A fresh process per variant keeps peak-memory figures (RSS, ``torch.cuda.max_memory_allocated``) and
 compiled caches from leaking between variants. The child prints its result as one JSON object on a
-line of its own (the last such line counts); everything else on stdout/stderr is ignored.
+line of its own (the last such line counts); everything else on stdout/stderr is ignored. The
+host-memory benchmarks run theirs with :func:`run_memory_child` and read :func:`rss_bytes` /
+:func:`peak_rss_bytes` inside them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -43,3 +46,43 @@ def run_child(module: str, argv: list[str], env: Optional[dict[str, str]] = None
     proc = subprocess.run([sys.executable, "-m", module, *argv], cwd=ROOT, env=full_env, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     return ChildRun(proc.returncode, json.loads(lines[-1]) if lines else None, proc.stderr)
+
+
+# ------------------------------------------------------------------------------------------------
+# Host-memory benchmarks (entropy-memory, full-kl): children whose RSS tracks live memory
+# ------------------------------------------------------------------------------------------------
+
+# glibc keeps freed heap memory mapped (per-thread arenas, a dynamic mmap threshold), so the RSS peak
+# would depend on allocation history rather than on what is alive at once. Serving every allocation
+# over 64 KiB with mmap returns it to the OS on free: the peak then tracks live memory. The threshold
+# must sit below one bf16 vocabulary row (151,936 x 2 B = 297 KiB): verl's bf16 log-prob path
+# allocates one such buffer per token, and with a 1 MiB threshold those rows stayed in the heap and
+# moved the entropy bench's no-entropy baseline between 4.8 and 5.5 GiB from run to run.
+LIVE_RSS_ENV: tuple[tuple[str, str], ...] = (("MALLOC_MMAP_THRESHOLD_", str(64 << 10)), ("MALLOC_ARENA_MAX", "2"))
+"""glibc settings of a memory benchmark's child; a value already in the environment wins."""
+
+
+def run_memory_child(module: str, argv: list[str], variant: str) -> dict[str, Any]:
+    """:func:`run_child` with :data:`LIVE_RSS_ENV`; returns the child's figures, or raises naming the
+    variant (its stderr's tail printed first)."""
+    env = {key: os.environ.get(key, default) for key, default in LIVE_RSS_ENV}
+    child = run_child(module, argv, env)
+    if not child.ok:
+        sys.stderr.write(child.stderr[-4000:])
+        raise RuntimeError(f"variant {variant} failed with exit code {child.returncode}")
+    return child.result
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def gib(n: int) -> float:
+    return round(n / 2**30, 3)

@@ -20,7 +20,8 @@ vocabulary, one micro-batch of ``--tokens`` tokens, one optimizer step, verl's `
 Each variant reports the peak RSS of its process (``ru_maxrss``) and the RSS just before its phase
 (``phase``: the update, or the old-log-prob pass); ratios are against ``a_no_entropy``'s update
 measured in the same run. Only ratios within one run compare.
-Children run with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed buffers leave RSS at once (see ``_spawn``).
+Children run with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed buffers leave RSS at once
+(:data:`recipe.bench.child.LIVE_RSS_ENV`).
 """
 
 from __future__ import annotations
@@ -28,12 +29,10 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
-import resource
 import sys
 from typing import Any
 
-from recipe.bench.child import run_child
+from recipe.bench.child import gib, peak_rss_bytes, rss_bytes, run_memory_child
 
 VARIANTS: tuple[str, ...] = (
     "a_no_entropy",
@@ -44,15 +43,6 @@ VARIANTS: tuple[str, ...] = (
     "f_old_log_prob_vocab_pass",
 )
 OLD_LOG_PROB_VARIANTS = ("e_old_log_prob_detached", "f_old_log_prob_vocab_pass")
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_rss_bytes() -> int:
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: int) -> dict[str, Any]:
@@ -99,7 +89,7 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
         batch = make_rollout_batch(shape.prompt_lens, shape.response_lens, vocab, seed=0)
 
         old_log_prob = variant in OLD_LOG_PROB_VARIANTS
-        rss_before = _rss_bytes()
+        rss_before = rss_bytes()
         start = time.perf_counter()
         if old_log_prob:
             compute_log_prob(worker, batch)
@@ -113,7 +103,7 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
         "phase": "old_log_prob" if old_log_prob else "update",
         "tokens": tokens,
         "vocab_size": vocab,
-        "peak_rss_bytes": _peak_rss_bytes(),
+        "peak_rss_bytes": peak_rss_bytes(),
         "rss_before_update_bytes": rss_before,
         "update_seconds": round(seconds, 2),  # the phase's seconds (the update, or the old-log-prob pass)
         "loss": loss,
@@ -123,23 +113,7 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
 def _spawn(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     argv = ["--_child", variant, "--tokens", str(args.tokens), "--vocab", str(args.vocab),
             "--hidden", str(args.hidden), "--sequences", str(args.sequences)]
-    # glibc keeps freed heap memory mapped (per-thread arenas, a dynamic mmap threshold), so the RSS
-    # peak would depend on allocation history rather than on what is alive at once. Serving every
-    # allocation over 64 KiB with mmap returns it to the OS on free: the peak then tracks live memory.
-    # The threshold must sit below one bf16 vocabulary row (151,936 x 2 B = 297 KiB): verl's bf16
-    # log-prob path allocates one such buffer per token, and with a 1 MiB threshold those rows
-    # stayed in the heap and moved the no-entropy baseline between 4.8 and 5.5 GiB from run to run.
-    env = {key: os.environ.get(key, default) for key, default in
-           (("MALLOC_MMAP_THRESHOLD_", str(64 << 10)), ("MALLOC_ARENA_MAX", "2"))}
-    child = run_child("recipe.bench.entropy_memory", argv, env)
-    if not child.ok:
-        sys.stderr.write(child.stderr[-4000:])
-        raise RuntimeError(f"variant {variant} failed with exit code {child.returncode}")
-    return child.result
-
-
-def _gib(n: int) -> float:
-    return round(n / 2**30, 3)
+    return run_memory_child("recipe.bench.entropy_memory", argv, variant)
 
 
 def main(argv: list[str]) -> int:
@@ -166,8 +140,8 @@ def main(argv: list[str]) -> int:
     date = _dt.date.today().isoformat()
     for r in results:
         r["date"] = date
-        r["peak_rss_gib"] = _gib(r["peak_rss_bytes"])
-        r["update_increment_gib"] = _gib(r["peak_rss_bytes"] - r["rss_before_update_bytes"])
+        r["peak_rss_gib"] = gib(r["peak_rss_bytes"])
+        r["update_increment_gib"] = gib(r["peak_rss_bytes"] - r["rss_before_update_bytes"])
         if base is not None:
             r["peak_ratio_vs_a"] = round(r["peak_rss_bytes"] / base["peak_rss_bytes"], 3)
             base_inc = base["peak_rss_bytes"] - base["rss_before_update_bytes"]

@@ -29,12 +29,10 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
 import sys
 from typing import Any
 
-from recipe.bench.child import run_child
-from recipe.bench.entropy_memory import _gib, _peak_rss_bytes, _rss_bytes
+from recipe.bench.child import gib, peak_rss_bytes, rss_bytes, run_memory_child
 
 VARIANTS: tuple[str, ...] = ("kl3", "kl_full")
 
@@ -96,7 +94,7 @@ def _run_variant(variant: str, phase: str, vocab_pass: bool, tokens: int, vocab:
         worker.set_loss_fn(build_actor_loss(actor_config))
         batch = make_rollout_batch([prompt_len] * sequences, [response_len] * sequences, vocab, seed=0)
         if phase == "old":
-            rss_before = _rss_bytes()
+            rss_before = rss_bytes()
             start, cpu_start = time.perf_counter(), time.process_time()
             old = compute_log_prob(worker, batch, old_topk=k if variant == "kl_full" else 0)
             seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
@@ -112,7 +110,7 @@ def _run_variant(variant: str, phase: str, vocab_pass: bool, tokens: int, vocab:
             batch[OLD_TOPK_LOG_PROBS] = torch.nested.as_nested_tensor(masses, layout=torch.jagged)
             batch[OLD_TOPK_IDS] = torch.nested.as_nested_tensor(ids, layout=torch.jagged)
 
-        rss_before = _rss_bytes()
+        rss_before = rss_bytes()
         start, cpu_start = time.perf_counter(), time.process_time()
         metrics = update_actor(worker, batch, calculate_entropy=False)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
@@ -128,7 +126,7 @@ def _figures(variant: str, phase: str, vocab_pass: bool, tokens: int, vocab: int
         "tokens": tokens,
         "vocab_size": vocab,
         "k": k,
-        "peak_rss_bytes": _peak_rss_bytes(),
+        "peak_rss_bytes": peak_rss_bytes(),
         "rss_before_pass_bytes": rss_before,
         "pass_seconds": round(seconds, 2),
         "pass_cpu_seconds": round(cpu_seconds, 2),
@@ -139,14 +137,7 @@ def _figures(variant: str, phase: str, vocab_pass: bool, tokens: int, vocab: int
 def _spawn(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     argv = ["--_child", variant, "--phase", args.phase, *(["--vocab-pass"] if args.vocab_pass else []), "--tokens", str(args.tokens), "--vocab", str(args.vocab),
             "--hidden", str(args.hidden), "--sequences", str(args.sequences), "--k", str(args.k)]
-    # as in recipe.bench.entropy_memory: serve allocations over 64 KiB with mmap so RSS tracks live memory
-    env = {key: os.environ.get(key, default) for key, default in
-           (("MALLOC_MMAP_THRESHOLD_", str(64 << 10)), ("MALLOC_ARENA_MAX", "2"))}
-    child = run_child("recipe.bench.full_kl", argv, env)
-    if not child.ok:
-        sys.stderr.write(child.stderr[-4000:])
-        raise RuntimeError(f"variant {variant} failed with exit code {child.returncode}")
-    return child.result
+    return run_memory_child("recipe.bench.full_kl", argv, variant)
 
 
 def main(argv: list[str]) -> int:
@@ -174,8 +165,8 @@ def main(argv: list[str]) -> int:
         runs = {v: _spawn(v, args) for v in VARIANTS}
         base = runs["kl3"]
         for r in runs.values():
-            r.update(date=date, repeat=repeat, peak_rss_gib=_gib(r["peak_rss_bytes"]),
-                     pass_increment_gib=_gib(r["peak_rss_bytes"] - r["rss_before_pass_bytes"]))
+            r.update(date=date, repeat=repeat, peak_rss_gib=gib(r["peak_rss_bytes"]),
+                     pass_increment_gib=gib(r["peak_rss_bytes"] - r["rss_before_pass_bytes"]))
             r["peak_ratio_vs_kl3"] = round(r["peak_rss_bytes"] / base["peak_rss_bytes"], 3)
             r["time_ratio_vs_kl3"] = round(r["pass_seconds"] / base["pass_seconds"], 3)
             # CPU time of the process: less sensitive than wall time to other jobs on a shared machine

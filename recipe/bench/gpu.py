@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import resource
 import statistics
 import sys
 import tempfile
@@ -55,7 +54,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recipe.bench.child import run_child
+from recipe.bench.child import peak_rss_bytes, run_child
 
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -221,7 +220,7 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
                      if k in metrics}
         if step >= args.warmup:
             seconds.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
     result: dict[str, Any] = {
         "variant": name,
         "strategy": args.strategy,

@@ -29,13 +29,12 @@ import argparse
 import datetime as _dt
 import json
 import os
-import resource
 import sys
 import tempfile
 import time
 from typing import Any
 
-from recipe.bench.child import run_child
+from recipe.bench.child import gib, peak_rss_bytes, run_child
 
 BUDGET_PAIRS: tuple[tuple[int, int], ...] = ((40, 64), (40, 80), (24, 48), (64, 128))
 """(update, log-prob) token budgets per micro-batch: the ERC configs' ratio, at the tiny batch's scale."""
@@ -216,7 +215,7 @@ def _run_cost(arm: str, tokens: int, vocab: int, sequences: int, rounds: int = 3
         if arm != "time":
             set_pack_as_update(worker.engine, arm == "aligned")
             compute_log_prob(worker, batch)
-            row["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30, 3)
+            row["peak_rss_gib"] = gib(peak_rss_bytes())
             return row
         seconds: dict[str, list[float]] = {"own": [], "aligned": []}
         for round_ in range(rounds + 1):
