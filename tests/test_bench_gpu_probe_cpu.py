@@ -8,20 +8,26 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_probe_runs_on_cpu_and_checks_the_on_policy_invariant(tmp_path: Path) -> None:
-    out = tmp_path / "probe.json"
+def run_probe(out: Path, *options: str) -> tuple[subprocess.CompletedProcess[str], dict[str, dict[str, Any]]]:
+    """The probe on the CPU platform at a tiny shape (1 layer, hidden 64, 4 x 32 tokens, vocabulary
+    2,048, one timed update); returns the process and its results by variant."""
     proc = subprocess.run(
         [sys.executable, "-m", "recipe.bench", "gpu", "--device", "cpu", "--tokens", "128", "--sequences", "4",
-         "--vocab", "2048", "--layers", "1", "--hidden", "64", "--head-scale", "300", "--repeats", "1",
-         "--variants", "divclip_erc_eager,divclip_erc_dynamic,divclip_erc_vocab_pass", "--out", str(out)],
+         "--vocab", "2048", "--layers", "1", "--hidden", "64", "--repeats", "1", "--out", str(out), *options],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = {r["variant"]: r for r in json.loads(out.read_text())}
+    return proc, {r["variant"]: r for r in json.loads(out.read_text())}
+
+
+def test_probe_runs_on_cpu_and_checks_the_on_policy_invariant(tmp_path: Path) -> None:
+    proc, results = run_probe(tmp_path / "probe.json", "--head-scale", "300",
+                              "--variants", "divclip_erc_eager,divclip_erc_dynamic,divclip_erc_vocab_pass")
     assert set(results) == {"no_entropy", "divclip_erc_eager", "divclip_erc_dynamic", "divclip_erc_vocab_pass"}  # + the baseline, always
     assert {r["strategy"] for r in results.values()} == {"fsdp2"}  # FSDP1 needs CUDA
     erc = results["divclip_erc_eager"]
@@ -44,15 +50,8 @@ def test_probe_runs_on_cpu_and_checks_the_on_policy_invariant(tmp_path: Path) ->
 
 def test_probe_kl_full_variants_report_against_kl3_and_check_the_on_policy_zero(tmp_path: Path) -> None:
     """kl_full on verl's logits and through the vocabulary pass, kl3 added as their baseline."""
-    out = tmp_path / "probe.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "recipe.bench", "gpu", "--device", "cpu", "--tokens", "128", "--sequences", "4",
-         "--vocab", "2048", "--layers", "1", "--hidden", "64", "--repeats", "1", "--k", "8",
-         "--variants", "divclip_kl_full,divclip_kl_full_vocab_pass", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = {r["variant"]: r for r in json.loads(out.read_text())}
+    proc, results = run_probe(tmp_path / "probe.json", "--k", "8",
+                              "--variants", "divclip_kl_full,divclip_kl_full_vocab_pass")
     assert set(results) == {"no_entropy", "divclip_kl3", "divclip_kl_full", "divclip_kl_full_vocab_pass"}
     assert results["divclip_kl3"]["time_vs_kl3"] == 1.0 and "on_policy_invariant" not in results["divclip_kl3"]
     for name in ("divclip_kl_full", "divclip_kl_full_vocab_pass"):
