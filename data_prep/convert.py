@@ -30,7 +30,7 @@ class DatasetSpec:
     split: str
     default_template: str
     #: Keep the input row's own ``data_source`` (Klear's ``math_longcot_math_verify`` selects
-    #: the think-aware route of recipe/reward.py).
+    #: the think-aware route of recipe/reward/score.py).
     keep_input_data_source: bool = False
     #: Output file stem (default: the dataset name): ``<output_name>.parquet``.
     output_name: str | None = None

@@ -17,7 +17,7 @@ DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 BOXED_SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 TEMPLATES: dict[str, str] = {
-    # DAPO's own instruction; scored by the ``math_dapo`` route of recipe/reward.py.
+    # DAPO's own instruction; scored by the ``math_dapo`` route of recipe/reward/score.py.
     "dapo": DAPO_PREFIX + "{problem}" + DAPO_SUFFIX,
     # The common Qwen-math instruction; scored by math-verify on the last \boxed{}.
     "boxed": "{problem}" + BOXED_SUFFIX,

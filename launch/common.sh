@@ -19,6 +19,8 @@
 #   DATA_DIR         folder of the `python -m data_prep` parquets (default: <repo>/data), used by
 #                    the configs' default train/val files (exported as DIVCLIP_DATA_DIR)
 #   PYTHON           interpreter (default: <repo>/.venv/bin/python if present, else python3)
+#   STRATEGY         actor_rollout_ref.actor.strategy (the configs' default: fsdp2; fsdp = FSDP1, whose
+#                    figures are unmeasured, docs/experiments.md); the reference policy follows
 #   VOCAB_PASS       actor_rollout_ref.actor.policy_loss.vocab_pass: 1/true = log-probs and entropy of
 #                    both actor passes by the chunked vocabulary pass (no logits tensor), 0/false = verl's
 #                    materialised logits (docs/losses.md, "The vocabulary pass")
@@ -93,6 +95,10 @@ divclip_env_overrides() {
     if [[ -n "${CKPT_DIR:-}" ]]; then DIVCLIP_ENV_OVERRIDES+=("trainer.default_local_dir=$(divclip_quoted CKPT_DIR "$CKPT_DIR")"); fi
     if [[ -n "${PROJECT_NAME:-}" ]]; then DIVCLIP_ENV_OVERRIDES+=("trainer.project_name=$(divclip_quoted PROJECT_NAME "$PROJECT_NAME")"); fi
     if [[ -n "${EXPERIMENT_NAME:-}" ]]; then DIVCLIP_ENV_OVERRIDES+=("trainer.experiment_name=$(divclip_quoted EXPERIMENT_NAME "$EXPERIMENT_NAME")"); fi
+    if [[ -n "${STRATEGY:-}" ]]; then
+        [[ "$STRATEGY" =~ ^[a-z0-9_]+$ ]] || divclip_die "STRATEGY must be a verl strategy name (fsdp2, fsdp, ...), got '$STRATEGY'"
+        DIVCLIP_ENV_OVERRIDES+=("actor_rollout_ref.actor.strategy=$STRATEGY")
+    fi
     if [[ -n "${VOCAB_PASS:-}" ]]; then DIVCLIP_ENV_OVERRIDES+=("actor_rollout_ref.actor.policy_loss.vocab_pass=$(divclip_bool VOCAB_PASS "$VOCAB_PASS")"); fi
     return 0
 }
@@ -160,7 +166,7 @@ divclip_launch() {
     divclip_env_overrides
     if [[ -n "${DATA_DIR:-}" ]]; then export DIVCLIP_DATA_DIR="$DATA_DIR"; fi
     export DIVCLIP_DATA_DIR="${DIVCLIP_DATA_DIR:-$DIVCLIP_ROOT/data}"
-    cd "$DIVCLIP_ROOT"   # relative paths in the configs (recipe/reward.py) are repo-relative
+    cd "$DIVCLIP_ROOT"   # relative paths in the configs (recipe/reward/score.py) are repo-relative
     divclip_split_args "$@"
     divclip_check_profiles "${DIVCLIP_OVERRIDES[@]}"
     exec "$(divclip_python)" -m recipe.main "${DIVCLIP_FLAGS[@]}" "+experiments=$experiment" \

@@ -13,7 +13,7 @@
 #   VOCAB_PASS=1: log-probs and entropies of both actor passes by the vocabulary pass (no logits tensor).
 #   SMOKE_MODEL=DIR: start RL from this Hugging Face model instead of the generated random one (the
 #   SFT -> RL chain: the merged output of `python -m recipe.sft` on data/sft_train.parquet, which
-#   `python -m recipe.smoke_task --sft N` writes; tests/test_sft_chain_cpu.py).
+#   `python -m recipe.smoke.task --sft N` writes; tests/test_sft_chain_cpu.py).
 # Re-running with the same SMOKE_OUT and a larger STEPS resumes from the last checkpoint.
 # Writes $SMOKE_OUT/metrics.jsonl (verl file-logger lines, all attempts merged), curves.png and
 # report.json.
@@ -60,7 +60,7 @@ export VERL_FILE_LOGGER_PATH="$SMOKE_OUT/logs/attempt-$(date +%Y%m%d-%H%M%S)-$$.
 
 # 1. Task, model and tokenizer, generated locally.
 if [[ ! -f "$SMOKE_OUT/assets/model/config.json" || ! -f "$SMOKE_OUT/assets/data/train.parquet" ]]; then
-  "$PYTHON" -m recipe.smoke_task --out "$SMOKE_OUT/assets" --task "$TASK"
+  "$PYTHON" -m recipe.smoke.task --out "$SMOKE_OUT/assets" --task "$TASK"
 fi
 
 # A local Ray of our own unless we run inside a Ray job (then Ray owns the resources).
@@ -108,10 +108,10 @@ fi
   actor_rollout_ref.rollout.val_kwargs.temperature=0 actor_rollout_ref.rollout.val_kwargs.do_sample=False \
   actor_rollout_ref.rollout.val_kwargs.n=1 \
   reward.num_workers=1 \
-  reward.custom_reward_function.path="$ROOT/recipe/reward.py" reward.custom_reward_function.name=compute_score \
+  reward.custom_reward_function.path="$ROOT/recipe/reward/score.py" reward.custom_reward_function.name=compute_score \
   "$@"
 
 # 3. Merge the attempts' logs, plot, and report the learning margin.
 REPORT_ARGS=()
 [[ "${REQUIRE_MARGIN:-0}" == 1 ]] && REPORT_ARGS+=(--require-margin)
-"$PYTHON" -m recipe.smoke_report "$SMOKE_OUT" "${REPORT_ARGS[@]}"
+"$PYTHON" -m recipe.smoke.report "$SMOKE_OUT" "${REPORT_ARGS[@]}"

@@ -18,7 +18,7 @@
 #   PYTHON          interpreter for the job on the cluster; forwarded when set, otherwise the
 #                   job uses the first python3 on the Ray node's PATH
 #   MODEL_PATH TRAIN_FILES VAL_FILES NNODES GPUS_PER_NODE CKPT_DIR PROJECT_NAME EXPERIMENT_NAME
-#   DATA_DIR ATR_MODEL SWEEP_JOBS VOCAB_PASS
+#   DATA_DIR ATR_MODEL SWEEP_JOBS VOCAB_PASS STRATEGY
 #                   forwarded to the job when set (see launch/common.sh); paths must be valid
 #                   on the cluster (shared storage)
 #   LOSS STEPS SMOKE_OUT TASK N_DEVICES BATCH ROLLOUT_N LR TEST_FREQ SAVE_FREQ REQUIRE_MARGIN
@@ -33,7 +33,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 FORWARDED=(PYTHON MODEL_PATH TRAIN_FILES VAL_FILES NNODES GPUS_PER_NODE CKPT_DIR PROJECT_NAME
-           EXPERIMENT_NAME DATA_DIR ATR_MODEL SWEEP_JOBS VOCAB_PASS
+           EXPERIMENT_NAME DATA_DIR ATR_MODEL SWEEP_JOBS VOCAB_PASS STRATEGY
            LOSS STEPS SMOKE_OUT TASK N_DEVICES BATCH ROLLOUT_N LR TEST_FREQ SAVE_FREQ REQUIRE_MARGIN)
 
 usage() {

@@ -27,7 +27,7 @@ def validate(config: DictConfig) -> None:
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
 
-    from recipe.validation import lora_rank_check_without_vllm, validate_divclip_config
+    from recipe.config_checks import lora_rank_check_without_vllm, validate_divclip_config
 
     auto_set_device(config)
     validate_divclip_config(config)

@@ -8,7 +8,7 @@
 * ``scatter``: ERC Figure 3, sampled-token probability vs entropy ratio with clipped tokens in
   another colour, from the per-token dump of :mod:`verl_ext.token_dump`.
 * ``kl3``: ATR Figure 1, the KL3 constraint w - 1 - log w against the ratio w with the
-  Lambert-W bounds (:func:`verl_ext.divergences.kl3_ratio_bounds`) and PPO's symmetric clip.
+  Lambert-W bounds (:func:`verl_ext.core.divergences.kl3_ratio_bounds`) and PPO's symmetric clip.
 
 verl 0.9.1's file logger (``verl.utils.tracking.FileLogger``) writes one JSON object per
 ``log`` call: ``{"step": <int>, "data": {<metric>: <number>}}`` to
@@ -279,7 +279,7 @@ def plot_kl3(out: str | os.PathLike[str], delta: float = 0.07, eps: float = 0.2)
     [1 - eps, 1 + eps] (dashed); the curve's value at the clip edges shows the divergence
     PPO's clip actually allows on each side.
     """
-    from verl_ext.divergences import kl3_ratio_bounds
+    from verl_ext.core.divergences import kl3_ratio_bounds
 
     if not (math.isfinite(eps) and 0.0 < eps < 1.0):
         raise ValueError(f"--eps must lie in (0, 1), got {eps}")

@@ -6,9 +6,9 @@ groups exist, installs :func:`verl_ext.actor_loss.build_actor_loss` on the actor
 (``policy_loss.adaptive_delta_target``, :mod:`verl_ext.adaptive_delta`) moves delta after an actor
 update; the controller's state is saved into and restored from verl's ``global_step_N`` folders.
 With ``actor_rollout_ref.rollout.custom.validation`` set, validation runs each benchmark at its own
-response length and sample count (:mod:`recipe.validation_length`); unset, validation is verl's.
+response length and sample count (:mod:`recipe.validation.length`); unset, validation is verl's.
 With ``loss_mode=kl_full`` or ``kl_full_diagnostic`` the old-log-prob pass also stores pi_old's
-top-k (:func:`verl_ext.full_kl.capturing_old_topk`). Everything else (rollouts, rewards, advantages,
+top-k (:func:`verl_ext.engine.topk_capture.capturing_old_topk`). Everything else (rollouts, rewards, advantages,
 old-log-prob recompute with entropy, checkpoints) is verl's.
 
 ``DivClipTaskRunner`` mirrors ``verl.trainer.main_ppo.TaskRunnerV1.run``: that class is a
@@ -33,13 +33,12 @@ from verl.utils.logging_utils import configure_verl_logging
 
 from verl_ext.actor_loss import build_actor_loss
 from verl_ext.adaptive_delta import AdaptiveDelta
-from verl_ext.entropy import describe_entropy_path, loss_entropy_path, resolve_entropy_path
-from verl_ext.vocab_pass_engine import loss_uses_vocab_pass
-from verl_ext.full_kl import capturing_old_topk, old_topk_request
-from verl_ext.losses import CONSTRAINTS
-from verl_ext.onpolicy import UpdatePacking
+from verl_ext.core.region import CONSTRAINTS
+from verl_ext.engine.packing import UpdatePacking
+from verl_ext.engine.request import describe, request_of, resolve_entropy_path
+from verl_ext.engine.topk_capture import capturing_old_topk, old_topk_request
 
-from recipe.validation_length import ValidationLengthTrainerMixin, ValidationPlan
+from recipe.validation.length import ValidationLengthTrainerMixin, ValidationPlan
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ logger = logging.getLogger(__name__)
 class DivClipTrainer(ValidationLengthTrainerMixin, PPOTrainerSync):
     """``PPOTrainerSync`` whose actor workers use the divclip actor loss, with the optional
     adaptive-delta controller run on the driver (see :mod:`verl_ext.adaptive_delta`) and
-    per-benchmark validation lengths (:mod:`recipe.validation_length`)."""
+    per-benchmark validation lengths (:mod:`recipe.validation.length`)."""
 
     adaptive_delta: Optional[AdaptiveDelta] = None
 
@@ -93,21 +92,21 @@ class DivClipTrainer(ValidationLengthTrainerMixin, PPOTrainerSync):
         actor_config = omega_conf_to_dataclass(actor_cfg)
         loss = build_actor_loss(actor_config)
         self.actor_rollout_wg.set_loss_fn(loss)  # ONE_TO_ALL: the same loss (and delta) on every rank
+        request = request_of(loss)
         path = resolve_entropy_path(
-            loss_entropy_path(loss),
-            use_fused_kernels=bool(self.config.actor_rollout_ref.model.get("use_fused_kernels", False)),
+            request, use_fused_kernels=bool(self.config.actor_rollout_ref.model.get("use_fused_kernels", False))
         )
+        # what was asked; the workers log what each step really did (actor/divclip/path/*)
         logger.info(
-            "divclip actor loss installed: loss_mode=%s, delta=%s, per-token entropy: %s, log-probs: %s",
+            "divclip actor loss installed: loss_mode=%s, delta=%s; asked of the engine: %s",
             actor_config.policy_loss.get("loss_mode", "vanilla"),
             actor_config.policy_loss.get("delta", None),
-            "the vocabulary pass (fp32, no logits tensor)" if loss_uses_vocab_pass(loss) else describe_entropy_path(path),
-            "the vocabulary pass" if loss_uses_vocab_pass(loss) else "verl's materialised logits",
+            describe(request, path),
         )
 
     def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
-        # The update's mini-batch split travels with the old-log-prob pass, so that under ERC the
-        # workers pack that pass exactly as the update's first epoch (verl_ext.onpolicy).
+        # The update's mini-batch split travels with the old-log-prob pass, so that the workers can
+        # pack that pass exactly as the update's first epoch (verl_ext.engine.packing).
         actor_rollout_ref = self.config.actor_rollout_ref
         packing = UpdatePacking.from_actor_config(actor_rollout_ref.actor, actor_rollout_ref.rollout.n)
         batch.extra_info.update(packing.as_extra_info())
@@ -149,9 +148,9 @@ class DivClipTaskRunner:
         manager_fqn = self.config.actor_rollout_ref.rollout.get("agent", {}).get("agent_loop_manager_class")
         manager_cls = load_class_from_fqn(manager_fqn, "AgentLoopManager") if manager_fqn else AgentLoopManagerTQ
         if ValidationPlan.from_config(self.config) is not None:
-            # validation rows run their own agent loop (recipe.validation_length checked that no
+            # validation rows run their own agent loop (recipe.validation.length checked that no
             # custom manager is set); training rows run verl's, through the same dispatch
-            from recipe.validation_rollout import ValidationLengthAgentLoopManager
+            from recipe.validation.rollout import ValidationLengthAgentLoopManager
 
             manager_cls = ValidationLengthAgentLoopManager
         self.agent_loop_manager = manager_cls.create(

@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from recipe.main import CONFIG_DIR
-from recipe.validation import ConfigError, validate_divclip_config
+from recipe.config_checks import ConfigError, validate_divclip_config
 from tests.test_losses import actor_config, random_batch, run_registry_loss
 from verl_ext.adaptive_delta import SEQUENCE_METRIC, STATE_FILE, TOKEN_METRIC, AdaptiveDelta
 from verl_ext.config import DivClipPolicyLossConfig

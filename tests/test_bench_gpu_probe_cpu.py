@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -70,3 +73,48 @@ def test_probe_refuses_fsdp1_on_cpu() -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 2 and "--strategies fsdp (FSDP1) needs --device cuda" in proc.stderr
+
+
+def test_acceptance_runs_at_cpu_size_and_its_report_lists_every_target(tmp_path: Path) -> None:
+    """``python -m recipe.bench gpu --acceptance`` on the CPU platform: both reports written, every target
+    listed for FSDP1 and FSDP2 with its limit, the ones a CPU cannot measure marked unmeasured with the
+    reason, time ratios measured, and the on-policy check holding for every divclip loss and packing."""
+    from recipe.bench.acceptance import LOSSES, TARGETS
+
+    out = tmp_path / "acceptance"
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe.bench", "gpu", "--acceptance", "--device", "cpu", "--tokens", "128",
+         "--sequences", "4", "--vocab", "2048", "--layers", "1", "--hidden", "64", "--repeats", "1", "--k", "8",
+         "--head-scale", "300", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: a (CPU) time target missed
+    report = json.loads((out / "acceptance.json").read_text())
+    markdown = (out / "acceptance.md").read_text()
+    assert report["errors"] == {} and set(report["targets"]) == {"fsdp", "fsdp2"}
+    for strategy, rows in report["targets"].items():
+        assert [row["name"] for row in rows] == [target.name for target in TARGETS]
+        for row in rows:
+            assert row["status"] in ("pass", "fail", "unmeasured") and f"<= {row['limit']:.2f}x" in markdown
+            if strategy == "fsdp":
+                assert row["status"] == "unmeasured" and row["why"] == "FSDP1 needs CUDA"
+            elif "peak" in row["name"]:
+                assert row["status"] == "unmeasured" and "needs CUDA" in row["why"]
+            else:
+                assert row["value"] > 0 and row["status"] == ("pass" if row["value"] <= row["limit"] else "fail")
+    gauge = report["on_policy"]["fsdp2"]
+    assert set(gauge) == {*LOSSES, "divclip_erc_dynamic (aligned)", "divclip_erc_dynamic (own)"}
+    for name, g in gauge.items():
+        if name == "no_entropy":
+            assert g["holds"] is None  # verl's own loss logs no gauge
+        elif "(own)" not in name:
+            assert g["holds"] is True, (name, g)
+    assert gauge["divclip_erc_vocab_pass"]["tensor_cores"] is False  # CPU: the float32 path
+    assert "## fsdp2" in markdown and "| divclip_erc_vocab_pass | True |" in markdown
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: tests/test_gpu.py runs the acceptance")
+def test_acceptance_refuses_to_start_without_a_cuda_device() -> None:
+    proc = subprocess.run([sys.executable, "-m", "recipe.bench", "gpu", "--acceptance"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "no CUDA device: the acceptance run needs one GPU" in proc.stderr

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from recipe.bench import topk_tail
-from recipe.smoke_task import save_model_and_tokenizer
+from recipe.smoke.task import save_model_and_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MATH500 = REPO_ROOT.parent / "shared/data/eval/math500.h4.jsonl"
@@ -42,7 +42,7 @@ def test_tail_log_masses_are_the_direct_sums(monkeypatch: pytest.MonkeyPatch) ->
 
 @needs_math500
 def test_probe_on_real_solutions(model_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from verl_ext.full_kl import stored_bytes_per_token
+    from verl_ext.core.coarsened_kl import stored_bytes_per_token
 
     import transformers
 

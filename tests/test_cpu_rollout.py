@@ -31,7 +31,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from recipe.smoke_task import build_tokenizer, save_model_and_tokenizer  # noqa: E402
+from recipe.smoke.task import build_tokenizer, save_model_and_tokenizer  # noqa: E402
 from verl_ext.cpu import rollout as hf_cpu  # noqa: E402
 from verl_ext.cpu.rollout import register_cpu_rollout  # noqa: E402
 from verl_ext.cpu.sampling import (  # noqa: E402
@@ -193,7 +193,7 @@ def test_server_batches_concurrent_requests(model_dir: str, tokenizer: Any) -> N
 
 
 def test_server_honours_a_request_max_tokens_above_response_length(model_dir: str, tokenizer: Any) -> None:
-    """Per-benchmark validation lengths (recipe.validation_length) send max_tokens above
+    """Per-benchmark validation lengths (recipe.validation.length) send max_tokens above
     rollout.response_length (8 here); the server serves it, within max_model_len."""
     from verl.workers.rollout.replica import RolloutMode
 

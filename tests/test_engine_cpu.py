@@ -89,13 +89,14 @@ def entropy_masked_pg_loss(config: Any, model_output: dict, data: Any, dp_group:
 
 def _update(model_path: str, options: WorkerOptions, loss: Any, batch: Any, detached: bool = False) -> dict:
     """Fresh worker from the checkpoint, one update; returns metrics, update and the recorded entropy."""
-    from verl_ext.entropy import entropy_as_mask, install_detached_entropy
+    from verl_ext.engine import seam
+    from verl_ext.engine.request import entropy_as_mask
 
     worker = build_actor_worker(model_path, options)
     recorder = RecordingLoss(loss)
     loss_fn: Any = functools.partial(recorder, config=make_actor_config())
     if detached:
-        install_detached_entropy(worker.engine)
+        seam.install()
         loss_fn = entropy_as_mask(loss_fn, entropy_coeff=0.0)
     worker.set_loss_fn(loss_fn)
     before = full_params(worker)

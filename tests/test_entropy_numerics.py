@@ -74,7 +74,7 @@ def assert_matches_fp64(ours: torch.Tensor, logits: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("vocab", [512, 151_936])
 def test_entropy_fp32_matches_fp64_reference(dtype: torch.dtype, vocab: int) -> None:
-    from verl_ext.entropy import entropy_fp32
+    from verl_ext.core.entropy import entropy_fp32
 
     logits = peaky_logits(48, vocab, dtype)
     ours = entropy_fp32(logits)
@@ -83,7 +83,7 @@ def test_entropy_fp32_matches_fp64_reference(dtype: torch.dtype, vocab: int) -> 
 
 
 def test_entropy_fp32_ties_masked_vocabulary_and_extremes() -> None:
-    from verl_ext.entropy import entropy_fp32
+    from verl_ext.core.entropy import entropy_fp32
 
     vocab = 1000
     rows = peaky_logits(6, vocab, torch.float32, seed=3)
@@ -115,7 +115,7 @@ def test_verl_bf16_formula_is_what_breaks() -> None:
 
 
 def test_rows_are_independent_of_chunking_and_batch() -> None:
-    from verl_ext.entropy import entropy_fp32
+    from verl_ext.core.entropy import entropy_fp32
 
     logits = peaky_logits(37, 3000, torch.bfloat16, seed=5)
     whole = entropy_fp32(logits)
@@ -130,14 +130,14 @@ def test_rows_are_independent_of_chunking_and_batch() -> None:
 def test_eager_path_equals_the_compiled_formula_uncompiled() -> None:
     """The eager chunk kernel (buffers reused, arg-max zeroed) and the compile-friendly formula (tie
     count) are the same function of each row; on CPU they agree to the last bit or one ulp."""
-    from verl_ext.entropy import _entropy_rows, entropy_fp32
+    from verl_ext.core.entropy import _entropy_rows, entropy_fp32
 
     logits = peaky_logits(40, 2048, torch.bfloat16, seed=9)
     torch.testing.assert_close(entropy_fp32(logits), _entropy_rows(logits), rtol=3e-7, atol=1e-30)
 
 
 def test_no_graph_and_logits_untouched() -> None:
-    from verl_ext.entropy import entropy_fp32
+    from verl_ext.core.entropy import entropy_fp32
 
     logits = peaky_logits(8, 256, torch.float32).requires_grad_(True)
     before = logits.detach().clone()
@@ -193,7 +193,7 @@ class LogprobSpy:
 def on_policy_erc(model_path: str, options: WorkerOptions, batch: Any) -> dict[str, Any]:
     """Old-log-prob pass, then one ERC-DAPO update on the same batch before any optimizer step."""
     from verl_ext.actor_loss import build_actor_loss
-    from verl_ext.entropy import entropy_path_of
+    from verl_ext.engine.seam import entropy_path_of
 
     worker = build_actor_worker(model_path, options)
     worker.set_loss_fn(build_actor_loss(erc_actor_config()))
@@ -299,7 +299,7 @@ def job_on_policy_ulysses(rank: int, world_size: int, model_path: str) -> dict[s
     would."""
     from recipe.bench.harness import ppo_loss_fn
     from verl_ext.actor_loss import build_actor_loss
-    from verl_ext.entropy import entropy_path_of
+    from verl_ext.engine.seam import entropy_path_of
 
     batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, SPEC.vocab_size, seed=4)
     options = WorkerOptions(mixed_precision=BF16_DEFAULT, ulysses_sequence_parallel_size=world_size, **EXACT_SGD)
@@ -378,28 +378,22 @@ def test_engine_path_selection_and_fused_kernels() -> None:
     passes (consistent), the fp32 path stays inactive, and the log says so."""
     from types import SimpleNamespace
 
-    from verl_ext.entropy import (
-        EntropyPath,
-        describe_entropy_path,
-        entropy_as_mask,
-        entropy_fp32,
-        entropy_path_of,
-        loss_entropy_path,
-        mark_engine,
-    )
+    from verl_ext.core.entropy import entropy_fp32
+    from verl_ext.engine.request import EngineRequest, EntropyPath, describe, entropy_as_mask, request_of
+    from verl_ext.engine.seam import EngineFeatures, entropy_fn_for
+    from verl_ext.engine.request import resolve_entropy_path
 
     def loss(**_: Any) -> None: ...
 
-    assert loss_entropy_path(loss) is EntropyPath.VERL
+    assert request_of(loss) == EngineRequest() and not request_of(loss).entropy_as_mask
     with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.entropy_coeff=0\.01"):
         entropy_as_mask(loss, entropy_coeff=0.01)
-    masked = entropy_as_mask(loss, entropy_coeff=0.0)
-    assert loss_entropy_path(masked) is EntropyPath.DIVCLIP_FP32
-
-    plain = SimpleNamespace(engine_config=SimpleNamespace(use_fused_kernels=False, use_torch_compile=False))
-    fused = SimpleNamespace(engine_config=SimpleNamespace(use_fused_kernels=True, use_torch_compile=False))
-    mark_engine(plain, loss_entropy_path(masked))
-    mark_engine(fused, loss_entropy_path(masked))
-    assert entropy_path_of(plain) is EntropyPath.DIVCLIP_FP32 and plain._divclip_entropy_fn is entropy_fp32
-    assert entropy_path_of(fused) is EntropyPath.FUSED_KERNEL and fused._divclip_entropy_fn is None
-    assert "use_fused_kernels=True" in describe_entropy_path(EntropyPath.FUSED_KERNEL)
+    masked = request_of(entropy_as_mask(loss, entropy_coeff=0.0))
+    assert masked.entropy_as_mask
+    assert resolve_entropy_path(masked, use_fused_kernels=False) is EntropyPath.DIVCLIP_FP32
+    assert resolve_entropy_path(masked, use_fused_kernels=True) is EntropyPath.FUSED_KERNEL
+    assert resolve_entropy_path(EngineRequest(), use_fused_kernels=False) is EntropyPath.VERL
+    eager = SimpleNamespace(engine_config=SimpleNamespace(use_torch_compile=False))
+    assert entropy_fn_for(eager) is entropy_fp32  # compiled only on CUDA with use_torch_compile
+    assert "use_fused_kernels=True" in describe(masked, EntropyPath.FUSED_KERNEL)
+    assert EngineFeatures(masked, EntropyPath.FUSED_KERNEL, None).step_path()["entropy_fp32"] == 0.0

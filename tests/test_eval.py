@@ -205,7 +205,7 @@ def test_generate_cli_with_injected_sampler(tmp_path: Path, eval_parquets: list[
     assert [r["problem_id"] for r in rows] == [0, 1, 2]
     first = rows[0]
     assert first["ground_truth"] == "73" and first["benchmark"] == "aime24" and len(first["responses"]) == 8
-    assert first["acc"] == [True] + [False] * 7  # scored by recipe/reward.py
+    assert first["acc"] == [True] + [False] * 7  # scored by recipe/reward/score.py
     assert first["scores"] == [1.0] + [0.0] * 7
     assert first["preds"][:2] == ["73", "999"]
     assert first["sampling"] == {"n": 8, "temperature": 0.3, "top_p": 0.95, "max_tokens": 4096}

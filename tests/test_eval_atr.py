@@ -77,7 +77,7 @@ class FakeSamplingParams:
 
 @pytest.fixture()
 def fake_vllm(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    from recipe.smoke_task import build_tokenizer
+    from recipe.smoke.task import build_tokenizer
 
     module = types.ModuleType("vllm")
     module.LLM = FakeLLM  # type: ignore[attr-defined]

@@ -23,17 +23,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_ext.config import DivClipPolicyLossConfig
-from verl_ext.full_kl import (
-    CAPTURE_KEY,
-    TopKLogMasses,
-    capturing_old_topk,
-    coarsened_kl,
-    log_masses_rows,
-    old_topk_request,
-    stored_bytes_per_token,
-    topk_rows,
-)
-from verl_ext.losses import CONSTRAINTS, constrained_policy_loss
+from verl_ext.engine.topk_capture import CAPTURE_KEY, capturing_old_topk, old_topk_request
+from verl_ext.core.coarsened_kl import TopKLogMasses, coarsened_kl, log_masses_rows, stored_bytes_per_token, topk_rows
+from verl_ext.core.region import CONSTRAINTS
+from verl_ext.core.surrogate import constrained_policy_loss
 
 
 def exact_kl(new_logits: torch.Tensor, old_logits: torch.Tensor, direction: str) -> torch.Tensor:
@@ -252,7 +245,7 @@ def test_kl_full_is_a_budget_mode_with_its_own_adaptive_metric():
 
 @pytest.mark.parametrize("mode", ["kl3", "clip", "kl_full", "dcpo"])
 def test_diagnostic_counts_disagreements(mode):
-    from verl_ext import divergences
+    from verl_ext.core import divergences
 
     old_lp, new_lp, adv, mask, topk = operator_batch(4, rows=6, cols=20)
     _, _, with_diag = run_operator(mode, old_lp, new_lp, adv, mask, topk, kl_full_diagnostic=True)
@@ -325,17 +318,13 @@ def test_k_larger_than_the_logits_raises_naming_the_key():
 
 
 def test_a_vocab_pass_step_whose_head_never_ran_raises() -> None:
-    """Under the vocabulary pass the top-k comes from the head's observer: a step that ends without
-    the head having called it (the pass's hook missing in the process) raises instead of storing nothing."""
-    from types import SimpleNamespace
+    """Under the vocabulary pass the top-k comes from the head's observer: a step whose head never
+    called it raises when the outputs are collected instead of storing nothing."""
+    from verl_ext.engine.topk_capture import TopKStep
 
-    from verl_ext.full_kl import _Step, _step_hooks
-    from verl_ext.vocab_pass_engine import head_observers, mark_engine_vocab_pass
-
-    engine = SimpleNamespace(use_ulysses_sp=False)
-    mark_engine_vocab_pass(engine, True)
-    step = _Step(micro_batch=None, capture_k=4, old_ids=None)
-    with pytest.raises(RuntimeError, match="head never ran.*install_vocab_pass"):
-        with _step_hooks(engine, step, vocab_pass=True):
-            assert head_observers(engine) == [step]
-    assert head_observers(engine) == []  # unregistered after the step
+    step = TopKStep(micro_batch=None, capture_k=4, old_ids=None)
+    assert step.requested_top_k(vocab=16) == 4
+    with pytest.raises(ValueError, match=r"kl_full_top_k=4 must lie in \[1, vocabulary size 3\]"):
+        step.requested_top_k(vocab=3)
+    with pytest.raises(RuntimeError, match="head never ran"):
+        step.model_outputs()

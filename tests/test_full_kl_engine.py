@@ -123,12 +123,12 @@ def job_vocab_pass(model_path: str, other_path: str, batch: Any, sgd: dict[str, 
                    fp32: WorkerOptions) -> dict[str, Any]:
     """The variants above with ``policy_loss.vocab_pass=true``; counts the pass's bucket evaluations
     (each a chunked sweep of the head: the logits tensor is never built)."""
-    import verl_ext.vocab_pass as vocab_pass_module
+    import verl_ext.engine.topk_capture as topk_capture  # the pass's buckets, as the seam calls them
     from verl_ext.actor_loss import build_actor_loss
 
-    original = vocab_pass_module.bucket_log_masses
+    original = topk_capture.bucket_log_masses
     calls: list[int] = []
-    vocab_pass_module.bucket_log_masses = lambda hidden, *a, **k: calls.append(hidden.shape[0]) or original(hidden, *a, **k)
+    topk_capture.bucket_log_masses = lambda hidden, *a, **k: calls.append(hidden.shape[0]) or original(hidden, *a, **k)
     out: dict[str, Any] = {}
     try:
         for name, options, cfg in (
@@ -148,7 +148,7 @@ def job_vocab_pass(model_path: str, other_path: str, batch: Any, sgd: dict[str, 
         other.set_loss_fn(build_actor_loss(kl_full_config(delta=0.005, vocab_pass=True)))
         out["vp/off_policy"] = update_actor(other, with_old(batch, old), calculate_entropy=True)
     finally:
-        vocab_pass_module.bucket_log_masses = original
+        topk_capture.bucket_log_masses = original
     out["bucket_rows_evaluated"] = sum(calls)
     return out
 
@@ -212,7 +212,7 @@ def test_vocab_pass_stores_the_materialised_top_k(result: dict[str, Any]) -> Non
 
 @pytest.mark.parametrize("variant", ["off_policy", "vp/off_policy"])
 def test_off_policy_kl_matches_the_two_models_logits(result: dict[str, Any], variant: str) -> None:
-    from verl_ext.full_kl import coarsened_kl, log_masses_rows, topk_rows
+    from verl_ext.core.coarsened_kl import coarsened_kl, log_masses_rows, topk_rows
 
     model_path, other_path = result["paths"]
     batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, SPEC.vocab_size, seed=4)

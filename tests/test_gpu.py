@@ -29,7 +29,7 @@ pytestmark = [
 
 
 def test_compiled_entropy_matches_fp64_on_gpu() -> None:
-    from verl_ext.entropy import entropy_fp32, entropy_fp32_compiled
+    from verl_ext.core.entropy import entropy_fp32, entropy_fp32_compiled
 
     logits = peaky_logits(256, 151_936, torch.bfloat16).cuda()
     compiled = entropy_fp32_compiled(logits)
@@ -38,7 +38,7 @@ def test_compiled_entropy_matches_fp64_on_gpu() -> None:
 
 
 def test_compiled_rows_do_not_depend_on_the_batch() -> None:
-    from verl_ext.entropy import entropy_fp32_compiled
+    from verl_ext.core.entropy import entropy_fp32_compiled
 
     logits = peaky_logits(3000, 32_000, torch.bfloat16, seed=2).cuda()
     whole = entropy_fp32_compiled(logits)
@@ -80,3 +80,49 @@ def test_erc_on_policy_under_fsdp1_and_fsdp2(tmp_path: Path) -> None:
             assert r["on_policy_invariant"] is True, r
             assert r["first_update"]["actor/divclip/onpolicy/erc_masked_frac"] == [0.0], r
 
+
+
+def test_the_vocabulary_pass_on_tensor_cores_matches_its_float32_path() -> None:
+    """bf16 operands on CUDA: the TF32 logits equal the float32 ones up to summation order, so log-probs,
+    entropies and the top-k agree within float32 tolerance, and the gradients within TF32's 2^-11 rounding
+    of the logit gradient."""
+    from verl_ext.core.vocab_pass import bucket_log_masses, tensor_core_matmuls, vocab_pass
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(2048, 1536, generator=gen)).to(torch.bfloat16).cuda().requires_grad_()
+    weight = (torch.randn(151_936, 1536, generator=gen) * 0.05).to(torch.bfloat16).cuda().requires_grad_()
+    labels = torch.randint(0, 151_936, (2048,), generator=gen).cuda()
+    assert tensor_core_matmuls(hidden, weight)
+    runs = {}
+    for name, tensor_cores in (("tf32", None), ("fp32", False)):
+        out = vocab_pass(hidden, weight, labels, 0.7, top_k=8, tensor_cores=tensor_cores)
+        out.log_probs.sum().backward()
+        runs[name] = (out, hidden.grad.clone(), weight.grad.clone(),
+                      bucket_log_masses(hidden.detach(), weight.detach(), out.top_ids, 0.7, tensor_cores=tensor_cores))
+        hidden.grad, weight.grad = None, None
+    (tf32, dh_tf32, dw_tf32, buckets_tf32), (fp32, dh_fp32, dw_fp32, buckets_fp32) = runs["tf32"], runs["fp32"]
+    torch.testing.assert_close(tf32.log_probs, fp32.log_probs, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(tf32.entropy, fp32.entropy, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(buckets_tf32, buckets_fp32, rtol=1e-5, atol=1e-4)
+    same_ids = (tf32.top_ids.sort(-1).values == fp32.top_ids.sort(-1).values).all(-1).float().mean()
+    assert same_ids > 0.999  # a near-tie may swap order within summation tolerance
+    torch.testing.assert_close(dh_tf32.float(), dh_fp32.float(), rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(dw_tf32.float(), dw_fp32.float(), rtol=2e-2, atol=1e-3)
+    assert torch.backends.cuda.matmul.fp32_precision in ("none", "ieee")  # restored to the default
+
+
+def test_acceptance_on_policy_invariant_through_the_tensor_core_pass(tmp_path: Path) -> None:
+    """The acceptance run at a small shape: through the vocabulary pass on tensor cores ERC masks nothing
+    and every ratio is exactly 1 before the first optimizer step, under FSDP1 and FSDP2."""
+    out = tmp_path / "acceptance"
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe.bench", "gpu", "--acceptance", "--tokens", "4096", "--sequences", "4",
+         "--layers", "2", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=1800,
+    )
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: a target missed, reported
+    report = json.loads((out / "acceptance.json").read_text())
+    for strategy in ("fsdp", "fsdp2"):
+        gauge = report["on_policy"][strategy]
+        assert gauge["divclip_erc_vocab_pass"]["holds"] is True, gauge
+        assert gauge["divclip_erc_vocab_pass"]["tensor_cores"] is True, gauge

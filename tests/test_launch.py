@@ -17,7 +17,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
 ENV_KEYS = ("MODEL_PATH", "TRAIN_FILES", "VAL_FILES", "NNODES", "GPUS_PER_NODE", "CKPT_DIR", "PROJECT_NAME",
-            "EXPERIMENT_NAME", "DATA_DIR", "DIVCLIP_DATA_DIR", "ATR_MODEL", "SWEEP_JOBS")
+            "EXPERIMENT_NAME", "DATA_DIR", "DIVCLIP_DATA_DIR", "ATR_MODEL", "SWEEP_JOBS", "STRATEGY", "VOCAB_PASS")
 
 ERC_SCRIPTS = {  # script -> (model, loss_mode, eps_low, eps_high, ERC on)
     "run_grpo_1.5b.sh": ("DeepSeek-R1-Distill-Qwen-1.5B", "clip", 0.2, 0.2, False),
@@ -81,6 +81,7 @@ OVERRIDE_ENV = {
     "CKPT_DIR": "/ckpt/run 1",
     "PROJECT_NAME": "proj",
     "EXPERIMENT_NAME": "exp,1",
+    "STRATEGY": "fsdp",
 }
 
 
@@ -161,12 +162,12 @@ def test_erc_rows(dry_runs, script):
     val = rollout["val_kwargs"]
     assert (val["n"], val["temperature"], val["top_p"], val["do_sample"]) == (32, 0.6, 0.95, True)
     # ERC section 4.1 per benchmark: avg@32 at 32k (AIME), avg@32 at 16k, avg@4 at 16k; within the
-    # model's 131,072 positions (recipe/validation_length.py checks prompt + length against it)
+    # model's 131,072 positions (recipe/validation/length.py checks prompt + length against it)
     assert rollout["custom"]["validation"] == {"response_length": None, "benchmarks": ERC_VALIDATION}
     assert rollout["max_model_len"] == 131072
     assert rollout["name"] == "vllm"
     assert config["reward"]["custom_reward_function"] == {
-        "path": "recipe/reward.py", "name": "compute_score", "reward_kwargs": {
+        "path": "recipe/reward/score.py", "name": "compute_score", "reward_kwargs": {
             "think": "required", "correct_score": 1.0, "wrong_score": 0.0, "unparseable_score": 0.0,
             "truncated_score": -0.5}}  # the ERC runs' scores, stated (tests/test_reward_scores.py scores rows)
     assert config["trainer"]["experiment_name"] == script[len("run_"):-len(".sh")]
@@ -232,6 +233,19 @@ def test_environment_overrides_and_extra_hydra_overrides(dry_runs):
     assert trainer["default_local_dir"] == "/ckpt/run 1"
     assert (trainer["project_name"], trainer["experiment_name"]) == ("proj", "exp,1")
     assert _actor(config)["optim"]["lr"] == 2e-6
+    assert _actor(config)["strategy"] == "fsdp" and config["actor_rollout_ref"]["ref"]["strategy"] == "fsdp"  # STRATEGY
+
+
+def test_every_launch_script_resolves_fsdp2_with_the_aligned_packing(dry_runs):
+    """FSDP2 is what every CPU test and the GPU probe run; FSDP1 stays selectable (STRATEGY=fsdp, above)."""
+    for key in dry_runs:
+        if key == "env":
+            continue
+        configs = _config(dry_runs, key).values() if key == "sweep" else [_config(dry_runs, key)]
+        for config in configs:
+            actor = _actor(config)
+            assert actor["strategy"] == "fsdp2" and config["actor_rollout_ref"]["ref"]["strategy"] == "fsdp2", key
+            assert actor["policy_loss"]["pack_old_log_prob_as_update"] is True, key
 
 
 def _check_sweep_row(name: str, config: Any) -> None:
@@ -295,6 +309,7 @@ def test_sweep_bad_rows():
     ({"NNODES": "two"}, "NNODES must be a positive integer"),
     ({"GPUS_PER_NODE": "0"}, "GPUS_PER_NODE must be a positive integer"),
     ({"MODEL_PATH": "/m/it's"}, "MODEL_PATH: a value with a single quote"),
+    ({"STRATEGY": "fsdp 2"}, "STRATEGY must be a verl strategy name"),
 ])
 def test_bad_environment_is_a_clear_error(env, message):
     proc = run_script("run_dapo_7b.sh", "--dry-run", env=env)
@@ -421,7 +436,7 @@ def test_profile_validation_names_the_key():
     from hydra.errors import MissingConfigException
 
     from recipe.main import CONFIG_DIR, validate
-    from recipe.validation import ConfigError
+    from recipe.config_checks import ConfigError
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
         with pytest.raises(MissingConfigException, match=r"profile/nope"):

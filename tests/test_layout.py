@@ -7,7 +7,12 @@ are process-global); who imports whom is parsed from the source (imports inside 
 * Imports inside :mod:`verl_ext` run one way: parsed from the source (imports inside functions
   included), the graph between its modules is the one drawn in ``verl_ext``'s docstring and has no
   cycle, and ``verl_ext.config`` is a leaf that imports verl and the standard library only. The
-  config's loss-mode checks live in ``verl_ext.losses`` and fire where configs are built and consumed.
+  config's loss-mode checks live in ``verl_ext.registry`` and fire where configs are built and consumed.
+* The method's math (:mod:`verl_ext.core`) imports no engine code: parsed, its modules import only torch,
+  the standard library, ``verl_ext.config``, each other and verl's ``core_algos``; imported in a fresh
+  interpreter, it loads no verl engine or worker module, no ``verl_ext.engine``, no transformers. Only
+  ``verl_ext.engine`` (and the CPU platform) import verl's engine and worker modules: every hook into
+  verl is behind the seam. No source file is over 600 lines.
 * Who may import whom across the packages, as each package's docstring states it (parsed from the
   source, lazy imports included): product code (``verl_ext``, ``recipe``, ``data_prep``) never
   imports ``tests``; ``data_prep`` imports neither ``recipe`` nor ``verl_ext`` nor verl;
@@ -31,7 +36,11 @@ from pathlib import Path
 from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
-METHOD_CORE = ["verl_ext.losses", "verl_ext.divergences", "verl_ext.config", "verl_ext.actor_loss", "verl_ext.entropy", "verl_ext.plugin"]
+METHOD_CORE = [
+    "verl_ext.config", "verl_ext.core.surrogate", "verl_ext.core.divergences", "verl_ext.core.erc", "verl_ext.core.entropy",
+    "verl_ext.core.vocab_pass", "verl_ext.core.coarsened_kl", "verl_ext.core.gauge", "verl_ext.registry",
+    "verl_ext.engine.seam", "verl_ext.actor_loss", "verl_ext.plugin",
+]
 CPU_MODULES = ("verl_ext.cpu",)
 PRODUCT_PACKAGES = ("verl_ext", "recipe", "data_prep")  # what pyproject.toml ships
 
@@ -61,6 +70,68 @@ def test_method_core_and_plugin_do_not_import_the_cpu_package() -> None:
     )
     assert out["core"] == METHOD_CORE
     assert out["cpu"] == []
+
+
+# ------------------------------------------------------------------------------------------------
+# The method's math apart from the engine; every hook into verl behind the seam
+# ------------------------------------------------------------------------------------------------
+
+CORE = ROOT / "verl_ext" / "core"
+ENGINE_CODE = ("verl.workers.engine", "verl.workers.engine_workers", "verl.workers.utils", "verl_ext.engine", "peft")
+
+
+def test_the_core_imports_no_engine_code_in_its_source() -> None:
+    allowed_verl = {"verl.trainer.ppo.core_algos"}
+    found: dict[str, set[str]] = {}
+    for path in sorted(CORE.glob("*.py")):
+        module = _module_name(path)
+        names = imported_modules(path.read_text(), module, path.name == "__init__.py")
+        foreign = {n for n in names if n.split(".")[0] not in sys.stdlib_module_names | {"torch"}
+                   and not _within(n, "verl_ext.core", "verl_ext.config") and n not in allowed_verl}
+        if foreign:
+            found[module] = foreign
+    assert found == {}
+    assert len(list(CORE.glob("*.py"))) >= 9  # the scan sees the package
+
+
+def test_importing_the_core_loads_no_engine_code() -> None:
+    """In a fresh interpreter (no plugins): the core loads no verl engine or worker module and nothing of
+    verl_ext.engine; beyond what verl's own ``core_algos`` (``agg_loss``) loads, it adds only its own modules
+    and the config."""
+    out = _run(
+        f"""
+        import json, pkgutil, importlib, sys
+        import verl.trainer.ppo.core_algos
+        before = set(sys.modules)
+        import verl_ext.core
+        for info in pkgutil.iter_modules(verl_ext.core.__path__):
+            importlib.import_module("verl_ext.core." + info.name)
+        print(json.dumps({{
+            "core": sorted(m for m in sys.modules if m.startswith("verl_ext.core.")),
+            "engine": sorted(m for m in sys.modules if m.startswith({ENGINE_CODE!r})),
+            "added": sorted(set(sys.modules) - before),
+        }}))
+        """,
+        VERL_USE_EXTERNAL_PLUGINS="none",
+    )
+    assert len(out["core"]) >= 9 and out["engine"] == []
+    assert [m for m in out["added"] if not _within(m, "verl_ext.core", "verl_ext.config", "verl_ext")] == []
+
+
+def test_only_the_seam_and_the_cpu_platform_import_verls_engine() -> None:
+    """Every hook into verl's engine and workers lives in verl_ext.engine (the CPU platform registers
+    verl's engine class for the cpu device, which is its own reason to import it)."""
+    imports = product_imports()
+    engine_modules = ("verl.workers.engine", "verl.workers.engine_workers")
+    importers = {m for m, names in imports.items() if _within(m, "verl_ext") and any(_within(n, *engine_modules) for n in names)}
+    assert importers and {m for m in importers if not _within(m, "verl_ext.engine", "verl_ext.cpu")} == set(), importers
+
+
+def test_no_source_file_is_over_600_lines() -> None:
+    lengths = {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+               for package in PRODUCT_PACKAGES for path in (ROOT / package).rglob("*.py")}
+    assert len(lengths) > 50
+    assert {path: n for path, n in lengths.items() if n > 600} == {}
 
 
 def test_verl_platform_cpu_sets_the_process_up_through_the_plugin() -> None:
@@ -180,31 +251,33 @@ def test_the_import_parser_sees_lazy_and_package_imports() -> None:
     source = textwrap.dedent(
         """
         from __future__ import annotations
-        import verl_ext.losses
-        from verl_ext import divergences
+        import verl_ext.registry
+        from verl_ext.core import divergences
         from verl_ext.cpu import PLATFORM_NAME
 
         def check():
-            from verl_ext.verl_modes import check_verl_mode_options
+            from verl_ext.verl_modes import verl_policy_loss
             if True:
                 import verl_ext.adaptive_delta as ad
         """
     )
     found = imported_modules(source, "verl_ext.config")
-    assert {"verl_ext.losses", "verl_ext.divergences", "verl_ext.cpu", "verl_ext.verl_modes", "verl_ext.adaptive_delta"} <= found
+    assert {"verl_ext.registry", "verl_ext.core.divergences", "verl_ext.cpu", "verl_ext.verl_modes", "verl_ext.adaptive_delta"} <= found
     assert "verl_ext.cpu.PLATFORM_NAME" not in found and "__future__" not in found
-    assert imported_modules("from . import losses\nfrom .config import X", "verl_ext.verl_modes") == {"verl_ext", "verl_ext.losses", "verl_ext.config"}
+    assert imported_modules("from . import registry\nfrom .config import X", "verl_ext.verl_modes") == {"verl_ext", "verl_ext.registry", "verl_ext.config"}
+    assert imported_modules("from . import erc", "verl_ext.core.surrogate") == {"verl_ext.core", "verl_ext.core.erc"}
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
 
 
 def test_verl_ext_imports_run_one_way() -> None:
     graph = verl_ext_import_graph()
-    assert {"verl_ext.config", "verl_ext.losses", "verl_ext.verl_modes", "verl_ext.plugin", "verl_ext.cpu"} <= set(graph)
+    assert {"verl_ext.config", "verl_ext.core", "verl_ext.engine", "verl_ext.registry", "verl_ext.plugin", "verl_ext.cpu"} <= set(graph)
     # the edges the method depends on are seen, so an empty graph cannot pass
-    assert {"verl_ext.config", "verl_ext.divergences"} <= graph["verl_ext.losses"]
-    assert {"verl_ext.losses", "verl_ext.verl_modes", "verl_ext.entropy"} <= graph["verl_ext.actor_loss"]
-    assert {"verl_ext.losses", "verl_ext.cpu"} <= graph["verl_ext.plugin"]
+    assert {"verl_ext.config", "verl_ext.core"} <= graph["verl_ext.registry"]
+    assert {"verl_ext.registry", "verl_ext.verl_modes", "verl_ext.engine", "verl_ext.core"} <= graph["verl_ext.actor_loss"]
+    assert {"verl_ext.registry", "verl_ext.cpu"} <= graph["verl_ext.plugin"]
+    assert graph["verl_ext.core"] == {"verl_ext.config"} and graph["verl_ext.engine"] == {"verl_ext.core"}
     cycle = find_cycle(graph)
     assert cycle == [], "import cycle inside verl_ext: " + " -> ".join(cycle)
 
@@ -226,7 +299,7 @@ def test_config_checks_need_no_import_of_the_losses_yet_still_fire() -> None:
         from verl_ext.config import DivClipPolicyLossConfig
         loaded = sorted(m for m in sys.modules if m.startswith("verl_ext"))
         early = DivClipPolicyLossConfig(loss_mode="kl4")
-        from verl_ext.losses import resolve_policy_config
+        from verl_ext.registry import resolve_policy_config
         errors = []
         for build in (lambda: resolve_policy_config({"policy_loss": early}),
                       lambda: DivClipPolicyLossConfig(loss_mode="kl4"),
@@ -297,9 +370,9 @@ def test_the_scan_covers_every_package_and_sees_their_imports() -> None:
     for package in PRODUCT_PACKAGES:
         assert sum(_within(module, package) for module in imports) >= 6, package
     # known edges, so that an empty scan cannot pass the rules below
-    assert "data_prep.sft_tokens" in imports["recipe.sft_dataset"] and "data_prep.convert" in imports["recipe.smoke_task"]
+    assert "data_prep.sft_tokens" in imports["recipe.sft_dataset"] and "data_prep.convert" in imports["recipe.smoke.task"]
     assert "data_prep.openmath" in imports["data_prep.__main__"]  # ``from data_prep import openmath``
-    assert "recipe.reward" in imports["recipe.eval.metrics"] and "verl_ext.cpu.platform" in imports["recipe.bench.harness"]
+    assert "recipe.reward.score" in imports["recipe.eval.metrics"] and "verl_ext.cpu.platform" in imports["recipe.bench.harness"]
 
 
 def test_product_code_never_imports_tests() -> None:
@@ -358,7 +431,7 @@ def documented_verl_ext_graph() -> dict[str, set[str]]:
 
 def test_verl_ext_imports_are_the_graph_its_docstring_draws() -> None:
     documented = documented_verl_ext_graph()
-    assert {"verl_ext.config", "verl_ext.losses", "verl_ext.plugin"} <= set(documented) and documented["verl_ext.config"] == set()
+    assert {"verl_ext.config", "verl_ext.core", "verl_ext.engine", "verl_ext.plugin"} <= set(documented) and documented["verl_ext.config"] == set()
     actual = {node: edges for node, edges in verl_ext_import_graph().items() if node not in ("verl_ext", "verl_ext.cpu")}
     assert actual == documented, "update the graph in verl_ext/__init__.py's docstring to what the code imports"
 
@@ -367,7 +440,7 @@ def test_recipe_bench_is_imported_by_nothing_else_and_imports_only_the_reward_of
     imports = product_imports()
     assert importers_of("recipe.bench", imports) == set()
     of_recipe = {n for m, names in imports.items() if _within(m, "recipe.bench") for n in names if _within(n, "recipe") and not _within(n, "recipe.bench")}
-    assert of_recipe == {"recipe.reward"}
+    assert of_recipe == {"recipe.reward.score"}
 
 
 def eval_table_order() -> list[str]:
@@ -386,15 +459,15 @@ def test_recipe_eval_modules_import_only_those_above_them_and_never_verl_ext() -
         assert of_eval <= set(order[:position]), (module, sorted(of_eval - set(order[:position])))
     eval_imports = {n for m, names in imports.items() if _within(m, "recipe.eval") for n in names}
     assert not [n for n in eval_imports if _within(n, "verl_ext")]
-    assert {n for n in eval_imports if _within(n, "recipe") and not _within(n, "recipe.eval")} == {"recipe.reward"}
+    assert {n for n in eval_imports if _within(n, "recipe") and not _within(n, "recipe.eval")} == {"recipe.reward.score"}
     at_import = {n for m, names in product_imports(at_import_only=True).items() if _within(m, "recipe.eval") for n in names}
-    assert not [n for n in at_import if _within(n, "recipe.reward", "vllm")], "the reward and vLLM are imported lazily"
+    assert not [n for n in at_import if _within(n, "recipe.reward.score", "vllm")], "the reward and vLLM are imported lazily"
 
 
 def test_the_reward_worker_module_is_imported_by_the_reward_alone() -> None:
-    """A math-verify worker process imports ``recipe.reward_workers`` only; ``recipe.reward`` is
+    """A math-verify worker process imports ``recipe.reward.workers`` only; ``recipe.reward.score`` is
     its one importer, and ``recipe.eval`` and the benchmarks are the reward's only importers."""
     imports = product_imports()
-    assert not [n for n in imports["recipe.reward_workers"] if _within(n, *PRODUCT_PACKAGES)]
-    assert importers_of("recipe.reward_workers", imports) == {"recipe.reward"}
-    assert {m for m in importers_of("recipe.reward", imports) if not _within(m, "recipe.eval", "recipe.bench")} == set()
+    assert not [n for n in imports["recipe.reward.workers"] if _within(n, *PRODUCT_PACKAGES)]
+    assert importers_of("recipe.reward.workers", imports) == {"recipe.reward.score"}
+    assert {m for m in importers_of("recipe.reward.score", imports) if not _within(m, "recipe.eval", "recipe.bench")} == set()

@@ -11,9 +11,10 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.workers.config import FSDPActorConfig
 
 from tests.loss_reference import RefKnobs, reference_bounds_dcpo, reference_loss
-from verl_ext import divergences
+from verl_ext.core import divergences
 from verl_ext.config import DivClipPolicyLossConfig, check_clip_ratios
-from verl_ext.losses import CONSTRAINTS, constrained_policy_loss
+from verl_ext.core.region import CONSTRAINTS
+from verl_ext.core.surrogate import constrained_policy_loss
 
 MODES = ["clip", "gppo", "kl3", "kl1", "kl2", "is_kl3", "trgppo", "dcpo", "seq_kl3"]
 
@@ -539,7 +540,7 @@ def test_metrics_report_bounds_and_fractions():
 
 
 def test_bound_metrics_of_large_batches_use_a_strided_sample():
-    from verl_ext.losses import METRIC_SAMPLE
+    from verl_ext.core.constraints import METRIC_SAMPLE
 
     old, new, adv, mask = random_batch(9, rows=8, cols=1000)
     _, _, metrics = run_registry_loss("dcpo", old, new, adv, mask, actor_config("dcpo"))
@@ -632,7 +633,7 @@ def test_erc_extremes_are_exact_over_valid_tokens_whatever_the_padding_holds(sca
     """The band is computed with padding at rho = 1 (one pass for both extremes); where that hides
     a valid extreme, finish_entropy_band_metrics computes it exactly. Entropies on padding are
     garbage here (1e6 vs 1e-6) and must not reach any metric or gradient."""
-    from verl_ext.erc import entropy_ratio_band
+    from verl_ext.core.erc import entropy_ratio_band
 
     old, new, adv, mask = random_batch(11, spread=0.3)
     gen = torch.Generator().manual_seed(3)
@@ -663,7 +664,7 @@ def test_erc_band_counts_and_gate_match_a_naive_band():
     """The arithmetic band (float masks, counts by sum) against the obvious bool formulation,
     including ratios exactly on the band's edges (which are outside: rho >= 1 + beta_h,
     rho <= 1 - beta_l) and padding whose garbage entropies would fall outside."""
-    from verl_ext.erc import entropy_ratio_band, gate_log_prob_gradient
+    from verl_ext.core.erc import entropy_ratio_band, gate_log_prob_gradient
 
     policy = DivClipPolicyLossConfig(loss_mode="clip", erc_beta_low=0.25, erc_beta_high=0.5, erc_eps=1e-8)
     old_entropy = torch.full((2, 8), 1.0)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from recipe import plots
-from verl_ext.divergences import kl3_ratio_bounds
+from verl_ext.core.divergences import kl3_ratio_bounds
 from verl_ext.token_dump import DUMP_KEYS, TokenDumpWriter
 
 LOGS = Path(__file__).parent / "fixtures" / "plots_logs"

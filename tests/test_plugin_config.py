@@ -11,7 +11,7 @@ from hydra.errors import InstantiationException
 from verl.utils.config import omega_conf_to_dataclass
 
 from verl_ext.config import DivClipPolicyLossConfig
-from verl_ext.losses import CONSTRAINTS
+from verl_ext.core.region import CONSTRAINTS
 
 TARGET = "actor_rollout_ref.actor.policy_loss._target_=verl_ext.config.DivClipPolicyLossConfig"
 
@@ -23,7 +23,7 @@ def test_plain_import_verl_registers_modes_in_a_fresh_process():
         "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY\n"
         "import sys\n"
         "print(','.join(sorted(POLICY_LOSS_REGISTRY)))\n"
-        "assert 'verl_ext.losses' in sys.modules\n"
+        "assert 'verl_ext.registry' in sys.modules\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert set(CONSTRAINTS) <= set(out.strip().split(","))

@@ -15,7 +15,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 
 from recipe.main import CONFIG_DIR
-from recipe.validation import ConfigError, validate_divclip_config
+from recipe.config_checks import ConfigError, validate_divclip_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ERC = ["actor_rollout_ref.actor.policy_loss.erc_beta_low=0.05", "actor_rollout_ref.actor.policy_loss.erc_beta_high=0.05"]
@@ -82,6 +82,45 @@ def test_config_errors_name_the_key(overrides, message):
         validate_divclip_config(compose_config(*overrides))
 
 
+MEGATRON = "actor_rollout_ref.actor.strategy=megatron"
+PACK_OFF = "actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=false"
+
+
+@pytest.mark.parametrize(
+    "overrides, keys",
+    [
+        ([MEGATRON], ["pack_old_log_prob_as_update"]),  # on by default: every mode asks for the aligned packing
+        ([MEGATRON, PACK_OFF, *ERC, "actor_rollout_ref.actor.calculate_entropy=true"], ["erc_beta_low/erc_beta_high"]),
+        ([MEGATRON, PACK_OFF, *KL_FULL], ["loss_mode=kl_full"]),
+        ([MEGATRON, PACK_OFF, "actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=true"], ["kl_full_diagnostic"]),
+        (["actor_rollout_ref.actor.strategy=veomni", PACK_OFF, "actor_rollout_ref.actor.policy_loss.vocab_pass=true"], ["vocab_pass"]),
+        ([MEGATRON, "actor_rollout_ref.actor.policy_loss.loss_mode=gspo", *ERC, "actor_rollout_ref.actor.calculate_entropy=true"],
+         ["erc_beta_low/erc_beta_high", "pack_old_log_prob_as_update"]),
+    ],
+)
+def test_a_strategy_the_seam_does_not_cover_is_refused_naming_the_keys(overrides, keys):
+    """megatron / veomni / torchtitan get none of the engine features: refused before Ray starts, naming
+    the keys that ask for them and the strategies that support them, instead of a silent fallback."""
+    with pytest.raises(ConfigError) as error:
+        validate_divclip_config(compose_config(*overrides))
+    message = str(error.value)
+    assert "actor_rollout_ref.actor.strategy=" in message and "['fsdp', 'fsdp2']" in message
+    for key in keys:
+        assert f"actor_rollout_ref.actor.policy_loss.{key}" in message, (key, message)
+
+
+def test_an_uncovered_strategy_with_every_engine_feature_off_is_accepted():
+    actor = validate_divclip_config(compose_config(MEGATRON, PACK_OFF))
+    assert actor.strategy == "megatron" and actor.policy_loss.pack_old_log_prob_as_update is False
+
+
+def test_the_configs_resolve_fsdp2_and_keep_fsdp1_selectable():
+    assert validate_divclip_config(compose_config()).strategy == "fsdp2"
+    assert validate_divclip_config(compose_config("actor_rollout_ref.actor.strategy=fsdp")).strategy == "fsdp"
+    config = compose_config()
+    assert config.actor_rollout_ref.ref.strategy == "fsdp2"  # the reference policy follows the actor
+
+
 def test_kl_full_top_k_beyond_the_vocabulary_names_the_key(tmp_path):
     (tmp_path / "config.json").write_text('{"vocab_size": 512}')
     model = f"actor_rollout_ref.model.path={tmp_path}"
@@ -96,7 +135,7 @@ def test_trainer_stores_the_top_k_in_the_old_log_prob_pass_only(monkeypatch):
     from verl.trainer.ppo.v1 import PPOTrainerSync
 
     from recipe.trainer import DivClipTrainer
-    from verl_ext.full_kl import CAPTURE_KEY
+    from verl_ext.engine.topk_capture import CAPTURE_KEY
 
     seen: list[Any] = []
     monkeypatch.setattr(PPOTrainerSync, "_compute_old_log_prob", lambda self, batch, metrics: seen.append(
@@ -187,7 +226,7 @@ def test_lora_rank_is_checked_without_vllm():
     import importlib.util
     import sys
 
-    from recipe.validation import _VLLM_UTILS, lora_rank_check_without_vllm
+    from recipe.config_checks import _VLLM_UTILS, lora_rank_check_without_vllm
 
     assert importlib.util.find_spec("vllm") is None  # the CPU machines this suite runs on
     proc = dry_run("actor_rollout_ref.model.lora_rank=32", "actor_rollout_ref.rollout.name=vllm")
@@ -200,9 +239,10 @@ def test_lora_rank_is_checked_without_vllm():
     assert _VLLM_UTILS not in sys.modules  # the stand-in is gone afterwards
 
 
-@pytest.mark.parametrize("fused, expected", [(False, "divclip entropy_fp32 in both passes"),
-                                             (True, "fused-kernel entropy in both passes")])
-def test_trainer_logs_which_entropy_path_is_active(monkeypatch, caplog, fused, expected):
+@pytest.mark.parametrize("fused, expected", [(False, "entropy by divclip entropy_fp32 in both passes"),
+                                             (True, "verl's fused kernel (bf16) for log-probs and entropy in both passes")])
+def test_trainer_logs_which_entropy_path_is_asked_for(monkeypatch, caplog, fused, expected):
+    """The driver's line says what the engine is asked for (the workers' actor/divclip/path/* say what ran)."""
     import logging
 
     from verl.trainer.ppo.v1 import PPOTrainerSync
@@ -217,4 +257,4 @@ def test_trainer_logs_which_entropy_path_is_active(monkeypatch, caplog, fused, e
     monkeypatch.setattr(PPOTrainerSync, "on_init_end", lambda self: None)
     with caplog.at_level(logging.INFO, logger="recipe.trainer"):
         trainer.on_init_end()
-    assert expected in caplog.text
+    assert expected in caplog.text and "old-log-prob pass packed as the update" in caplog.text

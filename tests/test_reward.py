@@ -1,4 +1,4 @@
-"""recipe/reward.py: semantics by data source, MATH-500 self-consistency, hang-proofing."""
+"""recipe/reward/score.py: semantics by data source, MATH-500 self-consistency, hang-proofing."""
 
 from __future__ import annotations
 
@@ -25,14 +25,14 @@ POWER_TOWER = r"\dfrac{5^{\left(5^{\left(5^{\left(5^5\right)}\right)} - 4\right)
 
 @pytest.fixture(scope="module")
 def reward(request: pytest.FixtureRequest) -> Any:
-    """recipe.reward with a pool of 3 workers, shut down afterwards.
+    """recipe.reward.score with a pool of 3 workers, shut down afterwards.
 
     Spare workers are what keep a call's wall time within timeout + 1 s while a killed
     worker is being replaced; with fewer ready workers than concurrent callers a call also
     waits for a free worker, which no per-item timeout can bound (see docs).
     """
     os.environ["VERL_DIVCLIP_REWARD_WORKERS"] = "3"
-    import recipe.reward as module
+    import recipe.reward.score as module
 
     module.shutdown_pool()
     request.addfinalizer(module.shutdown_pool)
@@ -110,9 +110,9 @@ def test_loaded_by_path_like_verl_and_async(reward: Any) -> None:
     including the coroutine form from an event loop."""
     from verl.utils.import_utils import load_extern_object
 
-    by_path = load_extern_object(str(REPO_ROOT / "recipe/reward.py"), "compute_score")
+    by_path = load_extern_object(str(REPO_ROOT / "recipe/reward/score.py"), "compute_score")
     assert by_path("aime24", "\\boxed{\\frac{2}{4}}", "1/2")["acc"]
-    async_fn = load_extern_object(str(REPO_ROOT / "recipe/reward.py"), "compute_score_async")
+    async_fn = load_extern_object(str(REPO_ROOT / "recipe/reward/score.py"), "compute_score_async")
 
     async def many() -> list[dict[str, Any]]:
         return await asyncio.gather(*(async_fn("aime24", f"\\boxed{{{i}/2}}", str(i / 2)) for i in range(8)))

@@ -37,7 +37,7 @@ EXPECTED = {
 @pytest.fixture(scope="module")
 def reward(request: pytest.FixtureRequest) -> Any:
     os.environ["VERL_DIVCLIP_REWARD_WORKERS"] = "2"
-    import recipe.reward as module
+    import recipe.reward.score as module
 
     module.shutdown_pool()
     request.addfinalizer(module.shutdown_pool)

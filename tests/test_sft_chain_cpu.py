@@ -47,7 +47,7 @@ def _run(args: list[str], env: dict[str, str], timeout: int) -> subprocess.Compl
 def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("sft_chain")
     assets = out / "assets"
-    _run([sys.executable, "-m", "recipe.smoke_task", "--out", str(assets), "--sft", "768"], _env(), 300)
+    _run([sys.executable, "-m", "recipe.smoke.task", "--out", str(assets), "--sft", "768"], _env(), 300)
     merged = out / "merged"
     sft_log = out / "sft_metrics.jsonl"
     _run(["bash", str(ROOT / "launch/run_sft_openmath_qwen3_1.7b.sh"), *CPU_SFT_OVERRIDES],
@@ -64,7 +64,7 @@ def _greedy_accuracy(model_path: Path, val: pd.DataFrame) -> float:
     """Greedy answers on the held-out prompts, scored as the smoke's validation scores them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from recipe.reward import compute_score
+    from recipe.reward.score import compute_score
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()

@@ -1,7 +1,7 @@
 """The CPU end-to-end smoke, shortened for CI: verl's real v1 trainer through `python -m recipe.main`
 (local Ray, FSDP2 on the cpu platform, hf_cpu rollouts, our reward, validation, checkpoints) for a
 few steps, then a resume, validating two benchmarks at their own response lengths and sample counts
-(recipe/validation_length.py). No learning margin here: the full run is `bash launch/run_smoke_cpu.sh`
+(recipe/validation/length.py). No learning margin here: the full run is `bash launch/run_smoke_cpu.sh`
 (docs/cpu_end_to_end.md has its figures)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from recipe.smoke_report import margin_test, merge_attempts
+from recipe.smoke.report import margin_test, merge_attempts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,12 +38,25 @@ def run_smoke(out: Path, loss: str, steps: int, *overrides: str, **env: str) -> 
     return proc
 
 
+def assert_on_policy_exact(data: dict, erc: bool, vocab_pass: bool = False) -> None:
+    """The step's on-policy gauge reads exactly 0 (every mode packs its old-log-prob pass as the update) and
+    the workers' path record says how each micro-batch was computed (a measurement, not the driver's claim)."""
+    gauge = "actor/divclip/onpolicy/"
+    assert data[gauge + "log_ratio_abs_max"] == 0.0 and data[gauge + "ratio_clipfrac"] == 0.0, data
+    assert (gauge + "erc_masked_frac" in data) == erc
+    if erc:
+        assert data[gauge + "erc_masked_frac"] == 0.0 and data[gauge + "erc_ratio_dev_max"] == 0.0
+    path = "actor/divclip/path/"
+    assert data[path + "seam"] == 1.0 and data[path + "aligned_packing"] == 1.0
+    assert data[path + "vocab_pass"] == float(vocab_pass) and data[path + "entropy_fp32"] == float(erc or vocab_pass)
+
+
 def training_steps(log: Path) -> list[int]:
     rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     return sorted({r["step"] for r in rows if "critic/score/mean" in r["data"]})
 
 
-#: Per-benchmark validation (recipe.validation_length) on the same run: training responses stop at
+#: Per-benchmark validation (recipe.validation.length) on the same run: training responses stop at
 #: 4 tokens (RESPONSE_LEN), validation answers the echo set at 12 tokens x val_kwargs.n = 1 and a
 #: second set (the same prompts, data_source smoke_echo_long) at 16 tokens x 3. ignore_eos makes
 #: every response exactly its limit. Validation is greedy (run_smoke_cpu.sh), which draws nothing
@@ -54,7 +67,7 @@ TRAIN_LENGTH = 4
 
 
 def validation_length_args(out: Path) -> list[str]:
-    from recipe.smoke_task import build_smoke_assets
+    from recipe.smoke.task import build_smoke_assets
 
     assets = out / "assets"
     if not (assets / "data" / "val_long.parquet").exists():
@@ -105,9 +118,7 @@ def test_trainer_runs_erc_dapo_end_to_end(erc_run: Path) -> None:
         assert "actor/divclip/kl3_mean" in data
         # the on-policy gauge (first mini-batch, before the optimizer step), on the resumed step 3 too:
         # the old-log-prob pass is packed as the update, so ERC measures the policy, not the kernels
-        assert data["actor/divclip/onpolicy/erc_masked_frac"] == 0.0
-        assert data["actor/divclip/onpolicy/erc_ratio_dev_max"] <= 0.01
-        assert data["actor/divclip/onpolicy/log_ratio_abs_max"] >= 0.0
+        assert_on_policy_exact(data, erc=True)
     assert any(k.startswith("val-core/") for k in metrics[0])  # validation before training
     assert (erc_run / "curves.png").stat().st_size > 10_000
     report = json.loads((erc_run / "report.json").read_text())
@@ -164,7 +175,7 @@ def test_trainer_runs_kl3_end_to_end(tmp_path: Path, loss: str) -> None:
         assert data["actor/divclip/ratio_upper"] == pytest.approx(1.422, abs=1e-3)
         assert "actor/divclip/kl_full_diag/full_only_frac_kl3delta" in data
     assert "actor/divclip/erc/ratio_mean" not in data
-    assert data["actor/divclip/onpolicy/log_ratio_abs_max"] >= 0.0 and "actor/divclip/onpolicy/erc_masked_frac" not in data
+    assert_on_policy_exact(data, erc=False, vocab_pass=loss == "kl_full")
     # the coarsened KL and its tails were computed from the stored top-k (the second mini-batch is off-policy)
     assert data["actor/divclip/kl_full_mean"] >= 0 and 0 < data["actor/divclip/kl_full_tail_old"] < 1
     for key in ("mode_only_frac", "full_only_frac", "kl_clipped_mean", "kl_unclipped_mean"):
@@ -219,7 +230,7 @@ def test_adaptive_delta_follows_its_rule_across_a_resume_on_two_ranks(adaptive_r
         # bounds of the delta in use are logged too
         assert data["actor/divclip/ratio_lower"] < 1 < data["actor/divclip/ratio_upper"]
         # the gauge: from the first of the two mini-batches of each update, on both ranks, after the resume too
-        assert 0.0 <= data["actor/divclip/onpolicy/ratio_clipfrac"] <= 1.0
+        assert_on_policy_exact(data, erc=False)
     assert metrics[3]["actor/divclip/delta"] == pytest.approx(0.07 / 1.5**2, rel=1e-12)  # continued, not reset
     state = json.loads((adaptive_run / "ckpt" / "global_step_2" / STATE_FILE).read_text())
     assert state["delta"] == pytest.approx(metrics[2]["actor/divclip/delta_next"], rel=1e-12)

@@ -1,4 +1,4 @@
-"""The synthetic smoke task (recipe/smoke_task.py): tokenizer, model, data, reward, verl loading."""
+"""The synthetic smoke task (recipe/smoke/task.py): tokenizer, model, data, reward, verl loading."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from recipe import smoke_task  # noqa: E402
-from recipe.reward import compute_score  # noqa: E402
+from recipe.smoke import task as smoke_task  # noqa: E402
+from recipe.reward.score import compute_score  # noqa: E402
 
 
 @pytest.fixture(scope="module")

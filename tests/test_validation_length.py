@@ -1,4 +1,4 @@
-"""Per-benchmark validation lengths (recipe/validation_length.py) without Ray: the plan a config
+"""Per-benchmark validation lengths (recipe/validation/length.py) without Ray: the plan a config
 resolves to, every refusal before Ray starts (each naming its key), the per-row columns the
 validation batches get and the length metrics. The run itself -- verl's trainer with the hf_cpu
 rollout validating two benchmarks at 12 x 1 and 16 x 3 while training at 4 tokens -- is
@@ -18,8 +18,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from recipe.main import CONFIG_DIR, validate
-from recipe.validation import ConfigError
-from recipe.validation_length import (
+from recipe.config_checks import ConfigError
+from recipe.validation.length import (
     LENGTH_COLUMN,
     ROLLOUT_N_COLUMN,
     VALIDATION_AGENT_LOOP,

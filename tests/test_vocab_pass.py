@@ -1,4 +1,4 @@
-"""The vocabulary pass (``verl_ext.vocab_pass``) against an fp64 reference of the materialised math.
+"""The vocabulary pass (``verl_ext.core.vocab_pass``) against an fp64 reference of the materialised math.
 
 * fp32 inputs: log pi(y), the entropy and the gradients w.r.t. the hidden states and the head
   weight (log-prob loss, and log-prob + entropy-bonus loss) within 1e-5 relative of fp64; top-k
@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from verl_ext.vocab_pass import bucket_log_masses, vocab_pass
+from verl_ext.core.vocab_pass import bucket_log_masses, vocab_pass
 
 TOKENS, HIDDEN, VOCAB = 96, 32, 1000
 
@@ -120,9 +120,9 @@ def norm_rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.fixture(params=["one_slice", "sliced"])
 def vocab_slices(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The whole vocabulary in one slice, or 8 slices of 128 columns (the last one 104): the
-    slices' row sums are merged (``verl_ext.entropy.merge_row_stats``)."""
+    slices' row sums are merged (``verl_ext.core.entropy.merge_row_stats``)."""
     if request.param == "sliced":
-        monkeypatch.setattr("verl_ext.vocab_pass.VOCAB_SLICE", 128)
+        monkeypatch.setattr("verl_ext.core.vocab_pass.VOCAB_SLICE", 128)
     return request.param
 
 
@@ -150,7 +150,7 @@ def test_fp32_random_inputs_no_worse_than_the_materialised_fp32_path(temperature
     """Random fp32 inputs: the fp32 matmul rounds each logit (|dx| ~ 6e-8 |x|), an error every fp32
     path shares. The pass's error against fp64 is at most the materialised fp32 path's
     (``F.linear`` + ``log_softmax`` + the project's ``entropy_fp32``), gradients within 1e-5."""
-    from verl_ext.entropy import entropy_fp32
+    from verl_ext.core.entropy import entropy_fp32
 
     hidden, weight, labels = make_inputs(torch.float32)
     g = torch.randn(TOKENS, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -290,7 +290,7 @@ def reference_buckets(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Ten
 def test_bucket_log_masses_match_fp64_and_k_equal_vocab_is_the_exact_kl(temperature: float, vocab_slices: str) -> None:
     """Exact fp32 logits: each log-mass within 1e-5 of fp64 (relative to max(1, |log p|)); at
     k = vocabulary the coarsened KL between two policies is the full-vocabulary KL (1e-6 relative)."""
-    from verl_ext.full_kl import coarsened_kl
+    from verl_ext.core.coarsened_kl import coarsened_kl
 
     old_hidden, weight, _ = exact_logit_inputs(0)
     new_hidden, _, _ = exact_logit_inputs(1)
@@ -323,7 +323,7 @@ def test_bucket_log_masses_rows_do_not_depend_on_the_chunking_and_bad_ids_are_na
     tiny = ref[:, -1] < -30.0  # confident rows: the tail holds < 1e-13 of the mass (down to e^-37.8 here)
     assert bool(tiny.any())
     assert float(((results[0][tiny, -1].double() - ref[tiny, -1]) / ref[tiny, -1]).abs().max()) <= 1e-5
-    with pytest.raises(ValueError, match=r"ids \(96, 1001\) must be \(tokens=96, k\) with 1 <= k <= vocab=1000"):
+    with pytest.raises(ValueError, match=r"the number of bucket ids k=1001 must lie in \[1, vocabulary size 1000\]"):
         bucket_log_masses(hidden, weight, torch.zeros(TOKENS, VOCAB + 1, dtype=torch.long))
     out_of_range = ids.clone()
     out_of_range[3, 1] = VOCAB + 4

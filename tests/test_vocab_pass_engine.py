@@ -47,16 +47,18 @@ BF16: Optional[dict[str, str]] = None  # WorkerOptions(mixed_precision=None): ve
 
 def run_both(model_path: str, options: WorkerOptions, batch: Any, entropy_coeff: float = 0.0, **update: Any) -> dict[str, Any]:
     """Old-log-prob pass and one update, materialised (verl's ppo_loss) and through the pass."""
-    import verl_ext.vocab_pass_engine as engine_hook
+    import verl_ext.engine.vocab_pass_step as engine_hook
+    from verl_ext.engine import seam
+    from verl_ext.engine.request import with_vocab_pass
 
-    engine_hook.install_vocab_pass()
+    seam.install()
     original = engine_hook.vocab_pass
     out: dict[str, Any] = {}
     for name in ("materialised", "vocab_pass"):
         worker = build_actor_worker(model_path, options)
         loss = ppo_loss_fn(make_actor_config(entropy_coeff=entropy_coeff))
-        worker.set_loss_fn(engine_hook.with_vocab_pass(loss) if name == "vocab_pass" else loss)
-        assert engine_hook.engine_uses_vocab_pass(worker.engine) == (name == "vocab_pass")
+        worker.set_loss_fn(with_vocab_pass(loss) if name == "vocab_pass" else loss)
+        assert seam.uses_vocab_pass(worker.engine) == (name == "vocab_pass")
         calls: list[int] = []  # tokens the head's pass saw (proves the logits were never built)
         engine_hook.vocab_pass = lambda hidden, *a, **k: calls.append(hidden.shape[0]) or original(hidden, *a, **k)
         try:
@@ -160,13 +162,13 @@ def job_erc_on_policy(rank: int, world_size: int, model_path: str) -> dict[str, 
         data["old_log_probs"], data["entropy"] = old["old_log_probs"], old["entropy"]
         before = full_params(worker)
         metrics = update_actor(worker, data, calculate_entropy=True)
-        from verl_ext.vocab_pass_engine import engine_uses_vocab_pass
+        from verl_ext.engine.seam import uses_vocab_pass
 
         out[name] = {
             "metrics": metrics,
             "old_entropy": old["entropy"].values(),
             "delta": param_delta(before, full_params(worker)),
-            "uses_pass": engine_uses_vocab_pass(worker.engine),
+            "uses_pass": uses_vocab_pass(worker.engine),
         }
     return out
 
@@ -242,11 +244,11 @@ def test_two_rank_ulysses_equals_materialised(two_ranks: list[dict[str, Any]]) -
 def test_refusals_name_the_key() -> None:
     from types import SimpleNamespace
 
-    from verl_ext.vocab_pass_engine import VOCAB_PASS_KEY, mark_engine_vocab_pass, output_head
+    from verl_ext.engine.vocab_pass_step import VOCAB_PASS_KEY, output_head, refuse_fused_kernels
 
     fused = SimpleNamespace(model_config=SimpleNamespace(use_fused_kernels=True))
     with pytest.raises(ValueError, match="use_fused_kernels"):
-        mark_engine_vocab_pass(fused, True)
+        refuse_fused_kernels(fused)
     with_bias = torch.nn.Module()
     with_bias.get_output_embeddings = lambda: torch.nn.Linear(4, 8, bias=True)  # type: ignore[method-assign]
     with pytest.raises(ValueError, match=VOCAB_PASS_KEY.replace(".", r"\.") + ".*bias"):
@@ -270,20 +272,18 @@ def compose_config(*overrides: str) -> Any:
 
 
 def test_config_key_is_declared_and_reaches_the_loss() -> None:
-    from recipe.validation import validate_divclip_config
+    from recipe.config_checks import validate_divclip_config
     from verl_ext.actor_loss import build_actor_loss
-    from verl_ext.vocab_pass_engine import loss_uses_vocab_pass
+    from verl_ext.engine.request import request_of
 
     off = validate_divclip_config(compose_config())
-    assert off.policy_loss.vocab_pass is False and not loss_uses_vocab_pass(build_actor_loss(off))
+    assert off.policy_loss.vocab_pass is False and not request_of(build_actor_loss(off)).vocab_pass
     erc = ["actor_rollout_ref.actor.policy_loss.erc_beta_low=0.05", "actor_rollout_ref.actor.policy_loss.erc_beta_high=0.05",
            "actor_rollout_ref.actor.calculate_entropy=true"]
     on = validate_divclip_config(compose_config(VOCAB_PASS_ON, *erc))
     loss = build_actor_loss(on)
-    assert loss_uses_vocab_pass(loss)
-    from verl_ext.entropy import EntropyPath, loss_entropy_path
-
-    assert loss_entropy_path(loss) is EntropyPath.DIVCLIP_FP32  # ERC's mask declaration is kept
+    assert request_of(loss).vocab_pass
+    assert request_of(loss).entropy_as_mask  # ERC's mask declaration is kept
 
 
 @pytest.mark.parametrize(
@@ -297,7 +297,7 @@ def test_config_key_is_declared_and_reaches_the_loss() -> None:
     ],
 )
 def test_refused_combinations_name_the_key(overrides: list[str], message: str) -> None:
-    from recipe.validation import ConfigError, validate_divclip_config
+    from recipe.config_checks import ConfigError, validate_divclip_config
 
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.policy_loss\.vocab_pass=true.*" + message if
                        not message.startswith("vocab_pass") else message):
@@ -308,14 +308,14 @@ def test_refused_combinations_name_the_key(overrides: list[str], message: str) -
                                         "actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=true"])
 def test_stored_topk_is_accepted_with_the_pass(store_topk: str) -> None:
     """kl_full's top-k comes from the pass's slices (tests/test_full_kl_engine.py runs it)."""
-    from recipe.validation import validate_divclip_config
+    from recipe.config_checks import validate_divclip_config
 
     actor = validate_divclip_config(compose_config(VOCAB_PASS_ON, store_topk))
     assert actor.policy_loss.vocab_pass is True and actor.policy_loss.stores_old_topk
 
 
 def test_lora_elsewhere_is_accepted() -> None:
-    from recipe.validation import validate_divclip_config
+    from recipe.config_checks import validate_divclip_config
 
     actor = validate_divclip_config(compose_config(VOCAB_PASS_ON, "actor_rollout_ref.model.lora_rank=8"))
     assert actor.policy_loss.vocab_pass is True

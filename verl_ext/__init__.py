@@ -1,59 +1,48 @@
-"""verl_ext: the divclip method as verl 0.9.1 extensions (policy losses, actor loss, config, plugin).
+"""verl_ext: the divclip method as verl 0.9.1 extensions -- its math, its place in verl's registry, its
+actor loss, and the one seam into verl's engine.
 
-The method core is device-agnostic and lives at the top of the package:
+The folders show the design:
 
-* ``losses`` -- Eq. (5): one constrained-surrogate operator; each method (Clip, KL3/ATR, KL1/KL2,
-  IS-KL3, TRGPPO, DCPO, GPPO, ERC, dual-clip) a small constraint registered with verl's
-  ``POLICY_LOSS_REGISTRY``.
-* ``divergences`` -- the per-token divergences and their ratio bounds (Lambert-W for KL3).
-* ``erc`` -- ERC's entropy-ratio band and gradient gate, one implementation for the divclip
-  operator and verl's own modes.
-* ``config`` -- ``DivClipPolicyLossConfig``, the dataclass verl composes ``policy_loss.*`` into;
-  it checks its values alone. ``losses.check_policy_config`` checks a config against the mode
-  registry (known ``loss_mode``, adaptive delta on KL-budget modes, ERC / dual-clip on verl's modes).
-* ``actor_loss`` -- the entropy-aware actor loss installed with ``set_loss_fn`` (ERC needs both
-  entropies, which verl's loss registry does not pass).
-* ``entropy`` -- the one fp32 entropy function both of ERC's passes use (pi_old and pi_theta), and
-  the hook that installs it on verl's engine; runs without ERC keep verl's entropy.
-* ``onpolicy`` -- under ERC the old-log-prob pass packed as the update's first epoch (on-policy
-  logits bit-identical in every packing), and the ``onpolicy/*`` gauge of the first mini-batch.
-* ``vocab_pass`` -- the chunked LM-head pass (log-probs, the fp32 entropy and top-k from the final
-  hidden states, logits never materialised); ``vocab_pass_engine`` -- its hook into verl's engine
-  (``policy_loss.vocab_pass``).
-* ``full_kl`` -- pi_old's top-k stored by the old-log-prob pass, pi_theta's log-masses on it in the
-  update (one engine hook, on verl's logits or on the vocabulary pass), and the coarsened
-  full-vocabulary KL of ``kl_full`` (ATR-GRPO Eq. 4).
-* ``verl_modes`` -- ERC and dual-clip on verl's own losses; ``adaptive_delta`` -- the opt-in
-  controller of the KL budget delta (ATR section 6.5); ``token_dump`` -- the opt-in per-token
-  dump for ERC's Figure 3.
-* ``plugin`` -- the ``verl.plugins`` entry point: registers the modes in every process that
-  imports verl.
+* :mod:`verl_ext.core` -- the method's math, device-agnostic, importing no engine code: the unified
+  constrained surrogate (ATR-GRPO Eq. 5) and its constraints, the divergences, ERC's band, the coarsened
+  KL of ``kl_full`` (Eq. 4), the fp32 entropy, the vocabulary pass and the on-policy gauge.
+* :mod:`verl_ext.engine` -- the one guarded seam into verl's actor engine
+  (:func:`verl_ext.engine.seam.install`): ERC's fp32 entropy in both passes, the vocabulary pass, pi_old's
+  top-k, the old-log-prob pass packed as the update, the on-policy mark, the per-step path record.
+* :mod:`verl_ext.cpu` -- verl without a GPU (platform, Ray resource check, ``hf_cpu`` rollout); only
+  ``plugin`` imports it, and only under ``VERL_PLATFORM=cpu``.
 
-:mod:`verl_ext.cpu` holds the support for running verl without a GPU (platform, Ray resource
-check, ``hf_cpu`` rollout); only ``plugin`` imports it, and only under ``VERL_PLATFORM=cpu``.
+and beside them, the glue to verl's trainer-side APIs:
 
-Who may import it: :mod:`recipe`, benchmarks, tests and verl itself (through the plugin). It
-imports verl and torch, never :mod:`recipe` or :mod:`data_prep`; its core modules never import
-:mod:`verl_ext.cpu`. This ``__init__`` imports nothing, so ``import verl_ext.x`` loads only ``x``
-and what it needs.
+* ``config`` -- ``DivClipPolicyLossConfig``, the dataclass verl composes ``policy_loss.*`` into; it
+  checks its values alone (a leaf: verl and the standard library).
+* ``registry`` -- the constraints in verl's ``POLICY_LOSS_REGISTRY`` (never shadowing verl's own), and
+  the config checks that need the registry (``check_policy_config``).
+* ``verl_modes`` -- ERC and dual-clip on verl's own losses; ``adaptive_delta`` -- the opt-in controller
+  of the KL budget delta (ATR section 6.5); ``token_dump`` -- the per-token dump for ERC's Figure 3.
+* ``actor_loss`` -- the loss installed with ``set_loss_fn`` (ERC needs both entropies, which verl's loss
+  registry does not pass); it declares what its engine must do and installs the seam in the worker.
+* ``plugin`` -- the ``verl.plugins`` entry point: registers the modes in every process that imports verl.
 
-Inside the package imports run one way (``tests/test_layout.py`` parses them, lazy ones included,
-and asserts that they form exactly this graph and that it has no cycle)::
+Who may import it: :mod:`recipe`, benchmarks, tests and verl itself (through the plugin). It imports verl
+and torch, never :mod:`recipe` or :mod:`data_prep`. This ``__init__`` imports nothing, so
+``import verl_ext.x`` loads only ``x`` and what it needs.
+
+Imports run one way (``tests/test_layout.py`` parses them, lazy ones included, and asserts that they form
+exactly this graph -- a subpackage is one node -- and that it has no cycle; only ``engine`` and ``cpu``
+import verl's engine or worker modules)::
 
     config        -> (verl and the standard library only: a leaf)
-    divergences, entropy, token_dump -> (no verl_ext module)
-    erc           -> config
-    full_kl       -> config, entropy, vocab_pass, vocab_pass_engine
-    losses        -> config, divergences, erc, full_kl
-    verl_modes    -> config, erc, losses
-    adaptive_delta -> config, losses
-    onpolicy      -> entropy
-    vocab_pass    -> entropy
-    vocab_pass_engine -> entropy, vocab_pass
-    actor_loss    -> config, entropy, full_kl, losses, onpolicy, token_dump, verl_modes, vocab_pass_engine
-    plugin        -> losses; cpu (only under VERL_PLATFORM=cpu)
+    token_dump    -> (no verl_ext module)
+    core          -> config
+    engine        -> core
+    registry      -> config, core
+    verl_modes    -> config, core
+    adaptive_delta -> config, core, registry
+    actor_loss    -> config, core, engine, registry, token_dump, verl_modes
+    plugin        -> core, registry; cpu (only under VERL_PLATFORM=cpu)
 
-``config`` still runs the registry's check at construction: ``losses`` registers
-``check_policy_config`` with ``config.register_mode_check`` when it is imported (every process
-that imports verl imports it, through the plugin), and every consumer of a config calls it too.
+``config`` still runs the registry's check at construction: ``registry`` registers
+``check_policy_config`` with ``config.register_mode_check`` when it is imported (every process that
+imports verl imports it, through the plugin), and every consumer of a config calls it too.
 """

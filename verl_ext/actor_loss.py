@@ -10,15 +10,17 @@ metric aggregation), and additionally hands the per-token entropies of pi_old
 serves every baseline.
 
 With ``loss_mode=kl_full`` or ``kl_full_diagnostic`` the loss also reads pi_old's stored top-k
-(``data["divclip_old_topk_log_probs"]``) and pi_theta's log-masses on it, which the forward-step hook
-of :mod:`verl_ext.full_kl` adds to the model output (installed on import, like the entropy hook).
+(``data["divclip_old_topk_log_probs"]``) and pi_theta's log-masses on it, which the engine seam adds
+to the model output (:mod:`verl_ext.engine.topk_capture`).
 
-Importing this module in a worker (which happens when Ray unpickles the loss sent by
-``set_loss_fn``) installs :func:`verl_ext.entropy.install_divclip_entropy`: inert for any
-loss that does not opt in; for ERC (``build_actor_loss``) the
-worker's engine then computes the entropy of *both* passes (pi_old in the old-log-prob pass,
-pi_theta in the update) with the same float32, graph-free function, so on-policy the entropy
-ratio is exactly 1.
+:func:`build_actor_loss` declares on the loss what its engine must do (an
+:class:`~verl_ext.engine.request.EngineRequest`): ERC's fp32 entropy in both passes, the vocabulary pass,
+and -- unless ``policy_loss.pack_old_log_prob_as_update=false`` -- the old-log-prob pass packed as the
+update, so that on-policy every ratio is exactly 1 in every mode. Importing this module in a worker
+(which happens when Ray unpickles the loss sent by ``set_loss_fn``) installs the seam
+(:func:`verl_ext.engine.seam.install`) before verl's ``set_loss_fn`` runs. Every micro-batch's loss
+logs the path the seam recorded for its step (``actor/divclip/path/*``) and, on the update's
+on-policy mini-batch, the on-policy gauge (``actor/divclip/onpolicy/*``).
 """
 
 from __future__ import annotations
@@ -36,13 +38,18 @@ from verl.workers.config import ActorConfig
 from verl.workers.utils.padding import no_padding_2_padding
 
 from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig, actor_clip_ratios
-from verl_ext.entropy import EntropyPath, entropy_as_mask, install_divclip_entropy, loss_entropy_path
-from verl_ext.full_kl import NEW_TOPK_LOG_PROBS, OLD_TOPK_LOG_PROBS, TopKLogMasses, install_full_kl_hook, padded_response
-from verl_ext.losses import CONSTRAINTS, constrained_policy_loss, resolve_policy_config
-from verl_ext.onpolicy import install_on_policy_mark, install_update_packing, is_on_policy, on_policy_gauge
+from verl_ext.core.coarsened_kl import TopKLogMasses
+from verl_ext.core.erc import entropy_ratio, outside_band
+from verl_ext.core.gauge import on_policy_gauge
+from verl_ext.core.region import CONSTRAINTS
+from verl_ext.core.surrogate import constrained_policy_loss
+from verl_ext.engine import seam
+from verl_ext.engine.packing import is_on_policy
+from verl_ext.engine.request import STEP_PATH_KEY, declare, entropy_as_mask, request_of
+from verl_ext.engine.topk_capture import NEW_TOPK_LOG_PROBS, OLD_TOPK_LOG_PROBS
+from verl_ext.registry import resolve_policy_config
 from verl_ext.token_dump import TokenDumpWriter
 from verl_ext.verl_modes import verl_policy_loss
-from verl_ext.vocab_pass_engine import install_vocab_pass, with_vocab_pass
 
 
 def divclip_actor_loss(
@@ -95,8 +102,8 @@ def divclip_actor_loss(
         _require(data, OLD_TOPK_LOG_PROBS, _TOPK_WHY.format(mode=mode))
         if NEW_TOPK_LOG_PROBS not in model_output:
             raise ValueError(
-                f"{_TOPK_WHY.format(mode=mode)}, but the engine returned no {NEW_TOPK_LOG_PROBS!r}: the forward "
-                "step hook (verl_ext.full_kl.install_full_kl_hook) is not installed in this process"
+                f"{_TOPK_WHY.format(mode=mode)}, but the engine returned no {NEW_TOPK_LOG_PROBS!r}: the engine "
+                "seam (verl_ext.engine.seam.install) is not installed in this process, or the engine is not one it covers"
             )
     if needs_rewards:
         # verl's v1 trainer stores the rule reward as rm_scores and writes token_level_rewards back
@@ -160,6 +167,8 @@ def divclip_actor_loss(
         )
         pg_metrics.update({f"actor/divclip/{name}": value for name, value in gauge.items()})
 
+    pg_metrics.update(step_path_metrics(data))
+
     if erc and policy.token_dump_path is not None:
         _dump_tokens(policy, data, padded["old_log_probs"], padded["entropy"], entropy, response_mask)
 
@@ -195,6 +204,35 @@ def divclip_actor_loss(
         metrics["actor/divclip/correct_fraction"] = Metric(value=correct_fraction, aggregation=AggregationType.MEAN)
 
     return policy_loss, metrics
+
+
+PATH_METRIC = "actor/divclip/path/"
+
+
+def step_path_metrics(data: TensorDict) -> dict[str, float]:
+    """``actor/divclip/path/*`` of this micro-batch, as the worker's engine seam recorded them for its
+    forward step (:data:`verl_ext.engine.request.STEP_PATH_KEY`): ``seam`` (1: the step went through the
+    seam), ``entropy_fp32`` (1: the entropy of this pass came from the project's fp32 function),
+    ``vocab_pass`` and ``aligned_packing`` (1: the engine packs its old-log-prob pass as the update). A
+    micro-batch the seam never stepped reports ``seam = 0`` -- a measurement, not the driver's claim."""
+    path = tu.get_non_tensor_data(data=data, key=STEP_PATH_KEY, default=None)
+    if path is None:
+        return {f"{PATH_METRIC}seam": 0.0}
+    return {f"{PATH_METRIC}{name}": float(value) for name, value in dict(path).items()}
+
+
+def padded_response(nested: torch.Tensor, max_len: int) -> torch.Tensor:
+    """``(batch, max_len, C)`` from a nested ``(batch, j, C)`` field (zeros beyond each row's length).
+
+    Done by hand: ``to_padded_tensor`` of a 3-D jagged tensor built without ``max_seqlen`` metadata
+    pads to the total token count instead of the longest row."""
+    values, lengths = nested.values(), nested.offsets().diff()
+    start = int(nested.offsets()[0])
+    out = values.new_zeros((len(lengths), max_len, values.shape[-1]))
+    for row, length in enumerate(lengths.tolist()):
+        out[row, :length] = values[start : start + length]
+        start += length
+    return out
 
 
 def _aggregation_of(metric_name: str) -> AggregationType:
@@ -271,10 +309,9 @@ def _dump_tokens(
     step = int(step) if step is not None else _UPDATE_CALLS[0]
     if not writer.wants(step):
         return
-    with torch.no_grad():
-        rho = (entropy.float() + policy.erc_eps) / (old_entropy.float() + policy.erc_eps)
-        clipped = (rho <= 1.0 - policy.erc_beta_low) | (rho >= 1.0 + policy.erc_beta_high)
-        writer.maybe_dump(step, old_log_prob.float(), rho, clipped, response_mask)
+    rho = entropy_ratio(old_entropy, entropy, response_mask, policy.erc_eps)
+    clipped = outside_band(rho, policy.erc_beta_low, policy.erc_beta_high)
+    writer.maybe_dump(step, old_log_prob.float(), rho, clipped, response_mask)
 
 
 _TOPK_WHY = (
@@ -292,24 +329,28 @@ def _require(data: TensorDict, key: str, why: str) -> str:
 def build_actor_loss(actor_config: ActorConfig) -> Callable[..., Any]:
     """The loss to install with ``actor_rollout_ref_wg.set_loss_fn``: a picklable partial.
 
-    With ERC on, the current entropy is only a mask, so the loss opts into the divclip entropy
-    path (one float32 graph-free function for pi_old and pi_theta); an entropy bonus
-    (``entropy_coeff != 0``) would need the entropy's gradient, so that combination raises
-    (``recipe.validation`` refuses it before Ray starts).
+    The loss carries what its engine must do (:mod:`verl_ext.engine.request`): with ERC on the current
+    entropy is only a mask, so both passes use the one float32 graph-free entropy (an entropy bonus,
+    ``entropy_coeff != 0``, would need the entropy's gradient, so that combination raises; the recipe
+    refuses it before Ray starts); ``policy_loss.vocab_pass`` runs both passes through the vocabulary
+    pass; ``policy_loss.pack_old_log_prob_as_update`` (default true; always with verl's plain policy-loss
+    config) packs the old-log-prob pass as the update.
     """
     loss = functools.partial(divclip_actor_loss, config=actor_config)
     policy = divclip_policy_config(actor_config)
     if policy is not None and policy.erc_enabled:
         loss = entropy_as_mask(loss, entropy_coeff=actor_config.entropy_coeff)  # raises on an entropy bonus
-    if policy is not None and policy.vocab_pass:
-        loss = with_vocab_pass(loss)  # both passes of this engine: no logits tensor
-    return loss
+    return declare(
+        loss,
+        vocab_pass=policy is not None and policy.vocab_pass,  # both passes of this engine: no logits tensor
+        pack_as_update=policy is None or policy.pack_old_log_prob_as_update,  # on-policy ratios exactly 1
+    )
 
 
 def divclip_policy_config(config: ActorConfig) -> Optional[DivClipPolicyLossConfig]:
     """The actor's ``DivClipPolicyLossConfig``: always for the divclip modes (an error if the config
     is verl's plain one), and for verl's modes when selected with the divclip ``_target_``; checked
-    against the mode registry by :func:`verl_ext.losses.resolve_policy_config`, so building the
+    against the mode registry by :func:`verl_ext.registry.resolve_policy_config`, so building the
     loss (:func:`build_actor_loss`) and every call of it refuse a config that does not fit its mode."""
     mode = config.policy_loss.get("loss_mode", "vanilla")
     if mode in CONSTRAINTS:
@@ -322,14 +363,10 @@ def divclip_policy_config(config: ActorConfig) -> Optional[DivClipPolicyLossConf
 
 
 def entropy_is_detached(loss: Optional[Callable[..., Any]]) -> bool:
-    """Whether ``loss`` opted into the divclip (float32, graph-free, both passes) entropy path."""
-    return loss_entropy_path(loss) is EntropyPath.DIVCLIP_FP32
+    """Whether ``loss`` declared the divclip (float32, graph-free, both passes) entropy path."""
+    return request_of(loss).entropy_as_mask
 
 
-# Runs in every process that unpickles the loss (the actor workers): see the module docstring and
-# verl_ext.onpolicy (the old-log-prob pass packed as the update under ERC; the on-policy mark).
-install_divclip_entropy()
-install_update_packing()
-install_on_policy_mark()
-install_vocab_pass()
-install_full_kl_hook()
+# Runs in every process that unpickles the loss (the actor workers), before verl's set_loss_fn: the
+# one seam into verl's engine (verl_ext.engine.seam), checked against the installed verl first.
+seam.install()

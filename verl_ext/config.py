@@ -14,8 +14,8 @@ configs keep their meaning.
 This module is a leaf of :mod:`verl_ext`: it imports verl and the standard library only. The
 checks that need the loss-mode registry (is ``loss_mode`` known, does it have a KL budget for the
 adaptive delta, do ERC / dual-clip compose with a verl mode) live with that registry, in
-:func:`verl_ext.losses.check_policy_config`, which every consumer of a config calls and which
-:mod:`verl_ext.losses` also registers here (:func:`register_mode_check`) when it is imported, so
+:func:`verl_ext.registry.check_policy_config`, which every consumer of a config calls and which
+:mod:`verl_ext.registry` also registers here (:func:`register_mode_check`) when it is imported, so
 ``__post_init__`` runs it too: a config that hydra builds in a process that imported verl (and
 with it the plugin, hence the losses) fails at construction, naming the key.
 """
@@ -46,7 +46,7 @@ def register_mode_check(
     check: Callable[["DivClipPolicyLossConfig", str], None],
 ) -> Callable[["DivClipPolicyLossConfig", str], None]:
     """Run ``check(config, prefix)`` at the end of every ``DivClipPolicyLossConfig.__post_init__``
-    from now on (idempotent). :mod:`verl_ext.losses` registers its :func:`check_policy_config`
+    from now on (idempotent). :mod:`verl_ext.registry` registers its :func:`check_policy_config`
     here, so the mode registry's checks fire at construction without this module importing it.
     Configs built before that import are not checked here; their consumers check them."""
     if check not in _MODE_CHECKS:
@@ -124,11 +124,19 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
         token_dump_every_n_steps: Dump on every n-th training step only.
         token_dump_max_tokens: At most this many tokens per dumped step and process.
         vocab_pass: Compute log pi(y_t) and the entropy of both actor passes (old-log-prob and
-            update) with the chunked vocabulary pass (:mod:`verl_ext.vocab_pass`): float32 logits
+            update) with the chunked vocabulary pass (:mod:`verl_ext.core.vocab_pass`): float32 logits
             one chunk at a time, never the ``tokens x vocabulary`` tensor, exact gradients by
             recomputation, ERC's cancellation-free entropy. ``False`` (default): verl's
             materialised logits. Refused with ``use_fused_kernels``, ``calculate_sum_pi_squared``,
             top-k distillation and a LoRA adapter on the head (docs/losses.md, "The vocabulary pass").
+        pack_old_log_prob_as_update: Pack the old-log-prob pass as the update's first epoch (same
+            mini-batch split, seed and shuffle per data-parallel rank, the update's micro-batch
+            settings), in every loss mode: before the first optimizer step every importance ratio is
+            then exactly 1 (and ERC's entropy ratio, ``kl_full``'s KL), instead of the kernel noise of two
+            differently packed passes (verl#6280; docs/losses.md, "On-policy exactness"). ``True``
+            (default); ``False`` keeps verl's own packing of that pass (its
+            ``rollout.log_prob_max_token_len_per_gpu`` / ``log_prob_micro_batch_size_per_gpu``). Needs
+            an FSDP strategy (``actor.strategy`` fsdp or fsdp2): other strategies must turn it off.
     """
 
     delta: float = 0.07
@@ -154,6 +162,7 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
     token_dump_every_n_steps: int = 10
     token_dump_max_tokens: int = 2048
     vocab_pass: bool = False
+    pack_old_log_prob_as_update: bool = True
 
     def __post_init__(self) -> None:
         prefix = POLICY_LOSS_KEY
@@ -207,8 +216,9 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
             raise ValueError(
                 f"{prefix}.token_dump_path dumps ERC's per-token entropy ratios: set erc_beta_low/erc_beta_high too"
             )
-        if not isinstance(self.vocab_pass, bool):
-            raise ValueError(f"{prefix}.vocab_pass must be true or false, got {self.vocab_pass!r}")
+        for key in ("vocab_pass", "pack_old_log_prob_as_update"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"{prefix}.{key} must be true or false, got {getattr(self, key)!r}")
         for check in _MODE_CHECKS:  # the loss-mode registry's checks (see register_mode_check)
             check(self, prefix)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-import verl_ext.losses  # noqa: F401  (registers the modes with verl's POLICY_LOSS_REGISTRY)
+import verl_ext.registry  # noqa: F401  (registers the modes with verl's POLICY_LOSS_REGISTRY)
 
 # With VERL_PLATFORM=cpu: the `cpu` platform and FSDP2 engine, Ray's CPU resource check and the
 # `hf_cpu` rollout, in every process that imports verl (driver, TaskRunner, workers). The test is
@@ -38,7 +38,10 @@ def require_registered() -> None:
 
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
-    from verl_ext.losses import CONSTRAINTS
+    # imported here, not only by verl's plugin loader: a failure to register (a verl entry the project would
+    # shadow) raises with its own message instead of the loader's DEBUG line
+    import verl_ext.registry  # noqa: F401
+    from verl_ext.core.region import CONSTRAINTS
 
     missing = sorted(set(CONSTRAINTS) - set(POLICY_LOSS_REGISTRY))
     if not CONSTRAINTS or missing:

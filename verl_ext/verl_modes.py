@@ -18,8 +18,8 @@ so it is unchanged. Per-mode readings: docs/losses.md.
 
 Dual-clip (``policy_loss.dual_clip_c``) makes sense for verl's ``vanilla`` only, which always applies
 dual-clip with ``actor.clip_ratio_c`` (default 3): ``dual_clip_c`` replaces that c for the call. For
-every other verl mode the config check (:func:`verl_ext.losses.check_verl_mode_options`, part of
-:func:`verl_ext.losses.check_policy_config`) raises, naming the key.
+every other verl mode the config check (:func:`verl_ext.registry.check_verl_mode_options`, part of
+:func:`verl_ext.registry.check_policy_config`) raises, naming the key.
 """
 
 from __future__ import annotations
@@ -31,18 +31,13 @@ import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from verl_ext.config import DivClipPolicyLossConfig
-from verl_ext.erc import (
+from verl_ext.core.erc import (
     EntropyBand,
     entropy_band_sums,
     entropy_ratio_band,
     finish_entropy_band_metrics,
     gate_log_prob_gradient,
 )
-
-# DUAL_CLIP_MODES, NOT_COMPOSABLE and check_verl_mode_options live in verl_ext.losses, next to the
-# config check that applies them (this module imports losses, so they cannot live here); they are
-# re-exported so the old import path keeps working.
-from verl_ext.losses import DUAL_CLIP_MODES, NOT_COMPOSABLE, check_verl_mode_options  # noqa: F401
 
 
 def verl_policy_loss(

@@ -16,6 +16,6 @@ mass outside its top-k on teacher-forced solutions: what ``kl_full_top_k`` is ch
 ``__main__`` dispatches by name.
 
 Who may import it: only its own ``__main__`` and tests; nothing in :mod:`verl_ext` or the rest of
-:mod:`recipe` depends on it. It imports :mod:`verl_ext`, :mod:`recipe.reward` and verl, never
+:mod:`recipe` depends on it. It imports :mod:`verl_ext`, :mod:`recipe.reward.score` and verl, never
 ``tests/``: every probe runs from an installed wheel (``tests/test_installed_wheel.py`` runs one there).
 """

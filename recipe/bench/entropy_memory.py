@@ -9,10 +9,10 @@ vocabulary, one micro-batch of ``--tokens`` tokens, one optimizer step, verl's `
 
 * ``a_no_entropy``    ``calculate_entropy=False``: the floor.
 * ``b_verl_entropy``  ``calculate_entropy=True`` through verl's engine: entropy with autograd.
-* ``c_detached``      ``calculate_entropy=True`` with ``verl_ext.entropy`` (``install_detached_entropy``
-  + ``entropy_as_mask``): the entropy ERC needs, computed without a graph.
+* ``c_detached``      ``calculate_entropy=True`` with the seam's fp32 entropy
+  (``verl_ext.engine.request.entropy_as_mask``): the entropy ERC needs, computed without a graph.
 * ``d_vocab_pass``    as ``c_detached`` (ERC's entropy) through the vocabulary pass
-  (``actor.policy_loss.vocab_pass``, :mod:`verl_ext.vocab_pass_engine`): no logits tensor at all.
+  (``actor.policy_loss.vocab_pass``, :mod:`verl_ext.engine.vocab_pass_step`): no logits tensor at all.
 * ``e_old_log_prob_detached`` / ``f_old_log_prob_vocab_pass``: the old-log-prob pass
   (``infer_batch`` with ``calculate_entropy=True``, as the trainer runs it for ERC) instead of the
   update, materialised with ``c``'s entropy / through the vocabulary pass.
@@ -75,15 +75,13 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
         worker = build_actor_worker(model_path, options)
         actor_config = make_actor_config(ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences)
         loss_fn = ppo_loss_fn(actor_config)
-        if variant not in ("a_no_entropy", "b_verl_entropy"):  # ERC's detached entropy
-            from verl_ext.entropy import entropy_as_mask, install_detached_entropy
+        from verl_ext.engine import seam
+        from verl_ext.engine.request import entropy_as_mask, packed_as_update, with_vocab_pass
 
-            install_detached_entropy()
-            loss_fn = entropy_as_mask(loss_fn, entropy_coeff=actor_config.entropy_coeff)
+        seam.install()
+        if variant not in ("a_no_entropy", "b_verl_entropy"):  # ERC's detached entropy, as the actor loss declares it
+            loss_fn = packed_as_update(entropy_as_mask(loss_fn, entropy_coeff=actor_config.entropy_coeff))
         if "vocab_pass" in variant:
-            from verl_ext.vocab_pass_engine import install_vocab_pass, with_vocab_pass
-
-            install_vocab_pass()
             loss_fn = with_vocab_pass(loss_fn)
         worker.set_loss_fn(loss_fn)
         batch = make_rollout_batch(shape.prompt_lens, shape.response_lens, vocab, seed=0)

@@ -21,7 +21,7 @@ same path. Each variant runs in its own fresh process and reports its peak RSS, 
 the measured pass, and the pass's wall and process CPU time (the latter less sensitive to other jobs
 on a shared machine); ratios are against ``kl3`` measured in the same run, variants alternating over
 ``--repeats``. Also printed: the stored top-k's bytes per response token and per training step at
-the maximum response length of the ERC 7B and ATR 8B configs (``verl_ext.full_kl.stored_bytes_per_token``).
+the maximum response length of the ERC 7B and ATR 8B configs (``verl_ext.core.coarsened_kl.stored_bytes_per_token``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ STEP_TOKENS: dict[str, tuple[int, int, int]] = {
 
 def stored_bytes(k: int) -> dict[str, Any]:
     """Bytes of the stored top-k per response token, and per step of each config at full length."""
-    from verl_ext.full_kl import stored_bytes_per_token
+    from verl_ext.core.coarsened_kl import stored_bytes_per_token
 
     per_token = stored_bytes_per_token(k)
     per_step = {name: per_token * prompts * n * length for name, (prompts, n, length) in STEP_TOKENS.items()}
@@ -79,7 +79,7 @@ def _run_variant(variant: str, phase: str, vocab_pass: bool, tokens: int, vocab:
     single_rank_env()
     from verl_ext.actor_loss import build_actor_loss
     from verl_ext.config import DivClipPolicyLossConfig
-    from verl_ext.full_kl import OLD_TOPK_IDS, OLD_TOPK_LOG_PROBS
+    from verl_ext.engine.topk_capture import OLD_TOPK_IDS, OLD_TOPK_LOG_PROBS
 
     shape = bench_micro_batch(tokens, sequences, vocab, hidden)
     spec, prompt_len, response_len = shape.spec, shape.prompt_len, shape.response_len

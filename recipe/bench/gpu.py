@@ -1,6 +1,7 @@
 """GPU probe: ERC's entropy path against verl's on one CUDA GPU, at verl's default bf16 precision.
 
 ``python -m recipe.bench gpu [--json] [--out results.json] [--tokens 16384] [--sequences 8] ...``
+``python -m recipe.bench gpu --acceptance [--out DIR] ...``: the acceptance run (:mod:`recipe.bench.acceptance`).
 
 Builds a model locally from a config (R1-Distill-Qwen-1.5B's shape by default, random weights with a
 scaled output head so that most tokens are confident, as a reasoning model's are; nothing is
@@ -17,12 +18,12 @@ Variants (``--variants``, comma-separated):
 * ``divclip_erc``           the divclip ERC-DAPO loss: ``entropy_fp32`` compiled, in both passes.
 * ``divclip_erc_eager``     the same with ``use_torch_compile=False`` (eager float32 chunks).
 * ``divclip_erc_vocab_pass`` the divclip ERC-DAPO loss with ``policy_loss.vocab_pass=true``: both passes
-                            through the chunked vocabulary pass (no logits tensor; ``verl_ext.vocab_pass``).
+                            through the chunked vocabulary pass (no logits tensor; ``verl_ext.core.vocab_pass``).
 * ``divclip_erc_fused``     ERC with ``use_fused_kernels=True`` (verl's fused kernel's entropy in both
                             passes; needs verl's kernel backend; not in the default list).
 * ``divclip_erc_dynamic``   ERC with the ERC configs' packing: dynamic batching, the update in micro-batches
                             of ``--tokens / 2``, the old-log-prob pass at ``--tokens`` (2:1), which
-                            :mod:`verl_ext.onpolicy` packs as the update.
+                            :mod:`verl_ext.engine.packing` packs as the update.
 * ``divclip_kl3``           ``loss_mode=kl3`` (ATR-GRPO), no entropy: the baseline of the two below.
 * ``divclip_kl_full``       ``loss_mode=kl_full`` (Eq. 4 over pi_old's top-k, k = ``--k``): the old-log-prob
                             pass stores the top-k, the update evaluates pi_theta on it (verl's logits).
@@ -123,7 +124,7 @@ def build_model(path: Path, args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
-def _erc_actor_config(sequences: int, vocab_pass: bool = False) -> Any:
+def erc_actor_config(sequences: int, vocab_pass: bool = False) -> Any:
     from recipe.bench.harness import make_actor_config
     from verl_ext.config import DivClipPolicyLossConfig
 
@@ -132,7 +133,7 @@ def _erc_actor_config(sequences: int, vocab_pass: bool = False) -> Any:
                              ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences)
 
 
-def _divclip_actor_config(mode: str, sequences: int, k: int, vocab_pass: bool) -> Any:
+def divclip_actor_config(mode: str, sequences: int, k: int, vocab_pass: bool) -> Any:
     from recipe.bench.harness import make_actor_config
     from verl_ext.config import DivClipPolicyLossConfig
 
@@ -158,8 +159,7 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
     import torch
 
     from verl_ext.actor_loss import build_actor_loss
-    from verl_ext.entropy import entropy_path_of
-    from verl_ext.vocab_pass_engine import engine_uses_vocab_pass
+    from verl_ext.engine.seam import entropy_path_of, uses_vocab_pass
 
     seq_len = args.tokens // args.sequences
     prompt_len = max(1, seq_len // 8)
@@ -179,9 +179,9 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
     ))
     mode = spec.get("mode")
     if spec["erc"]:
-        loss = build_actor_loss(_erc_actor_config(args.sequences, vocab_pass=spec.get("vocab_pass", False)))
+        loss = build_actor_loss(erc_actor_config(args.sequences, vocab_pass=spec.get("vocab_pass", False)))
     elif mode is not None:
-        loss = build_actor_loss(_divclip_actor_config(mode, args.sequences, args.k, spec.get("vocab_pass", False)))
+        loss = build_actor_loss(divclip_actor_config(mode, args.sequences, args.k, spec.get("vocab_pass", False)))
     else:
         loss = ppo_loss_fn(make_actor_config(ppo_mini_batch_size=args.sequences,
                                              ppo_micro_batch_size_per_gpu=args.sequences))
@@ -225,7 +225,7 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
         "variant": name,
         "strategy": args.strategy,
         "entropy_path": entropy_path_of(worker.engine).value,
-        "vocab_pass": engine_uses_vocab_pass(worker.engine),
+        "vocab_pass": uses_vocab_pass(worker.engine),
         "peak_bytes": int(peak),
         "update_seconds_median": statistics.median(seconds),
         "update_seconds": [round(s, 4) for s in seconds],
@@ -263,6 +263,8 @@ def _spawn(name: str, strategy: str, model_path: str, args: argparse.Namespace) 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipe.bench gpu", description=__doc__.split("\n")[0])
+    p.add_argument("--acceptance", action="store_true",
+                   help="every GPU figure in one call, each beside its target (recipe/bench/acceptance.py; its own options)")
     p.add_argument("--json", action="store_true", help="print one JSON object per variant")
     p.add_argument("--out", type=Path, default=None, help="also write all results to this JSON file")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -283,6 +285,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def chosen_strategies(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """``--strategies`` checked (default: both on CUDA, FSDP2 on the CPU platform, where FSDP1 does not run)."""
+    strategies = [s for s in (args.strategies or ",".join(STRATEGIES if args.device == "cuda" else ("fsdp2",))).split(",") if s]
+    if sorted(set(strategies) - set(STRATEGIES)):
+        parser.error(f"unknown --strategies {sorted(set(strategies) - set(STRATEGIES))}; choose from {list(STRATEGIES)}")
+    if args.device == "cpu" and "fsdp" in strategies:
+        parser.error("--strategies fsdp (FSDP1) needs --device cuda: verl 0.9.1 runs only FSDP2 on the CPU platform")
+    return strategies
+
+
 def _without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
     """``argv`` without the given ``--name value`` pairs (the parent's, not the children's)."""
     out: list[str] = []
@@ -298,17 +310,17 @@ def _without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    if "--acceptance" in argv:  # every GPU figure in one call (recipe/bench/acceptance.py)
+        from recipe.bench.acceptance import main as acceptance
+
+        return acceptance([a for a in argv if a != "--acceptance"])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.tokens % args.sequences:
         parser.error(f"--tokens ({args.tokens}) must be divisible by --sequences ({args.sequences})")
     if args.warmup < 1 or args.repeats < 1:
         parser.error("--warmup and --repeats must be >= 1 (the first update checks the on-policy invariant)")
-    strategies = [s for s in (args.strategies or ",".join(STRATEGIES if args.device == "cuda" else ("fsdp2",))).split(",") if s]
-    if sorted(set(strategies) - set(STRATEGIES)):
-        parser.error(f"unknown --strategies {sorted(set(strategies) - set(STRATEGIES))}; choose from {list(STRATEGIES)}")
-    if args.device == "cpu" and "fsdp" in strategies:
-        parser.error("--strategies fsdp (FSDP1) needs --device cuda: verl 0.9.1 runs only FSDP2 on the CPU platform")
+    strategies = chosen_strategies(parser, args)
     if args._child is not None:
         args.strategy = strategies[0]
         print(json.dumps(run_variant(args._child, args._model, args)))

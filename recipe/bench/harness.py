@@ -380,15 +380,15 @@ def compute_log_prob(
     """pi_old pass, mirroring ``_compute_old_log_prob``: returns response-layout nested
     ``old_log_probs`` and ``entropy`` for this rank's shard (no loss, no gradient); None on a rank
     whose group's output another rank collects (verl returns it from one rank per SP group).
-    ``packing`` (a ``verl_ext.onpolicy.UpdatePacking``) is the update's mini-batch split, as
+    ``packing`` (a ``verl_ext.engine.packing.UpdatePacking``) is the update's mini-batch split, as
     ``DivClipTrainer`` passes it; None: the whole shard is one mini-batch, as :func:`update_actor`'s default.
     ``old_topk > 0`` asks the pass for pi_old's top-k as ``recipe.trainer.DivClipTrainer`` does for
-    ``kl_full`` (the fields of :mod:`verl_ext.full_kl`, already in the response layout, are returned
-    too); the worker's process must have installed :func:`verl_ext.full_kl.install_full_kl_hook`."""
+    ``kl_full`` (the fields of :mod:`verl_ext.engine.topk_capture`, already in the response layout, are returned
+    too); the worker's process must have installed the engine seam (:func:`verl_ext.engine.seam.install`)."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import response_from_nested
 
-    from verl_ext.full_kl import CAPTURE_KEY, OLD_TOPK_IDS, OLD_TOPK_LOG_PROBS
+    from verl_ext.engine.topk_capture import CAPTURE_KEY, OLD_TOPK_IDS, OLD_TOPK_LOG_PROBS
 
     data = batch.clone()
     tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False, temperature=temperature)

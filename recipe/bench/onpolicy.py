@@ -1,26 +1,28 @@
-"""On-policy exactness of ERC under the configs' packings: where the noise comes from, what the fix costs.
+"""On-policy exactness under the configs' packings, in any loss mode: where the noise comes from, what the fix costs.
 
-``python -m recipe.bench onpolicy [--json] [--threads 1,2] [--seeds 4,5,6,7,8]``
+``python -m recipe.bench onpolicy [--json] [--modes erc,clip,kl3,gspo] [--threads 1,2] [--seeds 4,5,6,7,8]``
 
 verl 0.9.1's real actor stack on the CPU platform (``TrainingWorker`` -> FSDP2, one rank, verl's
 default bf16 mixed precision), a tiny Qwen3 whose scaled head makes most tokens' entropy < 1e-3 nats
 (as a trained reasoning model's are), 8 sequences, dynamic batching with the log-prob pass at twice
-the update's token budget (the ERC configs' 2:1). Per case (budget pair x seed x threads) it runs the
-old-log-prob pass, then one ERC-DAPO update on the same batch before any optimizer step, twice:
+the update's token budget (the configs' 2:1). Per case (mode x budget pair x seed x threads) it runs the
+old-log-prob pass, then one update of the divclip actor loss in that mode on the same batch before any
+optimizer step, twice:
 
-* ``own``: verl's own packing of the old-log-prob pass (its own budget): the arrangement before
-  :mod:`verl_ext.onpolicy`;
-* ``aligned``: the old-log-prob pass packed as the update (``verl_ext.onpolicy``, the default with ERC).
+* ``own``: verl's own packing of the old-log-prob pass (its own budget):
+  ``policy_loss.pack_old_log_prob_as_update=false``;
+* ``aligned``: the old-log-prob pass packed as the update (:mod:`verl_ext.engine.packing`, the default).
 
-It reports ERC's ratio range and masked fraction and max |log w| from the update's metrics, and for
-``own`` where the difference enters: forward hooks on the LM head capture its input (the final hidden
-states, bf16) and output (the bf16 logits) in both passes; the bench compares them per token and
-recomputes the entropy ratio from fp32 logits of the captured hidden states (h W^T accumulated and
-kept in fp32, what an LM head that never rounds to bf16 would give).
+It reports the on-policy gauge (max |log w|, the ratio-clip fraction), verl's ``pg_clipfrac`` and
+``ppo_kl``, and with ERC its ratio range and masked fraction; for ERC's ``own`` arm also where the
+difference enters: forward hooks on the LM head capture its input (the final hidden states, bf16) and
+output (the bf16 logits) in both passes; the bench compares them per token and recomputes the entropy
+ratio from fp32 logits of the captured hidden states (h W^T accumulated and kept in fp32, what an LM head
+that never rounds to bf16 would give).
 
-``--cost`` instead measures the price of the alignment on the old-log-prob pass alone, at a larger
-shape (Qwen's vocabulary): its time, ``own`` and ``aligned`` alternating on one worker (a busy
-machine slows both alike), and its peak RSS, each arm in a fresh process.
+``--cost`` instead measures the price of the alignment on the old-log-prob pass alone, per mode of
+``--modes``, at a larger shape (Qwen's vocabulary): its time, ``own`` and ``aligned`` alternating on one
+worker (a busy machine slows both alike), and its peak RSS, each arm in a fresh process.
 """
 
 from __future__ import annotations
@@ -45,14 +47,28 @@ COST_HIDDEN = 64
 """``--cost``: the tiny Qwen3's width (the vocabulary, not the body, dominates the pass's memory)."""
 
 
-def _erc_loss() -> Any:
-    from recipe.bench.harness import make_actor_config
-    from verl_ext.actor_loss import build_actor_loss
+ERC_BETA = 0.05
+"""ERC's band (1 - beta, 1 + beta) of the ERC configs (the paper's beta_l = beta_h = 0.05)."""
+MODES = ("erc", "clip", "kl3", "gspo")
+"""Losses a case can run: ``erc`` is ERC-DAPO (clip-higher + ERC), the others the divclip actor loss in
+that ``loss_mode`` without ERC (``gspo`` is verl's own mode through it)."""
+
+
+def _policy_config(mode: str) -> Any:
     from verl_ext.config import DivClipPolicyLossConfig
 
-    policy = DivClipPolicyLossConfig(loss_mode="clip", erc_beta_low=0.05, erc_beta_high=0.05)
+    if mode == "erc":
+        return DivClipPolicyLossConfig(loss_mode="clip", erc_beta_low=ERC_BETA, erc_beta_high=ERC_BETA)
+    return DivClipPolicyLossConfig(loss_mode=mode)
+
+
+def _loss(mode: str) -> Any:
+    """The divclip actor loss for ``mode`` (see :data:`MODES`), as the trainer installs it."""
+    from recipe.bench.harness import make_actor_config
+    from verl_ext.actor_loss import build_actor_loss
+
     return build_actor_loss(
-        make_actor_config(policy_loss=policy, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0)
+        make_actor_config(policy_loss=_policy_config(mode), clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0)
     )
 
 
@@ -102,7 +118,7 @@ class _HeadCapture:
         return torch.cat([hidden[i] for i in order]), torch.cat([logits[i] for i in order])
 
 
-def _case(model_path: str, update_budget: int, infer_budget: int, seed: int, aligned: bool, source: bool) -> dict[str, Any]:
+def _case(model_path: str, mode: str, update_budget: int, infer_budget: int, seed: int, aligned: bool, source: bool) -> dict[str, Any]:
     import torch
 
     from recipe.bench.harness import (
@@ -113,13 +129,14 @@ def _case(model_path: str, update_budget: int, infer_budget: int, seed: int, ali
         make_rollout_batch,
         update_actor,
     )
-    from verl_ext.entropy import entropy_fp32
-    from verl_ext.onpolicy import set_pack_as_update
+    from verl_ext.core.entropy import entropy_fp32
+    from verl_ext.core.erc import entropy_ratio, outside_band
+    from verl_ext.engine.seam import set_pack_as_update
 
     options = WorkerOptions(mixed_precision=None, use_dynamic_bsz=True, max_token_len_per_gpu=update_budget,
                             infer_max_token_len_per_gpu=infer_budget, optimizer="SGD", lr=0.5, clip_grad=1e9)
     worker = build_actor_worker(model_path, options)
-    worker.set_loss_fn(_erc_loss())
+    worker.set_loss_fn(_loss(mode))
     set_pack_as_update(worker.engine, aligned)
     batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, 512, seed=seed)
     old_capture, new_capture = _HeadCapture(worker.engine), _HeadCapture(worker.engine)
@@ -129,9 +146,11 @@ def _case(model_path: str, update_budget: int, infer_budget: int, seed: int, ali
     data = batch.clone()
     data["old_log_probs"], data["entropy"] = old["old_log_probs"], old["entropy"]
     with new_capture:
-        m = update_actor(worker, data, calculate_entropy=True)
+        m = update_actor(worker, data, calculate_entropy=mode == "erc")
     n_tokens = sum(RESPONSE_LENS)
+    gauge = "actor/divclip/onpolicy/"
     row: dict[str, Any] = {
+        "mode": mode,
         "packing": "aligned" if aligned else "own",
         "budgets": f"{update_budget}/{infer_budget}",
         "seed": seed,
@@ -139,13 +158,19 @@ def _case(model_path: str, update_budget: int, infer_budget: int, seed: int, ali
         "old_micro_batches": len(old_capture.orders),
         "update_micro_batches": len(new_capture.orders),
         "same_packing": old_capture.orders == new_capture.orders,
-        "erc_ratio_min": min(map(float, m["actor/divclip/erc/ratio_min"])),
-        "erc_ratio_max": max(map(float, m["actor/divclip/erc/ratio_max"])),
-        "erc_masked_frac": (sum(map(float, m["actor/divclip/erc/clipfrac_upper"] + m["actor/divclip/erc/clipfrac_lower"]))
-                            / len(m["actor/divclip/erc/clipfrac_upper"])),
-        "log_ratio_abs_max": max(map(float, m["actor/divclip/onpolicy/log_ratio_abs_max"])),
+        "log_ratio_abs_max": max(map(float, m[gauge + "log_ratio_abs_max"])),
+        "ratio_clipfrac": max(map(float, m[gauge + "ratio_clipfrac"])),
+        "pg_clipfrac": max(map(float, m["actor/pg_clipfrac"])),
+        "ppo_kl_abs": max(abs(float(v)) for v in m["actor/ppo_kl"]),
         "confident_frac": float((old["entropy"].values() < 1e-3).float().mean()),
     }
+    if mode == "erc":
+        row.update({
+            "erc_ratio_min": min(map(float, m["actor/divclip/erc/ratio_min"])),
+            "erc_ratio_max": max(map(float, m["actor/divclip/erc/ratio_max"])),
+            "erc_masked_frac": (sum(map(float, m["actor/divclip/erc/clipfrac_upper"] + m["actor/divclip/erc/clipfrac_lower"]))
+                                / len(m["actor/divclip/erc/clipfrac_upper"])),
+        })
     if source:
         seq_lens = [p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]
         h_old, x_old = old_capture.per_response_token(seq_lens, PROMPT_LENS)
@@ -153,19 +178,19 @@ def _case(model_path: str, update_budget: int, infer_budget: int, seed: int, ali
         assert h_old.shape[0] == n_tokens, (h_old.shape, n_tokens)
         fp32_old = entropy_fp32(h_old.float() @ weight.float().T)
         fp32_new = entropy_fp32(h_new.float() @ weight.float().T)
-        rho_fp32 = (fp32_new + 1e-8) / (fp32_old + 1e-8)
+        rho_fp32 = entropy_ratio(fp32_old, fp32_new, torch.ones_like(fp32_old), eps=1e-8)
         row.update({
             "hidden_rows_differing": float((h_old != h_new).any(-1).float().mean()),
             "hidden_max_abs_diff": float((h_old.float() - h_new.float()).abs().max()),
             "logits_max_abs_diff_bf16": float((x_old.float() - x_new.float()).abs().max()),
             "fp32_head_erc_ratio_min": float(rho_fp32.min()),
             "fp32_head_erc_ratio_max": float(rho_fp32.max()),
-            "fp32_head_erc_masked_frac": float(((rho_fp32 <= 0.95) | (rho_fp32 >= 1.05)).float().mean()),
+            "fp32_head_erc_masked_frac": float(outside_band(rho_fp32, ERC_BETA, ERC_BETA).float().mean()),
         })
     return row
 
 
-def _run_cases(threads: int, seeds: list[int]) -> list[dict[str, Any]]:
+def _run_cases(threads: int, seeds: list[int], modes: list[str]) -> list[dict[str, Any]]:
     import torch
 
     from recipe.bench.harness import TinyQwen3Spec, save_tiny_qwen3, single_rank_env
@@ -175,14 +200,16 @@ def _run_cases(threads: int, seeds: list[int]) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="onpolicy_") as tmp:
         model_path = save_tiny_qwen3(tmp, TinyQwen3Spec(), seed=0, head_scale=HEAD_SCALE)
-        for update_budget, infer_budget in BUDGET_PAIRS:
-            for seed in seeds:
-                for aligned in (False, True):
-                    rows.append(_case(model_path, update_budget, infer_budget, seed, aligned, source=not aligned))
+        for mode in modes:
+            for update_budget, infer_budget in BUDGET_PAIRS:
+                for seed in seeds:
+                    for aligned in (False, True):
+                        source = not aligned and mode == "erc"
+                        rows.append(_case(model_path, mode, update_budget, infer_budget, seed, aligned, source))
     return rows
 
 
-def _run_cost(arm: str, tokens: int, vocab: int, sequences: int, rounds: int = 3) -> dict[str, Any]:
+def _run_cost(arm: str, mode: str, tokens: int, vocab: int, sequences: int, rounds: int = 3) -> dict[str, Any]:
     """``arm`` = ``own`` or ``aligned``: one old-log-prob pass, then its peak RSS (a fresh process per
     arm). ``arm`` = ``time``: both arms alternately on one worker, ``rounds`` passes each after a
     warm-up, so a busy machine slows both alike; the median seconds of each."""
@@ -199,7 +226,7 @@ def _run_cost(arm: str, tokens: int, vocab: int, sequences: int, rounds: int = 3
         save_tiny_qwen3,
         single_rank_env,
     )
-    from verl_ext.onpolicy import set_pack_as_update
+    from verl_ext.engine.seam import set_pack_as_update
 
     single_rank_env()
     shape = bench_micro_batch(tokens, sequences, vocab, hidden=COST_HIDDEN)
@@ -209,9 +236,9 @@ def _run_cost(arm: str, tokens: int, vocab: int, sequences: int, rounds: int = 3
         options = WorkerOptions(mixed_precision=None, use_dynamic_bsz=True, max_token_len_per_gpu=tokens // 2,
                                 infer_max_token_len_per_gpu=tokens)
         worker = build_actor_worker(model_path, options)
-        worker.set_loss_fn(_erc_loss())
+        worker.set_loss_fn(_loss(mode))
         batch = make_rollout_batch(shape.prompt_lens, shape.response_lens, vocab, seed=0)
-        row: dict[str, Any] = {"arm": arm, "tokens": tokens, "vocab_size": vocab, "threads": torch.get_num_threads()}
+        row: dict[str, Any] = {"arm": arm, "mode": mode, "tokens": tokens, "vocab_size": vocab, "threads": torch.get_num_threads()}
         if arm != "time":
             set_pack_as_update(worker.engine, arm == "aligned")
             compute_log_prob(worker, batch)
@@ -236,6 +263,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object per row")
     parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts (one child each)")
     parser.add_argument("--seeds", default="4,5,6,7,8", help="comma-separated batch seeds")
+    parser.add_argument("--modes", default="erc", help=f"comma-separated losses, of {', '.join(MODES)} (--cost: each measured)")
     parser.add_argument("--cost", action="store_true", help="time the old-log-prob pass, own vs aligned packing")
     parser.add_argument("--tokens", type=int, default=4096, help="--cost: tokens in the batch")
     parser.add_argument("--vocab", type=int, default=151_936, help="--cost: vocabulary size")
@@ -243,20 +271,24 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown or not modes:
+        parser.error(f"--modes: {unknown or 'none given'}; choose from {', '.join(MODES)}")
     if args._child is not None:
-        kind, value = args._child.split(":")
+        kind, value, *mode = args._child.split(":")
         if kind == "cases":
-            print(json.dumps({"rows": _run_cases(int(value), [int(s) for s in args.seeds.split(",")])}))
+            print(json.dumps({"rows": _run_cases(int(value), [int(s) for s in args.seeds.split(",")], modes)}))
         else:
-            print(json.dumps({"rows": [_run_cost(value, args.tokens, args.vocab, args.sequences)]}))
+            print(json.dumps({"rows": [_run_cost(value, mode[0], args.tokens, args.vocab, args.sequences)]}))
         return 0
 
     if args.cost:
-        jobs = [f"cost:{arm}" for arm in ("time", "own", "aligned")]
+        jobs = [f"cost:{arm}:{mode}" for mode in modes for arm in ("time", "own", "aligned")]
         extra = ["--tokens", str(args.tokens), "--vocab", str(args.vocab), "--sequences", str(args.sequences)]
     else:
         jobs = [f"cases:{t}" for t in args.threads.split(",") if t]
-        extra = ["--seeds", args.seeds]
+        extra = ["--seeds", args.seeds, "--modes", args.modes]
     rows: list[dict[str, Any]] = []
     for job in jobs:
         threads = job.split(":")[1] if job.startswith("cases") else os.environ.get("OMP_NUM_THREADS", "")
@@ -270,8 +302,9 @@ def main(argv: list[str]) -> int:
     for row in rows:
         row["date"] = date
     if args.cost:
-        own, aligned = rows[1], rows[2]
-        aligned["peak_ratio_vs_own"] = round(aligned["peak_rss_gib"] / own["peak_rss_gib"], 3)
+        for start in range(0, len(rows), 3):  # per mode: time, own, aligned
+            own, aligned = rows[start + 1], rows[start + 2]
+            aligned["peak_ratio_vs_own"] = round(aligned["peak_rss_gib"] / own["peak_rss_gib"], 3)
     if args.json:
         for row in rows:
             print(json.dumps(row))
@@ -280,11 +313,12 @@ def main(argv: list[str]) -> int:
         for row in rows:
             print(row)
         return 0
-    print(f"{'packing':<8} {'budgets':>8} {'seed':>4} {'thr':>3} {'same':>5} {'rho min':>8} {'rho max':>8} {'masked':>7} "
-          f"{'|log w|':>9} {'h rows diff':>11} {'fp32 rho min':>12} {'fp32 rho max':>12}")
+    print(f"{'mode':<5} {'packing':<8} {'budgets':>8} {'seed':>4} {'thr':>3} {'same':>5} {'clipfrac':>8} {'rho min':>8} "
+          f"{'rho max':>8} {'masked':>7} {'|log w|':>9} {'h rows diff':>11} {'fp32 rho min':>12} {'fp32 rho max':>12}")
     for r in rows:
-        print(f"{r['packing']:<8} {r['budgets']:>8} {r['seed']:>4} {r['threads']:>3} {str(r['same_packing']):>5} "
-              f"{r['erc_ratio_min']:>8.4f} {r['erc_ratio_max']:>8.4f} {r['erc_masked_frac']:>7.3f} "
+        print(f"{r['mode']:<5} {r['packing']:<8} {r['budgets']:>8} {r['seed']:>4} {r['threads']:>3} {str(r['same_packing']):>5} "
+              f"{r['ratio_clipfrac']:>8.3f} {r.get('erc_ratio_min', float('nan')):>8.4f} "
+              f"{r.get('erc_ratio_max', float('nan')):>8.4f} {r.get('erc_masked_frac', float('nan')):>7.3f} "
               f"{r['log_ratio_abs_max']:>9.2e} {r.get('hidden_rows_differing', float('nan')):>11.3f} "
               f"{r.get('fp32_head_erc_ratio_min', float('nan')):>12.4f} {r.get('fp32_head_erc_ratio_max', float('nan')):>12.4f}")
     return 0

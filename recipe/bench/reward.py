@@ -129,7 +129,7 @@ def main(argv: list[str]) -> int:
     from verl.utils.reward_score import math_dapo
     from verl.utils.reward_score import math_verify as verl_math_verify
 
-    import recipe.reward as ours
+    import recipe.reward.score as ours
 
     corpus = build_corpus(rows, args.synthetic, args.synthetic_chars)
     # Warm every pool (process start-up is not throughput) before timing.

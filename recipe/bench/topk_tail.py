@@ -2,7 +2,7 @@
 
 ``python -m recipe.bench topk-tail --model PATH --data FILE [--k 1,2,4,8,16,32,64,128] [--json]``
 
-``kl_full`` (ATR-GRPO Eq. 4 over pi_old's top-k plus one tail bucket, :mod:`verl_ext.full_kl`) is
+``kl_full`` (ATR-GRPO Eq. 4 over pi_old's top-k plus one tail bucket, :mod:`verl_ext.core.coarsened_kl`) is
 exact when the tail holds no mass and a lower bound of the full-vocabulary KL otherwise: the KL the
 coarsening can miss lives in the tail, so the tail mass of pi_old at k is the quantity that picks k.
 This probe teacher-forces reference solutions through a local Hugging Face checkpoint -- by default
@@ -108,7 +108,7 @@ def measure(model_path: str, rows: list[tuple[str, str]], ks: list[int], tempera
         raise ValueError("--data: no row produced a response token")
     tail_mass = torch.exp(torch.cat(tails))  # (tokens, len(ks))
     entropy = torch.cat(entropies)
-    from verl_ext.full_kl import stored_bytes_per_token
+    from verl_ext.core.coarsened_kl import stored_bytes_per_token
 
     per_k = []
     for column, k in enumerate(ks):

@@ -4,7 +4,7 @@ Two subcommands (``python -m recipe.eval {generate,score} ...``, see docs/evalua
 
 * ``generate`` samples ``n`` responses per problem with vLLM for every evaluation parquet
   (written by ``python -m data_prep``) using the benchmark's sampling preset (the ERC or the
-  ATR paper's settings), scores each response with our reward (``recipe/reward.py``) and writes
+  ATR paper's settings), scores each response with our reward (``recipe/reward/score.py``) and writes
   one JSONL per benchmark. Every argument (paths, parquet schema, n >= k, temperature and
   top-p ranges, preset coverage) is validated *before* vLLM is imported, so a typo costs a
   second on a login node instead of a GPU allocation.
@@ -28,7 +28,7 @@ What lives here, one job per module (each imports only the ones above it):
 ``recipe.eval.cli``           argument parsing and the two commands (``__main__`` runs it)
 ============================  =====================================================================
 
-Who may import it: anyone (CLI users, :mod:`recipe.plots`, tests); it imports :mod:`recipe.reward`
+Who may import it: anyone (CLI users, :mod:`recipe.plots`, tests); it imports :mod:`recipe.reward.score`
 lazily (scoring) and vLLM only inside :func:`vllm_sampler`, never verl_ext. The names below are
 re-exported so that ``from recipe.eval import pass_at_k`` (the pre-split module's API) keeps working.
 """

@@ -55,7 +55,7 @@ _VOTE_SPACE = re.compile(r"\s+")
 
 def vote_key(pred: str) -> str:
     """Answer text as compared for voting: spacing, \\left/\\right, \\dfrac and a final dot ignored."""
-    from recipe.reward import cosmetic_normal_form
+    from recipe.reward.score import cosmetic_normal_form
 
     return _VOTE_SPACE.sub("", cosmetic_normal_form(pred))
 

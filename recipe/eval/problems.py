@@ -2,7 +2,7 @@
 
 :func:`load_eval_parquet` reads and validates the parquets ``python -m data_prep`` writes (verl's
 RL schema); :func:`reward_scorer` scores a response with the training reward
-(:mod:`recipe.reward`, imported lazily), so offline and in-training accuracy agree.
+(:mod:`recipe.reward.score`, imported lazily), so offline and in-training accuracy agree.
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ Scorer = Callable[[str, str, str, dict[str, Any]], dict[str, Any]]
 
 
 def reward_scorer(think: str = "auto") -> Scorer:
-    """Our training reward (recipe/reward.py), so offline and in-training accuracy agree."""
-    from recipe.reward import compute_score
+    """Our training reward (recipe/reward/score.py), so offline and in-training accuracy agree."""
+    from recipe.reward.score import compute_score
 
     def score(data_source: str, response: str, ground_truth: str, extra_info: dict[str, Any]) -> dict[str, Any]:
         return compute_score(data_source, response, ground_truth, extra_info, think=think)

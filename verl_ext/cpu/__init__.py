@@ -15,8 +15,8 @@ What lives here:
 * :mod:`verl_ext.cpu.sampling` -- the server's batched sampling (torch only: vLLM's semantics).
 
 Who may import it: :mod:`verl_ext.plugin` (lazily, under ``VERL_PLATFORM=cpu``), CPU-only tools and
-tests. The method core (``verl_ext.losses``, ``divergences``, ``config``, ``actor_loss``,
-``entropy``) never does. This package imports verl, torch, Ray and transformers, but nothing else
+tests. The method core (:mod:`verl_ext.core`), the engine seam, the registry and the actor loss
+never do. This package imports verl, torch, Ray and transformers, but nothing else
 of ``verl_ext``.
 
 This ``__init__`` itself imports only the standard library: importing a submodule (or calling

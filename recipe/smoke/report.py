@@ -1,4 +1,4 @@
-"""``python -m recipe.smoke_report SMOKE_OUT [--require-margin]``: the CPU smoke run's verdict.
+"""``python -m recipe.smoke.report SMOKE_OUT [--require-margin]``: the CPU smoke run's verdict.
 
 1. Merges verl's file-logger files of every attempt (``SMOKE_OUT/logs/*.jsonl``; a resumed run
    writes a new one) into ``SMOKE_OUT/metrics.jsonl``, one ``{"step", "data"}`` line per step in
@@ -77,7 +77,7 @@ def _loss_activity(metrics: dict[int, dict[str, Any]]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m recipe.smoke_report", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m recipe.smoke.report", description=__doc__.split("\n")[0])
     parser.add_argument("out", type=Path, help="the smoke run's SMOKE_OUT folder")
     parser.add_argument("--require-margin", action="store_true", help="exit 1 unless the learning margin is clear")
     args = parser.parse_args(argv)

@@ -6,10 +6,12 @@
 A token outside the band keeps its value everywhere (its loss term, its place in the aggregation,
 any sequence-level quantity it enters) and loses the gradient through its own log-prob: a hard
 violation in the unified operator (Eq. 5 of ATR-GRPO). One implementation for every loss: the
-divclip operator (:func:`verl_ext.losses.constrained_policy_loss`) and verl's own modes
+divclip operator (:func:`verl_ext.core.surrogate.constrained_policy_loss`) and verl's own modes
 (:mod:`verl_ext.verl_modes`) both compute the band with :func:`entropy_ratio_band`, gate the
 gradient with :func:`gate_log_prob_gradient` and report ``actor/divclip/erc/*`` through
-:func:`entropy_band_sums` and :func:`finish_entropy_band_metrics`.
+:func:`entropy_band_sums` and :func:`finish_entropy_band_metrics`. The ratio itself and the band test
+are :func:`entropy_ratio` and :func:`outside_band`, used by everything else that reads ERC's band (the
+on-policy gauge, the token dump, the benchmarks).
 
 Imports :mod:`verl_ext.config` only (for the knobs ``erc_beta_low/high`` and ``erc_eps``).
 """
@@ -45,6 +47,27 @@ class EntropyBand:
         return self.keep == 0.0
 
 
+def entropy_ratio(
+    old_entropy: torch.Tensor, entropy: torch.Tensor, response_mask: torch.Tensor, eps: float, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """ERC's rho_t = (H_t + eps) / (H_old,t + eps) (ERC paper Eq. 3), detached, in ``dtype``; exactly 1
+    on padding. The one place the ratio is computed: the loss's band (:func:`entropy_ratio_band`), the
+    on-policy gauge (:mod:`verl_ext.core.gauge`), the token dump and the benchmarks all call it.
+
+    The mask enters as arithmetic, (H m + eps) / (H_old m + eps): the ratio itself on valid tokens
+    (H * 1 is exact) and eps / eps = 1 on padding."""
+    eps_t = torch.full((), eps, dtype=dtype, device=entropy.device)
+    mask = response_mask.detach().to(dtype)
+    rho = torch.addcmul(eps_t, entropy.detach().to(dtype), mask)
+    return rho.div_(torch.addcmul(eps_t, old_entropy.detach().to(dtype), mask))
+
+
+def outside_band(rho: torch.Tensor, beta_low: float, beta_high: float) -> torch.Tensor:
+    """bool: rho outside the open band (1 - beta_l, 1 + beta_h) -- the tokens ERC masks. A NaN ratio
+    (a NaN entropy) is outside: it never keeps a gradient and counts as masked everywhere."""
+    return ~((rho > 1.0 - beta_low) & (rho < 1.0 + beta_high))
+
+
 def entropy_ratio_band(
     old_entropy: torch.Tensor,
     entropy: torch.Tensor,
@@ -52,26 +75,16 @@ def entropy_ratio_band(
     policy: DivClipPolicyLossConfig,
     dtype: torch.dtype,
 ) -> EntropyBand:
-    """ERC's band for ``policy.erc_beta_low/high`` and ``erc_eps``; the entropies are never
-    differentiated.
-
-    Written for the CPU's elementwise kernels, which dominate the loss's cost there (8 passes,
-    3 allocations): the mask enters as arithmetic, (H m + eps) / (H_old m + eps), which is the
-    ratio itself on valid tokens (H * 1 is exact) and eps / eps = 1 on padding, instead of a
-    ``torch.where`` (a select costs ~8 additions); comparisons are written as 0.0/1.0 floats (a
-    third of the time of a bool result) and counted with ``sum``. A NaN ratio (NaN entropies)
-    counts as outside the band on both sides.
-    """
-    eps = torch.full((), policy.erc_eps, dtype=dtype, device=entropy.device)
-    mask_f = response_mask.detach().to(dtype)
-    rho = torch.addcmul(eps, entropy.detach().to(dtype), mask_f)
-    work = torch.addcmul(eps, old_entropy.detach().to(dtype), mask_f)
-    rho.div_(work)
-    below_high = torch.lt(rho, 1.0 + policy.erc_beta_high, out=work)
-    above_low = torch.gt(rho, 1.0 - policy.erc_beta_low, out=torch.empty_like(rho))
+    """ERC's band for ``policy.erc_beta_low/high`` and ``erc_eps`` (:func:`entropy_ratio`,
+    :func:`outside_band`); the entropies are never differentiated. A NaN ratio counts as outside the
+    band on both sides (``n_above`` and ``n_below``)."""
+    rho = entropy_ratio(old_entropy, entropy, response_mask, policy.erc_eps, dtype)
+    not_above = rho < 1.0 + policy.erc_beta_high
+    not_below = rho > 1.0 - policy.erc_beta_low
     numel = rho.numel()
-    n_above, n_below = numel - below_high.sum(), numel - above_low.sum()
-    keep = below_high.mul_(above_low)  # 1 - beta_l < rho < 1 + beta_h
+    n_above = numel - not_above.sum(dtype=dtype)
+    n_below = numel - not_below.sum(dtype=dtype)
+    keep = (not_above & not_below).to(dtype)  # == ~outside_band(rho, ...), as the gate's multiplier
     return EntropyBand(rho, keep, n_above, n_below, response_mask)
 
 

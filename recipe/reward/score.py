@@ -2,7 +2,7 @@
 
 Configure it as::
 
-    reward.custom_reward_function.path=recipe/reward.py
+    reward.custom_reward_function.path=recipe/reward/score.py
     reward.custom_reward_function.name=compute_score
     # optional: +reward.custom_reward_function.reward_kwargs.think=required
 
@@ -26,7 +26,7 @@ anchored answer at all; default: the wrong score) and ``truncated_score`` (-0.5)
 Why worker processes: math-verify (sympy) can spend unbounded time inside C code, e.g.
 evaluating ``5^(5^(5^(5^5)))``, where ``SIGALRM`` cannot interrupt it, and ``SIGALRM`` is not
 usable from the threads verl's reward loop runs us in anyway. Parsing and verification
-therefore run in a small pool of worker processes (:mod:`recipe.reward_workers`); a worker that
+therefore run in a small pool of worker processes (:mod:`recipe.reward.workers`); a worker that
 exceeds the hard per-item timeout is killed and replaced, and the item scores as wrong (counted
 in :func:`reward_stats`).
 
@@ -46,14 +46,14 @@ from typing import Any
 
 # verl executes this file by path (``custom_reward_function.path``) under a private module name,
 # where ``recipe`` imports only if the project is installed; the repository root makes it import.
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 try:
-    from recipe.reward_workers import STATS, get_pool, reward_stats, shutdown_pool
+    from recipe.reward.workers import STATS, get_pool, reward_stats, shutdown_pool
 except ImportError:
     sys.path.insert(0, _REPO_ROOT)
-    from recipe.reward_workers import STATS, get_pool, reward_stats, shutdown_pool
+    from recipe.reward.workers import STATS, get_pool, reward_stats, shutdown_pool
 
-CANONICAL_MODULE = "recipe.reward"
+CANONICAL_MODULE = "recipe.reward.score"
 
 #: Only this many trailing characters of the (post-``</think>``) response are searched for the
 #: answer: the final answer sits at the end, and scanning 16k-token responses is wasted work.
@@ -397,7 +397,7 @@ async def compute_score_async(
 
 
 def _canonical_module() -> Any:
-    """This file imported as ``recipe.reward``.
+    """This file imported as ``recipe.reward.score``.
 
     verl loads ``custom_reward_function.path`` under a private module name that worker
     processes cannot import, and would otherwise give each load its own pool. Every call

@@ -25,7 +25,7 @@ How verl 0.9.1 lets it in (read from its source):
 * The length is capped in two places: ``SingleTurnAgentLoop`` truncates to
   ``rollout.response_length``, and the servers (vLLM, SGLang, ``hf_cpu``) default ``max_tokens``
   to it when a request names none. Validation rows get their own agent loop
-  (:class:`recipe.validation_rollout.ValidationLengthAgentLoop`) that sends ``max_tokens`` and
+  (:class:`recipe.validation.rollout.ValidationLengthAgentLoop`) that sends ``max_tokens`` and
   truncates at the row's length; TensorRT-LLM's server ignores a request's ``max_tokens`` and is
   refused.
 * Per-row ``n`` is verl's own ``__rollout_n__`` column: ``_validate`` reads it from the batch for
@@ -33,7 +33,7 @@ How verl 0.9.1 lets it in (read from its source):
 
 So :class:`ValidationLengthTrainerMixin` wraps the validation dataloader to add three columns per
 row -- ``__rollout_n__``, ``agent_name`` (the validation loop) and the row's length -- and the
-task runner uses :class:`recipe.validation_rollout.ValidationLengthAgentLoopManager`, which only
+task runner uses :class:`recipe.validation.rollout.ValidationLengthAgentLoopManager`, which only
 registers that loop in its workers. Training batches never pass through the wrapper and carry no
 ``agent_name``: they run verl's ``single_turn_agent`` with verl's sampling parameters, unchanged.
 Validation metrics gain ``val-aux/<data_source>/response_length/{mean,max,min,clip_ratio,limit}``.
@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 ROLLOUT = "actor_rollout_ref.rollout"
 VALIDATION_KEY = f"{ROLLOUT}.custom.validation"
-#: The agent loop validation rows run (registered by :mod:`recipe.validation_rollout`).
+#: The agent loop validation rows run (registered by :mod:`recipe.validation.rollout`).
 VALIDATION_AGENT_LOOP = "divclip_validation_single_turn"
 #: Per-row validation length, read (and dropped) by the validation agent loop.
 LENGTH_COLUMN = "__divclip_val_response_length__"

@@ -1,9 +1,9 @@
-"""The rollout side of per-benchmark validation lengths (:mod:`recipe.validation_length`).
+"""The rollout side of per-benchmark validation lengths (:mod:`recipe.validation.length`).
 
 :class:`ValidationLengthAgentLoop` is verl's ``SingleTurnAgentLoop`` for validation rows: it sends
 the row's length as ``max_tokens`` (the servers' default is ``rollout.response_length``) and
 truncates at it instead of at ``rollout.response_length``. Importing this module registers it with
-verl's agent-loop registry as :data:`recipe.validation_length.VALIDATION_AGENT_LOOP`; the registry
+verl's agent-loop registry as :data:`recipe.validation.length.VALIDATION_AGENT_LOOP`; the registry
 is per process, so :class:`ValidationLengthAgentLoopManager` imports it in every agent-loop worker
 it starts. Training rows never name this loop and run verl's ``single_turn_agent`` as before.
 """
@@ -17,7 +17,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 from verl.trainer.ppo.v1 import AgentLoopManagerTQ
 
-from recipe.validation_length import LENGTH_COLUMN, VALIDATION_AGENT_LOOP
+from recipe.validation.length import LENGTH_COLUMN, VALIDATION_AGENT_LOOP
 
 
 @register(VALIDATION_AGENT_LOOP)
@@ -28,7 +28,7 @@ class ValidationLengthAgentLoop(SingleTurnAgentLoop):
         if LENGTH_COLUMN not in kwargs:
             raise KeyError(
                 f"agent loop {VALIDATION_AGENT_LOOP!r} runs validation rows, which carry {LENGTH_COLUMN!r} "
-                "(recipe.validation_length.PerBenchmarkValidationLoader); this row has none"
+                "(recipe.validation.length.PerBenchmarkValidationLoader); this row has none"
             )
         length = int(kwargs.pop(LENGTH_COLUMN))
         # SingleTurnAgentLoop truncates to self.response_length after generation

@@ -2,9 +2,9 @@
 
 verl validates its own keys (``verl.utils.config.validate_config``); this adds what the divclip
 recipe needs and verl cannot know: the plugin is registered, the policy-loss config is ours
-and valid (building it runs the dataclass checks; :func:`verl_ext.losses.check_policy_config`
+and valid (building it runs the dataclass checks; :func:`verl_ext.registry.check_policy_config`
 checks it against the loss-mode registry), ERC has both entropies available, per-benchmark
-validation lengths can be served (:mod:`recipe.validation_length`).
+validation lengths can be served (:mod:`recipe.validation.length`).
 Every error names the config key to change.
 """
 
@@ -24,7 +24,9 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import PolicyLossConfig
 
 from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig, actor_clip_ratios
-from verl_ext.losses import CONSTRAINTS, check_policy_config
+from verl_ext.core.region import CONSTRAINTS
+from verl_ext.engine.request import SUPPORTED_STRATEGIES, requested_features
+from verl_ext.registry import check_policy_config
 from verl_ext.plugin import require_registered
 
 ACTOR = "actor_rollout_ref.actor"
@@ -79,6 +81,7 @@ def validate_divclip_config(config: DictConfig) -> Any:
                 f"and {ACTOR}.ppo_epochs=1 every update is on-policy, its measured KL3 is 0 and the controller "
                 "could only widen delta: use a smaller ppo_mini_batch_size or more ppo_epochs, or a static delta"
             )
+    validate_strategy(actor, policy if isinstance(policy, DivClipPolicyLossConfig) else None)
     if isinstance(policy, DivClipPolicyLossConfig) and policy.vocab_pass:
         validate_vocab_pass(config, actor)
     if isinstance(policy, DivClipPolicyLossConfig) and policy.stores_old_topk:
@@ -107,6 +110,25 @@ def validate_divclip_config(config: DictConfig) -> Any:
 VOCAB_PASS = f"{ACTOR}.policy_loss.vocab_pass"
 
 
+def validate_strategy(actor: Any, policy: DivClipPolicyLossConfig | None) -> None:
+    """Every feature the recipe adds inside verl's actor engine (ERC's fp32 entropy, the vocabulary pass,
+    pi_old's top-k, the aligned packing) lives in the engine seam, which covers verl's FSDP engine only
+    (:data:`verl_ext.engine.request.SUPPORTED_STRATEGIES`). Another ``actor.strategy`` with any of them
+    on is refused here, naming the keys -- it would otherwise run silently without them. ``policy`` is
+    None for verl's plain policy-loss config, whose actor loss still packs the old pass as the update."""
+    strategy = actor.strategy
+    if strategy in SUPPORTED_STRATEGIES:
+        return
+    needed = [key for key, on in requested_features(policy).items() if on]
+    if needed:
+        raise ConfigError(
+            f"{ACTOR}.strategy={strategy!r}: {', '.join(needed)} need(s) verl-divclip's engine seam, which covers "
+            f"strategies {list(SUPPORTED_STRATEGIES)} only (verl's FSDP engine); with {strategy!r} the run would silently "
+            f"use verl's own entropy and packing. Use {ACTOR}.strategy=fsdp2 (or fsdp), or turn these keys off "
+            f"({ACTOR}.policy_loss.pack_old_log_prob_as_update=false needs {ACTOR}.policy_loss._target_={CONFIG_TARGET})"
+        )
+
+
 def validate_vocab_pass(config: DictConfig, actor: Any) -> None:
     """``policy_loss.vocab_pass=true`` never builds the logits and runs inside verl's FSDP actor
     engine: refuse what needs the logits or another forward (named keys), before Ray starts.
@@ -126,11 +148,6 @@ def validate_vocab_pass(config: DictConfig, actor: Any) -> None:
     if OmegaConf.select(config, "distillation.enabled", default=False):
         raise ConfigError(
             f"{VOCAB_PASS}=true never materialises the student logits that distillation.enabled=true needs"
-        )
-    strategy = actor.strategy
-    if strategy not in ("fsdp", "fsdp2"):
-        raise ConfigError(
-            f"{VOCAB_PASS}=true runs inside verl's FSDP actor engine; {ACTOR}.strategy={strategy!r} has no such engine"
         )
     lora_rank = model.get("lora_rank", 0) or 0
     if lora_rank > 0 or model.get("lora_adapter_path", None):
@@ -245,8 +262,8 @@ def validate_profile(config: DictConfig) -> None:
 
 def validate_validation_length(config: DictConfig) -> None:
     """Per-benchmark validation lengths (``actor_rollout_ref.rollout.custom.validation``) that the
-    run can serve: :func:`recipe.validation_length.check_validation_length`."""
-    from recipe.validation_length import ValidationLengthError, check_validation_length
+    run can serve: :func:`recipe.validation.length.check_validation_length`."""
+    from recipe.validation.length import ValidationLengthError, check_validation_length
 
     try:
         check_validation_length(config)

@@ -16,7 +16,7 @@ Why ``echo`` learns in minutes from *random* weights
     by chance. The tokenizer therefore has one whole-word token per boxed answer
     (``\\boxed{0}`` .. ``\\boxed{9}``, the way a real BPE vocabulary has multi-character
     tokens for common strings) and a vocabulary of only 33 tokens. In a 4-token response most
-    samples contain a boxed token; the *last* one is what ``recipe.reward.compute_score``
+    samples contain a boxed token; the *last* one is what ``recipe.reward.score.compute_score``
     scores, and it is right 1 time in 10. So the initial mean reward is ~0.1, a group of 8
     samples often contains a success, and GRPO gets a non-zero advantage from step 1. In
     ``echo`` every content token of the prompt is the answer digit, so even the random model's
@@ -26,7 +26,7 @@ Why ``echo`` learns in minutes from *random* weights
 
 Reward conventions
     ``data_source`` is ``smoke_<task>`` (e.g. ``smoke_echo``): not ``math_dapo``, so
-    ``recipe.reward.compute_score`` takes its math-verify route: the anchored answer (the
+    ``recipe.reward.score.compute_score`` takes its math-verify route: the anchored answer (the
     last complete ``\\boxed{}``) against ``ground_truth``; equal plain integers score 1 on the
     exact-match fast path and different ones 0, so no math-verify worker is ever needed.
 
@@ -36,7 +36,7 @@ Files written by :func:`build_smoke_assets`::
                        special_tokens_map.json, generation_config.json, chat_template.jinja
     <out>/data/train.parquet, <out>/data/val.parquet   (verl RL schema, see docs/data_and_reward.md)
 
-Command line: ``python -m recipe.smoke_task --out DIR [--task echo] [--train 512] [--val 20]``
+Command line: ``python -m recipe.smoke.task --out DIR [--task echo] [--train 512] [--val 20]``
 prints the paths as JSON.
 """
 
@@ -318,7 +318,7 @@ def _prod(shape: Sequence[int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m recipe.smoke_task", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m recipe.smoke.task", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="output folder (model/ and data/ are created in it)")
     parser.add_argument("--task", default="echo", choices=TASKS)
     parser.add_argument("--train", type=int, default=512, help="training prompts")

@@ -2,13 +2,13 @@
 
 math-verify (sympy) can spend unbounded time inside C code, e.g. evaluating
 ``5^(5^(5^(5^5)))``, where ``SIGALRM`` cannot interrupt it, and ``SIGALRM`` is not usable from
-the threads verl's reward loop runs :func:`recipe.reward.compute_score` in anyway. Parsing and
+the threads verl's reward loop runs :func:`recipe.reward.score.compute_score` in anyway. Parsing and
 verification therefore run here, in a small pool of worker processes
 (``VERL_DIVCLIP_REWARD_WORKERS``, default one per core, 2 to 8); a worker that exceeds the hard
 per-item timeout is killed and replaced, and the item scores as wrong (counted in
 :func:`reward_stats`).
 
-Who may import it: :mod:`recipe.reward` (the only caller of :meth:`WorkerPool.verify`), the
+Who may import it: :mod:`recipe.reward.score` (the only caller of :meth:`WorkerPool.verify`), the
 reward benchmark and tests. A worker process imports only this module (and math-verify).
 """
 
@@ -33,8 +33,8 @@ MAX_START_FAILURES = 3
 WORKER_MEMORY_BYTES = 4 * 1024**3
 
 #: The repository root, put on the workers' ``PYTHONPATH`` so they import this module even when the
-#: project is not installed (verl may load recipe/reward.py by path).
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: project is not installed (verl may load recipe/reward/score.py by path).
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -111,7 +111,7 @@ class _Worker:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH")) if p)
         code = (
-            "import sys; from recipe.reward_workers import worker_entry_point; "
+            "import sys; from recipe.reward.workers import worker_entry_point; "
             "worker_entry_point(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))"
         )
         try:
@@ -218,7 +218,7 @@ class WorkerPool:
                 return
             self._start_failures += 1
             if self._start_failures >= MAX_START_FAILURES:
-                self._broken = True  # e.g. recipe.reward_workers not importable; see the workers' stderr
+                self._broken = True  # e.g. recipe.reward.workers not importable; see the workers' stderr
                 worker.kill()
             elif not self._closed:
                 self._replace(worker)
@@ -245,7 +245,7 @@ class WorkerPool:
             if self._broken and self._idle.empty():
                 raise RuntimeError(
                     f"reward workers failed to start {MAX_START_FAILURES} times in a row "
-                    f"({sys.executable} -c 'import recipe.reward_workers'); their stderr has the cause"
+                    f"({sys.executable} -c 'import recipe.reward.workers'); their stderr has the cause"
                 )
             try:
                 worker = self._idle.get(timeout=min(remaining, 1.0))

@@ -8,18 +8,18 @@ temperature ``T``: with ``x_t = W h_t`` (the LM head) and ``z_t = x_t / T``,
 * ``H_t = -sum_j pi_j log pi_j`` (ERC's ``H(pi_theta, t)`` and ``H(pi_old, t)``, ERC paper Eq. 6),
 * the ``k`` largest ``log pi_j`` and their ids (what a full-KL trust region stores of pi_old),
 * :func:`bucket_log_masses`: ``log pi`` on ``k`` given ids plus the tail bucket of every other id
-  (the coarsened distribution of :mod:`verl_ext.full_kl`, evaluated for pi_old and pi_theta alike).
+  (the coarsened distribution of :mod:`verl_ext.core.coarsened_kl`, evaluated for pi_old and pi_theta alike).
 
 :class:`VocabPass` computes them over blocks of tokens and, within a block, over fixed slices of
 :data:`VOCAB_SLICE` vocabulary columns: each slice's logits are computed in float32 from the head
 weight (cast to float32 one slice at a time, never the whole ``vocab x hidden`` matrix), scaled by
 ``1/T`` in float32 -- never rounded to bf16, which removes the logit rounding that makes a bf16
 entropy noisy -- and reduced with the project's cancellation-free row formula
-(:meth:`verl_ext.entropy._EagerRows.stats`: ``max``, ``r`` and ``s`` with every term non-negative);
-the slices' sums merge exactly (:func:`verl_ext.entropy.merge_row_stats`, still non-negative terms),
+(:meth:`verl_ext.core.entropy.EagerRows.stats`: ``max``, ``r`` and ``s`` with every term non-negative);
+the slices' sums merge exactly (:func:`verl_ext.core.entropy.merge_row_stats`, still non-negative terms),
 ``logsumexp = max + log1p(r)`` and ``H = log1p(r) + s / (1 + r)``, so ``log pi`` of the arg-max token
 and the entropy of a confident token keep their relative precision. Only ``rows x slice`` float32
-buffers of at most :data:`verl_ext.entropy.EAGER_CHUNK_BYTES` exist at once; the slices are fixed,
+buffers of at most :data:`verl_ext.core.entropy.EAGER_CHUNK_BYTES` exist at once; the slices are fixed,
 so a token's result does not depend on the batch it is packed in.
 
 The backward recomputes the logits, one *vocabulary* slice of all tokens at a time: for a slice
@@ -30,22 +30,33 @@ float32 and rounded once, to the weight's dtype) and ``dh += dx_c W_c`` (a ``tok
 float32 accumulator). No ``vocab x hidden`` float32 buffer is ever allocated. The entropy is
 graph-free unless ``entropy_grad=True`` (an entropy bonus, ``actor.entropy_coeff != 0``).
 
+**Tensor cores.** On CUDA with half-precision operands (verl's default mixed precision: bf16 hidden
+states and a bf16 head) the float32 matmuls run as TF32, scoped to these matmuls
+(:func:`tf32_matmuls`). A bf16/fp16 value is exact in TF32, the product of two is exact in float32 and
+tensor cores accumulate in float32, so the logits -- forward and recompute -- are the float32 logits up
+to summation order, at tensor-core rate (an H100 does float32 on CUDA cores at ~1/15 of its bf16
+rate). The gradient matmuls take the logit gradient ``dx`` (a general float32) rounded to TF32: a
+relative error of at most 2^-11 per product term, below the 2^-8 of verl's bf16 logits gradient.
+Anywhere else (fp32 parameters, CPU) every matmul is float32, as before (:func:`tensor_core_matmuls`).
+
 Temperature may be a scalar or one value per token (verl's ``temperature_rmpad``): the formula is
-per row. :mod:`verl_ext.vocab_pass_engine` runs this inside the LM head module's own forward, so
+per row. The engine seam (:mod:`verl_ext.engine.vocab_pass_step`) runs this inside the LM head module's own forward, so
 FSDP1/FSDP2 unshard, reshard and reduce-scatter the head as for any layer.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Union
 
 import torch
 
-from verl_ext.entropy import EAGER_CHUNK_BYTES, _EagerRows, merge_row_stats
+from verl_ext.core.coarsened_kl import check_top_k, tail_log_mass_
+from verl_ext.core.entropy import EagerRows, chunk_bytes_for, merge_row_stats
 
-__all__ = ["VocabPassOutput", "VocabPass", "vocab_pass", "bucket_log_masses", "chunk_bytes_for"]
+__all__ = ["VocabPassOutput", "VocabPass", "vocab_pass", "bucket_log_masses", "tensor_core_matmuls", "tf32_matmuls"]
 
 
 @dataclass
@@ -72,18 +83,49 @@ VOCAB_SLICE = 8192
 same way whatever the batch it is packed in (ERC's on-policy ratio needs both passes to agree)."""
 
 
-def chunk_bytes_for(device: torch.device) -> int:
-    """Bytes of one float32 ``rows x vocab`` (forward) or ``tokens x vocab-slice`` (backward) buffer."""
-    return EAGER_CHUNK_BYTES.get(device.type, EAGER_CHUNK_BYTES["cpu"])
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _float32_logits_into(out: torch.Tensor, hidden32: torch.Tensor, weight_slice: torch.Tensor) -> None:
+def tensor_core_matmuls(hidden: torch.Tensor, weight: torch.Tensor, requested: Optional[bool] = None) -> bool:
+    """Whether the pass's float32 matmuls may run as TF32 on tensor cores: on CUDA, when both operands hold
+    half-precision values (verl's default mixed precision: bf16 hidden states and a bf16 head). A bf16 or
+    fp16 value is exact in TF32 (8 / 11 significant bits <= TF32's 11), so the logits -- forward and the
+    backward's recompute -- equal the float32 matmul's up to summation order (docs/losses.md, "The
+    vocabulary pass"). ``requested``: ``None`` decides as above, ``False`` forces float32 (IEEE), ``True``
+    asks for TF32 and is honoured only where the above holds. Elsewhere (fp32 parameters, CPU) the pass is
+    float32 throughout, unchanged."""
+    eligible = hidden.device.type == "cuda" and hidden.dtype in HALF_DTYPES and weight.dtype in HALF_DTYPES
+    return eligible and requested is not False
+
+
+@contextmanager
+def tf32_matmuls(enabled: bool) -> Iterator[None]:
+    """cuBLAS may use TF32 for the float32 matmuls inside the block, and only there: the setting is
+    restored on exit, also when the block raises, so a user's model and verl's other matmuls keep whatever
+    the user set. Uses ``torch.backends.cuda.matmul.fp32_precision`` (the legacy ``allow_tf32`` where that
+    does not exist). ``enabled=False`` changes nothing."""
+    if not enabled:
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    name, value = ("fp32_precision", "tf32") if hasattr(matmul, "fp32_precision") else ("allow_tf32", True)
+    saved = getattr(matmul, name)
+    setattr(matmul, name, value)
+    try:
+        yield
+    finally:
+        setattr(matmul, name, saved)
+
+
+def _float32_logits_into(out: torch.Tensor, hidden32: torch.Tensor, weight_slice: torch.Tensor, tf32: bool) -> None:
     """``out = hidden32 @ weight_slice^T`` in float32 (a non-float32 slice is cast: products of bf16
-    values are exact in float32, so this is the exact logit up to float32 accumulation)."""
-    if out.is_contiguous():
-        torch.mm(hidden32, weight_slice.float().t(), out=out)
-    else:
-        out.copy_(hidden32 @ weight_slice.float().t())
+    values are exact in float32, so this is the exact logit up to float32 accumulation); with ``tf32``
+    on tensor cores, which for half-precision values is the same product (:func:`tensor_core_matmuls`)."""
+    with tf32_matmuls(tf32):
+        if out.is_contiguous():
+            torch.mm(hidden32, weight_slice.float().t(), out=out)
+        else:
+            out.copy_(hidden32 @ weight_slice.float().t())
 
 
 def _forward_blocks(tokens: int, vocab: int, chunk_bytes: int) -> tuple[int, int]:
@@ -95,7 +137,7 @@ def _forward_blocks(tokens: int, vocab: int, chunk_bytes: int) -> tuple[int, int
 
 
 def _logit_slices(
-    hidden32: torch.Tensor, weight: torch.Tensor, inv_t: torch.Tensor, buffer: torch.Tensor
+    hidden32: torch.Tensor, weight: torch.Tensor, inv_t: torch.Tensor, buffer: torch.Tensor, tf32: bool
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """``(v0, v1, z)``: one block's float32 logits ``z = hidden32 @ weight[v0:v1]^T / T`` (``inv_t``:
     ``(rows, 1)``), one fixed vocabulary slice at a time, written into ``buffer`` and overwritten by
@@ -105,7 +147,7 @@ def _logit_slices(
     for v0 in range(0, vocab, width):
         v1 = min(v0 + width, vocab)
         z = buffer[:rows, : v1 - v0]
-        _float32_logits_into(z, hidden32, weight[v0:v1])
+        _float32_logits_into(z, hidden32, weight[v0:v1], tf32)
         yield v0, v1, z.mul_(inv_t)
 
 
@@ -137,6 +179,7 @@ class VocabPass(torch.autograd.Function):
         top_k: int,
         entropy_grad: bool,
         chunk_bytes: int,
+        tf32: bool,
     ) -> tuple[torch.Tensor, ...]:
         tokens, vocab = hidden.shape[0], weight.shape[0]
         device = hidden.device
@@ -148,7 +191,7 @@ class VocabPass(torch.autograd.Function):
         top_ids = torch.empty(tokens, top_k, dtype=torch.int64, device=device)
         if tokens:
             logits = torch.empty(rows, slice_width, dtype=torch.float32, device=device)
-            reducer = _EagerRows(rows, slice_width, device)
+            reducer = EagerRows(rows, slice_width, device)
             with torch.autocast(device_type=device.type, enabled=False):
                 for start in range(0, tokens, rows):  # a block of rows ...
                     stop = min(start + rows, tokens)
@@ -159,7 +202,7 @@ class VocabPass(torch.autograd.Function):
                     picked = torch.zeros(stop - start, dtype=torch.float32, device=device)
                     best = ids = None
                     # ... over vocabulary slices, merged exactly
-                    for v0, v1, z in _logit_slices(hidden32, weight, inv_t, logits):
+                    for v0, v1, z in _logit_slices(hidden32, weight, inv_t, logits, tf32):
                         part = reducer.stats(z)
                         stats = part if stats is None else merge_row_stats(stats, part)
                         inside = (block_labels >= v0) & (block_labels < v1)
@@ -184,6 +227,7 @@ class VocabPass(torch.autograd.Function):
                         top_ids[start:stop] = ids[:, :top_k]
         ctx.entropy_grad = entropy_grad
         ctx.chunk_bytes = chunk_bytes
+        ctx.tf32 = tf32
         if entropy_grad:  # dH/dz needs H
             ctx.save_for_backward(hidden, weight, labels, inv_temperature, log_normaliser, entropy)
             ctx.mark_non_differentiable(top_lp, top_ids)  # (one call: a second replaces the first)
@@ -207,7 +251,7 @@ class VocabPass(torch.autograd.Function):
         grad_hidden32 = torch.zeros(tokens, hidden.shape[1], dtype=torch.float32, device=device)
         grad_weight = torch.zeros_like(weight)
         if tokens == 0 or (g_lp is None and g_h is None):
-            return grad_hidden32.to(hidden.dtype), grad_weight, None, None, None, None, None
+            return grad_hidden32.to(hidden.dtype), grad_weight, None, None, None, None, None, None
         slice_rows = max(1, min(vocab, ctx.chunk_bytes // (4 * tokens)))
         with torch.autocast(device_type=device.type, enabled=False):
             hidden32 = hidden.float()
@@ -215,7 +259,8 @@ class VocabPass(torch.autograd.Function):
             for start in range(0, vocab, slice_rows):
                 stop = min(start + slice_rows, vocab)
                 weight32 = weight[start:stop].float()
-                z = hidden32 @ weight32.t()  # (tokens, slice) logits, recomputed in float32
+                with tf32_matmuls(ctx.tf32):  # exact for half-precision values: the forward's logits
+                    z = hidden32 @ weight32.t()  # (tokens, slice) logits, recomputed in float32
                 z.mul_(inv_temperature.unsqueeze(1)).sub_(log_normaliser.unsqueeze(1))  # log pi
                 p = torch.exp(z)
                 if g_h is not None:  # dH/dz_j = -pi_j (log pi_j + H)
@@ -228,9 +273,10 @@ class VocabPass(torch.autograd.Function):
                     inside = (labels >= start) & (labels < stop)
                     dz[rows[inside], labels[inside] - start] += g_lp[inside]
                 dz.mul_(inv_temperature.unsqueeze(1))  # z = x / T
-                grad_weight[start:stop] = (dz.t() @ hidden32).to(weight.dtype)
-                grad_hidden32.addmm_(dz, weight32)
-        return grad_hidden32.to(hidden.dtype), grad_weight, None, None, None, None, None
+                with tf32_matmuls(ctx.tf32):  # dz rounds to TF32: relative error <= 2^-11 per term
+                    grad_weight[start:stop] = (dz.t() @ hidden32).to(weight.dtype)
+                    grad_hidden32.addmm_(dz, weight32)
+        return grad_hidden32.to(hidden.dtype), grad_weight, None, None, None, None, None, None
 
 
 def vocab_pass(
@@ -242,6 +288,7 @@ def vocab_pass(
     top_k: int = 0,
     entropy_grad: bool = False,
     chunk_bytes: Optional[int] = None,
+    tensor_cores: Optional[bool] = None,
 ) -> VocabPassOutput:
     """log pi(labels), entropy and optionally the top-k of ``softmax(hidden @ weight^T / T)``, chunked.
 
@@ -254,6 +301,8 @@ def vocab_pass(
         top_k: How many of the largest log-probabilities (and their ids) to return per token; 0: none.
         entropy_grad: Whether the entropy carries a gradient (an entropy bonus); default graph-free.
         chunk_bytes: Size of each float32 logits buffer; default :func:`chunk_bytes_for` the device.
+        tensor_cores: TF32 matmuls on CUDA for half-precision operands (:func:`tensor_core_matmuls`):
+            ``None`` (default) where eligible, ``False`` float32 everywhere.
 
     Returns:
         :class:`VocabPassOutput` with tensors of shape ``labels.shape`` (top-k: ``labels.shape + (k,)``).
@@ -263,8 +312,7 @@ def vocab_pass(
     lead = hidden.shape[:-1]
     if tuple(labels.shape) != tuple(lead):
         raise ValueError(f"labels {tuple(labels.shape)} must have the hidden states' leading shape {tuple(lead)}")
-    if not 0 <= int(top_k) <= weight.shape[0]:
-        raise ValueError(f"top_k must lie in [0, vocab={weight.shape[0]}], got {top_k}")
+    check_top_k(int(top_k), weight.shape[0], key="top_k", low=0)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1).to(device=hidden.device, dtype=torch.int64)
     inv_t = _per_row(temperature, flat_hidden.shape[0], hidden.device)
@@ -272,7 +320,8 @@ def vocab_pass(
     if budget <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     log_probs, entropy, top_lp, top_ids = VocabPass.apply(
-        flat_hidden, weight, flat_labels, inv_t, int(top_k), bool(entropy_grad), budget
+        flat_hidden, weight, flat_labels, inv_t, int(top_k), bool(entropy_grad), budget,
+        tensor_core_matmuls(hidden, weight, tensor_cores),
     )
     k = int(top_k)
     return VocabPassOutput(
@@ -291,11 +340,12 @@ def bucket_log_masses(
     temperature: Union[float, torch.Tensor] = 1.0,
     *,
     chunk_bytes: Optional[int] = None,
+    tensor_cores: Optional[bool] = None,
 ) -> torch.Tensor:
     """Log-masses of ``softmax(hidden @ weight^T / T)`` on ``k + 1`` buckets, without the logits tensor.
 
     Each of a token's ``k`` ids is its own bucket; the last bucket, the *tail*, holds every other id
-    (:func:`verl_ext.full_kl.log_masses_rows` computes the same from materialised logits). The logits
+    (:func:`verl_ext.core.coarsened_kl.log_masses_rows` computes the same from materialised logits). The logits
     are built in float32 slices of :data:`VOCAB_SLICE` columns as in :func:`vocab_pass`; in each slice
     the bucket ids' logits are read and then set to ``-inf``, and the slice's remaining columns reduce
     to their own logsumexp -- the tail is the logsumexp of those per-slice values, computed directly
@@ -311,6 +361,7 @@ def bucket_log_masses(
         ids: ``(tokens, k)`` distinct ids per token, ``1 <= k <= vocab``.
         temperature: a positive scalar or one value per token.
         chunk_bytes: size of the float32 logits buffer; default :func:`chunk_bytes_for` the device.
+        tensor_cores: as :func:`vocab_pass` (the same logits, so on-policy the two passes still agree).
 
     Returns:
         ``(tokens, k + 1)`` float32 log-masses normalised over the ``k + 1`` buckets (the tail is
@@ -319,8 +370,9 @@ def bucket_log_masses(
     if weight.dim() != 2 or hidden.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and head weight {tuple(weight.shape)} do not match")
     tokens, vocab = hidden.shape[0], weight.shape[0]
-    if ids.dim() != 2 or ids.shape[0] != tokens or not 1 <= ids.shape[1] <= vocab:
-        raise ValueError(f"ids {tuple(ids.shape)} must be (tokens={tokens}, k) with 1 <= k <= vocab={vocab}")
+    if ids.dim() != 2 or ids.shape[0] != tokens:
+        raise ValueError(f"ids {tuple(ids.shape)} must be (tokens={tokens}, k)")
+    check_top_k(ids.shape[1], vocab, key="the number of bucket ids k")
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
         raise ValueError(
             f"ids must lie in [0, vocab={vocab}), got [{int(ids.min())}, {int(ids.max())}] "
@@ -332,6 +384,7 @@ def bucket_log_masses(
     budget = int(chunk_bytes) if chunk_bytes is not None else chunk_bytes_for(device)
     rows, slice_width = _forward_blocks(tokens, vocab, budget)
     n_slices = -(-vocab // slice_width)
+    tf32 = tensor_core_matmuls(hidden, weight, tensor_cores)
     out = torch.empty(tokens, k + 1, dtype=torch.float32, device=device)
     if tokens == 0:
         return out
@@ -344,16 +397,14 @@ def bucket_log_masses(
             block_ids = ids[start:stop].to(dtype=torch.int64)
             at_ids = torch.full((stop - start, k), -math.inf, dtype=torch.float32, device=device)
             slice_tails = torch.empty(stop - start, n_slices, dtype=torch.float32, device=device)
-            for s, (v0, v1, z) in enumerate(_logit_slices(hidden32, weight, inv_t, logits)):
+            for s, (v0, v1, z) in enumerate(_logit_slices(hidden32, weight, inv_t, logits, tf32)):
                 inside = (block_ids >= v0) & (block_ids < v1)
                 local = (block_ids - v0).clamp_(0, v1 - v0 - 1)
                 at_ids = torch.where(inside, z.gather(1, local), at_ids)
                 # the bucket ids leave the slice's tail: -inf at their columns; ids of other slices
                 # point (clamped) at some column with +inf, which amin ignores -- order-independent
                 z.scatter_reduce_(1, local, torch.where(inside, -math.inf, math.inf), reduce="amin")
-                top = z.amax(dim=1, keepdim=True)
-                top = torch.where(torch.isfinite(top), top, 0.0)  # every column a bucket: an empty tail
-                slice_tails[:, s] = (top + torch.log(z.sub_(top).exp_().sum(dim=1, keepdim=True))).squeeze(1)
+                slice_tails[:, s] = tail_log_mass_(z).squeeze(1)  # every column a bucket: -inf
             buckets = torch.cat([at_ids, torch.logsumexp(slice_tails, dim=1, keepdim=True)], dim=1)
             out[start:stop] = buckets - torch.logsumexp(buckets, dim=1, keepdim=True)
     return out

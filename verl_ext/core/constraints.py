@@ -1,0 +1,167 @@
+"""The constraints of the unified operator (ATR-GRPO Eq. 5): each method a few lines.
+
+Clip / Clip-Higher, GPPO, KL3 (ATR-GRPO), KL1, KL2, IS-KL3, TRGPPO, sequence-level KL3 (ATR-GRPO
+Sec. 6.5), the exact trust region on pi_old's top-k (``kl_full``, Eq. 4) and DCPO, each defined with
+:func:`verl_ext.core.region.define_constraint`. Everything else is the shared operator
+(:mod:`verl_ext.core.surrogate`, which imports this module so that every definition is present).
+
+Imports :mod:`verl_ext.core.region` and :mod:`verl_ext.core.divergences`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from verl_ext.core import divergences
+from verl_ext.core.region import ConstraintInputs, TrustRegion, define_constraint, interval
+
+KL_FULL_NEEDS_TOPK = (
+    "policy_loss.loss_mode='kl_full' needs pi_old's top-k (stored by the old-log-prob pass) and pi_theta's "
+    "log-probs on it, which verl's policy-loss registry does not pass: run training through "
+    "`python -m recipe.main` (its trainer stores the top-k and installs the actor loss that reads it)"
+)
+
+
+
+
+@define_constraint("clip")
+def clip_region(inputs: ConstraintInputs) -> TrustRegion:
+    """GRPO Clip / DAPO Clip-Higher: 1 - eps_low <= w <= 1 + eps_high (actor.clip_ratio_low/high)."""
+    return interval(inputs, 1.0 - inputs.clip_ratio_low, 1.0 + inputs.clip_ratio_high)
+
+
+@define_constraint("gppo", on_violation="preserve")
+def gppo_region(inputs: ConstraintInputs) -> TrustRegion:
+    """GPPO: the ``clip`` interval; violations keep a scaled gradient (gppo_beta_low/high)."""
+    return clip_region(inputs)
+
+
+@define_constraint("kl3", delta_budget=True)
+def kl3_region(inputs: ConstraintInputs) -> TrustRegion:
+    """ATR-GRPO: KL3_t = w - 1 - log w <= delta, i.e. w in [l_delta, u_delta] (Theorem 4.2)."""
+    return interval(inputs, *_cached_bounds("kl3", inputs.policy.delta))
+
+
+@define_constraint("kl1", delta_budget=True)
+def kl1_region(inputs: ConstraintInputs) -> TrustRegion:
+    """|k1| = |log w| <= delta, i.e. w in [e^-delta, e^delta] (symmetric in log-ratio)."""
+    return interval(inputs, *_cached_bounds("kl1", inputs.policy.delta))
+
+
+@define_constraint("kl2", delta_budget=True)
+def kl2_region(inputs: ConstraintInputs) -> TrustRegion:
+    """k2 = (log w)^2 / 2 <= delta, i.e. w in [e^-sqrt(2 delta), e^sqrt(2 delta)]."""
+    return interval(inputs, *_cached_bounds("kl2", inputs.policy.delta))
+
+
+@define_constraint("is_kl3", delta_budget=True)
+def is_kl3_region(inputs: ConstraintInputs) -> TrustRegion:
+    """Importance-weighted KL3: w * k3(1/w) = w log w - w + 1 <= delta (see divergences)."""
+    return interval(inputs, *_cached_bounds("is_kl3", inputs.policy.delta))
+
+
+@define_constraint("trgppo", delta_budget=True)
+def trgppo_region(inputs: ConstraintInputs) -> TrustRegion:
+    """TRGPPO "full KL-guided" bounds: w in [min(l, 1-eps_low), max(u, 1+eps_high)] where l, u
+    solve KL(Bern(q) || Bern(q w)) = delta per token.
+
+    Both intervals contain 1, so membership of their union is decided without solving for
+    l and u: the Bernoulli KL is within budget, or the ratio is within the epsilon clip.
+    The roots only feed the ``ratio_lower/upper`` metrics (see ``metric_sample``), where
+    they are interpolated from a per-delta table.
+    """
+    eps_inside = (inputs.ratio >= 1.0 - inputs.clip_ratio_low) & (inputs.ratio <= 1.0 + inputs.clip_ratio_high)
+    # Only tokens outside the epsilon band can be rescued by the KL budget -- usually few --
+    # so the Bernoulli KL is evaluated on that subset and scattered back.
+    # (one nonzero + index_put: boolean-mask indexing costs tens of elementwise passes on CPU)
+    beyond_eps = (~eps_inside).reshape(-1).nonzero().squeeze(1)
+    within_budget = divergences.bernoulli_kl_within(
+        inputs.old_log_prob.reshape(-1)[beyond_eps], inputs.log_ratio.reshape(-1)[beyond_eps], inputs.policy.delta
+    )
+    inside = eps_inside.reshape(-1).index_put((beyond_eps,), within_budget).view_as(eps_inside)
+    lower, upper = divergences.trgppo_ratio_bounds_interpolated(metric_sample(inputs), inputs.policy.delta)
+    lower = torch.clamp(lower, max=1.0 - inputs.clip_ratio_low)
+    upper = torch.clamp(upper, min=1.0 + inputs.clip_ratio_high)
+    return TrustRegion(inside, lower, upper, bounds_sampled=True)
+
+
+@define_constraint("seq_kl3", level="sequence", delta_budget=True)
+def seq_kl3_region(inputs: ConstraintInputs) -> TrustRegion:
+    """Sequence-level ATR (ATR-GRPO Sec. 6.5): KL3(s_i) = s_i - 1 - log s_i <= delta for GSPO's
+    s_i = exp(mean_t log w_{i,t}), i.e. s_i in [l_delta, u_delta] (the Lambert-W bounds of
+    ``kl3``): the asymmetric counterpart of GSPO's symmetric clip of s_i. The operator passes
+    s_i (broadcast over the sequence's tokens) as ``inputs.ratio``."""
+    return kl3_region(inputs)
+
+
+@define_constraint("kl_full", delta_budget=True, budget_metric="kl_full_mean", needs_old_topk=True)
+def kl_full_region(inputs: ConstraintInputs) -> TrustRegion:
+    """The exact trust region of ATR-GRPO Eq. 4 on pi_old's top-k: KL_t <= delta, where KL_t is
+    KL(pi_theta || pi_old) (``kl_full_direction=forward``) or KL(pi_old || pi_theta) (``reverse``, Truly
+    PPO's trigger) between the two policies' (k + 1)-bucket coarsenings (top-k ids + tail), a lower
+    bound of the full-vocabulary KL (:func:`verl_ext.core.coarsened_kl.coarsened_kl`).
+
+    The region is not a ratio interval (it depends on the whole distribution), so no ratio bounds are
+    reported."""
+    if inputs.full_kl is None:
+        raise ValueError(KL_FULL_NEEDS_TOPK)
+    no_bounds = inputs.ratio.new_zeros(0)
+    return TrustRegion(inputs.full_kl <= inputs.policy.delta, no_bounds, no_bounds, bounds_sampled=True)
+
+
+@define_constraint("dcpo")
+def dcpo_region(inputs: ConstraintInputs) -> TrustRegion:
+    """DCPO dynamic clipping with eps_low/eps_high = actor.clip_ratio_low/high and
+    cap = policy_loss.dcpo_cap: w in [1/2 + 1/2 sqrt(max(0, 1 - 4 eps_low/q)),
+    min(1/2 + 1/2 sqrt(1 + 4 eps_high/q), cap)], q = pi_old(token).
+
+    Squaring the bounds gives a root-free test: for w >= 1/2 the interval is
+    -eps_low <= q w (w - 1) <= eps_high (and w <= cap). The closed-form bounds only feed
+    the ``ratio_lower/upper`` metrics (see ``metric_sample``).
+    """
+    ratio = inputs.ratio
+    spread = torch.exp(inputs.old_log_prob) * ratio * (ratio - 1.0)
+    inside = (
+        (ratio >= 0.5)
+        & (ratio <= inputs.policy.dcpo_cap)
+        & (spread >= -inputs.clip_ratio_low)
+        & (spread <= inputs.clip_ratio_high)
+    )
+    lower, upper = divergences.dcpo_ratio_bounds(
+        metric_sample(inputs), inputs.clip_ratio_low, inputs.clip_ratio_high, inputs.policy.dcpo_cap
+    )
+    return TrustRegion(inside, lower, upper, bounds_sampled=True)
+
+
+METRIC_SAMPLE = 1024
+
+
+def metric_sample(inputs: ConstraintInputs) -> torch.Tensor:
+    """Old log-probs of the valid tokens among at most ``METRIC_SAMPLE`` evenly strided
+    positions of the batch.
+
+    Per-token bounds whose mask test needs no bounds (TRGPPO, DCPO) are reported as their
+    mean over this sample, so the metric costs O(METRIC_SAMPLE), not a pass over the batch.
+    """
+    old = inputs.old_log_prob.reshape(-1)
+    stride = max(1, -(-old.numel() // METRIC_SAMPLE))
+    return old[::stride][inputs.response_mask.reshape(-1)[::stride]]
+
+
+_SCALAR_BOUNDS: dict[str, Callable[[float], tuple[float, float]]] = {
+    "kl3": divergences.kl3_ratio_bounds,
+    "kl1": divergences.kl1_ratio_bounds,
+    "kl2": divergences.kl2_ratio_bounds,
+    "is_kl3": divergences.is_kl3_ratio_bounds,
+}
+_BOUNDS_CACHE: dict[tuple[str, float], tuple[float, float]] = {}
+
+
+def _cached_bounds(kind: str, delta: float) -> tuple[float, float]:
+    """Ratio bounds of a scalar constraint, computed once per (kind, delta)."""
+    key = (kind, float(delta))
+    if key not in _BOUNDS_CACHE:
+        _BOUNDS_CACHE[key] = _SCALAR_BOUNDS[kind](float(delta))
+    return _BOUNDS_CACHE[key]

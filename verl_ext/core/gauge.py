@@ -1,0 +1,55 @@
+"""The on-policy gauge: what arithmetic noise adds to the clip rules before the first optimizer step.
+
+On the update's first mini-batch of a training step pi_theta is pi_old, so every importance ratio and
+every ERC entropy ratio should be exactly 1; :func:`on_policy_gauge` measures how far they are, and how
+many tokens the clip rules would drop because of it. The actor loss logs it as
+``actor/divclip/onpolicy/*`` on the micro-batches the seam marks on-policy
+(:mod:`verl_ext.engine.packing`); with the aligned packing every value reads 0. Detached: it changes no
+update. Imports torch and :mod:`verl_ext.core.erc`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from verl_ext.core.erc import entropy_ratio, outside_band
+
+
+@torch.no_grad()
+def on_policy_gauge(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    old_entropy: Optional[torch.Tensor] = None,
+    entropy: Optional[torch.Tensor] = None,
+    erc_band: Optional[tuple[float, float, float]] = None,
+) -> dict[str, float]:
+    """``onpolicy/*`` metrics of an on-policy micro-batch (all detached; padding excluded).
+
+    * ``log_ratio_abs_max``: max |log pi_theta - log pi_old| (exactly 0 when both passes agree);
+    * ``ratio_clipfrac``: valid tokens with w outside (1 - eps_low, 1 + eps_high), the actor's clip range;
+    * with both entropies: ``erc_ratio_dev_max`` = max |rho - 1|, rho = (H + eps) / (H_old + eps);
+    * with ``erc_band = (beta_low, beta_high, eps)``: ``erc_masked_frac``, valid tokens with rho outside
+      (1 - beta_low, 1 + beta_high) -- the ones ERC would drop (:func:`verl_ext.core.erc.outside_band`:
+      a NaN ratio counts as masked).
+    """
+    valid = response_mask.bool()
+    n_valid = max(int(valid.sum()), 1)
+    log_ratio = torch.where(valid, log_prob.detach().float() - old_log_prob.detach().float(), 0.0)
+    ratio = log_ratio.exp()
+    out = {
+        "onpolicy/log_ratio_abs_max": float(log_ratio.abs().max()) if valid.any() else 0.0,
+        "onpolicy/ratio_clipfrac": float(((ratio < 1.0 - clip_ratio_low) | (ratio > 1.0 + clip_ratio_high)).sum()) / n_valid,
+    }
+    if old_entropy is not None and entropy is not None:
+        eps = erc_band[2] if erc_band is not None else 1e-8
+        rho = entropy_ratio(old_entropy, entropy, response_mask, eps)  # exactly 1 on padding
+        out["onpolicy/erc_ratio_dev_max"] = float((rho - 1.0).abs().max())
+        if erc_band is not None:
+            beta_low, beta_high, _ = erc_band
+            out["onpolicy/erc_masked_frac"] = float((outside_band(rho, beta_low, beta_high) & valid).sum()) / n_valid
+    return out

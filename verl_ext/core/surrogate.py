@@ -1,0 +1,340 @@
+"""The unified divergence-constrained surrogate (ATR-GRPO Eq. 5) and its constraints.
+
+One operator covers every token-level clip rule. For each token t a constraint C_t(theta)
+is evaluated on the detached importance ratio w_t = pi_theta / pi_old. Where it holds the
+token contributes the plain surrogate w_t * A_t. Where it is violated the ratio is replaced
+by the constant w(theta_old) = 1 *inside PPO's pessimistic min*:
+
+    L_t = -min(w_t A_t, w~_t A_t),   w~_t = w_t if C_t holds else 1            (Eq. 5)
+
+so the gradient is dropped only when the update would move further outside the trust
+region (w > u with A > 0, or w < l with A < 0). With C_t = {l <= w <= u} this has exactly
+the gradient of PPO's ratio clipping (Theorem 4.1); with C_t = {KL3_t <= delta} it is
+ATR-GRPO, equivalent to an asymmetric ratio clip (Theorem 4.2).
+
+Three further behaviours are explicit options of the same operator, not copies of it:
+
+* ``preserve`` violations (GPPO, Klear-Reasoner): instead of dropping, a clipped token
+  keeps the Clip-Higher forward value bound * A and back-propagates beta * bound * A
+  (the bound / sg(w) gradient-preserving form, with GPPO's general beta_1 / beta_2).
+* ``hard`` violations (ERC): a token whose entropy ratio H_new / H_old leaves
+  (1 - beta_l, 1 + beta_h) loses its gradient whatever the sign of A. Its loss value is
+  kept (detached) and it still counts in the aggregation denominator, as in the reference
+  ERC implementation, so ERC changes which tokens push the policy, not the loss scale.
+* dual-clip (opt-in ``dual_clip_c``): for A < 0 and w > c the ratio is the constant c.
+
+``kl_full`` (ATR-GRPO Eq. 4, the exact per-token trust region) evaluates C_t = KL(pi_theta || pi_old)
+<= delta over pi_old's stored top-k plus a tail bucket (:mod:`verl_ext.core.coarsened_kl`); the same KL
+feeds an opt-in diagnostic on every mode: where the mode's decision and the full-KL rule's disagree.
+
+A constraint registered with ``level="sequence"`` (``seq_kl3``, ATR-GRPO Sec. 6.5) is
+evaluated on GSPO's sequence ratio s_i = exp(mean_t log w_{i,t}) instead of w_t: every
+token of sequence i carries the ratio s_i (value s_i, d s_i / d log pi_t = s_i, GSPO-token
+form), and a violating sequence's ratio is replaced by 1 inside the same pessimistic min.
+
+All masks are explicit ``torch.where`` selections: ``torch.minimum``/``maximum`` split the
+gradient half-half on ties, which would silently halve it at the bounds.
+
+The constraints are :mod:`verl_ext.core.constraints` (imported here, so every definition is present
+when the operator runs); verl sees them through :mod:`verl_ext.registry`. This module imports no
+engine code: torch, verl's ``agg_loss`` and the rest of :mod:`verl_ext.core`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional
+
+import torch
+from verl.trainer.ppo.core_algos import agg_loss
+
+from verl_ext.config import DivClipPolicyLossConfig
+from verl_ext.core import constraints as _definitions  # noqa: F401  (defines every constraint)
+from verl_ext.core import divergences
+from verl_ext.core.coarsened_kl import (
+    NOT_AVERAGED as FULL_KL_NOT_AVERAGED,
+    TopKLogMasses,
+    diagnostic_sums,
+    finish_full_kl_metrics,
+    full_kl_sums,
+)
+from verl_ext.core.erc import (
+    EntropyBand,
+    entropy_band_sums,
+    entropy_ratio_band,
+    finish_entropy_band_metrics,
+    gate_log_prob_gradient,
+)
+from verl_ext.core.region import CONSTRAINTS, ConstraintInputs, TrustRegion
+
+# Same clamp as verl's losses: keeps exp() finite for any log-prob difference.
+LOG_RATIO_CLAMP = 20.0
+
+
+
+
+def constrained_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    mode: str,
+    policy: DivClipPolicyLossConfig,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    loss_agg_mode: str = "token-mean",
+    global_batch_info: Optional[Mapping[str, Any]] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    old_entropy: Optional[torch.Tensor] = None,
+    entropy: Optional[torch.Tensor] = None,
+    topk: Optional[TopKLogMasses] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Divergence-constrained PPO surrogate, aggregated with verl's ``agg_loss``.
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: (batch, response_length), as in
+            verl's policy losses. ``log_prob`` carries the gradient.
+        mode: a registered constraint name (``CONSTRAINTS``).
+        policy: the ``DivClipPolicyLossConfig`` with delta, dual-clip, GPPO and ERC knobs.
+        clip_ratio_low, clip_ratio_high: verl's actor clip epsilons.
+        loss_agg_mode, global_batch_info: forwarded to ``agg_loss`` so token-mean,
+            seq-mean-token-mean and Dr.GRPO's seq-mean-token-sum-norm stay correct under
+            data parallelism.
+        rollout_is_weights: optional per-token rollout-correction weights (verl).
+        old_entropy, entropy: per-token entropies of pi_old and pi_theta over the full
+            vocabulary, required when ERC is on. Only used as a mask, never differentiated.
+        topk: pi_old's stored top-k log-masses and pi_theta's on the same buckets, ``(batch,
+            response_length, k + 1)``: required by ``kl_full``; with it every mode reports the coarsened
+            KL's metrics, and with ``policy.kl_full_diagnostic`` the KL3-vs-trust-region diagnostic.
+
+    Returns:
+        The scalar loss and a dict of ``actor/...`` metrics (floats).
+    """
+    spec = CONSTRAINTS.get(mode)
+    if spec is None:
+        raise ValueError(f"policy_loss.loss_mode={mode!r} is not a divclip mode; known: {sorted(CONSTRAINTS)}")
+    if policy.erc_enabled and (old_entropy is None or entropy is None):
+        raise ValueError(_ERC_NEEDS_ENTROPY.format(mode=mode))
+
+    compute_dtype = torch.promote_types(log_prob.dtype, torch.float32)
+    log_prob = log_prob.to(compute_dtype)
+    old_log_prob = old_log_prob.detach().to(compute_dtype)
+    advantages = advantages.detach().to(compute_dtype)
+    mask = response_mask.bool()
+    erc = None
+    if policy.erc_enabled:
+        erc = entropy_ratio_band(old_entropy, entropy, response_mask, policy, compute_dtype)
+        # ERC is a hard violation: a token outside the band keeps its value everywhere below and
+        # loses its gradient, i.e. its log-prob enters the surrogate detached.
+        log_prob = gate_log_prob_gradient(log_prob, erc)
+
+    log_ratio = torch.clamp(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    token_log_ratio = log_ratio.detach()
+    seq_log_ratio = None
+    if spec.level == "sequence":
+        seq_log_ratio = sequence_mean_log_ratio(token_log_ratio, mask)
+        # GSPO-token: the value log s_i on every token, the gradient of the token's own log pi_t
+        log_ratio = log_ratio - token_log_ratio + seq_log_ratio.unsqueeze(-1)
+    ratio = torch.exp(log_ratio)
+    log_ratio_d, ratio_d = log_ratio.detach(), ratio.detach()
+
+    full_kl = topk.kl(policy.kl_full_direction) if topk is not None else None
+    region = spec.region(
+        ConstraintInputs(
+            log_ratio_d, ratio_d, old_log_prob, mask, clip_ratio_low, clip_ratio_high, policy, full_kl=full_kl
+        )
+    )
+    # Pessimistic min of Eq. 5: a violation matters only when it lies on the side the
+    # advantage pushes towards, i.e. (w - 1) * A > 0; on the other side min() keeps w * A
+    # and its gradient.
+    pessimistic_side = (ratio_d - 1.0) * advantages > 0
+    clipped = ~region.inside & pessimistic_side
+    upper_side = ratio_d > 1.0
+
+    dual = None
+    if policy.dual_clip_c is not None:
+        dual = (advantages < 0) & (ratio_d > policy.dual_clip_c)
+
+    if spec.on_violation == "preserve":
+        if region.bounds_sampled:
+            raise ValueError(f"constraint {mode!r} reports sampled bounds and cannot preserve gradients")
+        # 0-d tensors of the compute dtype: where() on two Python floats would yield float32
+        as_tensor = lambda v: torch.as_tensor(v, dtype=ratio.dtype, device=ratio.device)  # noqa: E731
+        bound = torch.where(upper_side, as_tensor(region.upper), as_tensor(region.lower))
+        slope = torch.where(
+            upper_side,
+            as_tensor(policy.gppo_beta_high * region.upper),
+            as_tensor(policy.gppo_beta_low * region.lower),
+        )
+        # GPPO's bound / sg(w) * w in its general beta form: the forward value stays `bound`
+        # (Clip-Higher) and d coef / d log pi = beta * bound. (x - sg(x)) is 0 with slope 1.
+        coef = torch.where(clipped, bound + slope * (log_ratio - log_ratio_d), ratio)
+        no_grad = _union(dual, erc.outside if erc is not None else None)
+        if dual is not None:
+            coef = torch.where(dual, policy.dual_clip_c, coef)
+    else:
+        # Every violating token takes a constant: w(theta_old) = 1 where the constraint clips, c
+        # where dual-clip caps (it wins over the clip). One select in the autograd graph. (ERC's
+        # tokens keep their ratio's value; their gradient is gated at the log-prob above.)
+        frozen_mask = _union(clipped, dual)
+        frozen = 1.0 if dual is None else torch.where(dual, policy.dual_clip_c, ratio_d.new_ones(()))
+        coef = torch.where(frozen_mask, frozen, ratio)
+        no_grad = _union(frozen_mask, erc.outside if erc is not None else None)
+
+    # agg_loss is linear in the loss matrix: aggregate A * coef and negate the scalar.
+    surrogate = advantages * coef
+    if rollout_is_weights is not None:
+        surrogate = surrogate * rollout_is_weights.detach().to(compute_dtype)
+
+    batch_info = dict(global_batch_info or {})
+    if not batch_info.get("batch_num_tokens") and not batch_info.get("global_batch_size") and not mask.any():
+        # A micro-batch without a single valid token: agg_loss would divide 0 by 0.
+        loss = (surrogate * 0.0).sum()
+    else:
+        loss = -agg_loss(loss_mat=surrogate, loss_mask=mask, loss_agg_mode=loss_agg_mode, **batch_info)
+    vocab_sums = None
+    if full_kl is not None:
+        with torch.no_grad():
+            vocab_sums = full_kl_sums(full_kl, topk, mask)
+            if policy.kl_full_diagnostic:
+                vocab_sums.update(
+                    diagnostic_sums(full_kl, mask, clipped, pessimistic_side, _diagnostic_deltas(policy.delta, region))
+                )
+    metrics = _metrics(
+        mask, token_log_ratio, region, clipped, upper_side, no_grad, dual, erc,
+        sequence_log_ratio=seq_log_ratio, vocab_sums=vocab_sums,
+    )
+    if spec.delta_budget:
+        metrics["actor/divclip/delta"] = float(policy.delta)
+    return loss, metrics
+
+
+def _diagnostic_deltas(delta: float, region: TrustRegion) -> dict[str, float]:
+    """The budgets the diagnostic compares the mode with: the configured delta (suffix ``""``), and,
+    for a mode with scalar ratio bounds [l, u], the KL3 budget those bounds amount to,
+    max(KL3(l), KL3(u)) -- the smallest delta whose KL3 region holds the mode's interval (suffix
+    ``_kl3delta``; for ``kl3`` it is delta itself)."""
+    deltas = {"": float(delta)}
+    lower, upper = region.lower, region.upper
+    if not isinstance(lower, torch.Tensor) and not isinstance(upper, torch.Tensor) and lower > 0:
+        kl3_at = lambda w: w - 1.0 - math.log(w)  # noqa: E731
+        deltas["_kl3delta"] = max(kl3_at(float(lower)), kl3_at(float(upper)))
+    return deltas
+
+
+def sequence_mean_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log s_i = mean over the valid tokens of row i of log w_{i,t} (GSPO's sequence ratio), shape
+    (batch,); 0 for a row without valid tokens.
+
+    The operator puts it on every token as log w_t - sg(log w_t) + sg(log s_i), so each token's
+    coefficient has value s_i and d s_{i,t} / d log pi_t = s_i: with seq-mean-token-mean
+    aggregation and one advantage per sequence that is GSPO's gradient (GSPO-token form)."""
+    lengths = mask.sum(-1).clamp(min=1)
+    return torch.where(mask, log_ratio.detach(), 0.0).sum(-1) / lengths
+
+
+def _union(*masks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Elementwise OR of the masks that are present (``None`` if none is)."""
+    present = [m for m in masks if m is not None]
+    if not present:
+        return None
+    union = present[0]
+    for mask in present[1:]:
+        union = union | mask
+    return union
+
+
+_ERC_NEEDS_ENTROPY = (
+    "policy_loss.erc_beta_low/erc_beta_high enable ERC for loss_mode={mode!r}, but no per-token "
+    "entropies reached the loss: verl's policy-loss registry passes only log-probs, advantages and "
+    "the mask. Run training through `python -m recipe.main` (it installs the entropy-aware actor "
+    "loss on the actor workers with set_loss_fn and sets actor.calculate_entropy=True), or set "
+    "erc_beta_low/erc_beta_high to null."
+)
+
+
+def _metrics(
+    mask: torch.Tensor,
+    log_ratio: torch.Tensor,
+    region: TrustRegion,
+    clipped: torch.Tensor,
+    upper_side: torch.Tensor,
+    no_grad: Optional[torch.Tensor],
+    dual: Optional[torch.Tensor],
+    erc: Optional[EntropyBand],
+    sequence_log_ratio: Optional[torch.Tensor] = None,
+    vocab_sums: Optional[dict[str, torch.Tensor]] = None,
+) -> dict[str, float]:
+    """Means over valid tokens, reduced with a single host sync.
+
+    ``sequence_log_ratio`` (one log s_i per row, sequence-level constraints) adds
+    ``seq_kl3_mean``/``seq_kl3_max``: KL3(s_i) over the sequences with a valid token.
+
+    Fractions are counted on byte masks and per-token quantities summed once, so the
+    metrics cost a few passes over the batch rather than one float tensor per metric.
+    """
+    # count_nonzero counts a bool mask in place; bool.sum() first copies it to int64
+    count = torch.count_nonzero
+    with torch.no_grad():
+        clipped_valid = clipped & mask
+        sums: dict[str, torch.Tensor] = {
+            "n_valid": count(mask),
+            "clipfrac_upper": count(clipped_valid & upper_side),
+            "clipfrac_total": count(clipped_valid),
+            "ppo_kl": -(log_ratio * mask).sum(),
+        }
+        kl3 = torch.where(mask, divergences.kl3(log_ratio), 0.0)
+        sums["kl3_mean"] = kl3.sum()
+        sums["kl3_max"] = kl3.max() if kl3.numel() else kl3.new_zeros(())
+        if sequence_log_ratio is not None:
+            has_tokens = mask.any(-1)
+            seq_kl3 = torch.where(has_tokens, divergences.kl3(sequence_log_ratio), 0.0)
+            sums["n_sequences"] = count(has_tokens)
+            sums["seq_kl3_sum"] = seq_kl3.sum()
+            sums["seq_kl3_max"] = seq_kl3.max() if seq_kl3.numel() else seq_kl3.new_zeros(())
+        if no_grad is not None:
+            sums["no_grad_frac"] = count(no_grad & mask)
+        if dual is not None:
+            sums["dualclip_frac"] = count(dual & mask)
+        scalar_bounds: dict[str, float] = {}
+        for name, bound in (("ratio_lower", region.lower), ("ratio_upper", region.upper)):
+            if not isinstance(bound, torch.Tensor):
+                scalar_bounds[name] = float(bound)
+                continue
+            # beyond e^{+-20} a bound is no bound (log-ratios are clamped there)
+            bound = torch.clamp(bound, math.exp(-LOG_RATIO_CLAMP), math.exp(LOG_RATIO_CLAMP))
+            if not region.bounds_sampled:
+                sums[name] = (bound * mask).sum()
+            elif bound.numel():  # a 1-D sample of valid tokens; none: the metric is left out
+                sums[name] = bound.mean()
+        if erc is not None and mask.numel():
+            sums.update(entropy_band_sums(erc))
+        if vocab_sums is not None:
+            sums.update(vocab_sums)
+        values = dict(zip(sums, torch.stack([v.double() for v in sums.values()]).tolist()))
+
+    n_valid = values.pop("n_valid")
+    finish_full_kl_metrics(values, n_valid)
+    if "erc/ratio_mean" in values:
+        finish_entropy_band_metrics(values, erc, n_valid)
+    if "n_sequences" in values:
+        values["seq_kl3_mean"] = values.pop("seq_kl3_sum") / max(values.pop("n_sequences"), 1.0)
+    if n_valid == 0:  # extremes of an empty set are not reported
+        values.pop("erc/ratio_min", None)
+        values.pop("erc/ratio_max", None)
+    n_valid = max(n_valid, 1.0)
+    not_averaged = {"kl3_max", "seq_kl3_mean", "seq_kl3_max", "erc/ratio_min", "erc/ratio_max", *FULL_KL_NOT_AVERAGED}
+    if region.bounds_sampled:
+        not_averaged |= {"ratio_lower", "ratio_upper"}
+    metrics = {
+        f"actor/divclip/{name}": value if name in not_averaged else value / n_valid for name, value in values.items()
+    }
+    metrics.update({f"actor/divclip/{name}": value for name, value in scalar_bounds.items()})
+    clipfrac_total = metrics.pop("actor/divclip/clipfrac_total")
+    metrics["actor/divclip/clipfrac_lower"] = clipfrac_total - metrics["actor/divclip/clipfrac_upper"]
+    metrics.setdefault("actor/divclip/no_grad_frac", 0.0)  # gradient-preserving, no dual-clip or ERC
+    # verl's standard names, so existing dashboards keep working.
+    metrics["actor/pg_clipfrac"] = clipfrac_total
+    metrics["actor/ppo_kl"] = metrics.pop("actor/divclip/ppo_kl")
+    return metrics

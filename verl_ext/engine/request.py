@@ -1,0 +1,160 @@
+"""What a loss asks of the engine that runs it: the declarations the seam reads at ``set_loss_fn``.
+
+A loss function reaches verl's actor workers through ``TrainingWorker.set_loss_fn`` (pickled by Ray),
+so what it needs from the engine travels *on the function*: one :class:`EngineRequest` attribute
+(:data:`REQUEST_ATTR`) on a ``functools.partial``. The seam (:mod:`verl_ext.engine.seam`) reads it when
+the loss is installed and sets the engine's features from it, for both of the engine's passes (the
+old-log-prob pass has no loss function of its own):
+
+* ``entropy_as_mask`` -- the loss uses the current entropy only as a detached mask (ERC), so both passes
+  compute it with the one float32, graph-free function (:func:`verl_ext.core.entropy.entropy_fp32`);
+* ``vocab_pass`` -- both passes compute log-probs and entropies with the chunked vocabulary pass
+  (``policy_loss.vocab_pass``, :mod:`verl_ext.core.vocab_pass`), never the logits tensor;
+* ``pack_as_update`` -- the old-log-prob pass is packed as the update's first epoch, so that on-policy
+  every ratio is exactly 1 (``policy_loss.pack_old_log_prob_as_update``, :mod:`verl_ext.engine.packing`).
+
+A loss without the attribute (verl's own ``ppo_loss``) asks for nothing: the engine runs verl's code.
+
+This module also states which of verl's training strategies the seam covers
+(:data:`SUPPORTED_STRATEGIES`) and which config keys turn a feature on (:func:`requested_features`), so
+the recipe refuses an uncovered strategy before Ray starts. It imports nothing of verl or torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+REQUEST_ATTR = "divclip_engine_request"
+"""Attribute of a loss function holding its :class:`EngineRequest`."""
+
+SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
+"""``actor.strategy`` values whose engine (verl's ``FSDPEngineWithLMHead``) the seam hooks. FSDP2 runs on
+the CPU platform and in every CPU test; FSDP1 (``fsdp``) only on GPUs (docs/experiments.md)."""
+
+POLICY_LOSS_KEY = "actor_rollout_ref.actor.policy_loss"
+
+STEP_PATH_KEY = "divclip_step_path"
+"""Non-tensor key the seam sets on every micro-batch it steps: which path computed its numbers
+(``{"seam", "entropy_fp32", "vocab_pass", "aligned_packing"}`` -> 1.0 / 0.0); the actor loss logs it as
+``actor/divclip/path/*``. A micro-batch without it was not stepped by the seam."""
+
+
+class EntropyPath(str, enum.Enum):
+    """Which function computes the per-token entropy in both passes of a run."""
+
+    VERL = "verl"  # verl's entropy_from_logits (autograd, logits dtype, compiled on GPU by default)
+    DIVCLIP_FP32 = "divclip_fp32"  # entropy_fp32: float32, no graph, same function in both passes
+    FUSED_KERNEL = "fused_kernel"  # verl's fused linear-cross-entropy kernel (bf16) in both passes
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """What a loss function asks of its engine (see the module docstring)."""
+
+    entropy_as_mask: bool = False
+    vocab_pass: bool = False
+    pack_as_update: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.entropy_as_mask or self.vocab_pass or self.pack_as_update
+
+    def keys(self) -> list[str]:
+        """The config keys behind the features asked for (for an error naming them)."""
+        named = {
+            "entropy_as_mask": f"{POLICY_LOSS_KEY}.erc_beta_low/erc_beta_high (ERC's fp32 entropy)",
+            "vocab_pass": f"{POLICY_LOSS_KEY}.vocab_pass",
+            "pack_as_update": f"{POLICY_LOSS_KEY}.pack_old_log_prob_as_update",
+        }
+        return [key for field, key in named.items() if getattr(self, field)]
+
+
+def request_of(loss_function: Optional[Callable[..., Any]]) -> EngineRequest:
+    """The request a loss function carries (an empty one if it declares nothing, or for ``None``)."""
+    request = getattr(loss_function, REQUEST_ATTR, None)
+    return request if isinstance(request, EngineRequest) else EngineRequest()
+
+
+def declare(loss_function: Callable[..., Any], **features: bool) -> Callable[..., Any]:
+    """``loss_function`` as a picklable ``functools.partial`` whose request adds ``features`` to the one it
+    already carries (declarations compose: ERC's mask and the vocabulary pass, say)."""
+    unknown = set(features) - {field.name for field in dataclasses.fields(EngineRequest)}
+    if unknown:
+        raise TypeError(f"unknown engine features {sorted(unknown)}")
+    request = dataclasses.replace(request_of(loss_function), **{k: bool(v) for k, v in features.items()})
+    if isinstance(loss_function, functools.partial):  # one level: the same function, arguments and attributes
+        wrapped = functools.partial(loss_function.func, *loss_function.args, **loss_function.keywords)
+        vars(wrapped).update(vars(loss_function))
+    else:
+        wrapped = functools.partial(loss_function)
+    setattr(wrapped, REQUEST_ATTR, request)
+    return wrapped
+
+
+def entropy_as_mask(loss_function: Callable[..., Any], *, entropy_coeff: float) -> Callable[..., Any]:
+    """Declare that ``loss_function`` uses the current entropy only as a (detached) mask (ERC).
+
+    ``entropy_coeff`` is ``actor_rollout_ref.actor.entropy_coeff``: a non-zero bonus differentiates the
+    entropy, so this raises instead of silently dropping that gradient."""
+    if entropy_coeff != 0:
+        raise ValueError(
+            f"actor_rollout_ref.actor.entropy_coeff={entropy_coeff} adds an entropy bonus, which needs the "
+            "entropy gradient; the detached entropy path (verl_ext.engine.request.entropy_as_mask) is only valid "
+            "with entropy_coeff=0. Leave the loss function undeclared to keep verl's autograd entropy."
+        )
+    return declare(loss_function, entropy_as_mask=True)
+
+
+def with_vocab_pass(loss_function: Callable[..., Any]) -> Callable[..., Any]:
+    """Declare that the engine running ``loss_function`` computes both passes with the vocabulary pass."""
+    return declare(loss_function, vocab_pass=True)
+
+
+def packed_as_update(loss_function: Callable[..., Any], enabled: bool = True) -> Callable[..., Any]:
+    """Declare that the engine running ``loss_function`` packs its old-log-prob pass as the update."""
+    return declare(loss_function, pack_as_update=enabled)
+
+
+def resolve_entropy_path(request: EngineRequest, *, use_fused_kernels: bool) -> EntropyPath:
+    """The entropy path a run really takes: with verl's fused kernels the entropy comes from the kernel in
+    both passes whatever the loss asks for."""
+    if not request.entropy_as_mask:
+        return EntropyPath.VERL
+    return EntropyPath.FUSED_KERNEL if use_fused_kernels else EntropyPath.DIVCLIP_FP32
+
+
+def describe(request: EngineRequest, path: EntropyPath) -> str:
+    """One log line's worth: how log-probs and entropies are computed, and how the old pass is packed."""
+    if request.vocab_pass:
+        numbers = "log-probs and entropy from the vocabulary pass (fp32, no logits tensor)"
+    else:
+        numbers = {
+            EntropyPath.VERL: "verl's materialised logits; entropy by verl's entropy_from_logits (autograd, logits dtype)",
+            EntropyPath.DIVCLIP_FP32: "verl's materialised logits; entropy by divclip entropy_fp32 in both passes",
+            EntropyPath.FUSED_KERNEL: (
+                "verl's fused kernel (bf16) for log-probs and entropy in both passes; the divclip fp32 entropy is "
+                "inactive because use_fused_kernels=True"
+            ),
+        }[path]
+    packing = "old-log-prob pass packed as the update" if request.pack_as_update else "verl's packing of the old-log-prob pass"
+    return f"{numbers}; {packing}"
+
+
+def requested_features(policy: Any) -> dict[str, bool]:
+    """Config key -> whether the policy-loss config ``policy`` (a ``DivClipPolicyLossConfig``, or ``None`` for
+    verl's plain config, which the divclip actor loss packs as the update) turns on a feature only the seam
+    provides."""
+    if policy is None:
+        return {f"{POLICY_LOSS_KEY}.pack_old_log_prob_as_update": True}
+    get = policy.get if hasattr(policy, "get") else (lambda key, default=None: getattr(policy, key, default))
+    return {
+        f"{POLICY_LOSS_KEY}.erc_beta_low/erc_beta_high": get("erc_beta_low", None) is not None,
+        f"{POLICY_LOSS_KEY}.vocab_pass": bool(get("vocab_pass", False)),
+        f"{POLICY_LOSS_KEY}.loss_mode=kl_full": get("loss_mode", None) == "kl_full",
+        f"{POLICY_LOSS_KEY}.kl_full_diagnostic": bool(get("kl_full_diagnostic", False)),
+        f"{POLICY_LOSS_KEY}.pack_old_log_prob_as_update": bool(get("pack_old_log_prob_as_update", True)),
+    }

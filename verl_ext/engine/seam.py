@@ -1,0 +1,335 @@
+"""The one seam between verl-divclip and verl 0.9.1's actor engine: :func:`install`, and what it wraps.
+
+Everything the project does inside verl's actor engine per step goes through this module: ERC's fp32
+entropy in both passes (:mod:`verl_ext.engine.entropy_path`), the vocabulary pass
+(:mod:`verl_ext.engine.vocab_pass_step`), pi_old's top-k for ``kl_full`` and its diagnostic
+(:mod:`verl_ext.engine.topk_capture`), the old-log-prob pass packed as the update and the on-policy mark
+(:mod:`verl_ext.engine.packing`), and the record of which path a step took (read by the actor loss and
+logged as ``actor/divclip/path/*``).
+
+**Why wrappers, not an engine subclass.** verl's ``EngineRegistry`` refuses a second registration of
+``(language_model, fsdp|fsdp2, device)``, so a subclass could only replace verl's entry by editing the
+registry's private dict, for every device and vendor key, before any worker builds its engine -- and the
+worker-level hooks (``set_loss_fn``, ``train_mini_batch``) would still need wrapping. Instead
+:func:`install` wraps each verl symbol *once*, at class level, with a function that dispatches to the
+features the engine has; an engine without features runs verl's code unchanged.
+
+**What is wrapped** (once each, in this order, after :func:`verl_ext.engine.guard.check_symbols` has
+checked every symbol exists with the expected parameters -- a mismatch raises one message naming the
+symbol, the installed and the supported verl version):
+
+1. ``TrainingWorker.set_loss_fn`` -- reads the loss's :class:`~verl_ext.engine.request.EngineRequest` and
+   sets the engine's features (:func:`set_features`); an engine the seam does not cover (not verl's
+   ``FSDPEngineWithLMHead``: megatron, veomni, torchtitan, automodel, or a subclass that overrides a
+   hooked method) is refused, naming the config keys and the supported strategies, instead of running
+   without the features it was asked for.
+2. ``TrainingWorker.train_mini_batch`` / ``train_batch`` -- the first mini-batch of each update call is
+   marked on-policy.
+3. ``FSDPEngineWithLMHead.infer_batch`` -- with ``pack_as_update`` the old-log-prob pass is run per
+   first-epoch update mini-batch with the update's micro-batch settings.
+4. ``FSDPEngineWithLMHead.forward_step`` -- one step, in this order of decisions: the step's top-k task
+   (capture in the old pass, evaluate in the update, or none); then either the vocabulary pass (head
+   ``forward``, ``prepare_model_inputs``, ``prepare_model_outputs``; the top-k observes the head) or
+   verl's logits with the fp32 entropy (``compute_entropy_from_logits``, ``verl_F.entropy_from_logits``,
+   the engine config without ``entropy_checkpointing``) and one ``logprobs_from_logits`` serving both
+   the entropy's in-place backward and the top-k's view of the logits, plus ``prepare_model_outputs``
+   extended by the top-k fields. All of a step's swaps are applied together and restored when it ends,
+   also on error (:func:`verl_ext.engine.swap.swapped`, which refuses two swaps of one attribute).
+
+**Two engines in one process.** Features live on each engine instance, and so do most swaps (the
+engine's attributes, its LM head's ``forward``). Two are process-global for the duration of a step:
+``verl.utils.torch_functional.entropy_from_logits`` and the FSDP engine module's
+``logprobs_from_logits`` (verl calls them by module-global name). Engines stepping one after the
+other -- verl's actor and reference engines in one worker, several test engines -- are therefore safe;
+two steps running at the same time in two threads of one process are not, and the second one raises
+instead of computing with the other's functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+import types
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+import torch
+
+from verl_ext.engine.entropy_path import entropy_fn_for, entropy_swaps
+from verl_ext.engine.guard import (
+    ENGINE_MODULE,
+    SUPPORTED_VERL,
+    WORKER_MODULE,
+    check_engine_instance,
+    check_symbols,
+    verl_version,
+)
+from verl_ext.engine.packing import infer_as_update, marking_first_mini_batch, marking_on_policy
+from verl_ext.engine.request import (
+    STEP_PATH_KEY,
+    SUPPORTED_STRATEGIES,
+    EngineRequest,
+    EntropyPath,
+    describe,
+    request_of,
+    resolve_entropy_path,
+)
+from verl_ext.engine.swap import Swap, swapped
+from verl_ext.engine.topk_capture import TopKStep, refuse_ulysses, topk_outputs_swap, topk_step
+from verl_ext.engine.vocab_pass_step import refuse_fused_kernels, vocab_pass_swaps
+
+logger = logging.getLogger(__name__)
+
+ORIGINAL_ATTR = "__divclip_original__"
+"""Set on every seam wrapper: verl's function it wraps (install is idempotent; the guard reads verl's signature)."""
+
+_FEATURES_ATTR = "_divclip_features"
+
+
+# ------------------------------------------------------------------------------------------------
+# The engine's features
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineFeatures:
+    """What an engine's forward steps do, set from its loss's request (:func:`set_features`)."""
+
+    request: EngineRequest
+    entropy_path: EntropyPath
+    entropy_fn: Optional[Callable[..., torch.Tensor]]  #: the fp32 entropy of both passes, or None (verl's)
+
+    def step_path(self) -> dict[str, float]:
+        """The ``actor/divclip/path/*`` record of a step of this engine (1.0 / 0.0 per feature)."""
+        return {
+            "seam": 1.0,
+            "entropy_fp32": float(self.request.vocab_pass or self.entropy_path is EntropyPath.DIVCLIP_FP32),
+            "vocab_pass": float(self.request.vocab_pass),
+            "aligned_packing": float(self.request.pack_as_update),
+        }
+
+
+def features_of(engine: Any) -> Optional[EngineFeatures]:
+    """The engine's features, or None when no loss asked it for any."""
+    return getattr(engine, _FEATURES_ATTR, None)
+
+
+def entropy_path_of(engine: Any) -> EntropyPath:
+    """The entropy path an engine's forward steps use (``VERL`` until a loss asks for another)."""
+    features = features_of(engine)
+    return EntropyPath.VERL if features is None else features.entropy_path
+
+
+def uses_vocab_pass(engine: Any) -> bool:
+    features = features_of(engine)
+    return features is not None and features.request.vocab_pass
+
+
+def is_covered(engine: Any) -> bool:
+    """Whether the seam hooks ``engine``: an instance of verl's ``FSDPEngineWithLMHead`` whose hooked methods
+    are the seam's wrappers (a subclass overriding one would silently bypass it)."""
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    if not isinstance(engine, FSDPEngineWithLMHead):
+        return False
+    return all(hasattr(getattr(type(engine), name), ORIGINAL_ATTR) for name in ("forward_step", "infer_batch"))
+
+
+def set_features(engine: Any, request: EngineRequest) -> EngineFeatures:
+    """Make every forward step of ``engine`` serve ``request`` (both passes). Called by the wrapped
+    ``TrainingWorker.set_loss_fn``; tests and benchmarks may call it directly. Refuses an engine the seam
+    does not cover when anything is requested."""
+    if request.any:
+        if not is_covered(engine):
+            raise ValueError(
+                f"{', '.join(request.keys())} need(s) verl-divclip's engine seam, which covers verl's FSDPEngineWithLMHead "
+                f"(actor_rollout_ref.actor.strategy in {list(SUPPORTED_STRATEGIES)}); this worker's engine is "
+                f"{type(engine).__module__}.{type(engine).__qualname__}. Use a supported strategy, or turn the key(s) off."
+            )
+        check_engine_instance(engine)
+        if request.vocab_pass:
+            refuse_fused_kernels(engine)
+    use_fused = bool(getattr(getattr(engine, "engine_config", None), "use_fused_kernels", False))
+    path = resolve_entropy_path(request, use_fused_kernels=use_fused)
+    features = EngineFeatures(request, path, entropy_fn_for(engine) if path is EntropyPath.DIVCLIP_FP32 else None)
+    previous = features_of(engine)
+    if previous is None or previous.request != request or previous.entropy_path != path:
+        logger.info("divclip engine: %s", describe(request, path))  # a loss re-installed every step logs once
+    setattr(engine, _FEATURES_ATTR, features)
+    return features
+
+
+def set_pack_as_update(engine: Any, enabled: bool) -> None:
+    """Turn the aligned packing of ``engine`` on or off, keeping its other features: off is verl's own
+    packing of the old-log-prob pass (``python -m recipe.bench onpolicy`` measures both arms)."""
+    current = features_of(engine)
+    request = current.request if current is not None else EngineRequest()
+    set_features(engine, dataclasses.replace(request, pack_as_update=bool(enabled)))
+
+
+# ------------------------------------------------------------------------------------------------
+# One forward step
+# ------------------------------------------------------------------------------------------------
+
+_process_globals = {"thread": None, "depth": 0}  # which thread's step holds the module-global swaps
+_process_globals_lock = threading.Lock()
+
+
+@contextmanager
+def _holding_process_globals(needed: bool) -> Iterator[None]:
+    """Refuse a step that swaps process-global verl functions while another thread's step holds them."""
+    if not needed:
+        yield
+        return
+    me = threading.get_ident()
+    with _process_globals_lock:
+        if _process_globals["thread"] not in (None, me):
+            raise RuntimeError(
+                "two divclip forward steps are running at once in two threads of one process; the seam swaps "
+                "verl's module-global entropy_from_logits / logprobs_from_logits for a step, so steps must run "
+                "one at a time per process (verl's workers do)"
+            )
+        _process_globals["thread"] = me
+        _process_globals["depth"] += 1
+    try:
+        yield
+    finally:
+        with _process_globals_lock:
+            _process_globals["depth"] -= 1
+            if _process_globals["depth"] == 0:
+                _process_globals["thread"] = None
+
+
+def logprobs_swap(entropy_detached: bool, topk: Optional[TopKStep]) -> Swap:
+    """The step's one ``logprobs_from_logits``: the top-k sees the logits, and with a graph-free entropy
+    flash-attn's in-place backward is given back (nothing else needs the logits in backward)."""
+    import verl.workers.engine.fsdp.transformer_impl as impl
+
+    original = impl.logprobs_from_logits
+
+    @functools.wraps(original)
+    def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
+        if topk is not None:
+            topk.on_logits(logits)
+        return original(logits=logits, labels=labels, inplace_backward=True if entropy_detached else inplace_backward)
+
+    return Swap(impl, "logprobs_from_logits", logprobs_from_logits, "fp32 entropy / pi_old's top-k")
+
+
+def step_swaps(engine: Any, features: EngineFeatures, micro_batch: Any, loss_function: Any) -> tuple[list[Swap], Optional[TopKStep]]:
+    """Every swap of one forward step, decided in the documented order (module docstring, item 4)."""
+    topk = topk_step(micro_batch, loss_function)
+    if topk is not None:
+        refuse_ulysses(engine)
+    if features.request.vocab_pass:
+        return vocab_pass_swaps(engine, loss_function, observers=[topk] if topk is not None else []), topk
+    swaps: list[Swap] = []
+    if features.entropy_fn is not None:
+        swaps += entropy_swaps(engine, features.entropy_fn)
+    if features.entropy_fn is not None or topk is not None:
+        swaps.append(logprobs_swap(features.entropy_fn is not None, topk))
+    if topk is not None:
+        swaps.append(topk_outputs_swap(engine, topk))
+    return swaps, topk
+
+
+def _forward_step(original: Callable[..., Any], engine: Any, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
+    from verl.utils import tensordict_utils as tu
+
+    features = features_of(engine)
+    asked = request_of(loss_function)
+    if features is None and asked.any:  # an engine driven without TrainingWorker: marked at its first step
+        features = set_features(engine, asked)
+    if features is None:
+        features = EngineFeatures(EngineRequest(), EntropyPath.VERL, None)
+    swaps, topk = step_swaps(engine, features, micro_batch, loss_function)
+    tu.assign_non_tensor(micro_batch, **{STEP_PATH_KEY: features.step_path()})
+    if not swaps:
+        return original(engine, micro_batch, loss_function=loss_function, forward_only=forward_only)
+    process_global = any(isinstance(swap.owner, types.ModuleType) for swap in swaps)
+    with _holding_process_globals(process_global), swapped(swaps):
+        return original(engine, micro_batch, loss_function=loss_function, forward_only=forward_only)
+
+
+# ------------------------------------------------------------------------------------------------
+# The wrappers, installed once
+# ------------------------------------------------------------------------------------------------
+
+
+def _wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    original = getattr(owner, name)
+    if hasattr(original, ORIGINAL_ATTR):
+        return  # already the seam's
+    wrapper = functools.wraps(original)(make(original))  # keeps verl's @register dispatch attributes
+    setattr(wrapper, ORIGINAL_ATTR, original)
+    setattr(owner, name, wrapper)
+
+
+def _set_loss_fn(original: Callable[..., Any]) -> Callable[..., Any]:
+    def set_loss_fn(self: Any, loss_fn: Any) -> Any:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            set_features(engine, request_of(loss_fn))  # before verl's: a refused engine keeps its old loss
+        return original(self, loss_fn)
+
+    return set_loss_fn
+
+
+def _train_mini_batch(original: Callable[..., Any]) -> Callable[..., Any]:
+    def train_mini_batch(self: Any, data: Any) -> Any:
+        return marking_on_policy(original, self, data)
+
+    return train_mini_batch
+
+
+def _train_batch(original: Callable[..., Any]) -> Callable[..., Any]:
+    def train_batch(self: Any, data: Any) -> Any:
+        return marking_first_mini_batch(original, self, data)
+
+    return train_batch
+
+
+def _infer_batch(original: Callable[..., Any]) -> Callable[..., Any]:
+    def infer_batch(self: Any, data: Any, loss_function: Any = None) -> Any:
+        features = features_of(self)
+        if features is None or not features.request.pack_as_update:
+            return original(self, data, loss_function)
+        return infer_as_update(self, data, loss_function, original)
+
+    return infer_batch
+
+
+def _engine_forward_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    def forward_step(self: Any, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
+        return _forward_step(original, self, micro_batch, loss_function, forward_only)
+
+    return forward_step
+
+
+_installed_into: set[int] = set()
+
+
+def install(modules: Optional[Mapping[str, Any]] = None) -> None:
+    """Install the seam into verl (idempotent; inert for engines whose loss asks for nothing).
+
+    ``modules`` maps verl module names to stand-ins (tests install into altered copies of verl's classes);
+    by default verl's own modules. Every symbol is checked first (:mod:`verl_ext.engine.guard`)."""
+    import importlib
+
+    check_symbols(modules)
+    resolved = {name: (modules or {}).get(name) or importlib.import_module(name) for name in (ENGINE_MODULE, WORKER_MODULE)}
+    engine_class = resolved[ENGINE_MODULE].FSDPEngineWithLMHead
+    worker_class = resolved[WORKER_MODULE].TrainingWorker
+    if id(engine_class) in _installed_into and id(worker_class) in _installed_into:
+        return
+    if verl_version() != SUPPORTED_VERL:
+        logger.warning("verl %s is installed; verl-divclip's engine seam is written for verl %s", verl_version(), SUPPORTED_VERL)
+    _wrap(worker_class, "set_loss_fn", _set_loss_fn)
+    _wrap(worker_class, "train_mini_batch", _train_mini_batch)
+    _wrap(worker_class, "train_batch", _train_batch)
+    _wrap(engine_class, "infer_batch", _infer_batch)
+    _wrap(engine_class, "forward_step", _engine_forward_step)
+    _installed_into.update({id(engine_class), id(worker_class)})
