@@ -8,7 +8,10 @@
 #
 # Environment:
 #   LOSS=erc_dapo|kl3|kl_full (default erc_dapo)   STEPS=40   SMOKE_OUT=outputs/smoke/$LOSS
-#   TASK=echo   N_DEVICES=1   BATCH=16 prompts x ROLLOUT_N=8   LR=5e-3   TEST_FREQ=5   SAVE_FREQ=10
+#   TASK=echo   N_DEVICES=1 (device slots per node)   NNODES=1   BATCH=16 prompts x ROLLOUT_N=8   LR=5e-3
+#   TEST_FREQ=5   SAVE_FREQ=10   DATA_TRACE=FILE: each step's prompts (dataset index, uid) as JSON lines
+#   NNODES > 1 needs a Ray cluster (RAY_ADDRESS, e.g. through launch/submit.sh) whose nodes advertise
+#   N_DEVICES "cpu_device" slots each (ray start --resources='{"cpu_device": N_DEVICES}'; docs/cpu_platform.md).
 #   REQUIRE_MARGIN=1: exit non-zero unless the last-5 mean reward beats the first-5 clearly.
 #   VOCAB_PASS=1: log-probs and entropies of both actor passes by the vocabulary pass (no logits tensor).
 #   SMOKE_MODEL=DIR: start RL from this Hugging Face model instead of the generated random one (the
@@ -30,7 +33,12 @@ STEPS="${STEPS:-40}"
 TASK="${TASK:-echo}"
 SMOKE_OUT="$(mkdir -p "${SMOKE_OUT:-outputs/smoke/$LOSS}" && cd "${SMOKE_OUT:-outputs/smoke/$LOSS}" && pwd)"
 N_DEVICES="${N_DEVICES:-1}"
+NNODES="${NNODES:-1}"
 BATCH="${BATCH:-16}"
+if [[ "$NNODES" != 1 && -z "${RAY_ADDRESS:-}" ]]; then
+  echo "run_smoke_cpu.sh: NNODES=$NNODES needs a Ray cluster of that many nodes (RAY_ADDRESS, or launch/submit.sh)" >&2
+  exit 2
+fi
 
 case "$LOSS" in
   erc_dapo)  # ERC on DAPO clip-higher (ERC paper), beta 0.05/0.05
@@ -70,15 +78,18 @@ RAY_ARGS=(+ray_kwargs.ray_init.include_dashboard=False
           +ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM=cpu
           "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH=$VERL_FILE_LOGGER_PATH")
 if [[ -z "${RAY_ADDRESS:-}" ]]; then
-  # Ray's CPU count is logical: 8 oversubscribes 2 cores on purpose (TaskRunner, workers, rollout,
-  # reward and TransferQueue each hold one).
-  RAY_ARGS+=(ray_kwargs.ray_init.num_cpus=8 +ray_kwargs.ray_init._node_ip_address=127.0.0.1)
+  # Ray's CPU count is logical: it oversubscribes 2 cores on purpose (each device slot's bundle holds
+  # 3 for its colocated workers; the TaskRunner, rollout, reward and TransferQueue hold more). The
+  # device slots are the cpu platform's "cpu_device" resource, as GPUs are on a GPU node.
+  RAY_ARGS+=(ray_kwargs.ray_init.num_cpus=$((5 + 3 * N_DEVICES)) "+ray_kwargs.ray_init.resources={cpu_device:$N_DEVICES}"
+             +ray_kwargs.ray_init._node_ip_address=127.0.0.1)
 fi
+if [[ -n "${DATA_TRACE:-}" ]]; then RAY_ARGS+=("divclip.data_trace=$DATA_TRACE"); fi
 
 # 2. verl's trainer through the recipe's entry point. Two PPO mini-batches a step make the second
 #    update off-policy, as in the papers, so ERC's entropy ratio and KL3's ratio leave 1.
 "$PYTHON" -m recipe.main \
-  trainer.device=cpu trainer.nnodes=1 trainer.n_gpus_per_node="$N_DEVICES" \
+  trainer.device=cpu trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$N_DEVICES" \
   trainer.total_training_steps="$STEPS" trainer.total_epochs=1000 \
   trainer.val_before_train=True trainer.test_freq="${TEST_FREQ:-5}" trainer.save_freq="${SAVE_FREQ:-10}" \
   trainer.resume_mode=auto trainer.default_local_dir="$SMOKE_OUT/ckpt" \

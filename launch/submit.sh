@@ -21,7 +21,7 @@
 #   DATA_DIR ATR_MODEL SWEEP_JOBS VOCAB_PASS STRATEGY
 #                   forwarded to the job when set (see launch/common.sh); paths must be valid
 #                   on the cluster (shared storage)
-#   LOSS STEPS SMOKE_OUT TASK N_DEVICES BATCH ROLLOUT_N LR TEST_FREQ SAVE_FREQ REQUIRE_MARGIN
+#   LOSS STEPS SMOKE_OUT TASK N_DEVICES BATCH ROLLOUT_N LR TEST_FREQ SAVE_FREQ REQUIRE_MARGIN DATA_TRACE
 #                   forwarded for launch/run_smoke_cpu.sh (the CPU smoke as a Ray job; give
 #                   PYTHON and an absolute SMOKE_OUT, the job's working dir is temporary)
 #   SUBMIT_ENV      more variables to set on every node, space-separated names (e.g. "HF_HOME
@@ -34,7 +34,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 FORWARDED=(PYTHON MODEL_PATH TRAIN_FILES VAL_FILES NNODES GPUS_PER_NODE CKPT_DIR PROJECT_NAME
            EXPERIMENT_NAME DATA_DIR ATR_MODEL SWEEP_JOBS VOCAB_PASS STRATEGY
-           LOSS STEPS SMOKE_OUT TASK N_DEVICES BATCH ROLLOUT_N LR TEST_FREQ SAVE_FREQ REQUIRE_MARGIN)
+           LOSS STEPS SMOKE_OUT TASK N_DEVICES BATCH ROLLOUT_N LR TEST_FREQ SAVE_FREQ REQUIRE_MARGIN DATA_TRACE)
 
 usage() {
     echo "usage: RAY_ADDRESS=http://HEAD:8265 bash launch/submit.sh <script> [--dry-run] [hydra overrides...]" >&2

@@ -57,6 +57,7 @@ def validate_divclip_config(config: DictConfig) -> Any:
     if target != CONFIG_TARGET:
         _drop_unset_divclip_keys(actor_cfg.policy_loss, target)
     validate_profile(config)
+    validate_data_trace(config)
     validate_filter_groups(config)
     validate_validation_length(config)
     actor = build_actor_config(config)
@@ -258,6 +259,14 @@ def validate_profile(config: DictConfig) -> None:
             f"+profile={profile} (configs/profile/{profile}.yaml) is for the {paper.upper()} experiments "
             f"(configs/experiments/base/{paper}.yaml), but this config has divclip.paper={divclip.get('paper', None)!r}"
         )
+
+
+def validate_data_trace(config: DictConfig) -> None:
+    """``divclip.data_trace`` (:mod:`recipe.data_trace`) is written by the trainer on whichever Ray node it
+    runs: only an absolute path means the same file everywhere."""
+    path = (config.get("divclip", None) or {}).get("data_trace", None)
+    if path is not None and (not isinstance(path, str) or not Path(path).is_absolute()):
+        raise ConfigError(f"divclip.data_trace={path!r} must be an absolute path (the trainer writes it on a Ray node)")
 
 
 def validate_validation_length(config: DictConfig) -> None:

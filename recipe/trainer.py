@@ -8,8 +8,10 @@ update; the controller's state is saved into and restored from verl's ``global_s
 With ``actor_rollout_ref.rollout.custom.validation`` set, validation runs each benchmark at its own
 response length and sample count (:mod:`recipe.validation.length`); unset, validation is verl's.
 With ``loss_mode=kl_full`` or ``kl_full_diagnostic`` the old-log-prob pass also stores pi_old's
-top-k (:func:`verl_ext.engine.topk_capture.capturing_old_topk`). Everything else (rollouts, rewards, advantages,
-old-log-prob recompute with entropy, checkpoints) is verl's.
+top-k (:func:`verl_ext.engine.topk_capture.capturing_old_topk`). Before resuming it sets aside any
+checkpoint folder written after the last complete one (:mod:`recipe.checkpoints`); with
+``divclip.data_trace`` it records which prompts each step trained on (:mod:`recipe.data_trace`).
+Everything else (rollouts, rewards, advantages, old-log-prob recompute with entropy, checkpoints) is verl's.
 
 ``DivClipTaskRunner`` mirrors ``verl.trainer.main_ppo.TaskRunnerV1.run``: that class is a
 ``@ray.remote`` actor class and cannot be subclassed, and its ``run`` builds the trainer
@@ -38,6 +40,8 @@ from verl_ext.engine.packing import UpdatePacking
 from verl_ext.engine.request import describe, request_of, resolve_entropy_path
 from verl_ext.engine.topk_capture import capturing_old_topk, old_topk_request
 
+from recipe.checkpoints import set_aside_incomplete_checkpoints
+from recipe.data_trace import DataTrace
 from recipe.validation.length import ValidationLengthTrainerMixin, ValidationPlan
 
 logger = logging.getLogger(__name__)
@@ -49,8 +53,15 @@ class DivClipTrainer(ValidationLengthTrainerMixin, PPOTrainerSync):
     per-benchmark validation lengths (:mod:`recipe.validation.length`)."""
 
     adaptive_delta: Optional[AdaptiveDelta] = None
+    data_trace: Optional[DataTrace] = None
 
     def _load_checkpoint(self) -> None:
+        trainer = self.config.trainer
+        if trainer.resume_mode == "auto":  # only complete checkpoints stay where verl (and people) look
+            folder = trainer.default_local_dir
+            set_aside_incomplete_checkpoints(folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder))
+        trace_path = self.config.get("divclip", {}).get("data_trace", None)
+        self.data_trace = DataTrace(trace_path) if trace_path else None
         super()._load_checkpoint()  # sets global_steps and restores the workers
         self.adaptive_delta = self._build_adaptive_delta()
         if self.adaptive_delta is None or self.global_steps == 0:
@@ -115,8 +126,18 @@ class DivClipTrainer(ValidationLengthTrainerMixin, PPOTrainerSync):
         with capturing_old_topk(batch.extra_info, k):
             return super()._compute_old_log_prob(batch, metrics=metrics)
 
+    def _next_train_batch(self, num_prompts: Optional[int] = None) -> Any:
+        batch = super()._next_train_batch(num_prompts)
+        if self.data_trace is not None:
+            column = lambda key: list(getattr(batch[key], "tolist", lambda: batch[key])())  # noqa: E731  (tensor or stack)
+            indices = column("index") if "index" in batch.keys() else [None] * len(batch)
+            self.data_trace.fetched(column("uid"), indices, column("raw_prompt"))
+        return batch
+
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
         batch = super()._update_actor(batch, metrics=metrics)
+        if self.data_trace is not None:
+            self.data_trace.trained(self.global_steps, batch.keys)
         if self.adaptive_delta is not None:
             # the update's KL3, all-gathered over data-parallel ranks and reduced by verl
             changed = self.adaptive_delta.update(metrics)

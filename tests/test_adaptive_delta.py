@@ -1,6 +1,6 @@
 """The adaptive trust-region threshold (ATR-GRPO Sec. 6.5): the rule, its state file, its config
 checks, and the trainer hooks that drive it (verl's side stubbed here; the real trainer on 2 ranks
-with a resume is tests/test_smoke_cpu.py::test_adaptive_delta_follows_its_rule_across_a_resume_on_two_ranks)."""
+with a crash and a resume, across two Ray nodes, is tests/test_two_nodes_ray.py)."""
 
 from __future__ import annotations
 

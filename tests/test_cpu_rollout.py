@@ -328,17 +328,34 @@ def test_enable_cpu_ray_only_on_cpu_platform(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_cpu_resource_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pools' device slots come from the ``cpu_device`` resource, one node per node entry, each slot's
+    bundle with max_colocate_count CPUs, one CPU spare; every refusal says how to fix it."""
     import ray
 
-    from verl_ext.cpu import ray_resources
+    from verl_ext.cpu import DEVICE_RESOURCE, ray_resources
 
-    manager = SimpleNamespace(resource_pool_spec={"global_pool": [2]})
-    assert ray_resources.required_cpus(manager.resource_pool_spec) == 3
-    monkeypatch.setattr(ray._private.state, "available_resources_per_node", lambda: {"n0": {"CPU": 2.0}})
-    with pytest.raises(ValueError, match="ray_init.num_cpus"):
-        ray_resources._check_cpu_resources_available(manager)
-    monkeypatch.setattr(ray._private.state, "available_resources_per_node", lambda: {"n0": {"CPU": 6.0}})
-    ray_resources._check_cpu_resources_available(manager)
+    def nodes(*resources: dict[str, float]) -> None:
+        monkeypatch.setattr(ray._private.state, "available_resources_per_node",
+                            lambda: {f"n{i}": r for i, r in enumerate(resources)})
+
+    one_node = SimpleNamespace(resource_pool_spec={"global_pool": [2]}, max_colocate_count=3)
+    assert ray_resources.required_cpus(one_node.resource_pool_spec, 3) == 7
+    nodes({"CPU": 16.0})  # no device resource: a Ray started without it
+    with pytest.raises(ValueError, match=rf"offers 0 '{DEVICE_RESOURCE}' slots.*ray_init.resources=\{{cpu_device:N\}}.*ray start --resources"):
+        ray_resources._check_cpu_resources_available(one_node)
+    nodes({"CPU": 6.0, DEVICE_RESOURCE: 2.0})
+    with pytest.raises(ValueError, match="ray_init.num_cpus"):  # the bundles fit, no CPU spare
+        ray_resources._check_cpu_resources_available(one_node)
+    nodes({"CPU": 8.0, DEVICE_RESOURCE: 2.0})
+    ray_resources._check_cpu_resources_available(one_node)
+
+    two_nodes = SimpleNamespace(resource_pool_spec={"global_pool": [1, 1]}, max_colocate_count=3)
+    nodes({"CPU": 16.0, DEVICE_RESOURCE: 2.0})  # enough slots, but one node: the ranks could not spread
+    with pytest.raises(ValueError, match="needs its own node"):
+        ray_resources._check_cpu_resources_available(two_nodes)
+    nodes({"CPU": 6.0, DEVICE_RESOURCE: 1.0}, {"CPU": 3.0, DEVICE_RESOURCE: 1.0})
+    ray_resources._check_cpu_resources_available(two_nodes)
+    assert ray_resources.unplaceable_nodes([2, 1], [(1.0, 9.0), (2.0, 3.0)], 3) == [2]  # 2 slots need 6 CPUs
 
 
 def test_resource_check_patch_refuses_unknown_signature(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -182,62 +182,6 @@ def test_trainer_runs_kl3_end_to_end(tmp_path: Path, loss: str) -> None:
         assert f"actor/divclip/kl_full_diag/{key}" in data
 
 
-ADAPTIVE = {"target": 1e-6, "tolerance": 1.5, "rate": 1.5, "min": 0.005, "max": 0.5}
-ADAPTIVE_ARGS = [
-    "trainer.val_before_train=False",
-    # 8 prompts x 8 responses per mini-batch = 32 per rank: two micro-batches of 16 on each rank
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
-    "actor_rollout_ref.actor.policy_loss.loss_mode=seq_kl3",
-    "actor_rollout_ref.actor.policy_loss.delta=0.07",
-    f"actor_rollout_ref.actor.policy_loss.adaptive_delta_target={ADAPTIVE['target']}",
-    f"actor_rollout_ref.actor.policy_loss.adaptive_delta_tolerance={ADAPTIVE['tolerance']}",
-    f"actor_rollout_ref.actor.policy_loss.adaptive_delta_rate={ADAPTIVE['rate']}",
-]
-
-
-@pytest.fixture(scope="module")
-def adaptive_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """seq_kl3 with the adaptive delta on 2 data-parallel ranks: 2 steps with a checkpoint at step 2,
-    then a resume to step 3. A target far below any off-policy KL3 makes delta shrink on every
-    update, so a resume that lost the controller's state (back to 0.07) or a rank that trained
-    with a stale delta (always larger) would show in the logged delta."""
-    out = tmp_path_factory.mktemp("smoke_adaptive")
-    run_smoke(out, "kl3", 2, *ADAPTIVE_ARGS, SAVE_FREQ="2", TEST_FREQ="-1", N_DEVICES="2")
-    first_logs = sorted((out / "logs").glob("*.jsonl"))
-    (out / "first_attempt").write_text(str(first_logs[0]))
-    run_smoke(out, "kl3", 3, *ADAPTIVE_ARGS, SAVE_FREQ="2", TEST_FREQ="-1", N_DEVICES="2")
-    return out
-
-
-def test_adaptive_delta_follows_its_rule_across_a_resume_on_two_ranks(adaptive_run: Path) -> None:
-    from verl_ext.adaptive_delta import STATE_FILE
-
-    metrics = {json.loads(line)["step"]: json.loads(line)["data"]
-               for line in (adaptive_run / "metrics.jsonl").read_text().splitlines()}
-    first = Path((adaptive_run / "first_attempt").read_text())
-    assert training_steps(first) == [1, 2]
-    delta = 0.07
-    for step in (1, 2, 3):
-        data = metrics[step]
-        # the delta every rank's loss used this step (mean over ranks and micro-batches) is the
-        # controller's: delta only decreases here, so a stale rank would pull the mean up
-        assert data["actor/divclip/delta"] == pytest.approx(delta, rel=1e-12), (step, data["actor/divclip/delta"])
-        measured = data["actor/divclip/seq_kl3_mean"]
-        assert measured > ADAPTIVE["target"] * ADAPTIVE["tolerance"]  # off-policy second mini-batch
-        # one actor update (both PPO mini-batches) per step: delta shrinks once by the rate
-        delta = max(delta / ADAPTIVE["rate"], ADAPTIVE["min"])
-        assert data["actor/divclip/delta_next"] == pytest.approx(delta, rel=1e-12)
-        # bounds of the delta in use are logged too
-        assert data["actor/divclip/ratio_lower"] < 1 < data["actor/divclip/ratio_upper"]
-        # the gauge: from the first of the two mini-batches of each update, on both ranks, after the resume too
-        assert_on_policy_exact(data, erc=False)
-    assert metrics[3]["actor/divclip/delta"] == pytest.approx(0.07 / 1.5**2, rel=1e-12)  # continued, not reset
-    state = json.loads((adaptive_run / "ckpt" / "global_step_2" / STATE_FILE).read_text())
-    assert state["delta"] == pytest.approx(metrics[2]["actor/divclip/delta_next"], rel=1e-12)
-    assert state["metric"] == "actor/divclip/seq_kl3_mean"
-    assert sorted(p.name for p in (adaptive_run / "ckpt" / "global_step_2" / "actor").glob("*world_size_2_rank_*"))
-
-
 def test_margin_test_arithmetic() -> None:
     result = margin_test([0.1, 0.1, 0.2, 0.1, 0.0, 0.3, 0.4, 0.3, 0.5, 0.5])
     assert result["margin"] == pytest.approx(0.4 - 0.1)

@@ -1,6 +1,7 @@
 """launch/submit.sh against a real Ray cluster: a head started here on 127.0.0.1 (with its
 dashboard, which serves the job API), a dry-run job submitted through the script, its output
-and runtime env checked, the head stopped. Plus submit.sh's input errors."""
+and runtime env checked, the head stopped. Plus submit.sh's input errors. Real training submitted
+through the script -- to two nodes, with a rank killed and a resume -- is tests/test_two_nodes_ray.py."""
 
 from __future__ import annotations
 
@@ -150,24 +151,3 @@ def test_submit_input_errors(args, env, message):
     base = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "SUBMIT_ENV")}
     proc = subprocess.run(["bash", str(SUBMIT), *args], capture_output=True, text=True, env={**base, **env}, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr
-
-
-def test_submit_runs_the_cpu_smoke_as_a_ray_job(ray_head, tmp_path):
-    """The real trainer (not a dry run) as a Ray job on the loopback head: one ERC-DAPO step."""
-    env = {
-        **_ray_env(),
-        "RAY_ADDRESS": ray_head,
-        "PYTHON": sys.executable,
-        "SMOKE_OUT": str(tmp_path / "smoke"),
-        "STEPS": "1",
-        "TEST_FREQ": "-1",
-        "SAVE_FREQ": "-1",
-    }
-    proc = subprocess.run(["bash", str(SUBMIT), "run_smoke_cpu.sh"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
-    assert "succeeded" in output.lower()
-    assert "[smoke] 1 training steps" in output
-    metrics = (tmp_path / "smoke" / "metrics.jsonl").read_text()
-    assert '"step": 1' in metrics and "actor/divclip/erc/ratio_mean" in metrics

@@ -34,8 +34,10 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where rows are dumped: readers of the dump (the plots) need no torch
+    import torch
 
 __all__ = ["TokenDumpWriter", "DUMP_KEYS"]
 
@@ -103,6 +105,8 @@ class TokenDumpWriter:
         }
         if len(set(shapes.values())) != 1:
             raise ValueError(f"TokenDumpWriter.maybe_dump: tensors must share one shape, got {shapes}")
+
+        import torch
 
         with torch.no_grad():
             valid = response_mask.detach().bool().reshape(-1)

@@ -31,6 +31,12 @@ import sys
 PLATFORM_NAME = "cpu"
 """Value of ``VERL_PLATFORM`` that selects the cpu platform."""
 
+DEVICE_RESOURCE = "cpu_device"
+"""The Ray resource that is one "device" of the cpu platform (what ``GPU`` is on CUDA): every Ray node
+advertises as many as it has device slots (``trainer.n_gpus_per_node``), so verl's per-node placement
+groups land one per node as they do on GPUs. A local Ray gets it from ``ray_kwargs.ray_init.resources``
+(``launch/run_smoke_cpu.sh`` sets it); a cluster node from ``ray start --resources='{"cpu_device": N}'``."""
+
 
 def cpu_platform_selected() -> bool:
     """True when this process runs verl on the ``cpu`` platform (``VERL_PLATFORM=cpu``)."""
@@ -61,4 +67,4 @@ def setup_cpu_process() -> None:
     register_cpu_rollout()
 
 
-__all__ = ["PLATFORM_NAME", "cpu_platform_selected", "setup_cpu_process"]
+__all__ = ["DEVICE_RESOURCE", "PLATFORM_NAME", "cpu_platform_selected", "setup_cpu_process"]

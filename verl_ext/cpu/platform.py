@@ -47,7 +47,7 @@ import torch
 
 from verl.plugin.platform import PlatformBase, PlatformRegistry
 
-from verl_ext.cpu import PLATFORM_NAME  # "cpu": the VERL_PLATFORM value that selects this platform
+from verl_ext.cpu import DEVICE_RESOURCE, PLATFORM_NAME  # PLATFORM_NAME: the VERL_PLATFORM value that selects this platform
 
 logger = logging.getLogger(__name__)
 
@@ -210,11 +210,14 @@ class PlatformCPU(PlatformBase):
         return None
 
     def ray_resource_name(self) -> str:
-        return "CPU"
+        # A per-node device resource, like "GPU": verl places one placement group per node by it, so on
+        # a multi-node cluster the ranks spread over the nodes exactly as GPU ranks do.
+        return DEVICE_RESOURCE
 
     def ray_resource_options(self, num_gpus: float) -> dict[str, Any]:
-        # One "device" per worker is one CPU slot in Ray's accounting.
-        return {"num_cpus": num_gpus}
+        # A worker's share of its device slot, and as much of a CPU (the slot's bundle holds
+        # max_colocate_count CPUs for the colocated worker groups).
+        return {"num_cpus": num_gpus, "resources": {DEVICE_RESOURCE: num_gpus}}
 
     def ray_noset_envvars(self) -> list[str]:
         return []

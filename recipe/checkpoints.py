@@ -1,0 +1,63 @@
+"""Only complete checkpoints in ``trainer.default_local_dir``: what a crash mid-save leaves is set aside.
+
+verl writes a step's checkpoint (``global_step_N/actor`` shards from every rank, ``data.pt`` with the
+dataloader's cursor, the adaptive-delta state) and only then ``latest_checkpointed_iteration.txt``; a
+resume reads that tracker, so a step that was being written when a node died is never *taken* as the
+latest. Its half-written folder would still sit among the complete ones, though, and a later
+``resume_mode=resume_path`` or a person picking "the newest folder" could take it.
+:func:`set_aside_incomplete_checkpoints` (run by :class:`recipe.trainer.DivClipTrainer` before verl's
+resume) moves every ``global_step_N`` newer than the tracker -- written after the last complete
+checkpoint -- to ``incomplete/global_step_N.<time>`` beside them: nothing is deleted, and the checkpoint
+directory holds only complete checkpoints. ``tests/test_two_nodes_ray.py`` kills a rank mid-run and
+checks this on a real two-node cluster; ``tests/test_checkpoints.py`` covers the cases one by one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+STEP_FOLDER = re.compile(r"^global_step_(\d+)$")
+INCOMPLETE = "incomplete"
+
+
+def tracked_step(checkpoint_dir: Path) -> Optional[int]:
+    """The step verl's tracker names (the last complete checkpoint), or None without a readable tracker."""
+    try:
+        return int((checkpoint_dir / TRACKER).read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def step_folders(checkpoint_dir: Path) -> dict[int, Path]:
+    """``global_step_N`` folders of ``checkpoint_dir`` by N."""
+    if not checkpoint_dir.is_dir():
+        return {}
+    found = (STEP_FOLDER.match(p.name) for p in checkpoint_dir.iterdir() if p.is_dir())
+    return {int(m.group(1)): checkpoint_dir / m.group(0) for m in found if m}
+
+
+def set_aside_incomplete_checkpoints(checkpoint_dir: str | os.PathLike[str]) -> list[Path]:
+    """Move the step folders newer than the tracker (none complete: the tracker is written last) into
+    ``incomplete/``; returns where each went. Without a tracker every step folder is incomplete."""
+    directory = Path(checkpoint_dir)
+    latest = tracked_step(directory)
+    moved = []
+    for step, folder in sorted(step_folders(directory).items()):
+        if latest is not None and step <= latest:
+            continue
+        target = directory / INCOMPLETE / f"{folder.name}.{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        target.parent.mkdir(exist_ok=True)
+        shutil.move(str(folder), str(target))
+        logger.warning("checkpoint %s was written after the last complete one (tracker: %s): set aside as %s",
+                       folder, latest, target)
+        moved.append(target)
+    return moved

@@ -1,0 +1,65 @@
+"""Which prompts each training step trained on, as JSON lines (``divclip.data_trace=FILE``, opt-in).
+
+A resume must neither skip nor repeat prompts: verl restores the dataloader's cursor from the step's
+``data.pt``. This trace makes that checkable. The trainer notes every prompt it fetches (its dataset
+``index`` and a hash of the prompt itself, stable across runs, unlike verl's per-fetch uid) and, when a
+step's actor update has run, appends one line::
+
+    {"step": 3, "attempt": "<host>-<pid>-<start>", "prompts": [[index, hash], ...], "samples": 32}
+
+with the step's prompts sorted (the rollout samples of each, ``samples``, counted). Each attempt of a
+run appends to the same file; ``attempt`` tells them apart. ``tests/test_two_nodes_ray.py`` compares a
+crashed and a resumed attempt with an uninterrupted run of the same seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+from collections import Counter
+from typing import Any, Iterable
+
+DATA_TRACE_KEY = "divclip.data_trace"
+
+
+def prompt_id(index: Any, raw_prompt: Any) -> list[Any]:
+    """``[dataset index, 12-hex-digit hash of the prompt]``: the hash tells prompts apart even where a
+    dataset gives every row index 0 (verl's default without ``extra_info.index``)."""
+    text = json.dumps(raw_prompt, sort_keys=True, default=str)
+    return [int(index) if index is not None else -1, hashlib.sha1(text.encode()).hexdigest()[:12]]
+
+
+class DataTrace:
+    """The trace of one attempt (see the module docstring)."""
+
+    def __init__(self, path: str) -> None:
+        if not os.path.isabs(path):
+            raise ValueError(f"{DATA_TRACE_KEY}={path!r} must be an absolute path (the trainer runs on a Ray node)")
+        self.path = path
+        self.attempt = f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
+        self._prompts: dict[str, list[Any]] = {}
+
+    def fetched(self, uids: Iterable[str], indices: Iterable[Any], raw_prompts: Iterable[Any]) -> None:
+        """A fetched batch of prompts: verl's uid of each, its dataset index and its prompt."""
+        for uid, index, raw in zip(uids, indices, raw_prompts, strict=True):
+            self._prompts[str(uid)] = prompt_id(index, raw)
+
+    def trained(self, step: int, sample_keys: Iterable[str]) -> None:
+        """Step ``step`` updated the actor on these samples (verl's ``{uid}_{session}_{index}`` keys)."""
+        samples = Counter(str(key).split("_", 1)[0] for key in sample_keys)
+        unknown = sorted(uid for uid in samples if uid not in self._prompts)
+        if unknown:
+            raise KeyError(f"{DATA_TRACE_KEY}: step {step} trained on prompts never fetched: {unknown[:3]}")
+        line = {"step": int(step), "attempt": self.attempt,
+                "prompts": sorted(self._prompts.pop(uid) for uid in samples), "samples": sum(samples.values())}
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def read_trace(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
