@@ -49,6 +49,9 @@ COST_HIDDEN = 64
 
 ERC_BETA = 0.05
 """ERC's band (1 - beta, 1 + beta) of the ERC configs (the paper's beta_l = beta_h = 0.05)."""
+GSPO_BAND = (3e-4, 4e-4)
+"""GSPO's sequence-ratio clip (clip_ratio_low/high of the GSPO paper and the erc_gspo config); the other
+modes use DAPO's 0.2 / 0.28."""
 MODES = ("erc", "clip", "kl3", "gspo")
 """Losses a case can run: ``erc`` is ERC-DAPO (clip-higher + ERC), the others the divclip actor loss in
 that ``loss_mode`` without ERC (``gspo`` is verl's own mode through it)."""
@@ -67,8 +70,9 @@ def _loss(mode: str) -> Any:
     from recipe.bench.harness import make_actor_config
     from verl_ext.actor_loss import build_actor_loss
 
+    low, high = GSPO_BAND if mode == "gspo" else (0.2, 0.28)
     return build_actor_loss(
-        make_actor_config(policy_loss=_policy_config(mode), clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0)
+        make_actor_config(policy_loss=_policy_config(mode), clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=10.0)
     )
 
 
