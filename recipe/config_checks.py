@@ -24,6 +24,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import PolicyLossConfig
 
 from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig, actor_clip_ratios
+from verl_ext.core.coarsened_kl import check_top_k
 from verl_ext.core.region import CONSTRAINTS
 from verl_ext.engine.request import SUPPORTED_STRATEGIES, requested_features
 from verl_ext.registry import check_policy_config
@@ -192,11 +193,11 @@ def validate_old_topk(config: DictConfig, actor: Any, policy: DivClipPolicyLossC
             f"them: {ACTOR}.fsdp_config.ulysses_sequence_parallel_size={sp_size} must be 1"
         )
     vocab = _local_vocab_size(model.get("path", None))
-    if vocab is not None and policy.kl_full_top_k > vocab:
-        raise ConfigError(
-            f"{ACTOR}.policy_loss.kl_full_top_k={policy.kl_full_top_k} exceeds the model's vocabulary "
-            f"({vocab} logits, {model.path}/config.json)"
-        )
+    if vocab is not None:
+        try:
+            check_top_k(policy.kl_full_top_k, vocab)  # the one check of a top-k against a vocabulary
+        except ValueError as error:
+            raise ConfigError(f"{error} (the model's, from {model.path}/config.json)") from error
 
 
 def _local_vocab_size(model_path: Any) -> int | None:

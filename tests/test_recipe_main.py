@@ -125,7 +125,7 @@ def test_kl_full_top_k_beyond_the_vocabulary_names_the_key(tmp_path):
     (tmp_path / "config.json").write_text('{"vocab_size": 512}')
     model = f"actor_rollout_ref.model.path={tmp_path}"
     validate_divclip_config(compose_config(*KL_FULL, model, "actor_rollout_ref.actor.policy_loss.kl_full_top_k=512"))
-    with pytest.raises(ConfigError, match=r"policy_loss\.kl_full_top_k=513 exceeds the model's vocabulary \(512"):
+    with pytest.raises(ConfigError, match=r"policy_loss\.kl_full_top_k=513 must lie in \[1, vocabulary size 512\] \(the model's"):
         validate_divclip_config(compose_config(*KL_FULL, model, "actor_rollout_ref.actor.policy_loss.kl_full_top_k=513"))
 
 

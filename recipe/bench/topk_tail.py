@@ -57,19 +57,20 @@ def read_rows(path: Path, prompt_key: str, response_key: str) -> list[tuple[str,
 def tail_log_masses(log_probs: Any, ks: list[int]) -> Any:
     """``(tokens, len(ks))`` log of the mass outside each row's top-k, for each k (float64).
 
-    The tail is summed directly: the largest ``max(ks)`` entries are read, the rest of the row is
-    reduced once (its own logsumexp), and each k's tail is the logsumexp of the entries ranked k..max
-    with that rest -- no ``1 - sum(top-k)`` cancellation, so a tail of 1e-12 keeps its digits."""
+    The tail is summed directly, with the one tail-bucket computation of ``kl_full``
+    (:func:`verl_ext.core.coarsened_kl.tail_log_mass_`): per k, the row's top-k entries are set to
+    ``-inf`` and the rest reduces to its own logsumexp -- no ``1 - sum(top-k)`` cancellation, so a tail of
+    1e-12 keeps its digits."""
     import torch
+
+    from verl_ext.core.coarsened_kl import tail_log_mass_
 
     k_max = max(ks)
     out = []
     for chunk in log_probs.split(ROWS_PER_CHUNK):  # a float64 copy of 256 rows at a time
-        top = chunk.topk(k_max, dim=-1)
-        rest = chunk.double().scatter_(-1, top.indices, -math.inf)
-        rest_lse = torch.logsumexp(rest, dim=-1, keepdim=True)  # -inf when k_max is the vocabulary
-        ranked = top.values.double()
-        out.append(torch.stack([torch.logsumexp(torch.cat([ranked[:, k:], rest_lse], dim=-1), dim=-1) for k in ks], dim=-1))
+        top_ids = chunk.topk(k_max, dim=-1).indices
+        tails = [tail_log_mass_(chunk.double().scatter_(-1, top_ids[:, :k], -math.inf)) for k in ks]
+        out.append(torch.cat(tails, dim=-1))
     return torch.cat(out) if out else log_probs.new_zeros((0, len(ks)), dtype=torch.float64)
 
 
@@ -78,13 +79,14 @@ def measure(model_path: str, rows: list[tuple[str, str]], ks: list[int], tempera
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from verl_ext.core.coarsened_kl import check_top_k
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, local_files_only=True).to(device).eval()
     vocab = model.get_output_embeddings().weight.shape[0]
-    if max(ks) > vocab:
-        raise ValueError(f"--k {max(ks)} exceeds the model's vocabulary ({vocab} logits)")
+    check_top_k(max(ks), vocab, key="--k")  # the project's one check of a top-k against a vocabulary
     tails, entropies, sequences = [], [], 0
     with torch.no_grad():
         for prompt, response in rows:
