@@ -47,12 +47,15 @@ def step_folders(checkpoint_dir: Path) -> dict[int, Path]:
 
 def set_aside_incomplete_checkpoints(checkpoint_dir: str | os.PathLike[str]) -> list[Path]:
     """Move the step folders newer than the tracker (none complete: the tracker is written last) into
-    ``incomplete/``; returns where each went. Without a tracker every step folder is incomplete."""
+    ``incomplete/``; returns where each went. Without a tracker nothing is moved: verl then trains from
+    scratch, and with ``checkpoint.async_save`` the tracker is written later, by verl's callback."""
     directory = Path(checkpoint_dir)
     latest = tracked_step(directory)
+    if latest is None:
+        return []
     moved = []
     for step, folder in sorted(step_folders(directory).items()):
-        if latest is not None and step <= latest:
+        if step <= latest:
             continue
         target = directory / INCOMPLETE / f"{folder.name}.{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         target.parent.mkdir(exist_ok=True)
