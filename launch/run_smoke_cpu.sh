@@ -78,10 +78,12 @@ RAY_ARGS=(+ray_kwargs.ray_init.include_dashboard=False
           +ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM=cpu
           "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH=$VERL_FILE_LOGGER_PATH")
 if [[ -z "${RAY_ADDRESS:-}" ]]; then
+  # address=local: a new Ray of our own even where another cluster runs on this machine (a bare
+  # ray.init would join the newest one it finds and then refuse num_cpus).
   # Ray's CPU count is logical: it oversubscribes 2 cores on purpose (each device slot's bundle holds
   # 3 for its colocated workers; the TaskRunner, rollout, reward and TransferQueue hold more). The
   # device slots are the cpu platform's "cpu_device" resource, as GPUs are on a GPU node.
-  RAY_ARGS+=(ray_kwargs.ray_init.num_cpus=$((5 + 3 * N_DEVICES)) "+ray_kwargs.ray_init.resources={cpu_device:$N_DEVICES}"
+  RAY_ARGS+=(+ray_kwargs.ray_init.address=local ray_kwargs.ray_init.num_cpus=$((5 + 3 * N_DEVICES)) "+ray_kwargs.ray_init.resources={cpu_device:$N_DEVICES}"
              +ray_kwargs.ray_init._node_ip_address=127.0.0.1)
 fi
 if [[ -n "${DATA_TRACE:-}" ]]; then RAY_ARGS+=("divclip.data_trace=$DATA_TRACE"); fi

@@ -239,7 +239,7 @@ def local_ray() -> Any:
     if ray.is_initialized():
         pytest.skip("a Ray instance is already initialised in this process")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(_ROOT)}})
     try:
         yield ray

@@ -27,7 +27,7 @@ SUBMIT = ROOT / "launch" / "submit.sh"
 # as the CPU smoke's TaskRunner, workers, rollout server, reward and TransferQueue each hold one.
 HEAD = """
 import sys, ray
-ray.init(_node_ip_address="127.0.0.1", include_dashboard=True, dashboard_host="127.0.0.1",
+ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=True, dashboard_host="127.0.0.1",
          dashboard_port=int(sys.argv[1]), num_cpus=8, num_gpus=0, _temp_dir=sys.argv[2],
          log_to_driver=False)
 print("READY", flush=True)
