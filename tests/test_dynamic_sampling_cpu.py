@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BATCH, ROLLOUT_N, STEPS = 16, 8, 2
+BATCH, ROLLOUT_N, STEPS = 16, 8, 1
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ def loss_inputs(draw):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(inputs=loss_inputs())
 def test_loss_and_gradient_are_finite(mode, inputs):
     old, new, adv, mask, entropies, dtype, dual_clip_c = inputs

@@ -54,7 +54,10 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
          _env(MODEL_PATH=str(assets / "model"), TRAIN_FILES=str(assets / "data/sft_train.parquet"),
               CKPT_DIR=str(out / "sft"), MERGED_DIR=str(merged), VERL_FILE_LOGGER_PATH=str(sft_log)), 900)  # fmt: skip
     rl_out = out / "rl"
-    _run(["bash", str(ROOT / "launch/run_smoke_cpu.sh")],
+    # kl3 with the opt-in KL3-vs-trust-region diagnostic (pi_old's top-8 from verl's logits, stored by the
+    # old-log-prob pass through TransferQueue)
+    _run(["bash", str(ROOT / "launch/run_smoke_cpu.sh"), "actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=True",
+          "actor_rollout_ref.actor.policy_loss.kl_full_top_k=8"],
          _env(SMOKE_OUT=str(rl_out), SMOKE_MODEL=str(merged), LOSS="kl3", STEPS="1", SAVE_FREQ="-1", TEST_FREQ="-1"),
          900)  # fmt: skip
     return {"assets": assets, "merged": merged, "sft_log": sft_log, "rl": rl_out, "ckpt": out / "sft"}
@@ -126,7 +129,23 @@ def test_rl_starts_from_the_sft_model(chain: dict[str, Any]) -> None:
     # verl's validation before training (greedy, the same held-out prompts) sees the SFT model
     assert metrics[0]["val-core/smoke_echo/acc/mean@1"] == pytest.approx(sft_acc, abs=1e-9)
     assert 0.0 <= metrics[1]["critic/score/mean"] <= 1.0  # and one KL3 training step ran on it
-    assert metrics[1]["actor/divclip/ratio_lower"] == pytest.approx(0.671, abs=1e-3)
+
+
+def test_the_rl_step_is_kl3_with_the_trust_region_diagnostic(chain: dict[str, Any]) -> None:
+    """The RL step on the SFT model is ATR's kl3 at delta 0.07 (ratio range [0.671, 1.422]), on-policy exact
+    on its first mini-batch, with the diagnostic computed from pi_old's stored top-8."""
+    from tests.test_smoke_cpu import assert_on_policy_exact
+
+    (line,) = [json.loads(x) for x in (chain["rl"] / "metrics.jsonl").read_text().splitlines() if '"step": 1' in x]
+    data = line["data"]
+    assert data["actor/divclip/ratio_lower"] == pytest.approx(0.671, abs=1e-3)
+    assert data["actor/divclip/ratio_upper"] == pytest.approx(1.422, abs=1e-3)
+    assert "actor/divclip/erc/ratio_mean" not in data
+    assert_on_policy_exact(data, erc=False)
+    # the coarsened KL and its tails came from the stored top-k (the second mini-batch is off-policy)
+    assert data["actor/divclip/kl_full_mean"] >= 0 and 0 < data["actor/divclip/kl_full_tail_old"] < 1
+    for key in ("mode_only_frac", "full_only_frac", "full_only_frac_kl3delta", "kl_clipped_mean", "kl_unclipped_mean"):
+        assert f"actor/divclip/kl_full_diag/{key}" in data
 
 
 def test_merge_cli_on_any_lora_checkpoint(chain: dict[str, Any], tmp_path: Path) -> None:

@@ -46,7 +46,7 @@ from tests.test_submit_ray import _free_port, _ray_env, _wait_for_job_agent
 ROOT = Path(__file__).resolve().parents[1]
 SUBMIT = ROOT / "launch" / "submit.sh"
 
-STEPS = 3
+STEPS = 2
 FAIL_WITHIN_S = 240
 """How long a job may take to end FAILED after one of its ranks was killed (it must not hang)."""
 
