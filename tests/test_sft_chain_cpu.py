@@ -22,6 +22,8 @@ import pandas as pd
 import pytest
 import torch
 
+from tests.test_smoke_cpu import assert_coarsened_kl_from_stored_top_k, assert_on_policy_exact, step_one_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 SFT_STEPS = 48
 CPU_SFT_OVERRIDES = [
@@ -134,18 +136,12 @@ def test_rl_starts_from_the_sft_model(chain: dict[str, Any]) -> None:
 def test_the_rl_step_is_kl3_with_the_trust_region_diagnostic(chain: dict[str, Any]) -> None:
     """The RL step on the SFT model is ATR's kl3 at delta 0.07 (ratio range [0.671, 1.422]), on-policy exact
     on its first mini-batch, with the diagnostic computed from pi_old's stored top-8."""
-    from tests.test_smoke_cpu import assert_on_policy_exact
-
-    (line,) = [json.loads(x) for x in (chain["rl"] / "metrics.jsonl").read_text().splitlines() if '"step": 1' in x]
-    data = line["data"]
+    data = step_one_metrics(chain["rl"])
     assert data["actor/divclip/ratio_lower"] == pytest.approx(0.671, abs=1e-3)
     assert data["actor/divclip/ratio_upper"] == pytest.approx(1.422, abs=1e-3)
     assert "actor/divclip/erc/ratio_mean" not in data
     assert_on_policy_exact(data, erc=False)
-    # the coarsened KL and its tails came from the stored top-k (the second mini-batch is off-policy)
-    assert data["actor/divclip/kl_full_mean"] >= 0 and 0 < data["actor/divclip/kl_full_tail_old"] < 1
-    for key in ("mode_only_frac", "full_only_frac", "full_only_frac_kl3delta", "kl_clipped_mean", "kl_unclipped_mean"):
-        assert f"actor/divclip/kl_full_diag/{key}" in data
+    assert_coarsened_kl_from_stored_top_k(data, "full_only_frac_kl3delta")
 
 
 def test_merge_cli_on_any_lora_checkpoint(chain: dict[str, Any], tmp_path: Path) -> None:

@@ -52,6 +52,20 @@ def assert_on_policy_exact(data: dict, erc: bool, vocab_pass: bool = False) -> N
     assert data[path + "vocab_pass"] == float(vocab_pass) and data[path + "entropy_fp32"] == float(erc or vocab_pass)
 
 
+def step_one_metrics(out: Path) -> dict:
+    """The metrics a one-step smoke logged for its training step."""
+    (line,) = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"step": 1' in x]
+    return line["data"]
+
+
+def assert_coarsened_kl_from_stored_top_k(data: dict, *more_diagnostic_keys: str) -> None:
+    """The coarsened KL and its tails were computed from pi_old's stored top-k (the second mini-batch is
+    off-policy), and the KL3-vs-trust-region diagnostic logged its figures."""
+    assert data["actor/divclip/kl_full_mean"] >= 0 and 0 < data["actor/divclip/kl_full_tail_old"] < 1
+    for key in ("mode_only_frac", "full_only_frac", "kl_clipped_mean", "kl_unclipped_mean", *more_diagnostic_keys):
+        assert f"actor/divclip/kl_full_diag/{key}" in data
+
+
 #: Per-benchmark validation (recipe.validation.length) on the same run: training responses stop at
 #: 4 tokens (RESPONSE_LEN), validation answers the echo set at 12 tokens x val_kwargs.n = 1 and a
 #: second set (the same prompts, data_source smoke_echo_long) at 16 tokens x 3. ignore_eos makes
@@ -147,14 +161,10 @@ def test_trainer_runs_kl_full_through_the_vocab_pass_end_to_end(tmp_path: Path) 
                      "actor_rollout_ref.actor.policy_loss.kl_full_top_k=8", SAVE_FREQ="-1", TEST_FREQ="-1",
                      VOCAB_PASS="1")
     assert "'vocab_pass': True" in proc.stdout  # the config verl's TaskRunner prints
-    (line,) = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"step": 1' in x]
-    data = line["data"]
+    data = step_one_metrics(tmp_path)
     assert "actor/divclip/erc/ratio_mean" not in data
     assert_on_policy_exact(data, erc=False, vocab_pass=True)
-    # the coarsened KL and its tails were computed from the stored top-k (the second mini-batch is off-policy)
-    assert data["actor/divclip/kl_full_mean"] >= 0 and 0 < data["actor/divclip/kl_full_tail_old"] < 1
-    for key in ("mode_only_frac", "full_only_frac", "kl_clipped_mean", "kl_unclipped_mean"):
-        assert f"actor/divclip/kl_full_diag/{key}" in data
+    assert_coarsened_kl_from_stored_top_k(data)
 
 
 def test_margin_test_arithmetic() -> None:
