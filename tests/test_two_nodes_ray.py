@@ -127,11 +127,12 @@ def two_nodes() -> Iterator[dict[str, Any]]:
     gcs_port, dashboard_port = _free_port(), _free_port()
     launcher_log = Path(temp_dir) / "launcher.err"
     (Path(temp_dir) / "ray").mkdir()  # RAY_TMPDIR's default Ray folder, where Cluster writes its address file
-    launcher = subprocess.Popen([sys.executable, "-c", CLUSTER, str(gcs_port), str(dashboard_port), temp_dir],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=launcher_log.open("w"), text=True,
-                                # RAY_TMPDIR: Ray's Cluster writes its address file into the default Ray folder
-                                # (/tmp/ray: absent on a fresh machine, and read by any bare ray.init there)
-                                env={**loopback_env(), "RAY_TMPDIR": temp_dir}, start_new_session=True)
+    with launcher_log.open("w") as launcher_err:
+        launcher = subprocess.Popen([sys.executable, "-c", CLUSTER, str(gcs_port), str(dashboard_port), temp_dir],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=launcher_err, text=True,
+                                    # RAY_TMPDIR: Ray's Cluster writes its address file into the default Ray folder
+                                    # (/tmp/ray: absent on a fresh machine, and read by any bare ray.init there)
+                                    env={**loopback_env(), "RAY_TMPDIR": temp_dir}, start_new_session=True)
     try:
         ready, _, _ = select.select([launcher.stdout], [], [], 240)
         line = launcher.stdout.readline() if ready else ""
