@@ -42,6 +42,7 @@ import pytest
 
 from tests.test_smoke_cpu import assert_on_policy_exact
 from tests.test_submit_ray import _free_port, _ray_env, _wait_for_job_agent
+from verl_ext.config import DivClipPolicyLossConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBMIT = ROOT / "launch" / "submit.sh"
@@ -126,12 +127,12 @@ def two_nodes() -> Iterator[dict[str, Any]]:
     temp_dir = tempfile.mkdtemp(prefix="r2n", dir="/tmp")  # short: Ray's socket paths are length-limited
     gcs_port, dashboard_port = _free_port(), _free_port()
     launcher_log = Path(temp_dir) / "launcher.err"
-    (Path(temp_dir) / "ray").mkdir()  # RAY_TMPDIR's default Ray folder, where Cluster writes its address file
+    # Ray's Cluster writes its address file into the default Ray folder, /tmp/ray: absent on a fresh machine,
+    # and read by any bare ray.init there. RAY_TMPDIR moves that folder into the test's own.
+    (Path(temp_dir) / "ray").mkdir()
     with launcher_log.open("w") as launcher_err:
         launcher = subprocess.Popen([sys.executable, "-c", CLUSTER, str(gcs_port), str(dashboard_port), temp_dir],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=launcher_err, text=True,
-                                    # RAY_TMPDIR: Ray's Cluster writes its address file into the default Ray folder
-                                    # (/tmp/ray: absent on a fresh machine, and read by any bare ray.init there)
                                     env={**loopback_env(), "RAY_TMPDIR": temp_dir}, start_new_session=True)
     try:
         ready, _, _ = select.select([launcher.stdout], [], [], 240)
@@ -195,7 +196,7 @@ def actor_ranks(cluster: dict[str, Any]) -> list[Any]:
 
 def expected_delta(step: int) -> float:
     """The delta step ``step`` trains with: the initial one widened once per earlier update (ADAPTIVE)."""
-    return min(ADAPTIVE["delta"] * ADAPTIVE["rate"] ** (step - 1), 0.5)  # 0.5: adaptive_delta_max's default
+    return min(ADAPTIVE["delta"] * ADAPTIVE["rate"] ** (step - 1), DivClipPolicyLossConfig.adaptive_delta_max)
 
 
 def step_metrics(out: Path) -> dict[int, dict[str, Any]]:
