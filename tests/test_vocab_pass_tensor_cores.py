@@ -1,9 +1,14 @@
 """The vocabulary pass at tensor-core rate: why TF32 keeps its logits exact, and that the setting is scoped.
 
-* TF32 rounding emulated in bit arithmetic (round to nearest even on the 13 dropped mantissa bits):
-  for bf16- and fp16-valued operands rounding changes nothing, so every product and every matmul equals
-  the float32 one bit for bit (same summation order); for general float32 operands it does not (the
-  test can fail). The logit gradient (a general float32) rounded to TF32 stays within 2^-11 per term.
+* TF32 rounding emulated in bit arithmetic (round to nearest even on the 13 dropped mantissa bits), and a
+  TF32 matmul emulated against an exact reference (every float32 product is exact in float64; ``math.fsum``
+  adds them without error and rounds once). For bf16- and fp16-valued operands rounding to TF32 changes
+  nothing, so the emulated TF32 matmul equals the exact product of the original operands bit for bit; what
+  the hardware adds is float32 accumulation, and the float32 matmul stays within the recursive-summation
+  bound gamma_n = n u / (1 - n u) (u = 2^-24, n the inner dimension) of the exact result while differing
+  from it (a bound, not an identity). For general float32 operands the emulated TF32 matmul differs from
+  the exact one, within 2 * 2^-11 + 2^-22 per product term. The logit gradient (a general float32) rounded
+  to TF32 stays within 2^-11 per term.
 * :func:`tensor_core_matmuls` takes the TF32 path only on CUDA with half-precision operands; on CPU and
   with fp32 parameters nothing changes.
 * :func:`tf32_matmuls` sets cuBLAS's float32 precision for its block only and restores it on every exit
@@ -17,6 +22,7 @@ through it) is tested in tests/test_gpu.py behind the ``gpu`` marker.
 
 from __future__ import annotations
 
+import math
 import types
 from typing import Any, Callable
 
@@ -27,6 +33,8 @@ from verl_ext.core import vocab_pass as vp
 
 MATMUL = torch.backends.cuda.matmul
 UNIT_ROUNDOFF_TF32 = 2.0**-11  # 10 explicit mantissa bits, round to nearest
+UNIT_ROUNDOFF_FP32 = 2.0**-24
+UNIT_ROUNDOFF_FP64 = 2.0**-53
 
 
 def tf32_round(x: torch.Tensor) -> torch.Tensor:
@@ -45,6 +53,30 @@ def half_valued(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.
     return x.to(dtype).float()
 
 
+def exact_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b.t()`` for float32-valued ``a`` and ``b``, each entry the exact sum rounded once to float64.
+
+    A product of two float32 values has at most 48 significant bits, so it is exact in float64;
+    :func:`math.fsum` adds the products without intermediate rounding. This is the reference a matmul's
+    own rounding is measured against.
+    """
+    products = a.double()[:, None, :] * b.double()[None, :, :]
+    return torch.tensor([[math.fsum(terms) for terms in row] for row in products.tolist()], dtype=torch.float64)
+
+
+def tf32_matmul_emulated(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A TF32 tensor-core matmul ``a @ b.t()`` without its accumulation error: the operands rounded to
+    TF32, multiplied exactly and summed exactly (:func:`exact_matmul`). What TF32 itself changes is
+    the difference to :func:`exact_matmul` of the original operands."""
+    return exact_matmul(tf32_round(a), tf32_round(b))
+
+
+def gamma(n: int, unit_roundoff: float) -> float:
+    """Higham's gamma_n = n u / (1 - n u): a sum of n exact terms in any order, each addition rounded to
+    unit roundoff u, is within gamma_n * sum |term| of the exact sum (gamma_{n-1} suffices)."""
+    return n * unit_roundoff / (1 - n * unit_roundoff)
+
+
 def test_the_emulated_rounding_is_tf32s() -> None:
     one_ulp = torch.tensor([1.0 + 2.0**-10, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 1.0 + 2.0**-12])
     assert tf32_round(one_ulp).tolist() == [1.0 + 2.0**-10, 1.0, 1.0 + 2 * 2.0**-10, 1.0]  # ties to even
@@ -54,22 +86,38 @@ def test_the_emulated_rounding_is_tf32s() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_valued_operands_are_exact_in_tf32_so_products_and_matmuls_are_float32s(dtype: torch.dtype) -> None:
+def test_half_valued_operands_are_exact_in_tf32_so_a_tf32_matmul_errs_only_by_float32_summation(dtype: torch.dtype) -> None:
+    """bf16 (8 significant bits) and fp16 (11) values are TF32 values (11): rounding keeps them, the
+    product of two has at most 22 significant bits, exact in float32. So the TF32 matmul without its
+    accumulation equals the exact product of the *original* operands bit for bit, and the only error
+    left is float32 summation: the float32 matmul's, within gamma_n of the exact result and not zero."""
     a, b = half_valued((64, 96), dtype, seed=1), half_valued((64, 96), dtype, seed=2)
     assert torch.equal(tf32_round(a), a) and torch.equal(tf32_round(b), b)
-    product = a * b
-    assert torch.equal(tf32_round(a) * tf32_round(b), product)  # bit for bit, per element
-    assert torch.equal(product.double(), a.double() * b.double())  # and exact: <= 22 significant bits
+    assert torch.equal((a * b).double(), a.double() * b.double())  # float32 products exact: <= 22 significant bits
     hidden, weight = half_valued((32, 128), dtype, seed=3), half_valued((256, 128), dtype, seed=4)
-    assert torch.equal(tf32_round(hidden) @ tf32_round(weight).t(), hidden @ weight.t())
+    exact = exact_matmul(hidden, weight)
+    assert torch.equal(tf32_matmul_emulated(hidden, weight), exact)  # TF32 loses nothing on these operands
+    float32 = (hidden @ weight.t()).double()
+    summation_error = (float32 - exact).abs()
+    magnitude = exact_matmul(hidden.abs(), weight.abs())  # sum |h_k w_k| per logit
+    assert (summation_error <= gamma(hidden.shape[1], UNIT_ROUNDOFF_FP32) * magnitude).all()
+    assert summation_error.max() > 0  # float32 accumulation does round: a bound, not an identity
 
 
 def test_general_float32_operands_are_not_exact_in_tf32() -> None:
+    """For general float32 operands TF32 rounding is real: per element and per matmul, the TF32 result
+    differs from the exact one, by at most 2u + u^2 (u = 2^-11, one rounding per operand) of each
+    product term's magnitude, plus the two float64 roundings of the references."""
     gen = torch.Generator().manual_seed(5)
     a, b = torch.randn(64, 96, generator=gen), torch.randn(64, 96, generator=gen)
     changed = (tf32_round(a) * tf32_round(b) != a * b).float().mean()
     assert changed > 0.9  # the bit-for-bit equality above is a property of half-precision values
     assert not torch.equal(tf32_round(a) @ tf32_round(b).t(), a @ b.t())
+    rounding_error = (tf32_matmul_emulated(a, b) - exact_matmul(a, b)).abs()
+    magnitude = exact_matmul(a.abs(), b.abs())
+    per_term = 2 * UNIT_ROUNDOFF_TF32 + UNIT_ROUNDOFF_TF32**2
+    assert (rounding_error <= (per_term + 4 * UNIT_ROUNDOFF_FP64) * magnitude).all()
+    assert (rounding_error > 0).float().mean() > 0.99  # differs almost everywhere
 
 
 def test_the_gradients_tf32_rounding_stays_within_its_bound() -> None:
