@@ -1,6 +1,12 @@
 """The GPU probe's code path, run on the CPU platform at a tiny shape (the CUDA run is
 tests/test_gpu.py): it builds the model from a config, runs each variant in its own process,
-reports ratios against ``no_entropy`` from the same run, and checks ERC's on-policy invariant."""
+reports ratios against ``no_entropy`` from the same run, and checks ERC's on-policy invariant.
+
+The acceptance run (``gpu --acceptance``, routed to :mod:`recipe.bench.acceptance`) runs here at CPU
+size with ``--allow-unmeasured``; its exit code is decided by :func:`~recipe.bench.acceptance.verdict`,
+checked on that real report and on small report dicts: an unmeasured target exits non-zero (3) unless
+allowed, naming every such target, and a missed target, a failed run or a broken on-policy check exits 1
+whatever the flag."""
 
 from __future__ import annotations
 
@@ -76,20 +82,29 @@ def test_probe_refuses_fsdp1_on_cpu() -> None:
 
 
 def test_acceptance_runs_at_cpu_size_and_its_report_lists_every_target(tmp_path: Path) -> None:
-    """``python -m recipe.bench gpu --acceptance`` on the CPU platform: both reports written, every target
-    listed for FSDP1 and FSDP2 with its limit, the ones a CPU cannot measure marked unmeasured with the
-    reason, time ratios measured, and the on-policy check holding for every divclip loss and packing."""
-    from recipe.bench.acceptance import LOSSES, TARGETS
+    """``python -m recipe.bench gpu --acceptance --allow-unmeasured`` on the CPU platform: both reports
+    written, every target listed for FSDP1 and FSDP2 with its limit, the ones a CPU cannot measure marked
+    unmeasured with the reason, time ratios measured, and the on-policy check holding for every divclip
+    loss and packing. Without the flag the same report exits non-zero, naming every unmeasured target."""
+    from recipe.bench.acceptance import EXIT_FAILED, EXIT_MET, LOSSES, TARGETS, verdict
 
     out = tmp_path / "acceptance"
     proc = subprocess.run(
         [sys.executable, "-m", "recipe.bench", "gpu", "--acceptance", "--device", "cpu", "--tokens", "128",
          "--sequences", "4", "--vocab", "2048", "--layers", "1", "--hidden", "64", "--repeats", "1", "--k", "8",
-         "--head-scale", "300", "--out", str(out)],
+         "--head-scale", "300", "--allow-unmeasured", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
-    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: a (CPU) time target missed
+    # 1: a (CPU) time target missed; never 3, the unmeasured targets being allowed
+    assert proc.returncode in (EXIT_MET, EXIT_FAILED), proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "acceptance.json").read_text())
+    assert verdict(report, allow_unmeasured=True).exit_code == proc.returncode
+    strict = verdict(report)  # the same report, without --allow-unmeasured
+    memory_targets = [target.name for target in TARGETS if "peak" in target.name]
+    assert strict.exit_code != EXIT_MET
+    assert strict.unmeasured == [f"fsdp: {target.name} (FSDP1 needs CUDA)" for target in TARGETS] + [
+        f"fsdp2: {name} (peak memory per phase needs CUDA)" for name in memory_targets]
+    assert f"unmeasured (allowed): fsdp2: {memory_targets[0]} (peak memory per phase needs CUDA)" in proc.stdout
     markdown = (out / "acceptance.md").read_text()
     assert report["errors"] == {} and set(report["targets"]) == {"fsdp", "fsdp2"}
     for strategy, rows in report["targets"].items():
@@ -118,3 +133,51 @@ def test_acceptance_refuses_to_start_without_a_cuda_device() -> None:
     proc = subprocess.run([sys.executable, "-m", "recipe.bench", "gpu", "--acceptance"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "no CUDA device: the acceptance run needs one GPU" in proc.stderr
+
+
+def _report(statuses: dict[str, str], holds: bool | None = True, errors: dict[str, str] | None = None) -> dict[str, Any]:
+    """A minimal acceptance report: one strategy's targets with the given statuses (target name -> status;
+    the others pass) and one divclip loss's on-policy gauge."""
+    from recipe.bench.acceptance import TARGETS
+
+    rows = []
+    for target in TARGETS:
+        status = statuses.get(target.name, "pass")
+        row = {"name": target.name, "limit": target.limit, "status": status,
+               "value": {"pass": 0.5 * target.limit, "fail": 1.5 * target.limit, "unmeasured": None}[status]}
+        rows.append({**row, "why": "peak memory per phase needs CUDA"} if status == "unmeasured" else row)
+    return {"targets": {"fsdp2": rows}, "errors": errors or {},
+            "on_policy": {"fsdp2": {"divclip_erc": {"holds": holds}, "divclip_erc_dynamic (own)": {"holds": False}}}}
+
+
+def test_the_acceptance_verdict_fails_an_unmeasured_target_unless_allowed_and_a_missed_one_always() -> None:
+    """The exit-code decision on report dicts (no run): unmeasured -> 3 unless ``--allow-unmeasured``;
+    a missed target, a failed run or a broken on-policy check -> 1 either way; all met -> 0. The own
+    packing arm's gauge (verl's packing, a finding) never fails it."""
+    from recipe.bench.acceptance import EXIT_FAILED, EXIT_MET, EXIT_UNMEASURED, TARGETS, verdict
+
+    peak, time_target = TARGETS[0].name, TARGETS[1].name
+    assert verdict(_report({})).exit_code == EXIT_MET and verdict(_report({}), allow_unmeasured=True).exit_code == EXIT_MET
+    unmeasured = _report({peak: "unmeasured"})
+    strict, allowed = verdict(unmeasured), verdict(unmeasured, allow_unmeasured=True)
+    assert strict.exit_code == EXIT_UNMEASURED and strict.failed == []
+    assert strict.unmeasured == [f"fsdp2: {peak} (peak memory per phase needs CUDA)"]
+    assert f"unmeasured: fsdp2: {peak}" in strict.summary() and "--allow-unmeasured" in strict.summary()
+    assert allowed.exit_code == EXIT_MET and allowed.unmeasured == strict.unmeasured
+    assert f"unmeasured (allowed): fsdp2: {peak}" in allowed.summary()
+    missed = _report({peak: "unmeasured", time_target: "fail"})
+    for allow in (False, True):
+        outcome = verdict(missed, allow_unmeasured=allow)
+        assert outcome.exit_code == EXIT_FAILED and outcome.failed == [f"fsdp2: {time_target} (1.575x > 1.05x)"]
+        assert verdict(_report({}, holds=False), allow_unmeasured=allow).failed == ["on-policy check: fsdp2/divclip_erc"]
+        assert verdict(_report({}, errors={"fsdp2/losses": "exit code 1"}), allow_unmeasured=allow).exit_code == EXIT_FAILED
+
+
+def test_gpu_acceptance_is_routed_to_its_module_by_the_dispatcher() -> None:
+    """``gpu --acceptance`` runs :mod:`recipe.bench.acceptance` without the flag (so the probe never imports it)."""
+    from recipe.bench.__main__ import route
+
+    routed = route(["gpu", "--device", "cpu", "--acceptance", "--tokens", "8"])
+    assert routed == ("recipe.bench.acceptance", ["--device", "cpu", "--tokens", "8"])
+    assert route(["gpu", "--device", "cpu"]) == ("recipe.bench.gpu", ["--device", "cpu"])
+    assert route(["losses", "--acceptance"]) == ("recipe.bench.losses", ["--acceptance"])  # the flag is gpu's alone

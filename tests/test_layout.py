@@ -21,6 +21,9 @@ are process-global); who imports whom is parsed from the source (imports inside 
   nothing outside ``recipe.bench`` imports ``recipe.bench``; ``recipe.eval``'s modules import only the ones
   above them in its docstring's table, never ``verl_ext``; the reward's worker module is imported
   by the reward alone.
+* No module of the product takes part in an import cycle: parsed module by module across the three
+  packages, lazy imports included (a module's import of its own package excepted: Python makes that
+  one anyway).
 """
 
 from __future__ import annotations
@@ -434,6 +437,36 @@ def test_verl_ext_imports_are_the_graph_its_docstring_draws() -> None:
     assert {"verl_ext.config", "verl_ext.core", "verl_ext.engine", "verl_ext.plugin"} <= set(documented) and documented["verl_ext.config"] == set()
     actual = {node: edges for node, edges in verl_ext_import_graph().items() if node not in ("verl_ext", "verl_ext.cpu")}
     assert actual == documented, "update the graph in verl_ext/__init__.py's docstring to what the code imports"
+
+
+def _ancestors(module: str) -> set[str]:
+    """The packages above ``module`` (``recipe.bench.gpu`` -> ``recipe.bench``, ``recipe``)."""
+    parts = module.split(".")
+    return {".".join(parts[:end]) for end in range(1, len(parts))}
+
+
+def product_import_graph() -> dict[str, set[str]]:
+    """module -> the product modules it imports (module level or inside functions), one node per module
+    the wheel ships. A module's import of a package above it is no edge: Python imports every package
+    before any module below it whatever the source says, so that dependency is in every package's
+    modules alike and is no choice of ours (``verl_ext.cpu.platform`` reads ``PLATFORM_NAME`` from
+    ``verl_ext.cpu``, whose ``setup_cpu_process`` imports the platform when called)."""
+    imports = product_imports()
+    return {module: {n for n in names if n in imports and n != module and n not in _ancestors(module)}
+            for module, names in imports.items()}
+
+
+def test_no_product_module_takes_part_in_an_import_cycle() -> None:
+    """Across ``verl_ext``, ``recipe`` and ``data_prep``, module by module, lazy imports included: who
+    imports whom runs one way (``recipe.bench.gpu`` and ``recipe.bench.acceptance`` share
+    ``recipe.bench.gpu_workload``; ``recipe.bench.__main__`` routes ``gpu --acceptance``)."""
+    graph = product_import_graph()
+    # edges the scan must see, lazy ones included, so that an empty graph cannot pass
+    assert {"recipe.bench.child", "recipe.bench.harness"} <= graph["recipe.bench.acceptance"]  # harness: in _loss
+    assert "verl_ext.cpu.platform" in graph["verl_ext.cpu"]  # inside setup_cpu_process
+    assert "verl_ext.cpu" not in graph["verl_ext.cpu.platform"]  # its own package: no edge
+    cycle = find_cycle(graph)
+    assert cycle == [], "import cycle: " + " -> ".join(cycle)
 
 
 def test_recipe_bench_is_imported_by_nothing_else_and_imports_only_the_reward_of_recipe() -> None:

@@ -9,7 +9,8 @@ the tests'), ``child`` (run a variant in a fresh process, read its JSON line; th
 and glibc settings), ``losses`` (forward+backward time of every divclip mode against verl's
 ``vanilla``), ``entropy_memory`` (peak host memory of an actor update with and without the
 current-policy entropy), ``reward`` (reward throughput, ours against verl's), ``gpu`` (ERC's entropy
-path against verl's on one CUDA GPU at bf16, FSDP1 and FSDP2), ``onpolicy`` (ERC's on-policy
+path against verl's on one CUDA GPU at bf16, FSDP1 and FSDP2), ``acceptance`` (every GPU figure beside its
+target: ``gpu --acceptance``), ``gpu_workload`` (the model shape and loss configs both share), ``onpolicy`` (ERC's on-policy
 exactness under the configs' packings: the noise's source and the alignment's cost), ``full_kl``
 (``kl_full``'s update against ``kl3``'s; bytes of the stored top-k), ``topk_tail`` (a checkpoint's
 mass outside its top-k on teacher-forced solutions: what ``kl_full_top_k`` is chosen from);

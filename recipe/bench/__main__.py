@@ -1,4 +1,8 @@
-"""Dispatch ``python -m recipe.bench <name>`` to ``recipe.bench.<name with _>.main(argv)``."""
+"""Dispatch ``python -m recipe.bench <name>`` to ``recipe.bench.<name with _>.main(argv)``.
+
+``gpu --acceptance`` runs :mod:`recipe.bench.acceptance` (:func:`route`). Routing it here, not inside :mod:`recipe.bench.gpu`, keeps the probe and the
+acceptance run apart: both import :mod:`recipe.bench.gpu_workload` and neither imports the other.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,16 @@ BENCHMARKS: dict[str, str] = {
     "gpu": "recipe.bench.gpu",
     "onpolicy": "recipe.bench.onpolicy",
 }
+ACCEPTANCE_FLAG = "--acceptance"
+"""``python -m recipe.bench gpu --acceptance ...`` runs :mod:`recipe.bench.acceptance` with the other options."""
+
+
+def route(argv: list[str]) -> tuple[str, list[str]]:
+    """The module that runs ``argv`` (a known benchmark's name first) and the options it gets."""
+    name, options = argv[0], argv[1:]
+    if name == "gpu" and ACCEPTANCE_FLAG in options:
+        return "recipe.bench.acceptance", [option for option in options if option != ACCEPTANCE_FLAG]
+    return BENCHMARKS[name], options
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,8 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         names = ", ".join(BENCHMARKS)
         print(f"usage: python -m recipe.bench {{{names}}} [options]", file=sys.stderr)
         return 0 if argv and argv[0] in {"-h", "--help"} else 2
-    module = importlib.import_module(BENCHMARKS[argv[0]])
-    return int(module.main(argv[1:]) or 0)
+    module_name, options = route(argv)
+    module = importlib.import_module(module_name)
+    return int(module.main(options) or 0)
 
 
 if __name__ == "__main__":

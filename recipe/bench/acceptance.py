@@ -23,12 +23,21 @@ Peaks are ``torch.cuda.max_memory_allocated`` per phase (reset before it). It wr
 and ``acceptance.md`` into ``--out``: the targets (vocabulary pass: update peak <= 0.80x, time <= 1.05x;
 ERC on the logits: peak <= 1.00x, time <= 1.05x; ``kl_full``: peak <= 1.05x; aligned packing: old-pass
 time <= 1.05x, peak <= 1.00x of verl's packing) each with its figure and pass / fail, and the on-policy
-gauge per strategy and loss. Exit code 0: every target met and every on-policy check holds; 1: the report
-says which did not; 2: bad options or no CUDA device.
+gauge per strategy and loss.
 
-``--device cpu`` runs the same code on the CPU platform at a small shape (FSDP2 only; the suite runs it):
-peak memory is then not measured per phase (a process's RSS maximum cannot be reset), so the memory
-targets read "unmeasured", as does FSDP1 (CUDA only).
+``--device cpu`` runs the same code on the CPU platform at a small shape (FSDP2 only; the suite runs it
+with ``--allow-unmeasured``): peak memory is then not measured per phase (a process's RSS maximum cannot
+be reset), so the memory targets read "unmeasured", as does FSDP1 (CUDA only); so do the targets of a
+strategy left out of ``--strategies``.
+
+Exit codes (:func:`verdict`, which also names every target behind a non-zero code):
+
+* 0: every target measured and met, every on-policy check holding; with ``--allow-unmeasured``, every
+  *measured* target met (the unmeasured ones are reported as such);
+* 1: a target missed, a run failed or an on-policy check broken, with or without ``--allow-unmeasured``;
+* 2: bad options, or no CUDA device without ``--device cpu``;
+* 3: nothing failed, but a target went unmeasured and ``--allow-unmeasured`` was not given: an
+  acceptance run that cannot measure a target has not met it.
 """
 
 from __future__ import annotations
@@ -40,12 +49,12 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from recipe.bench.child import run_child
-from recipe.bench.gpu import (
+from recipe.bench.gpu_workload import (
     R1_DISTILL_QWEN_1_5B,
     STRATEGIES,
     build_model,
@@ -57,6 +66,8 @@ from recipe.bench.gpu import (
 LOSSES = ("no_entropy", "divclip_erc", "divclip_erc_vocab_pass", "divclip_kl3", "divclip_kl_full", "divclip_kl_full_vocab_pass")
 PACKING_ARMS = ("aligned", "own")
 GAUGE = "actor/divclip/onpolicy/"
+EXIT_MET, EXIT_FAILED, EXIT_BAD_OPTIONS, EXIT_UNMEASURED = 0, 1, 2, 3
+"""The exit codes (the module docstring says when each is returned)."""
 
 
 @dataclass(frozen=True)
@@ -277,8 +288,69 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What an acceptance report amounts to: its exit code and what is behind it.
+
+    Attributes:
+        exit_code: :data:`EXIT_MET`, :data:`EXIT_FAILED` or :data:`EXIT_UNMEASURED`.
+        failed: Every missed target (``"fsdp2: <target> (1.2x > 1.05x)"``), failed run and broken
+            on-policy check.
+        unmeasured: Every target without a figure (``"fsdp: <target> (FSDP1 needs CUDA)"``).
+        allow_unmeasured: Whether unmeasured targets were accepted (``--allow-unmeasured``).
+    """
+
+    exit_code: int
+    failed: list[str] = field(default_factory=list)
+    unmeasured: list[str] = field(default_factory=list)
+    allow_unmeasured: bool = False
+
+    def summary(self) -> str:
+        """One paragraph naming what the exit code stands for, every target behind it included."""
+        lines = [f"exit code {self.exit_code}: " + {
+            EXIT_MET: "every target met" + (" that was measured" if self.unmeasured else ""),
+            EXIT_FAILED: "failed",
+            EXIT_UNMEASURED: "targets unmeasured (--allow-unmeasured accepts them)",
+        }[self.exit_code]]
+        lines += [f"  failed: {item}" for item in self.failed]
+        lines += [f"  unmeasured{' (allowed)' if self.allow_unmeasured else ''}: {item}" for item in self.unmeasured]
+        return "\n".join(lines)
+
+
+def verdict(report: dict[str, Any], allow_unmeasured: bool = False) -> Verdict:
+    """The exit code of an acceptance report (as written to ``acceptance.json``).
+
+    Args:
+        report: The report: its ``targets`` (strategy -> rows of :func:`judge`), ``on_policy``
+            (strategy -> loss -> gauge) and ``errors`` (run -> why it failed).
+        allow_unmeasured: Accept targets without a figure (``--allow-unmeasured``).
+
+    Returns:
+        :data:`EXIT_FAILED` if a target was missed, a run failed or an on-policy check broke (the
+        ``(own)`` packing arm measures verl's packing: its gauge is a finding, not a check); else
+        :data:`EXIT_UNMEASURED` if a target has no figure and ``allow_unmeasured`` is false; else
+        :data:`EXIT_MET`. The verdict lists every failure and every unmeasured target either way.
+    """
+    failed = [f"run {run}: {why}" for run, why in report["errors"].items()]
+    unmeasured: list[str] = []
+    for strategy, rows in report["targets"].items():
+        for row in rows:
+            if row["status"] == "fail":
+                failed.append(f"{strategy}: {row['name']} ({row['value']:.3f}x > {row['limit']:.2f}x)")
+            elif row["status"] == "unmeasured":
+                unmeasured.append(f"{strategy}: {row['name']} ({row.get('why') or 'no figure'})")
+    failed += [f"on-policy check: {strategy}/{name}" for strategy, gauges in report["on_policy"].items()
+               for name, gauge in gauges.items() if gauge["holds"] is False and "(own)" not in name]
+    code = EXIT_FAILED if failed else EXIT_UNMEASURED if unmeasured and not allow_unmeasured else EXIT_MET
+    return Verdict(code, failed, unmeasured, allow_unmeasured)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m recipe.bench gpu --acceptance", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m recipe.bench gpu --acceptance", description=__doc__.split("\n")[0],
+        epilog="exit codes: 0 every target measured and met (with --allow-unmeasured: every measured one); "
+               "1 a target missed, a run failed or an on-policy check broken; 2 bad options or no CUDA device; "
+               "3 nothing failed but a target unmeasured, without --allow-unmeasured")
     p.add_argument("--out", type=Path, default=None, help="folder for acceptance.json / acceptance.md "
                    "(default outputs/gpu_acceptance/<date>)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -292,6 +364,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=32, help="kl_full_top_k")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--allow-unmeasured", action="store_true",
+                   help="accept targets this run cannot measure (--device cpu: the memory targets and FSDP1; a "
+                        "--strategies subset: the other strategy's): they are reported as unmeasured and the exit "
+                        "code is 0 when every measured target is met. Without it an unmeasured target exits 3. "
+                        "A missed target, a failed run or a broken on-policy check exits 1 either way")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_model", default=None, help=argparse.SUPPRESS)
     return p
@@ -344,7 +421,7 @@ def main(argv: list[str]) -> int:
         got = results.get(strategy, {})
         if "losses" in got and "packing" in got:
             report["ratios"][strategy] = ratios(got["losses"], got["packing"])
-            why = "peak memory per phase needs CUDA" if args.device == "cpu" else ""
+            why = "peak memory per phase needs CUDA" if args.device == "cpu" else "the run reported no figure"
             report["targets"][strategy] = judge(report["ratios"][strategy], why)
             report["on_policy"][strategy] = {**{n: {k: f[k] for k in ("holds", "first_update", "tensor_cores")}
                                                 for n, f in got["losses"].items()},
@@ -358,10 +435,9 @@ def main(argv: list[str]) -> int:
     (out / "acceptance.json").write_text(json.dumps(report, indent=1))
     (out / "acceptance.md").write_text(markdown(report))
     print((out / "acceptance.md").read_text())
-    failed = errors or any(row["status"] == "fail" for rows in report["targets"].values() for row in rows)
-    # the own arm measures verl's packing: its gauge is a finding, not a check
-    broken = any(g["holds"] is False for gauges in report["on_policy"].values() for name, g in gauges.items() if "(own)" not in name)
-    return 1 if failed or broken else 0
+    outcome = verdict(report, allow_unmeasured=args.allow_unmeasured)
+    print(outcome.summary())
+    return outcome.exit_code
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """GPU probe: ERC's entropy path against verl's on one CUDA GPU, at verl's default bf16 precision.
 
 ``python -m recipe.bench gpu [--json] [--out results.json] [--tokens 16384] [--sequences 8] ...``
-``python -m recipe.bench gpu --acceptance [--out DIR] ...``: the acceptance run (:mod:`recipe.bench.acceptance`).
+``python -m recipe.bench gpu --acceptance [--out DIR] ...``: the acceptance run (:mod:`recipe.bench.acceptance`,
+routed there by ``recipe.bench.__main__``: this module never imports it; what both run is in
+:mod:`recipe.bench.gpu_workload`).
 
 Builds a model locally from a config (R1-Distill-Qwen-1.5B's shape by default, random weights with a
 scaled output head so that most tokens are confident, as a reasoning model's are; nothing is
@@ -56,6 +58,14 @@ from pathlib import Path
 from typing import Any
 
 from recipe.bench.child import peak_rss_bytes, run_child
+from recipe.bench.gpu_workload import (
+    R1_DISTILL_QWEN_1_5B,
+    STRATEGIES,
+    build_model,
+    chosen_strategies,
+    divclip_actor_config,
+    erc_actor_config,
+)
 
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -76,69 +86,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_VARIANTS = ("no_entropy", "verl_compiled", "verl_eager", "divclip_erc", "divclip_erc_eager", "divclip_erc_dynamic",
                     "divclip_erc_vocab_pass")
-STRATEGIES = ("fsdp", "fsdp2")
-"""``actor.strategy``: verl 0.9.1 builds ``fsdp`` (what the launch scripts resolve to) as FSDP1 and
-``fsdp2`` as FSDP2; only FSDP2 runs on the CPU platform."""
-
-R1_DISTILL_QWEN_1_5B = dict(  # DeepSeek-R1-Distill-Qwen-1.5B's config.json (Qwen2 architecture)
-    vocab_size=151_936,
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    max_position_embeddings=131_072,
-    rope_theta=10_000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
 ERC_METRICS = ("actor/divclip/erc/ratio_min", "actor/divclip/erc/ratio_max", "actor/divclip/erc/clipfrac_upper",
                "actor/divclip/erc/clipfrac_lower", "actor/ppo_kl")
 KL_FULL_METRICS = ("actor/divclip/kl_full_mean", "actor/divclip/kl_full_max", "actor/divclip/kl_full_tail_old",
                    "actor/pg_clipfrac")
 GAUGE_METRICS = ("actor/divclip/onpolicy/log_ratio_abs_max", "actor/divclip/onpolicy/ratio_clipfrac",
                  "actor/divclip/onpolicy/erc_ratio_dev_max", "actor/divclip/onpolicy/erc_masked_frac")
-
-
-def build_model(path: Path, args: argparse.Namespace) -> None:
-    """Write a random-weight Qwen2 model of the chosen shape to ``path`` (bf16 safetensors)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    shape = dict(R1_DISTILL_QWEN_1_5B)
-    if args.layers is not None:
-        shape["num_hidden_layers"] = args.layers
-    if args.hidden is not None:
-        shape.update(hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                     num_attention_heads=max(1, args.hidden // 128), num_key_value_heads=1)
-    shape["vocab_size"] = args.vocab
-    torch.manual_seed(0)
-    device = "cuda" if args.device == "cuda" else "cpu"
-    with torch.device(device):
-        model = Qwen2ForCausalLM(Qwen2Config(**shape))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(args.head_scale)
-    model.to(torch.bfloat16).save_pretrained(path)
-    del model
-    if device == "cuda":  # the children measure the GPU: hand the parent's cached blocks back
-        torch.cuda.empty_cache()
-
-
-def erc_actor_config(sequences: int, vocab_pass: bool = False) -> Any:
-    from recipe.bench.harness import make_actor_config
-    from verl_ext.config import DivClipPolicyLossConfig
-
-    policy = DivClipPolicyLossConfig(loss_mode="clip", erc_beta_low=0.05, erc_beta_high=0.05, vocab_pass=vocab_pass)
-    return make_actor_config(policy_loss=policy, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0,
-                             ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences)
-
-
-def divclip_actor_config(mode: str, sequences: int, k: int, vocab_pass: bool) -> Any:
-    from recipe.bench.harness import make_actor_config
-    from verl_ext.config import DivClipPolicyLossConfig
-
-    policy = DivClipPolicyLossConfig(loss_mode=mode, delta=0.07, kl_full_top_k=k, vocab_pass=vocab_pass)
-    return make_actor_config(policy_loss=policy, ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences)
 
 
 def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -264,7 +217,8 @@ def _spawn(name: str, strategy: str, model_path: str, args: argparse.Namespace) 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipe.bench gpu", description=__doc__.split("\n")[0])
     p.add_argument("--acceptance", action="store_true",
-                   help="every GPU figure in one call, each beside its target (recipe/bench/acceptance.py; its own options)")
+                   help="every GPU figure in one call, each beside its target (recipe/bench/acceptance.py, its own options: "
+                        "python -m recipe.bench gpu --acceptance --help)")
     p.add_argument("--json", action="store_true", help="print one JSON object per variant")
     p.add_argument("--out", type=Path, default=None, help="also write all results to this JSON file")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -285,16 +239,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def chosen_strategies(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    """``--strategies`` checked (default: both on CUDA, FSDP2 on the CPU platform, where FSDP1 does not run)."""
-    strategies = [s for s in (args.strategies or ",".join(STRATEGIES if args.device == "cuda" else ("fsdp2",))).split(",") if s]
-    if sorted(set(strategies) - set(STRATEGIES)):
-        parser.error(f"unknown --strategies {sorted(set(strategies) - set(STRATEGIES))}; choose from {list(STRATEGIES)}")
-    if args.device == "cpu" and "fsdp" in strategies:
-        parser.error("--strategies fsdp (FSDP1) needs --device cuda: verl 0.9.1 runs only FSDP2 on the CPU platform")
-    return strategies
-
-
 def _without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
     """``argv`` without the given ``--name value`` pairs (the parent's, not the children's)."""
     out: list[str] = []
@@ -310,12 +254,10 @@ def _without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    if "--acceptance" in argv:  # every GPU figure in one call (recipe/bench/acceptance.py)
-        from recipe.bench.acceptance import main as acceptance
-
-        return acceptance([a for a in argv if a != "--acceptance"])
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.acceptance:  # reached only as ``python -m recipe.bench.gpu``: recipe.bench.__main__ routes the flag
+        parser.error("--acceptance runs as `python -m recipe.bench gpu --acceptance` (recipe/bench/acceptance.py)")
     if args.tokens % args.sequences:
         parser.error(f"--tokens ({args.tokens}) must be divisible by --sequences ({args.sequences})")
     if args.warmup < 1 or args.repeats < 1:
