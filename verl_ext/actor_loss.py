@@ -154,7 +154,7 @@ def divclip_actor_loss(
 
     if is_on_policy(data):
         # pi_theta == pi_old up to arithmetic here: the gauge shows what the kernels add (detached)
-        clip_low, clip_high = actor_clip_ratios(config)
+        clip_low, clip_high = _measured_clip_range(config)
         gauge = on_policy_gauge(
             padded["old_log_probs"],
             log_prob,
@@ -233,6 +233,20 @@ def padded_response(nested: torch.Tensor, max_len: int) -> torch.Tensor:
         out[row, :length] = values[start : start + length]
         start += length
     return out
+
+
+def _measured_clip_range(config: ActorConfig) -> tuple[float, float]:
+    """The actor's ``(clip_ratio_low, clip_ratio_high)`` as verl's own losses read them (each falling
+    back to ``clip_ratio`` when null), for the on-policy gauge's ``ratio_clipfrac``.
+
+    Not validated: verl's modes accept epsilons the divclip modes refuse (CISPO with
+    ``clip_ratio_low >= 1``, i.e. no lower truncation), and a diagnostic must not make a loss raise
+    where verl's ``ppo_loss`` runs. The divclip modes have validated the same numbers for their loss
+    (:func:`verl_ext.config.actor_clip_ratios`) before the gauge reads them.
+    """
+    low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
+    high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+    return low, high
 
 
 def _aggregation_of(metric_name: str) -> AggregationType:

@@ -1,0 +1,559 @@
+"""Parity of the divclip actor loss with verl's ``ppo_loss`` on verl's own loss modes (issue 31).
+
+:func:`verl_ext.actor_loss.divclip_actor_loss` re-implements verl 0.9.1's
+``verl.workers.utils.losses.ppo_loss`` and is installed on the actor workers for every run, verl's own
+modes included. This module holds the two to the same behaviour at the loss-function level, on
+micro-batches in verl's no-padding (nested) layout as the engine hands them to the loss:
+
+* **parity** (:func:`test_divclip_loss_is_ppo_loss`): for every verl mode registered in
+  ``POLICY_LOSS_REGISTRY`` (the divclip constraints excluded) and every case of :data:`CASES`, both
+  losses run on the same micro-batch with the same ``ActorConfig`` -- once with verl's
+  ``PolicyLossConfig``, once with ``DivClipPolicyLossConfig`` with no divclip knob set -- and give
+  the same total loss, the same gradient with respect to the model's ``log_probs`` and ``entropy``
+  and the same metric values, all **bit for bit** (both sides call the same verl functions --
+  the registry's policy loss, ``agg_loss``, ``kl_penalty``, ``no_padding_2_padding`` -- on the same
+  tensors and combine them with the same floating-point operations in the same order, so no
+  tolerance is needed);
+* **one divergence found and fixed** (:func:`test_the_gauge_measures_verls_clip_range_without_refusing_it`):
+  the on-policy gauge validated the clip epsilons as the divclip modes need them and raised on verl
+  modes with epsilons verl accepts (``clip_ratio_low >= 1``);
+* **designed differences**, asserted explicitly: the divclip loss logs ``actor/divclip/path/seam``
+  (the engine path, :func:`verl_ext.actor_loss.step_path_metrics`) and, on the update's on-policy
+  mini-batch, the on-policy gauge; and it aggregates metrics named ``*_min`` / ``*_max`` as MIN / MAX
+  across micro-batches and ranks, where verl's ``ppo_loss`` averages every policy-loss metric;
+* **key coverage** (:func:`test_every_key_ppo_loss_reads_is_covered`): verl's ``ppo_loss`` source is
+  parsed with ``ast``; every ``config`` attribute it reads or writes, every ``data`` and
+  ``model_output`` key and every whole-object hand-off must appear in :data:`KEY_COVERAGE`, which
+  names the parity case that covers it. A verl that reads a new key fails here, naming it.
+
+What is covered elsewhere and not repeated here: ERC and dual-clip on verl's modes at the loss level
+(``tests/test_verl_modes.py``), how MIN/MAX metrics reduce across micro-batches and ranks
+(``test_verl_modes.py::test_extremes_aggregate_as_extremes_across_micro_batches_and_ranks``), the
+divclip modes against verl's ``vanilla`` (``tests/test_losses.py::test_theorem_4_1_*``), and the loss
+inside verl's engine (``tests/test_actor_loss_engine.py``).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+from tensordict import TensorDict
+from verl.trainer.ppo import core_algos
+from verl.utils import tensordict_utils as tu
+from verl.utils.metric import AggregationType, Metric
+from verl.workers.config import PolicyLossConfig
+from verl.workers.utils import losses as verl_losses
+
+from recipe.bench.harness import make_actor_config, make_rollout_batch
+
+# verl_ext is imported inside the functions (as in the other loss tests): the plugin has registered the
+# divclip modes with verl by now (tests/conftest.py imports verl).
+
+PROMPT_LENS = [3, 5, 4, 6]
+RESPONSE_LENS = [9, 4, 7, 6]
+#: (row, first masked position) of the response mask: tokens the loss must skip inside a response
+MASKED_TAILS = [(1, 3), (3, 2)]
+VOCAB = 64
+#: verl modes that need a config knob to run (no extra input)
+MODE_KNOBS: dict[str, dict[str, Any]] = {"dro": {"dro_beta": 0.1}}
+#: the modes the brief of issue 31 names; the parity test runs every registered verl mode
+REQUIRED_MODES = {"vanilla", "gspo", "sapo", "clip_cov"}
+
+
+def verl_modes() -> list[str]:
+    """verl's own registered policy losses: the registry without the divclip constraints."""
+    from verl_ext.core.region import CONSTRAINTS
+
+    return sorted(set(core_algos.POLICY_LOSS_REGISTRY) - set(CONSTRAINTS))
+
+
+def _string_options(function: Callable[..., Any], variable: str) -> set[str]:
+    """The string constants ``function``'s source compares ``variable`` with (``==`` or ``in (...)``)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    options: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Name) and node.left.id == variable:
+            for comparator in node.comparators:
+                options |= {c.value for c in ast.walk(comparator) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+    return options
+
+
+def accepted_kl_loss_types() -> list[str]:
+    """Every ``actor.kl_loss_type`` verl's ``kl_penalty`` computes: the names ``kl_penalty_forward``
+    dispatches on that do not raise (``full`` does), each also with the straight-through ``+`` suffix."""
+    probe = torch.zeros(1, 2)
+    base = []
+    for name in sorted(_string_options(core_algos.kl_penalty_forward, "kl_penalty")):
+        try:
+            core_algos.kl_penalty(probe, probe, name)
+        except NotImplementedError:
+            continue
+        base.append(name)
+    return base + [f"{name}+" for name in base]
+
+
+def loss_agg_modes() -> list[str]:
+    """Every ``loss_agg_mode`` verl's ``agg_loss`` implements."""
+    return sorted(_string_options(core_algos.agg_loss, "loss_agg_mode"))
+
+
+# ------------------------------------------------------------------------------------------------
+# The cases: one per key (or value of a key) ppo_loss reads
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParityCase:
+    """One micro-batch setting: ``ActorConfig`` overrides and what the micro-batch carries.
+
+    ``batch_num_tokens`` / ``global_batch_size`` of ``"global"`` stand for the global mini-batch's
+    figures at ``dp_size`` ranks, as verl's engine computes them: the local sequence count times
+    ``dp_size``, and the local token count times ``dp_size`` plus 5 (the other ranks hold other lengths).
+    """
+
+    name: str
+    actor: dict[str, Any] = field(default_factory=dict)
+    entropy: bool = False
+    rollout_is_weights: bool = False
+    ref_log_prob: bool = False
+    dp_size: int = 1
+    batch_num_tokens: Optional[str] = None
+    global_batch_size: Optional[str] = None
+    on_policy_mark: bool = False
+
+    @property
+    def globally_normalised(self) -> bool:
+        """verl's rule for summing the loss metrics over micro-batches instead of averaging them."""
+        return (self.dp_size > 1 or self.batch_num_tokens is not None or self.global_batch_size is not None
+                or self.actor.get("loss_scale_factor") is not None)
+
+
+#: the actor's clip epsilons unless a case sets its own (DAPO clip-higher)
+CLIP_RATIOS = dict(clip_ratio_low=0.2, clip_ratio_high=0.28)
+GLOBAL = dict(dp_size=2, batch_num_tokens="global", global_batch_size="global")
+KL = dict(use_kl_loss=True, kl_loss_coef=0.25)
+
+CASES: list[ParityCase] = [
+    ParityCase("baseline"),
+    ParityCase("entropy_bonus", actor=dict(entropy_coeff=0.37), entropy=True),
+    ParityCase("entropy_without_bonus", entropy=True),  # entropy_coeff = 0: reported, zero gradient
+    *[ParityCase(f"kl_loss/{kind}", actor=dict(KL, kl_loss_type=kind), ref_log_prob=True) for kind in accepted_kl_loss_types()],
+    ParityCase("ref_log_prob_without_kl_loss", ref_log_prob=True),
+    ParityCase("loss_scale_factor/token-mean", actor=dict(loss_scale_factor=64)),  # changes the metric aggregation
+    ParityCase("loss_scale_factor/seq-mean-token-sum-norm",
+               actor=dict(loss_scale_factor=64, loss_agg_mode="seq-mean-token-sum-norm")),  # and the value
+    *[ParityCase(f"loss_agg_mode/{agg}", actor=dict(KL, loss_agg_mode=agg, entropy_coeff=0.37), entropy=True,
+                 ref_log_prob=True) for agg in loss_agg_modes()],
+    ParityCase("rollout_is_weights", rollout_is_weights=True),
+    *[ParityCase(f"global_batch/dp2/{agg}", actor=dict(KL, loss_agg_mode=agg, entropy_coeff=0.37), entropy=True,
+                 ref_log_prob=True, **GLOBAL) for agg in loss_agg_modes()],
+    ParityCase("global_batch/batch_num_tokens_only", batch_num_tokens="global"),
+    ParityCase("global_batch/global_batch_size_only", actor=dict(loss_agg_mode="seq-mean-token-mean"),
+               global_batch_size="global"),
+    ParityCase("everything", actor=dict(KL, kl_loss_type="k3+", entropy_coeff=0.37, loss_scale_factor=64,
+                                        loss_agg_mode="seq-mean-token-sum-norm"),
+               entropy=True, rollout_is_weights=True, ref_log_prob=True, **GLOBAL),
+    ParityCase("on_policy_mark", entropy=True, on_policy_mark=True),
+    # verl's modes accept epsilons the divclip modes refuse (CISPO without lower truncation): the gauge of
+    # the on-policy mini-batch must measure, not raise (it raised a ValueError before issue 31's fix)
+    ParityCase("on_policy_mark/clip_ratio_low_1", actor=dict(clip_ratio_low=1.0), on_policy_mark=True),
+]
+CASE_NAMES = [case.name for case in CASES]
+
+
+# ------------------------------------------------------------------------------------------------
+# Micro-batches in verl's no-padding layout, and one run of a loss
+# ------------------------------------------------------------------------------------------------
+
+
+def _nested(rows: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+
+def make_micro_batch(case: ParityCase, seed: int = 0) -> TensorDict:
+    """The micro-batch as verl's engine hands it to the loss: nested per-response fields, the
+    response mask with some masked tokens, and the global batch info as non-tensor data."""
+    data = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, VOCAB, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    masks = [torch.ones(n, dtype=torch.int64) for n in RESPONSE_LENS]
+    for row, start in MASKED_TAILS:
+        masks[row][start:] = 0
+    data["response_mask"], data["loss_mask"] = _nested(masks), _nested([m.clone() for m in masks])
+    old = data["old_log_probs"].unbind()
+    if case.rollout_is_weights:
+        data["rollout_is_weights"] = _nested([0.5 + 1.5 * torch.rand(n, generator=gen) for n in RESPONSE_LENS])
+    if case.ref_log_prob:
+        data["ref_log_prob"] = _nested([lp + 0.4 * torch.randn(lp.shape, generator=gen) for lp in old])
+    local_tokens, local_rows = sum(int(m.sum()) for m in masks), len(RESPONSE_LENS)
+    tu.assign_non_tensor(
+        data,
+        dp_size=case.dp_size,
+        batch_num_tokens=local_tokens * case.dp_size + 5 if case.batch_num_tokens == "global" else None,
+        global_batch_size=local_rows * case.dp_size if case.global_batch_size == "global" else None,
+    )
+    if case.on_policy_mark:
+        from verl_ext.engine.packing import ON_POLICY_KEY
+
+        tu.assign_non_tensor(data, **{ON_POLICY_KEY: True})
+    return data
+
+
+def model_output_values(data: TensorDict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Flat per-token values of the engine's output over every prompt + response token: log-probs
+    whose response positions are pi_old's plus noise (ratios around 1, some clipped), and entropies."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    total = sum(PROMPT_LENS) + sum(RESPONSE_LENS)
+    log_probs = -4.0 * torch.rand(total, generator=gen)
+    start = 0
+    for prompt, response, old in zip(PROMPT_LENS, RESPONSE_LENS, data["old_log_probs"].unbind()):
+        # the model's output at position t predicts token t + 1: the response sits one to the left
+        log_probs[start + prompt - 1 : start + prompt - 1 + response] = old + 0.35 * torch.randn(response, generator=gen)
+        start += prompt + response
+    return {"log_probs": log_probs, "entropy": 0.2 + 3.0 * torch.rand(total, generator=gen)}
+
+
+@dataclass
+class LossRun:
+    """What one call of a loss gives: the loss, its gradients and its metrics."""
+
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+    metrics: dict[str, Any]
+
+
+def run_loss(loss_fn: Callable[..., Any], config: Any, data: TensorDict, values: dict[str, torch.Tensor],
+             with_entropy: bool) -> LossRun:
+    """``loss_fn(config, model_output, data)`` with leaf per-token values, as the engine calls it."""
+    offsets = torch.tensor([0] + [p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]).cumsum(0)
+    leaves = {name: value.clone().requires_grad_(True) for name, value in values.items()
+              if name == "log_probs" or with_entropy}
+    model_output = {name: torch.nested.nested_tensor_from_jagged(leaf, offsets=offsets) for name, leaf in leaves.items()}
+    torch.manual_seed(0)  # clip_cov draws a random subset of its candidates
+    loss, metrics = loss_fn(config, model_output, data.clone())
+    grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+    return LossRun(loss.detach(), grads, metrics)
+
+
+def actor_configs(mode: str, case: ParityCase) -> dict[str, Any]:
+    """The one ``ActorConfig`` both losses get, with verl's policy-loss config and with the divclip one
+    (no divclip knob set)."""
+    from verl_ext.config import DivClipPolicyLossConfig
+
+    knobs = MODE_KNOBS.get(mode, {})
+    return {
+        kind: make_actor_config(policy_loss=policy(loss_mode=mode, **knobs), **{**CLIP_RATIOS, **case.actor})
+        for kind, policy in (("verl", PolicyLossConfig), ("divclip", DivClipPolicyLossConfig))
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# The designed differences
+# ------------------------------------------------------------------------------------------------
+
+
+def divclip_only_metrics(case: ParityCase) -> set[str]:
+    """Metrics only the divclip loss logs, by design: the engine path it measured (here ``seam = 0``:
+    no seam stepped these hand-built micro-batches) and, on the update's on-policy mini-batch, the
+    on-policy gauge (docs/losses.md, "The gauge")."""
+    gauge = {"actor/divclip/onpolicy/log_ratio_abs_max", "actor/divclip/onpolicy/ratio_clipfrac"}
+    return {"actor/divclip/path/seam"} | (gauge if case.on_policy_mark else set())
+
+
+def divclip_aggregation(name: str, verl_aggregation: AggregationType) -> AggregationType:
+    """The divclip loss reduces extremes as extremes (``*_min`` MIN, ``*_max`` MAX: the logged value is
+    the extreme over micro-batches and ranks, not a mean of per-micro-batch extremes); verl's
+    ``ppo_loss`` gives every policy-loss metric MEAN. Everything else is verl's aggregation."""
+    if name.endswith("_min"):
+        return AggregationType.MIN
+    if name.endswith("_max"):
+        return AggregationType.MAX
+    return verl_aggregation
+
+
+def assert_same_run(verl_run: LossRun, ours: LossRun, case: ParityCase) -> None:
+    """Bit-equal loss, gradients and metric values; metric sets and aggregations as designed."""
+    assert torch.equal(ours.loss, verl_run.loss), (ours.loss.item(), verl_run.loss.item())
+    assert ours.grads.keys() == verl_run.grads.keys()
+    for name, grad in verl_run.grads.items():
+        assert torch.equal(ours.grads[name], grad), f"d loss / d {name} differs"
+    assert set(ours.metrics) - set(verl_run.metrics) == divclip_only_metrics(case)
+    assert set(verl_run.metrics) <= set(ours.metrics), set(verl_run.metrics) - set(ours.metrics)
+    for name, expected in verl_run.metrics.items():
+        got = ours.metrics[name]
+        if not isinstance(expected, Metric):  # kl_coef: a plain float in both
+            assert type(got) is type(expected) and got == expected, name
+            continue
+        assert got.values == expected.values, name  # floats from .item(): bit equality
+        assert got.aggregation == divclip_aggregation(name, expected.aggregation), name
+
+
+# ------------------------------------------------------------------------------------------------
+# Parity
+# ------------------------------------------------------------------------------------------------
+
+
+def test_the_parity_runs_every_verl_mode_and_option() -> None:
+    """The derived lists are what the cases claim to cover (a verl that renames them fails here)."""
+    from tests.test_verl_modes import VERL_MODES
+
+    modes = set(verl_modes())
+    assert REQUIRED_MODES | set(VERL_MODES) <= modes, (REQUIRED_MODES | set(VERL_MODES)) - modes
+    assert {"low_var_kl", "k3", "kl", "k1", "abs", "mse", "k2", "k3+", "low_var_kl+"} <= set(accepted_kl_loss_types())
+    assert set(loss_agg_modes()) == {"token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                                     "seq-mean-token-sum-norm"}
+    assert len(set(CASE_NAMES)) == len(CASE_NAMES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_NAMES)
+@pytest.mark.parametrize("mode", verl_modes())
+def test_divclip_loss_is_ppo_loss(mode: str, case: ParityCase) -> None:
+    from verl_ext.actor_loss import divclip_actor_loss
+
+    data = make_micro_batch(case)
+    values = model_output_values(data)
+    for kind, config in actor_configs(mode, case).items():
+        verl_run = run_loss(verl_losses.ppo_loss, config, data, values, case.entropy)
+        ours = run_loss(divclip_actor_loss, config, data, values, case.entropy)
+        assert torch.isfinite(verl_run.loss), kind
+        assert_same_run(verl_run, ours, case)
+        # the case exercises what it names: the loss metrics' aggregation follows the global batch info
+        expected = AggregationType.SUM if case.globally_normalised else AggregationType.MEAN
+        assert ours.metrics["actor/pg_loss"].aggregation == expected
+        assert ("actor/entropy_loss" in ours.metrics) == case.entropy
+        assert ("kl_loss" in ours.metrics) == bool(case.actor.get("use_kl_loss"))
+
+
+def test_the_options_change_the_loss() -> None:
+    """The parity cases are not vacuous: each option moves verl's loss or gradient on this micro-batch."""
+    baseline = next(case for case in CASES if case.name == "baseline")
+
+    def run(case: ParityCase) -> LossRun:
+        data = make_micro_batch(case)
+        return run_loss(verl_losses.ppo_loss, actor_configs("vanilla", case)["verl"], data, model_output_values(data), case.entropy)
+
+    reference = run(baseline)
+    for case in CASES:
+        if case.name in ("baseline", "ref_log_prob_without_kl_loss", "entropy_without_bonus", "on_policy_mark",
+                         "loss_scale_factor/token-mean"):
+            continue  # the same loss as the baseline by construction (metrics or no-op options only)
+        other = run(case)
+        changed = not torch.equal(other.loss, reference.loss) or not torch.equal(other.grads["log_probs"], reference.grads["log_probs"])
+        assert changed, case.name
+    entropy_run = run(next(case for case in CASES if case.name == "entropy_bonus"))
+    assert (entropy_run.grads["entropy"] != 0).any()
+
+
+def test_kl_loss_without_ref_log_prob_fails_in_both() -> None:
+    """``use_kl_loss`` on a micro-batch without ``ref_log_prob``: verl raises a KeyError, and so does
+    the divclip loss (neither silently drops the KL term)."""
+    from verl_ext.actor_loss import divclip_actor_loss
+
+    case = ParityCase("kl_without_ref", actor=dict(KL))
+    data = make_micro_batch(case)
+    for config in actor_configs("vanilla", case).values():
+        for loss_fn in (verl_losses.ppo_loss, divclip_actor_loss):
+            with pytest.raises(KeyError, match="ref_log_prob"):
+                run_loss(loss_fn, config, data, model_output_values(data), with_entropy=False)
+
+
+def test_the_gauge_measures_verls_clip_range_without_refusing_it() -> None:
+    """Issue 31's divergence: on the on-policy mini-batch the divclip loss validated the actor's clip
+    epsilons as the divclip modes need them (``clip_ratio_low`` in [0, 1)) and raised for a verl mode
+    that verl runs, e.g. CISPO with ``clip_ratio_low = 1`` (no lower truncation). Now the gauge reads the
+    range as verl's losses do: the lower bound 1 - 1 = 0 counts no token, the upper bound 1.28 does."""
+    from verl_ext.actor_loss import divclip_actor_loss
+
+    case = next(case for case in CASES if case.name == "on_policy_mark/clip_ratio_low_1")
+    data = make_micro_batch(case)
+    values = model_output_values(data)
+    ours = run_loss(divclip_actor_loss, actor_configs("cispo", case)["verl"], data, values, False)
+    log_ratio = values["log_probs"].new_zeros(0)
+    start = 0
+    for prompt, response, old, mask in zip(PROMPT_LENS, RESPONSE_LENS, data["old_log_probs"].unbind(),
+                                            data["response_mask"].unbind()):
+        new = values["log_probs"][start + prompt - 1 : start + prompt - 1 + response]
+        log_ratio = torch.cat([log_ratio, (new - old)[mask.bool()]])
+        start += prompt + response
+    above = float((log_ratio.exp() > 1.28).float().mean())
+    assert 0 < above < 1
+    assert ours.metrics["actor/divclip/onpolicy/ratio_clipfrac"].values == [pytest.approx(above)]
+
+
+def test_extreme_metrics_aggregate_as_extremes_by_design() -> None:
+    """The one designed difference in shared metrics: verl's ``bypass_mode`` logs per-micro-batch
+    extremes (``rollout_corr/rollout_is_max``, ``..._min``, ...) that verl's ``ppo_loss`` averages over
+    micro-batches and ranks; the divclip loss keeps them extremes (MIN/MAX), as it does for its own
+    ``erc/ratio_min|max`` and ``kl3_max``, so the logged max is the batch's max. Same values, per
+    micro-batch; only the reduction differs (the reduction itself is tested in
+    ``test_verl_modes.py::test_extremes_aggregate_as_extremes_across_micro_batches_and_ranks``)."""
+    from verl_ext.actor_loss import divclip_actor_loss
+
+    case = CASES[0]
+    data = make_micro_batch(case)
+    config = actor_configs("bypass_mode", case)["verl"]
+    verl_run = run_loss(verl_losses.ppo_loss, config, data, model_output_values(data), False)
+    ours = run_loss(divclip_actor_loss, config, data, model_output_values(data), False)
+    extremes = {name for name in verl_run.metrics if name.endswith(("_min", "_max"))}
+    assert {"rollout_corr/rollout_is_max", "rollout_corr/rollout_is_min"} <= extremes
+    for name in extremes:
+        assert verl_run.metrics[name].aggregation == AggregationType.MEAN
+        assert ours.metrics[name].aggregation == (AggregationType.MIN if name.endswith("_min") else AggregationType.MAX)
+        assert ours.metrics[name].values == verl_run.metrics[name].values
+
+
+# ------------------------------------------------------------------------------------------------
+# Key coverage: every key verl's ppo_loss reads maps to the case that covers it
+# ------------------------------------------------------------------------------------------------
+
+#: Every key verl's ``ppo_loss`` reads (``config`` attributes, ``config.global_batch_info`` entries it
+#: writes, ``data`` and ``model_output`` keys, objects it hands on whole) -> the parity cases covering it.
+#: ``*`` = every case of :data:`CASES`.
+KEY_COVERAGE: dict[str, tuple[str, ...]] = {
+    "config.global_batch_info": ("global_batch/dp2/token-mean", "global_batch/dp2/seq-mean-token-mean", "everything"),
+    "config.global_batch_info[dp_size]": ("global_batch/dp2/token-mean", "everything"),
+    "config.global_batch_info[batch_num_tokens]": ("global_batch/dp2/token-mean", "global_batch/batch_num_tokens_only"),
+    "config.global_batch_info[global_batch_size]": ("global_batch/dp2/seq-mean-token-mean",
+                                                    "global_batch/global_batch_size_only"),
+    "config.global_batch_info[loss_scale_factor]": ("loss_scale_factor/seq-mean-token-sum-norm", "everything"),
+    "config.loss_scale_factor": ("loss_scale_factor/token-mean", "loss_scale_factor/seq-mean-token-sum-norm"),
+    "config.loss_agg_mode": tuple(f"loss_agg_mode/{agg}" for agg in loss_agg_modes()),
+    "config.policy_loss.loss_mode": ("*",),
+    "config -> policy_loss_fn": ("*", "on_policy_mark/clip_ratio_low_1"),
+    "config.entropy_coeff": ("entropy_bonus", "entropy_without_bonus"),
+    "config.use_kl_loss": ("kl_loss/low_var_kl", "ref_log_prob_without_kl_loss",
+                           "test_kl_loss_without_ref_log_prob_fails_in_both"),
+    "config.kl_loss_type": tuple(f"kl_loss/{kind}" for kind in accepted_kl_loss_types()),
+    "config.kl_loss_coef": ("kl_loss/low_var_kl",),
+    "data[dp_size]": ("global_batch/dp2/token-mean", "everything"),
+    "data[batch_num_tokens]": ("global_batch/batch_num_tokens_only", "global_batch/dp2/token-mean"),
+    "data[global_batch_size]": ("global_batch/global_batch_size_only", "global_batch/dp2/seq-mean-token-mean"),
+    "data[rollout_is_weights]": ("rollout_is_weights", "baseline"),  # present and absent
+    # verl selects (pads) ref_log_prob whenever present, the divclip loss only with use_kl_loss; only the KL
+    # term reads it, so the two agree bit for bit whether it is there or not (ref_log_prob_without_kl_loss)
+    "data[ref_log_prob]": ("kl_loss/low_var_kl", "ref_log_prob_without_kl_loss",
+                           "test_kl_loss_without_ref_log_prob_fails_in_both"),
+    "data[response_mask]": ("*",),  # with masked tokens inside responses (MASKED_TAILS)
+    "data[old_log_probs]": ("*",),
+    "data[advantages]": ("*",),
+    "data -> no_padding_2_padding": ("*",),  # prompts, responses, max_response_len: the same verl function
+    "model_output[log_probs]": ("*",),
+    "model_output[entropy]": ("entropy_bonus", "entropy_without_bonus", "baseline"),  # present and absent
+}
+
+
+def ppo_loss_keys(function: Callable[..., Any] = verl_losses.ppo_loss) -> set[str]:
+    """Every key ``function`` (verl's ``ppo_loss``) reads, in :data:`KEY_COVERAGE`'s notation.
+
+    Recognised: ``config.<attr>``, ``config.<attr>.get("k")`` (as ``config.<attr>.k``), writes
+    ``config.<attr>["k"] = ...``; ``data["k"]``, ``"k" in data``, ``data.get("k")`` and the keys of
+    ``data.select(*fields)`` (the ``fields`` list and its ``append``s); ``model_output["k"]`` and
+    ``.get("k")``; ``config`` / ``data`` / ``model_output`` handed whole to a call (``X -> callee``).
+    Any other use of the three raises, naming the line, so a new access pattern cannot slip by.
+    """
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    watched = {"config", "data", "model_output"}
+    keys: set[str] = set()
+
+    def constant(node: ast.AST) -> str:
+        if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+            raise AssertionError(f"line {node.lineno}: a key that is not a string constant: {ast.unparse(node)}")
+        return node.value
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == "fields" and isinstance(node.ctx, ast.Store):
+            value = parents[node].value
+            if not isinstance(value, ast.List):
+                raise AssertionError(f"line {node.lineno}: fields built from something else than a list: {ast.unparse(value)}")
+            keys |= {f"data[{constant(e)}]" for e in value.elts}
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "fields.append":
+            keys.add(f"data[{constant(node.args[0])}]")
+        if not (isinstance(node, ast.Name) and node.id in watched) or isinstance(node.ctx, ast.Store):
+            continue
+        parent = parents[node]
+        grand = parents.get(parent)
+        where = f"line {node.lineno}: {ast.unparse(grand if grand is not None else parent)}"
+        if isinstance(parent, ast.Subscript) and parent.value is node:
+            keys.add(f"{node.id}[{constant(parent.slice)}]")
+        elif isinstance(parent, ast.Compare) and isinstance(parent.ops[0], ast.In) and parent.comparators[0] is node:
+            keys.add(f"{node.id}[{constant(parent.left)}]")
+        elif isinstance(parent, ast.Attribute) and parent.attr == "get" and isinstance(grand, ast.Call) and node.id != "config":
+            keys.add(f"{node.id}[{constant(grand.args[0])}]")
+        elif isinstance(parent, ast.Attribute) and node.id == "data" and parent.attr == "select":
+            continue  # the selected keys are the ``fields`` above
+        elif isinstance(parent, ast.Attribute) and node.id == "config":
+            attribute = f"config.{parent.attr}"
+            if isinstance(grand, ast.Attribute) and grand.attr == "get" and isinstance(parents.get(grand), ast.Call):
+                keys.add(f"{attribute}.{constant(parents[grand].args[0])}")
+            elif isinstance(grand, ast.Subscript) and isinstance(grand.ctx, ast.Store):
+                keys.add(f"{attribute}[{constant(grand.slice)}]")
+            elif isinstance(grand, ast.Attribute):
+                raise AssertionError(f"{where}: an unrecognised access to {attribute}")
+            else:
+                keys.add(attribute)
+        elif isinstance(parent, ast.Call) or (isinstance(parent, ast.keyword) and isinstance(grand, ast.Call)):
+            call = parent if isinstance(parent, ast.Call) else grand
+            keys.add(f"{node.id} -> {ast.unparse(call.func)}")
+        else:
+            raise AssertionError(f"{where}: an unrecognised use of {node.id!r}")
+    return keys
+
+
+def test_every_key_ppo_loss_reads_is_covered() -> None:
+    keys = ppo_loss_keys()
+    assert keys - set(KEY_COVERAGE) == set(), f"verl's ppo_loss reads keys no parity case covers: {sorted(keys - set(KEY_COVERAGE))}"
+    assert set(KEY_COVERAGE) - keys == set(), f"the table names keys verl's ppo_loss no longer reads: {sorted(set(KEY_COVERAGE) - keys)}"
+    known = set(CASE_NAMES) | {"*"} | {name for name in globals() if name.startswith("test_")}
+    for key, covered_by in KEY_COVERAGE.items():
+        assert covered_by and set(covered_by) <= known, (key, set(covered_by) - known)
+
+
+def test_the_key_parser_sees_every_access_pattern() -> None:
+    """The parser on a made-up loss using each pattern once, and refusing one it does not know."""
+
+    def made_up(config: Any, model_output: Any, data: Any) -> None:
+        config.global_batch_info["dp_size"] = data["dp_size"]
+        fields = ["old_log_probs"]
+        if "weights" in data:
+            fields.append("weights")
+        padded = data.select(*fields)
+        helper(model_output.get("entropy"), data, config=config, mode=config.policy_loss.get("loss_mode"))
+        return config.entropy_coeff, padded, data.get("extra")
+
+    def broken(config: Any, model_output: Any, data: Any) -> Any:
+        return config.policy_loss.loss_mode
+
+    assert ppo_loss_keys(made_up) == {
+        "config.global_batch_info[dp_size]", "data[dp_size]", "data[old_log_probs]", "data[weights]",
+        "model_output[entropy]", "data -> helper", "config -> helper", "config.policy_loss.loss_mode",
+        "config.entropy_coeff", "data[extra]",
+    }
+    with pytest.raises(AssertionError, match="unrecognised access to config.policy_loss"):
+        ppo_loss_keys(broken)
+
+
+def helper(*args: Any, **kwargs: Any) -> None:
+    """A callee for :func:`test_the_key_parser_sees_every_access_pattern`'s made-up loss."""
+
+
+def test_verl_modes_get_the_policy_loss_inputs_ppo_loss_hands_them() -> None:
+    """The keyword arguments of ``ppo_loss``'s registry call are the ones ``verl_policy_loss`` passes:
+    a verl that hands its policy losses a new input fails here, naming it."""
+    from verl_ext import verl_modes
+
+    def registry_call_keywords(function: Callable[..., Any], callee: str) -> set[str]:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == callee]
+        assert len(calls) == 1, callee
+        return {keyword.arg for keyword in calls[0].keywords}
+
+    verl_keywords = registry_call_keywords(verl_losses.ppo_loss, "policy_loss_fn")
+    ours = registry_call_keywords(verl_modes.verl_policy_loss, "get_policy_loss_fn(mode)")
+    assert verl_keywords == ours == {"old_log_prob", "log_prob", "advantages", "response_mask", "loss_agg_mode",
+                                     "config", "rollout_is_weights"}
