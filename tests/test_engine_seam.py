@@ -4,11 +4,17 @@ restoring every swap, refusing what it does not cover; and the one-of-each rules
 * The guard checks every verl symbol the seam touches: installed against deliberately altered copies of
   verl's classes (a renamed parameter, a missing method, a missing config field) it raises one message
   naming the symbol, the installed verl version and the supported one -- and wraps nothing.
+* What the seam reads of verl is checked too, each mismatch named with both versions: an unsupported verl
+  release is refused unless ``DIVCLIP_ALLOW_UNSUPPORTED_VERL=1``; a key verl's source no longer reads or
+  writes (a copy of verl's function with one key renamed), a model-output key the vocabulary pass would
+  drop; an engine attribute verl renamed (when the features are set, and at each read); an ``infer_batch``
+  result without a key the aligned packing reassembles.
 * Installed on unaltered copies it wraps each symbol once (idempotent) and keeps verl's signature and
   dispatch attributes; verl's own classes are installed once per process.
 * A step's swaps are applied together, refused when two features would swap one attribute, and restored
-  on every exit path (also when the step raises); a second thread's step is refused while one holds the
-  process-global swaps.
+  on every exit path (also when the step raises). Real forward steps of two engines in two threads: a step
+  is refused while another thread's step runs and either swaps verl's module globals (which every step
+  reads); two steps that swap nothing run side by side.
 * An engine the seam does not cover (megatron and friends) is refused at ``set_loss_fn`` when the loss asks
   for any feature, naming the keys and the supported strategies; a loss that asks for nothing passes.
 * One ERC rule: a NaN entropy ratio is outside the band in the loss, the gauge and the token dump.
@@ -17,6 +23,7 @@ restoring every swap, refusing what it does not cover; and the one-of-each rules
 
 from __future__ import annotations
 
+import functools
 import threading
 import types
 from typing import Any
@@ -122,6 +129,195 @@ def test_install_wraps_each_symbol_once_and_keeps_verls_signature() -> None:
     assert vars(TrainingWorker.set_loss_fn).keys() >= vars(getattr(TrainingWorker.set_loss_fn, seam.ORIGINAL_ATTR)).keys() - {"__wrapped__"}
 
 
+# ------------------------------------------------------------------------------------------------
+# What the seam reads of verl: the release, the keys in verl's source, the engine's attributes, the
+# result layout -- each refused with one message naming it and both versions
+# ------------------------------------------------------------------------------------------------
+
+
+def assert_names_the_versions(message: str) -> None:
+    assert f"Installed verl {guard.verl_version()}" in message and f"supported: verl {guard.SUPPORTED_VERL}" in message
+
+
+def test_an_unsupported_verl_is_refused_unless_the_user_overrides(monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    import verl
+
+    monkeypatch.setattr(verl, "__version__", "0.9.2")
+    modules = module_copies()
+    worker_class = modules[guard.WORKER_MODULE].TrainingWorker
+    for value in (None, "0", "yes"):  # unset, off, or anything but 1
+        if value is None:
+            monkeypatch.delenv(guard.ALLOW_UNSUPPORTED_VERL_ENV, raising=False)
+        else:
+            monkeypatch.setenv(guard.ALLOW_UNSUPPORTED_VERL_ENV, value)
+        with pytest.raises(guard.VerlMismatchError) as error:
+            seam.install(modules)
+        message = str(error.value)
+        assert "written for verl 0.9.1; installed verl 0.9.2 is refused" in message, value
+        assert f"{guard.ALLOW_UNSUPPORTED_VERL_ENV}=1" in message and "pip install 'verl==0.9.1'" in message
+        assert not hasattr(worker_class.set_loss_fn, seam.ORIGINAL_ATTR)  # nothing was wrapped
+    monkeypatch.setenv(guard.ALLOW_UNSUPPORTED_VERL_ENV, "1")
+    with caplog.at_level("WARNING", logger=guard.__name__):
+        seam.install(modules)
+    assert hasattr(worker_class.set_loss_fn, seam.ORIGINAL_ATTR)
+    assert any("verl 0.9.2 is installed" in r.getMessage() and f"{guard.ALLOW_UNSUPPORTED_VERL_ENV}=1" in r.getMessage()
+               for r in caplog.records)
+
+
+def altered_copy(function: Any, old: str, new: str, folder: Any) -> Any:
+    """verl's ``function`` with ``old`` replaced by ``new`` in its source (a verl release that renamed a key),
+    undecorated, compiled from a file so the guard can read its source like verl's."""
+    import ast
+    import inspect
+    import textwrap
+
+    source = textwrap.dedent(inspect.getsource(inspect.unwrap(getattr(function, seam.ORIGINAL_ATTR, function))))
+    assert source.count(old) == 1, old
+    tree = ast.parse(source.replace(old, new))
+    definition = tree.body[0]
+    assert isinstance(definition, ast.FunctionDef)
+    definition.decorator_list = []
+    path = folder / f"altered_{definition.name}_{abs(hash((old, new)))}.py"
+    path.write_text(ast.unparse(tree) + "\n")
+    namespace = dict(inspect.unwrap(function).__globals__)
+    exec(compile(path.read_text(), str(path), "exec"), namespace)
+    return namespace[definition.name]
+
+
+@pytest.mark.parametrize(
+    "where, name, old, new, named",
+    [
+        # the aligned packing would set a key verl's split no longer reads
+        (guard.ENGINE_UTILS_MODULE, "prepare_micro_batches", 'data["micro_batch_size_per_gpu"]', 'data["micro_batch_size"]',
+         r"verl\.workers\.engine\.utils\.prepare_micro_batches \(which reads the key 'micro_batch_size_per_gpu': .*"
+         r"but its source no longer reads 'micro_batch_size_per_gpu'"),
+        # the update's token budget would no longer be the engine config's field the packing copies
+        (guard.WORKER_MODULE, "TrainingWorker.train_batch", "max_token_len_per_gpu=self.engine_config.max_token_len_per_gpu",
+         "max_token_len_per_gpu=self.engine_config.infer_max_token_len_per_gpu",
+         r"TrainingWorker\.train_batch \(which writes the key 'max_token_len_per_gpu'.*but its source sets "
+         r"'max_token_len_per_gpu' to self\.engine_config\.infer_max_token_len_per_gpu, not self\.engine_config\.max_token_len_per_gpu"),
+        # the vocabulary pass's refusal would read a key verl no longer sets
+        (guard.ENGINE_MODULE, "FSDPEngineWithLMHead.prepare_model_outputs", 'key="calculate_sum_pi_squared"',
+         'key="compute_sum_pi_squared"',
+         r"FSDPEngineWithLMHead\.prepare_model_outputs \(which reads the key 'calculate_sum_pi_squared': the vocabulary "
+         r"pass refuses .*but its source no longer reads 'calculate_sum_pi_squared'"),
+        # the vocabulary pass's labels would come from a dict field verl no longer writes
+        (guard.ENGINE_MODULE, "FSDPEngineWithLMHead.prepare_model_inputs", 'output_args["pad_size"] =',
+         'output_args["packed_pad"] =',
+         r"prepare_model_inputs \(which writes the key 'pad_size' of output_args: .*no longer writes 'pad_size'"),
+        # the vocabulary pass, replacing verl's outputs, would drop a key verl now writes
+        (guard.ENGINE_MODULE, "FSDPEngineWithLMHead.prepare_model_outputs", 'model_output["entropy"] = entropy',
+         'model_output["entropy"] = model_output["entropy_bits"] = entropy',
+         r"prepare_model_outputs \(replaced per step by the vocabulary pass.*its model_output gains 'entropy_bits', "
+         r"which the vocabulary pass neither produces nor refuses"),
+    ],
+)
+def test_a_key_verl_renamed_in_its_source_is_named(tmp_path: Any, where: str, name: str, old: str, new: str, named: str) -> None:
+    from verl.workers.engine import utils as engine_utils
+
+    modules = module_copies()
+    modules[guard.ENGINE_UTILS_MODULE] = types.SimpleNamespace(prepare_micro_batches=engine_utils.prepare_micro_batches)
+    owner_name, _, attribute = name.rpartition(".")
+    owner = getattr(modules[where], owner_name) if owner_name else modules[where]
+    setattr(owner, attribute, altered_copy(getattr(owner, attribute), old, new, tmp_path))
+    with pytest.raises(guard.VerlMismatchError, match=named) as error:
+        seam.install(modules)
+    assert_names_the_versions(str(error.value))
+    assert not hasattr(modules[guard.WORKER_MODULE].TrainingWorker.set_loss_fn, seam.ORIGINAL_ATTR)
+
+
+def test_every_key_verl_writes_into_its_model_output_is_in_the_table() -> None:
+    """Against verl itself: the table is exactly what verl 0.9.1 writes (no stale rows either)."""
+    assert guard.model_output_keys() == {row.key for row in guard.MODEL_OUTPUT_KEYS}
+    assert {row.key for row in guard.MODEL_OUTPUT_KEYS if row.produced} == {"log_probs", "entropy"}
+
+
+def engine_of(modules: dict[str, Any], **attributes: Any) -> Any:
+    """An instance of the altered engine class holding what verl's ``__init__`` sets (no process group);
+    ``attributes`` replace those, ``None`` removes one (a verl that renamed it)."""
+    from verl.workers.config import FSDPEngineConfig
+
+    engine_class = modules[guard.ENGINE_MODULE].FSDPEngineWithLMHead
+    engine = engine_class.__new__(engine_class)
+    values: dict[str, Any] = dict(
+        engine_config=FSDPEngineConfig(strategy="fsdp2"), model_config=types.SimpleNamespace(use_fused_kernels=False),
+        use_ulysses_sp=False, module=torch.nn.Module(), compute_entropy_from_logits=lambda logits: logits,
+    )
+    values.update(attributes)
+    for attribute, value in values.items():
+        if value is not None:
+            setattr(engine, attribute, value)
+    return engine
+
+
+@pytest.mark.parametrize(
+    "attributes, named",
+    [
+        (dict(use_ulysses_sp=None), r"FSDPEngineWithLMHead\.use_ulysses_sp \(read: pi_old's top-k refuses Ulysses.*"
+                                    r"but the engine instance has no attribute 'use_ulysses_sp'"),
+        (dict(engine_config=types.SimpleNamespace(entropy_checkpointing=False)),
+         r"FSDPEngineWithLMHead\.engine_config\.use_torch_compile \(read: .*but its engine_config \(SimpleNamespace\) has no "
+         r"attribute 'use_torch_compile'"),
+        (dict(model_config=types.SimpleNamespace()),
+         r"FSDPEngineWithLMHead\.model_config\.use_fused_kernels \(read: the vocabulary pass refuses verl's fused kernels\), "
+         r"but its model_config \(SimpleNamespace\) has no attribute 'use_fused_kernels'"),
+    ],
+)
+def test_an_engine_attribute_verl_renamed_is_named_when_features_are_set(attributes: dict[str, Any], named: str) -> None:
+    modules = module_copies()
+    seam.install(modules)
+    assert seam.set_features(engine_of(modules), EngineRequest(vocab_pass=True)).request.vocab_pass  # verl's own: fine
+    engine = engine_of(modules, **attributes)
+    with pytest.raises(guard.VerlMismatchError, match=named) as error:
+        seam.set_features(engine, EngineRequest(entropy_as_mask=True))
+    assert_names_the_versions(str(error.value))
+    assert seam.features_of(engine) is None
+
+
+def test_the_features_read_the_engine_without_a_silent_default() -> None:
+    """Where a feature reads the engine (also on a path no feature request checked first: pi_old's top-k
+    under a loss that asks for nothing), a renamed attribute raises instead of reading as False."""
+    from verl_ext.engine.entropy_path import entropy_fn_for, entropy_swaps
+    from verl_ext.engine.topk_capture import refuse_ulysses
+    from verl_ext.engine.vocab_pass_step import refuse_fused_kernels
+
+    modules = module_copies()
+    for read, attributes, name in (
+        (refuse_ulysses, dict(use_ulysses_sp=None), "use_ulysses_sp"),
+        (refuse_fused_kernels, dict(model_config=types.SimpleNamespace()), "use_fused_kernels"),
+        (entropy_fn_for, dict(engine_config=types.SimpleNamespace(entropy_checkpointing=False)), "use_torch_compile"),
+        (lambda engine: entropy_swaps(engine, lambda logits: logits), dict(engine_config=types.SimpleNamespace()),
+         "entropy_checkpointing"),
+    ):
+        with pytest.raises(guard.VerlMismatchError, match=f"has no attribute '{name}'"):
+            read(engine_of(modules, **attributes))
+    with pytest.raises(KeyError, match="not a row of guard.ENGINE_INSTANCE_ATTRIBUTES"):
+        guard.engine_attribute(engine_of(modules), "use_remove_padding")  # every read is a row of the table
+
+
+def test_an_infer_batch_result_without_a_key_is_named_at_the_first_call() -> None:
+    """The aligned packing checks verl's result before reassembling it: a VerlMismatchError naming the key,
+    not a KeyError inside the reassembly."""
+    from tensordict import TensorDict
+
+    from verl_ext.engine.packing import infer_as_update
+
+    engine = types.SimpleNamespace(engine_config=types.SimpleNamespace(max_token_len_per_gpu=64, micro_batch_size_per_gpu=2))
+    data = TensorDict({"input": torch.zeros(4, 3)}, batch_size=[4])
+
+    def renamed_loss(engine: Any, part: Any, loss_function: Any) -> dict[str, Any]:
+        return {"model_output": {}, "losses": [], "metrics": {}}
+
+    with pytest.raises(guard.VerlMismatchError,
+                       match=r"FSDPEngineWithLMHead\.infer_batch \(its result's model_output, loss, metrics reassembled by "
+                             r"the aligned packing\), but its result has no key 'loss' \(it has \['losses', 'metrics', "
+                             r"'model_output'\]\)") as error:
+        infer_as_update(engine, data, None, renamed_loss)
+    assert_names_the_versions(str(error.value))
+    assert infer_as_update(engine, data, None, lambda *_: None) is None  # a rank without outputs
+
+
 def test_swaps_are_restored_on_error_and_conflicts_refused() -> None:
     owner = types.SimpleNamespace(a=1)
     instance_only = types.SimpleNamespace()
@@ -136,34 +332,102 @@ def test_swaps_are_restored_on_error_and_conflicts_refused() -> None:
     assert owner.a == 1
 
 
-def test_a_second_thread_is_refused_while_a_step_holds_the_process_globals() -> None:
+def job_steps_in_two_threads(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
+    """Real forward steps (the old-log-prob pass) of three engines in one process, two at a time in two threads:
+    ``erc`` swaps verl's module globals for its steps (the fp32 entropy), ``plain_a`` / ``plain_b`` (verl's own
+    loss) swap nothing but read them. The first step is held inside its model forward until the second has
+    started or been refused."""
+    from recipe.bench.harness import WorkerOptions, build_actor_worker, compute_log_prob, make_actor_config, make_rollout_batch
+    from verl_ext.actor_loss import build_actor_loss
+    from verl_ext.config import DivClipPolicyLossConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    batch = make_rollout_batch([3, 4], [5, 6], 512, seed=1)
+    workers = {name: build_actor_worker(model_path, WorkerOptions()) for name in ("erc", "plain_a", "plain_b")}
+    erc = DivClipPolicyLossConfig(loss_mode="clip", erc_beta_low=0.05, erc_beta_high=0.05)
+    workers["erc"].set_loss_fn(build_actor_loss(make_actor_config(policy_loss=erc, calculate_entropy=True)))
+    for name in ("plain_a", "plain_b"):
+        workers[name].set_loss_fn(functools.partial(ppo_loss, config=make_actor_config()))
+    alone = {name: compute_log_prob(worker, batch)["old_log_probs"].values() for name, worker in workers.items()}
+
+    def overlap(first: str, second: str) -> dict[str, Any]:
+        inside, release = threading.Event(), threading.Event()
+        outcome: dict[str, Any] = {}
+
+        def hold(module: Any, args: Any) -> None:
+            inside.set()
+            release.wait(30)
+
+        hook = workers[first].engine.module.register_forward_pre_hook(hold)
+
+        def run(name: str) -> None:
+            try:
+                outcome[name] = compute_log_prob(workers[name], batch)["old_log_probs"].values()
+            except RuntimeError as error:
+                outcome[name] = error
+
+        holder = threading.Thread(target=run, args=(first,))
+        holder.start()
+        assert inside.wait(30)
+        hook.remove()  # the second engine's forward must not wait on the first's hook
+        other = threading.Thread(target=run, args=(second,))
+        other.start()
+        other.join(60)
+        release.set()
+        holder.join(60)
+        return outcome
+
+    import verl.utils.torch_functional as verl_F
+
+    before = verl_F.entropy_from_logits
+    results = {pair: overlap(*pair) for pair in (("erc", "plain_a"), ("plain_a", "erc"), ("plain_a", "plain_b"))}
+    return {"alone": alone, "results": results, "globals_restored": verl_F.entropy_from_logits is before}
+
+
+def test_a_step_is_refused_while_another_threads_step_swaps_or_reads_the_process_globals(tmp_path: Any) -> None:
+    """Two real forward steps at once in two threads of one process: a step that swaps verl's module globals
+    (ERC's fp32 entropy) refuses to start beside any other step, and any step refuses to start beside it -- the
+    reader would compute with the swapping step's functions. Two steps that swap nothing run side by side and
+    compute what they compute alone."""
+    from recipe.bench.harness import TinyQwen3Spec, run_ranks, save_tiny_qwen3
+
+    out = run_ranks(job_steps_in_two_threads, 1, save_tiny_qwen3(tmp_path / "model", TinyQwen3Spec()))[0]
+    results, alone = out["results"], out["alone"]
+    for first, second in (("erc", "plain_a"), ("plain_a", "erc")):
+        outcome = results[(first, second)]
+        assert isinstance(outcome[second], RuntimeError) and "two threads of one process" in str(outcome[second])
+        assert torch.equal(outcome[first], alone[first])  # the held step finished, with its own functions
+    outcome = results[("plain_a", "plain_b")]
+    assert torch.equal(outcome["plain_a"], alone["plain_a"]) and torch.equal(outcome["plain_b"], alone["plain_b"])
+    assert out["globals_restored"]
+
+
+def test_one_threads_steps_nest_and_the_guard_is_free_again_after_a_refusal() -> None:
+    with seam._stepping(True):
+        with seam._stepping(True):  # re-entrant in one thread
+            pass
+    assert not seam._active_steps
     errors: list[BaseException] = []
     inside, release = threading.Event(), threading.Event()
 
-    def first() -> None:
-        with seam._holding_process_globals(True):
+    def hold() -> None:
+        with seam._stepping(False):
             inside.set()
             release.wait(10)
 
-    def second() -> None:
-        try:
-            with seam._holding_process_globals(True):
-                pass
-        except RuntimeError as error:
-            errors.append(error)
-
-    holder = threading.Thread(target=first)
+    holder = threading.Thread(target=hold)
     holder.start()
     inside.wait(10)
-    other = threading.Thread(target=second)
-    other.start()
-    other.join(10)
+    try:
+        with seam._stepping(True):
+            pass
+    except RuntimeError as error:
+        errors.append(error)
     release.set()
     holder.join(10)
-    assert len(errors) == 1 and "two threads of one process" in str(errors[0])
-    with seam._holding_process_globals(True):  # free again, and re-entrant in one thread
-        with seam._holding_process_globals(True):
-            pass
+    assert len(errors) == 1 and not seam._active_steps
+    with seam._stepping(True):
+        pass
 
 
 class NotAnFSDPEngine:

@@ -240,14 +240,94 @@ def test_every_mode_is_exactly_on_policy_in_every_packing(every_mode: list[dict[
 @pytest.mark.parametrize("packing", list(PACKINGS))
 def test_verls_own_packing_is_the_control(every_mode: list[dict[str, Any]], packing: str) -> None:
     """With ``pack_old_log_prob_as_update=false`` the old pass is packed by its own budget, so the passes'
-    micro-batches differ (what the code decides); whether the kernels then move a ratio depends on the
-    machine, so the gauge is only required to be a finite measurement, and the path to say so."""
-    result = next(r for r in every_mode if r["mode"] == "kl3, verl's packing" and r["packing"] == packing and r["threads"] == 1)
-    old_sizes = sorted(len(micro) for call in result["old_calls"] for micro in call)
-    new_sizes = sorted(len(micro) for call in result["new_calls"] for micro in call)
-    assert old_sizes != new_sizes or len(result["old_calls"]) != len(result["new_calls"])
-    m = result["metrics"]
-    assert math.isfinite(m[GAUGE + "log_ratio_abs_max"][0]) and set(m["actor/divclip/path/aligned_packing"]) == {0.0}
+    micro-batches differ (what the code decides), and the path says the update found no aligned packing."""
+    for threads in THREADS:
+        result = control_case(every_mode, packing, threads)
+        old_sizes = sorted(len(micro) for call in result["old_calls"] for micro in call)
+        new_sizes = sorted(len(micro) for call in result["new_calls"] for micro in call)
+        assert old_sizes != new_sizes or len(result["old_calls"]) != len(result["new_calls"])
+        m = result["metrics"]
+        assert math.isfinite(m[GAUGE + "log_ratio_abs_max"][0]) and set(m["actor/divclip/path/aligned_packing"]) == {0.0}
+
+
+def control_case(every_mode: list[dict[str, Any]], packing: str, threads: int) -> dict[str, Any]:
+    return next(r for r in every_mode if r["mode"] == "kl3, verl's packing" and r["packing"] == packing and r["threads"] == threads)
+
+
+@pytest.mark.parametrize("threads", THREADS)
+def test_verls_own_packing_shows_the_noise_the_alignment_removes(every_mode: list[dict[str, Any]], threads: int) -> None:
+    """The control's effect: under verl's packing the kernels move on-policy log-ratios away from 0 (the gauge
+    reads > 0) in some of the configs' packings, where the aligned arm of the same packings reads exactly 0
+    (test_every_mode_is_exactly_on_policy_in_every_packing). Which packings show it depends on the machine's
+    kernels (a bf16 rounding boundary crossed by a product's last bits), so the claim is: at least one."""
+    noisy = {packing: control_case(every_mode, packing, threads)["metrics"][GAUGE + "log_ratio_abs_max"][0] for packing in PACKINGS}
+    assert max(noisy.values()) > 0, noisy
+    for packing in PACKINGS:
+        aligned = next(r for r in every_mode if r["mode"] == "kl3" and r["packing"] == packing and r["threads"] == threads)
+        assert aligned["metrics"][GAUGE + "log_ratio_abs_max"] == [0.0]
+
+
+# ------------------------------------------------------------------------------------------------
+# The packing is observed where it is used: the update compares itself with the old pass's record
+# ------------------------------------------------------------------------------------------------
+
+
+def job_observed_packing(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
+    """One worker at bf16 with dynamic batching (2:1): the old pass packed for one update split, then updates
+    that run that split, another split, another shuffle, other rows, or no recorded pass at all."""
+    import verl_ext.actor_loss  # noqa: F401
+    from verl_ext.engine.packing import UPDATE_FOLLOWS_OLD_PASS_KEY, PackingMismatchError, UpdatePacking
+
+    batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, TinyQwen3Spec().vocab_size, seed=5)
+    worker = build_actor_worker(model_path, worker_options(PACKINGS["dynamic 40/80, 2 shuffled mini-batches, 2 epochs"]))
+    worker.set_loss_fn(divclip_loss(MODES["kl3"]))
+
+    def case(old_packing: UpdatePacking, update: dict[str, Any], data: Any = None, follows: bool = True,
+             updates: int = 1) -> Any:
+        old = compute_log_prob(worker, batch, packing=old_packing) if old_packing is not None else compute_log_prob(worker, batch)
+        trained = (batch if data is None else data).clone()
+        trained["old_log_probs"], trained["entropy"] = old["old_log_probs"], old["entropy"]
+        try:
+            for _ in range(updates):  # each record serves one update call
+                metrics = update_actor(worker, trained, calculate_entropy=False,
+                                       extra_info={UPDATE_FOLLOWS_OLD_PASS_KEY: follows}, **update)
+        except PackingMismatchError as error:
+            return str(error)
+        return sorted(set(float(v) for v in metrics["actor/divclip/path/aligned_packing"]))
+
+    split = UpdatePacking(mini_batch_size=4, seed=11, shuffle=True)
+    reversed_rows = tu_index(batch, list(reversed(range(len(PROMPT_LENS)))))
+    return {
+        "matched": case(split, dict(mini_batch_size=4, seed=11, shuffle=True, epochs=2)),
+        "other split": case(split, dict(mini_batch_size=8, seed=11, shuffle=True)),
+        "other shuffle": case(split, dict(mini_batch_size=4, seed=12, shuffle=True)),
+        "other rows": case(split, dict(mini_batch_size=4, seed=11, shuffle=True), data=reversed_rows),
+        "split not handed to the pass": case(None, dict(mini_batch_size=4, seed=11, shuffle=True)),
+        "a second update on one record": case(split, dict(mini_batch_size=4, seed=11, shuffle=True), updates=2),
+        "no pass recorded, direct caller": case(None, dict(mini_batch_size=8), follows=False),
+    }
+
+
+def tu_index(batch: Any, rows: list[int]) -> Any:
+    from verl.utils import tensordict_utils as tu
+
+    return tu.index_select_tensor_dict(batch, torch.tensor(rows))
+
+
+def test_the_update_checks_its_packing_against_the_old_pass_record(confident_model: str) -> None:
+    """The old pass records what it packed, per rank; the update compares its first-epoch mini-batches and
+    micro-batches with it and raises naming both on any difference; ``path/aligned_packing`` is 1 only when
+    every first-epoch micro-batch matched -- not because the packing was asked for."""
+    found = run_ranks(job_observed_packing, 1, confident_model)[0]
+    assert found["matched"] == [1.0]
+    assert "splits its first epoch into 1 mini-batch(es) and the old-log-prob pass packed 2" in found["other split"]
+    assert "update mini-batch 0, micro-batch 0 holds rows" in found["other shuffle"]
+    assert "where the old-log-prob pass packed rows" in found["other shuffle"]
+    assert "the update received 8 rows and the old-log-prob pass 8, first different at row 0" in found["other rows"]
+    # the trainer's split did not reach the pass (a verl change): the pass packed one in-order mini-batch, no record
+    assert "holds no record of it" in found["split not handed to the pass"]
+    assert "holds no record of it" in found["a second update on one record"]
+    assert found["no pass recorded, direct caller"] == [0.0]  # nothing aligned was observed: reported as 0
 
 
 DP_MODES = ("kl3", "gspo", "erc", "kl_full", "erc+vocab_pass")

@@ -344,13 +344,16 @@ def update_actor(
     epochs: int = 1,
     shuffle: bool = False,
     seed: int = 0,
+    extra_info: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """One actor update, mirroring ``trainer/ppo/v1/trainer_base.py::_update_actor``.
 
     ``batch`` is this rank's shard. By default the whole shard is one mini-batch (one optimizer
     step); ``mini_batch_size`` (global, like ``ppo_mini_batch_size * rollout.n``), ``epochs``,
     ``shuffle`` and ``seed`` (``actor.data_loader_seed``) split it as the trainer does. Micro-batches
-    follow the worker's ``micro_batch_size_per_gpu`` / ``max_token_len_per_gpu``. Returns the metrics.
+    follow the worker's ``micro_batch_size_per_gpu`` / ``max_token_len_per_gpu``. ``extra_info``: more
+    non-tensor keys, as a trainer hook adds them (``recipe.trainer.DivClipTrainer._update_actor``).
+    Returns the metrics.
     """
     from verl.utils import tensordict_utils as tu
 
@@ -369,6 +372,7 @@ def update_actor(
         seed=seed,
         dataloader_kwargs={"shuffle": shuffle},
         temperature=temperature,
+        **(extra_info or {}),
     )
     output = worker.train_mini_batch(data)
     return {} if output is None else dict(tu.get(output, "metrics"))  # None: an SP peer's rank
@@ -481,12 +485,23 @@ def run_ranks(job: Callable[..., Any], world_size: int, *args: Any) -> list[Any]
     import torch.multiprocessing as mp
 
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="engine_harness_") as out_dir:
-        mp.start_processes(
-            _rank_entry,
-            args=(world_size, port, out_dir, job, args),
-            nprocs=world_size,
-            join=True,
-            start_method="spawn",
-        )
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+    # The ranks inherit VERL_PLATFORM=cpu from the start: unpickling ``job`` imports its module, which may
+    # import verl (and so resolve verl's platform) before _rank_entry runs. The caller's own setting is
+    # given back once the ranks have ended.
+    saved = os.environ.get("VERL_PLATFORM")
+    os.environ["VERL_PLATFORM"] = "cpu"
+    try:
+        with tempfile.TemporaryDirectory(prefix="engine_harness_") as out_dir:
+            mp.start_processes(
+                _rank_entry,
+                args=(world_size, port, out_dir, job, args),
+                nprocs=world_size,
+                join=True,
+                start_method="spawn",
+            )
+            return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+    finally:
+        if saved is None:
+            os.environ.pop("VERL_PLATFORM", None)
+        else:
+            os.environ["VERL_PLATFORM"] = saved

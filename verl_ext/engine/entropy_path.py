@@ -28,13 +28,14 @@ from typing import Any, Callable
 import torch
 
 from verl_ext.core.entropy import entropy_fp32, entropy_fp32_compiled
+from verl_ext.engine.guard import engine_attribute
 from verl_ext.engine.swap import Swap
 
 
 def entropy_fn_for(engine: Any) -> Callable[..., torch.Tensor]:
     """The fp32 entropy function an engine's two passes share: compiled on CUDA when the engine compiles
     (verl's default ``use_torch_compile``), eager otherwise. One engine always uses one of the two."""
-    compile_on = bool(getattr(engine.engine_config, "use_torch_compile", False))
+    compile_on = bool(engine_attribute(engine, "engine_config.use_torch_compile"))
     return entropy_fp32_compiled if compile_on and torch.cuda.is_available() else entropy_fp32
 
 
@@ -53,6 +54,6 @@ def entropy_swaps(engine: Any, entropy_fn: Callable[..., torch.Tensor]) -> list[
         Swap(engine, "compute_entropy_from_logits", entropy_fn, "fp32 entropy"),
         Swap(verl_F, "entropy_from_logits", entropy_fn, "fp32 entropy"),
     ]
-    if bool(getattr(engine.engine_config, "entropy_checkpointing", False)):
+    if bool(engine_attribute(engine, "engine_config.entropy_checkpointing")):
         swaps.append(Swap(engine, "engine_config", _config_without_entropy_checkpointing(engine.engine_config), "fp32 entropy"))
     return swaps

@@ -1,4 +1,5 @@
-"""On-policy exactness: the old-log-prob pass packed as the update, and the mark of the on-policy mini-batch.
+"""On-policy exactness: the old-log-prob pass packed as the update, observed where it is used, and the mark
+of the on-policy mini-batch.
 
 Before the first optimizer step of a training step, pi_theta *is* pi_old, so every importance ratio
 should be exactly 1 (and ERC's entropy ratio too). That holds only if both passes compute each token's
@@ -9,37 +10,52 @@ shape). Under verl's default bf16 the LM head rounds the logits to bf16, where o
 clipped by ``clip``, ``kl3`` or GSPO's sequence band, and masked by ERC, because of the kernels, not the
 policy (verl#6280; measured in docs/benchmarks.md, "On-policy exactness").
 
-:func:`infer_as_update` makes the invariant hold by construction, for every loss mode: the seam calls it
-for the old-log-prob pass of an engine whose loss asked for ``pack_as_update``
+**Packed as the update.** :func:`infer_as_update` makes the invariant hold by construction, for every loss
+mode: the seam calls it for the old-log-prob pass of an engine whose loss asked for ``pack_as_update``
 (``policy_loss.pack_old_log_prob_as_update``, on by default). It splits the batch into the update's
 mini-batches of the *first epoch* -- with verl's own iterator (``tu.make_iterator``: same
 ``ppo_mini_batch_size``, ``data_loader_seed`` and ``shuffle``, seeded per data-parallel rank as
 ``train_mini_batch`` does) -- and packs each with the update's micro-batch settings
 (``ppo_max_token_len_per_gpu`` / ``ppo_micro_batch_size_per_gpu``, through verl's own
-``prepare_micro_batches``). Every micro-batch of every first-epoch update mini-batch then holds exactly
-the tokens, in the same order, that the old-log-prob pass computed together: identical shapes,
-identical kernels, bit-identical logits before the first optimizer step (and, at learning rate 0, in
-every first-epoch mini-batch). The outputs are put back in the batch's order. The cost is the log-prob
-pass at the update's smaller token budget (measured in docs/benchmarks.md). The trainer passes the
-update's mini-batch settings as :data:`UPDATE_PACKING_KEY` (:meth:`UpdatePacking.from_actor_config`);
-without them the whole batch is one mini-batch in order, which is what a direct ``train_mini_batch``
-with ``mini_batch_size = len(batch)`` does.
+``prepare_micro_batches``). Every micro-batch of every first-epoch update mini-batch then holds exactly the
+tokens, in the same order, that the old-log-prob pass computed together: identical shapes, identical
+kernels, bit-identical logits before the first optimizer step (and, at learning rate 0, in every
+first-epoch mini-batch). The outputs are put back in the batch's order. The cost is the log-prob pass at
+the update's smaller token budget (measured in docs/benchmarks.md). The trainer passes the update's
+mini-batch settings as :data:`UPDATE_PACKING_KEY` (:meth:`UpdatePacking.from_actor_config`); without them
+the whole batch is one mini-batch in order, which is what a direct ``train_mini_batch`` with
+``mini_batch_size = len(batch)`` does.
 
-:func:`marking_on_policy` / :func:`marking_first_mini_batch` (installed by the seam on
-``TrainingWorker.train_mini_batch`` / ``train_batch``) give the first mini-batch of every update call --
+**Observed, not assumed.** The split is derived from config keys on the driver, so a verl change (a
+release, a trainer mode, ``num_mini_batch``) could make it stop matching the update's. The old pass
+therefore records, per data-parallel rank, what it packed (:class:`PackingRecord`: each row's token count
+and content checksum, and each first-epoch mini-batch's micro-batches as row ids with their token counts);
+the update compares its own first-epoch mini-batches and micro-batches with that record
+(:class:`UpdateObserver`) and raises :class:`PackingMismatchError`, naming both, on any difference.
+``actor/divclip/path/aligned_packing`` reports what the update found: 1 only for the micro-batches of an
+update call whose first-epoch micro-batches matched the record. The trainer also tells the update that
+its batch comes from this rank's packed old pass (:data:`UPDATE_FOLLOWS_OLD_PASS_KEY`), so a missing
+record raises as well.
+
+**The on-policy mark.** :func:`marking_on_policy` / :func:`marking_first_mini_batch` (installed by the seam
+on ``TrainingWorker.train_mini_batch`` / ``train_batch``) give the first mini-batch of an update call --
 before any optimizer step of this training step -- :data:`ON_POLICY_KEY`; the actor loss then logs the
-on-policy gauge (:func:`verl_ext.core.gauge.on_policy_gauge`) from it.
+on-policy gauge (:func:`verl_ext.core.gauge.on_policy_gauge`) from it. The trainer says when an update does
+*not* start from pi_old (:data:`STARTS_ON_POLICY_KEY` false: ``bypass_mode``, where pi_old is the behaviour
+policy, or a later update of verl's Decoupled-PPO cycle, whose pi_old is the cycle's first weights): such a
+call marks nothing.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 import torch
 from tensordict import TensorDict
 
+from verl_ext.engine.guard import check_infer_batch_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +65,25 @@ UPDATE_PACKING_KEY = "divclip_update_packing"
 ON_POLICY_KEY = "divclip_on_policy"
 """Non-tensor key set on the update mini-batch that runs before any optimizer step of the call."""
 
+STARTS_ON_POLICY_KEY = "divclip_update_starts_on_policy"
+"""Non-tensor key of an update batch: whether pi_theta equals pi_old when the call starts (absent: true)."""
+
+UPDATE_FOLLOWS_OLD_PASS_KEY = "divclip_update_follows_old_pass"
+"""Non-tensor key of an update batch: its pi_old came from this rank's packed old-log-prob pass (the trainer
+sets it), so with the aligned packing asked for a missing :class:`PackingRecord` is an error."""
+
+ROW_KEY = "divclip_row"
+"""Tensor field the seam adds to a batch it packs or trains: each row's position in the batch the worker
+received, so that every micro-batch says which rows it holds."""
+
 _MINI_BATCHES_SEEN = "_divclip_mini_batches_seen"
+_RECORD_ATTR = "_divclip_packing_record"
+_RECORDING_ATTR = "_divclip_recording"
+_OBSERVER_ATTR = "_divclip_update_observer"
+
+
+class PackingMismatchError(RuntimeError):
+    """The update's first epoch is not packed as the old-log-prob pass recorded (or no pass recorded one)."""
 
 
 @dataclass(frozen=True)
@@ -97,10 +131,67 @@ def first_epoch_mini_batches(size: int, mini_batch_size_per_gpu: int, seed: int,
     return [mini_batch["row"] for mini_batch in iterator]
 
 
+# ------------------------------------------------------------------------------------------------
+# What a pass packed
+# ------------------------------------------------------------------------------------------------
+
+
+def row_token_counts(data: TensorDict) -> list[int]:
+    """Tokens per row (prompt + response) of a batch or micro-batch in verl's no-padding layout."""
+    input_ids = data["input_ids"]
+    if getattr(input_ids, "is_nested", False):
+        return input_ids.offsets().diff().tolist()
+    return data["attention_mask"].sum(-1).tolist()
+
+
+def row_fingerprints(data: TensorDict) -> list[tuple[int, int]]:
+    """``(tokens, checksum)`` per row: the checksum weighs each token id by its position, so two batches
+    whose rows differ in content or order differ here (rows with identical tokens compute identical
+    logits, so they need not be told apart)."""
+    input_ids = data["input_ids"]
+    if getattr(input_ids, "is_nested", False):
+        offsets = input_ids.offsets().cpu()
+        values = input_ids.values()[int(offsets[0]) : int(offsets[-1])].cpu().long()
+        lengths = offsets.diff()
+    else:
+        mask = data["attention_mask"].bool().cpu()
+        values = input_ids.cpu().long()[mask]
+        lengths = mask.sum(-1)
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
+    positions = torch.arange(len(values)) - starts[rows]
+    checksum = torch.zeros(len(lengths), dtype=torch.long).index_add_(0, rows, values * (positions % 65521 + 1))
+    return list(zip(lengths.tolist(), checksum.tolist()))
+
+
+@dataclass(frozen=True)
+class PackedMicroBatch:
+    """One micro-batch as a pass computed it: the rows it held, in order, and their token counts."""
+
+    rows: tuple[int, ...]
+    tokens: tuple[int, ...]
+
+    @classmethod
+    def of(cls, micro_batch: TensorDict) -> "PackedMicroBatch":
+        return cls(tuple(int(r) for r in micro_batch[ROW_KEY].tolist()), tuple(row_token_counts(micro_batch)))
+
+    def describe(self) -> str:
+        return f"rows {list(self.rows)} ({sum(self.tokens)} tokens: {list(self.tokens)})"
+
+
+@dataclass
+class PackingRecord:
+    """What one rank's old-log-prob pass packed: the batch it received (a fingerprint per row) and, per
+    first-epoch update mini-batch, its micro-batches in the order they ran."""
+
+    fingerprints: list[tuple[int, int]]
+    mini_batches: list[list[PackedMicroBatch]] = field(default_factory=list)
+
+
 def infer_as_update(engine: Any, data: TensorDict, loss_function: Any, infer: Callable[..., Any]) -> Any:
     """verl's ``infer_batch`` (``infer``) run once per first-epoch update mini-batch of ``data``, each packed
-    with the update's micro-batch settings; the outputs are reassembled in ``data``'s order (module
-    docstring)."""
+    with the update's micro-batch settings; the outputs are reassembled in ``data``'s order. With the
+    trainer's packing key the pass leaves its :class:`PackingRecord` on the engine (module docstring)."""
     from verl.utils import tensordict_utils as tu
 
     size = len(data)
@@ -112,14 +203,26 @@ def infer_as_update(engine: Any, data: TensorDict, loss_function: Any, infer: Ca
         groups = first_epoch_mini_batches(
             size, int(packing["mini_batch_size"]) // dp_size, int(packing["seed"]) + dp_rank, bool(packing["shuffle"])
         )
+    record = PackingRecord(row_fingerprints(data)) if packing is not None else None
     config = engine.engine_config
     outputs = []
     for rows in groups:
         part = tu.index_select_tensor_dict(data, rows)
+        part[ROW_KEY] = rows.clone()
         tu.assign_non_tensor(
             part, max_token_len_per_gpu=config.max_token_len_per_gpu, micro_batch_size_per_gpu=config.micro_batch_size_per_gpu
         )
-        outputs.append(infer(engine, part, loss_function))
+        recorded: list[PackedMicroBatch] = []
+        setattr(engine, _RECORDING_ATTR, recorded)
+        try:
+            outputs.append(infer(engine, part, loss_function))
+        finally:
+            setattr(engine, _RECORDING_ATTR, None)
+        if record is not None:
+            record.mini_batches.append(recorded)
+    if record is not None:  # the trainer's old pass (a reference pass on the same engine keeps it: no key)
+        setattr(engine, _RECORD_ATTR, record)
+    check_infer_batch_outputs(outputs)  # verl's result layout, before any key of it is read
     if len(outputs) == 1 and packing is None:
         return outputs[0]
     if any(out is None for out in outputs):
@@ -140,6 +243,143 @@ def infer_as_update(engine: Any, data: TensorDict, loss_function: Any, infer: Ca
     return {"model_output": model_output, "loss": [loss for out in outputs for loss in out["loss"]], "metrics": metrics}
 
 
+def record_micro_batch(engine: Any, micro_batch: TensorDict) -> None:
+    """In an old-log-prob pass run by :func:`infer_as_update`: note the micro-batch the engine computes."""
+    recording = getattr(engine, _RECORDING_ATTR, None)
+    if recording is not None and ROW_KEY in micro_batch.keys():
+        recording.append(PackedMicroBatch.of(micro_batch))
+
+
+# ------------------------------------------------------------------------------------------------
+# What the update finds
+# ------------------------------------------------------------------------------------------------
+
+
+class UpdateObserver:
+    """Compares one update call's first-epoch mini-batches and micro-batches with the old pass's record.
+
+    ``first_epoch``: the update's mini-batches per epoch (verl's ``train_mini_batch`` split). Mini-batches
+    are counted by :meth:`start_mini_batch`, micro-batches by :meth:`observe`; the first difference
+    raises :class:`PackingMismatchError` naming what the old pass packed and what the update runs."""
+
+    def __init__(self, record: PackingRecord, first_epoch: int) -> None:
+        self.record = record
+        self.first_epoch = first_epoch
+        self.mini_batch = -1
+        self.micro_batch = 0
+
+    def _mismatch(self, what: str) -> PackingMismatchError:
+        return PackingMismatchError(
+            f"actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=true, but {what}. The old-log-prob "
+            "pass was packed for a different update split than the one verl runs, so its ratios would carry the "
+            "kernels' noise: this verl (or trainer mode) passes the update's mini-batches differently from what "
+            "verl_ext.engine.packing.UpdatePacking derives; set pack_old_log_prob_as_update=false to run with "
+            "verl's own packing, or report it"
+        )
+
+    def start(self, fingerprints: list[tuple[int, int]]) -> None:
+        """The update's batch: the same rows, in the same order, as the old pass received, and the same split."""
+        recorded = self.record.fingerprints
+        if fingerprints != recorded:
+            first = next((i for i, (a, b) in enumerate(zip(fingerprints, recorded)) if a != b), min(len(fingerprints), len(recorded)))
+            raise self._mismatch(
+                f"the update received {len(fingerprints)} rows and the old-log-prob pass {len(recorded)}, first different "
+                f"at row {first} (tokens, checksum: update {fingerprints[first] if first < len(fingerprints) else None}, "
+                f"old pass {recorded[first] if first < len(recorded) else None})"
+            )
+        if self.first_epoch != len(self.record.mini_batches):
+            raise self._mismatch(
+                f"the update splits its first epoch into {self.first_epoch} mini-batch(es) and the old-log-prob pass "
+                f"packed {len(self.record.mini_batches)}"
+            )
+
+    def _end_mini_batch(self) -> None:
+        if 0 <= self.mini_batch < self.first_epoch:
+            expected = self.record.mini_batches[self.mini_batch]
+            if self.micro_batch != len(expected):
+                raise self._mismatch(
+                    f"update mini-batch {self.mini_batch} ran {self.micro_batch} micro-batch(es) and the old-log-prob "
+                    f"pass packed it into {len(expected)}: {[m.describe() for m in expected]}"
+                )
+
+    def start_mini_batch(self) -> None:
+        self._end_mini_batch()
+        self.mini_batch += 1
+        self.micro_batch = 0
+
+    def observe(self, micro_batch: TensorDict) -> None:
+        """An update micro-batch about to run: in the first epoch it must be the recorded one."""
+        if self.mini_batch >= self.first_epoch:
+            return  # later epochs are off-policy by definition; nothing was packed for them
+        expected = self.record.mini_batches[self.mini_batch]
+        found = PackedMicroBatch.of(micro_batch)
+        if self.micro_batch >= len(expected) or found != expected[self.micro_batch]:
+            recorded = expected[self.micro_batch].describe() if self.micro_batch < len(expected) else "nothing"
+            raise self._mismatch(
+                f"update mini-batch {self.mini_batch}, micro-batch {self.micro_batch} holds {found.describe()}, where "
+                f"the old-log-prob pass packed {recorded}"
+            )
+        self.micro_batch += 1
+
+    def finish(self) -> None:
+        self._end_mini_batch()
+
+
+def update_mini_batches_per_epoch(worker: Any, data: TensorDict) -> int:
+    """How many mini-batches ``TrainingWorker.train_mini_batch`` makes of ``data`` per epoch (its own rule:
+    ``mini_batch_size`` over the data-parallel size, or ``num_mini_batch``)."""
+    from verl.utils import tensordict_utils as tu
+
+    mini_batch_size = tu.get_non_tensor_data(data=data, key="mini_batch_size", default=None)
+    if mini_batch_size is None:
+        return int(tu.get_non_tensor_data(data=data, key="num_mini_batch", default=1))
+    per_gpu = int(mini_batch_size) // worker.engine.get_data_parallel_size()
+    return len(data) // per_gpu if per_gpu > 0 else 0
+
+
+def observing_update(worker: Any, data: TensorDict, pack_as_update: bool) -> Optional[UpdateObserver]:
+    """Before an update call: take the engine's record (each record serves one update) and, with the aligned
+    packing asked for, start comparing; the rows get :data:`ROW_KEY`. Returns None when nothing is compared
+    (the packing is off, or a direct caller without a packed old pass)."""
+    from verl.utils import tensordict_utils as tu
+
+    engine = worker.engine
+    record: Optional[PackingRecord] = getattr(engine, _RECORD_ATTR, None)
+    setattr(engine, _RECORD_ATTR, None)
+    if not pack_as_update:
+        return None
+    if record is None:
+        if tu.get_non_tensor_data(data=data, key=UPDATE_FOLLOWS_OLD_PASS_KEY, default=False):
+            raise PackingMismatchError(
+                "actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=true and the trainer ran this batch's "
+                "old-log-prob pass, but this rank's engine holds no record of it: the pass did not reach the seam's "
+                "infer_batch with the update's packing (divclip_update_packing), so the update cannot be checked"
+            )
+        return None
+    observer = UpdateObserver(record, update_mini_batches_per_epoch(worker, data))
+    observer.start(row_fingerprints(data))
+    data[ROW_KEY] = torch.arange(len(data))
+    return observer
+
+
+def observed_packing(engine: Any, micro_batch: TensorDict, forward_only: bool) -> bool:
+    """One forward step of ``engine``: record it (old pass) or compare it (update); whether the step's update
+    call was found packed as the old pass (``actor/divclip/path/aligned_packing``)."""
+    if forward_only:
+        record_micro_batch(engine, micro_batch)
+        return False
+    observer: Optional[UpdateObserver] = getattr(engine, _OBSERVER_ATTR, None)
+    if observer is None:
+        return False
+    observer.observe(micro_batch)
+    return True
+
+
+# ------------------------------------------------------------------------------------------------
+# The update call: observed, and its on-policy mini-batch marked
+# ------------------------------------------------------------------------------------------------
+
+
 def is_on_policy(data: TensorDict) -> bool:
     """Whether this (micro-)batch belongs to the update's first mini-batch, before any optimizer step."""
     from verl.utils import tensordict_utils as tu
@@ -147,22 +387,35 @@ def is_on_policy(data: TensorDict) -> bool:
     return bool(tu.get_non_tensor_data(data=data, key=ON_POLICY_KEY, default=False))
 
 
-def marking_on_policy(train_mini_batch: Callable[..., Any], worker: Any, data: TensorDict) -> Any:
-    """``TrainingWorker.train_mini_batch`` counting the mini-batches it runs (see :func:`marking_first_mini_batch`)."""
-    setattr(worker, _MINI_BATCHES_SEEN, 0)
+def marking_on_policy(train_mini_batch: Callable[..., Any], worker: Any, data: TensorDict, pack_as_update: bool) -> Any:
+    """``TrainingWorker.train_mini_batch``, observed (:func:`observing_update`) and counting the mini-batches
+    it runs (see :func:`marking_first_mini_batch`)."""
+    from verl.utils import tensordict_utils as tu
+
+    observer = observing_update(worker, data, pack_as_update)
+    starts_on_policy = bool(tu.get_non_tensor_data(data=data, key=STARTS_ON_POLICY_KEY, default=True))
+    setattr(worker, _MINI_BATCHES_SEEN, 0 if starts_on_policy else -1)
+    setattr(worker.engine, _OBSERVER_ATTR, observer)
     try:
-        return train_mini_batch(worker, data)
+        output = train_mini_batch(worker, data)
+        if observer is not None:
+            observer.finish()
+        return output
     finally:
         setattr(worker, _MINI_BATCHES_SEEN, None)
+        setattr(worker.engine, _OBSERVER_ATTR, None)
 
 
 def marking_first_mini_batch(train_batch: Callable[..., Any], worker: Any, data: TensorDict) -> Any:
-    """``TrainingWorker.train_batch``: inside a ``train_mini_batch`` call, the first mini-batch carries
-    ``ON_POLICY_KEY = True`` (the others ``False``); a direct call carries nothing."""
+    """``TrainingWorker.train_batch``: inside a ``train_mini_batch`` call that starts on-policy, the first
+    mini-batch carries ``ON_POLICY_KEY = True`` (the others ``False``); a direct call carries nothing."""
     from verl.utils import tensordict_utils as tu
 
+    observer: Optional[UpdateObserver] = getattr(worker.engine, _OBSERVER_ATTR, None)
+    if observer is not None:
+        observer.start_mini_batch()
     seen = getattr(worker, _MINI_BATCHES_SEEN, None)
     if seen is not None:
         tu.assign_non_tensor(data, **{ON_POLICY_KEY: seen == 0})
-        setattr(worker, _MINI_BATCHES_SEEN, seen + 1)
+        setattr(worker, _MINI_BATCHES_SEEN, seen + 1 if seen >= 0 else seen)
     return train_batch(worker, data)

@@ -14,7 +14,7 @@ worker-level hooks (``set_loss_fn``, ``train_mini_batch``) would still need wrap
 :func:`install` wraps each verl symbol *once*, at class level, with a function that dispatches to the
 features the engine has; an engine without features runs verl's code unchanged.
 
-**What is wrapped** (once each, in this order, after :func:`verl_ext.engine.guard.check_symbols` has
+**What is wrapped** (once each, in this order, after :func:`verl_ext.engine.guard.check_verl` has
 checked every symbol exists with the expected parameters -- a mismatch raises one message naming the
 symbol, the installed and the supported verl version):
 
@@ -23,11 +23,13 @@ symbol, the installed and the supported verl version):
    ``FSDPEngineWithLMHead``: megatron, veomni, torchtitan, automodel, or a subclass that overrides a
    hooked method) is refused, naming the config keys and the supported strategies, instead of running
    without the features it was asked for.
-2. ``TrainingWorker.train_mini_batch`` / ``train_batch`` -- the first mini-batch of each update call is
-   marked on-policy.
+2. ``TrainingWorker.train_mini_batch`` / ``train_batch`` -- with ``pack_as_update`` the update call is
+   compared with the old pass's record of what it packed; the first mini-batch of an update call that
+   starts on-policy is marked (the gauge).
 3. ``FSDPEngineWithLMHead.infer_batch`` -- with ``pack_as_update`` the old-log-prob pass is run per
-   first-epoch update mini-batch with the update's micro-batch settings.
-4. ``FSDPEngineWithLMHead.forward_step`` -- one step, in this order of decisions: the step's top-k task
+   first-epoch update mini-batch with the update's micro-batch settings, and records what it packed.
+4. ``FSDPEngineWithLMHead.forward_step`` -- one step, in this order of decisions: the packing (the old
+   pass records the micro-batch, the update compares it with the record); the step's top-k task
    (capture in the old pass, evaluate in the update, or none); then either the vocabulary pass (head
    ``forward``, ``prepare_model_inputs``, ``prepare_model_outputs``; the top-k observes the head) or
    verl's logits with the fp32 entropy (``compute_entropy_from_logits``, ``verl_F.entropy_from_logits``,
@@ -39,10 +41,10 @@ symbol, the installed and the supported verl version):
 **Two engines in one process.** Features live on each engine instance, and so do most swaps (the
 engine's attributes, its LM head's ``forward``). Two are process-global for the duration of a step:
 ``verl.utils.torch_functional.entropy_from_logits`` and the FSDP engine module's
-``logprobs_from_logits`` (verl calls them by module-global name). Engines stepping one after the
-other -- verl's actor and reference engines in one worker, several test engines -- are therefore safe;
-two steps running at the same time in two threads of one process are not, and the second one raises
-instead of computing with the other's functions.
+``logprobs_from_logits`` (verl calls them by module-global name), and every step reads them. Engines
+stepping one after the other -- verl's actor and reference engines in one worker, several test engines
+-- are therefore safe; a step that starts while another thread's step runs raises when either of the two
+swaps those globals, instead of computing with the other's functions.
 """
 
 from __future__ import annotations
@@ -59,15 +61,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 
 from verl_ext.engine.entropy_path import entropy_fn_for, entropy_swaps
-from verl_ext.engine.guard import (
-    ENGINE_MODULE,
-    SUPPORTED_VERL,
-    WORKER_MODULE,
-    check_engine_instance,
-    check_symbols,
-    verl_version,
-)
-from verl_ext.engine.packing import infer_as_update, marking_first_mini_batch, marking_on_policy
+from verl_ext.engine.guard import ENGINE_MODULE, WORKER_MODULE, check_engine_instance, check_verl
+from verl_ext.engine.packing import infer_as_update, marking_first_mini_batch, marking_on_policy, observed_packing
 from verl_ext.engine.request import (
     STEP_PATH_KEY,
     SUPPORTED_STRATEGIES,
@@ -102,13 +97,14 @@ class EngineFeatures:
     entropy_path: EntropyPath
     entropy_fn: Optional[Callable[..., torch.Tensor]]  #: the fp32 entropy of both passes, or None (verl's)
 
-    def step_path(self) -> dict[str, float]:
-        """The ``actor/divclip/path/*`` record of a step of this engine (1.0 / 0.0 per feature)."""
+    def step_path(self, aligned_packing: bool) -> dict[str, float]:
+        """The ``actor/divclip/path/*`` record of a step of this engine (1.0 / 0.0 per feature);
+        ``aligned_packing``: what the update found (:func:`verl_ext.engine.packing.observed_packing`)."""
         return {
             "seam": 1.0,
             "entropy_fp32": float(self.request.vocab_pass or self.entropy_path is EntropyPath.DIVCLIP_FP32),
             "vocab_pass": float(self.request.vocab_pass),
-            "aligned_packing": float(self.request.pack_as_update),
+            "aligned_packing": float(aligned_packing),
         }
 
 
@@ -174,33 +170,35 @@ def set_pack_as_update(engine: Any, enabled: bool) -> None:
 # One forward step
 # ------------------------------------------------------------------------------------------------
 
-_process_globals = {"thread": None, "depth": 0}  # which thread's step holds the module-global swaps
-_process_globals_lock = threading.Lock()
+_steps_lock = threading.Lock()
+_active_steps: dict[int, list[bool]] = {}  # thread -> one entry per step it is in (nested: re-entrant), True if it swaps
 
 
 @contextmanager
-def _holding_process_globals(needed: bool) -> Iterator[None]:
-    """Refuse a step that swaps process-global verl functions while another thread's step holds them."""
-    if not needed:
-        yield
-        return
+def _stepping(swaps_globals: bool) -> Iterator[None]:
+    """Every forward step of a covered engine runs inside this: verl's code *reads* the module globals
+    ``entropy_from_logits`` / ``logprobs_from_logits`` in every step, and a step with the fp32 entropy or the
+    top-k *swaps* them for its duration. So a step refuses to start while a step of another thread is
+    running and either of the two swaps -- the reader would compute with the other's functions, or the
+    other with this one's. Steps that swap nothing may run side by side; one thread's steps nest freely."""
     me = threading.get_ident()
-    with _process_globals_lock:
-        if _process_globals["thread"] not in (None, me):
+    with _steps_lock:
+        others = [swaps for thread, steps in _active_steps.items() if thread != me for swaps in steps]
+        if others and (swaps_globals or any(others)):
             raise RuntimeError(
-                "two divclip forward steps are running at once in two threads of one process; the seam swaps "
-                "verl's module-global entropy_from_logits / logprobs_from_logits for a step, so steps must run "
-                "one at a time per process (verl's workers do)"
+                "two divclip forward steps are running at once in two threads of one process, and one of them swaps "
+                "verl's module-global entropy_from_logits / logprobs_from_logits, which the other reads: steps must "
+                "run one at a time per process (verl's workers do)"
             )
-        _process_globals["thread"] = me
-        _process_globals["depth"] += 1
+        _active_steps.setdefault(me, []).append(swaps_globals)
     try:
         yield
     finally:
-        with _process_globals_lock:
-            _process_globals["depth"] -= 1
-            if _process_globals["depth"] == 0:
-                _process_globals["thread"] = None
+        with _steps_lock:
+            steps = _active_steps[me]
+            steps.pop()
+            if not steps:
+                del _active_steps[me]
 
 
 def logprobs_swap(entropy_detached: bool, topk: Optional[TopKStep]) -> Swap:
@@ -245,12 +243,11 @@ def _forward_step(original: Callable[..., Any], engine: Any, micro_batch: Any, l
         features = set_features(engine, asked)
     if features is None:
         features = EngineFeatures(EngineRequest(), EntropyPath.VERL, None)
+    aligned = observed_packing(engine, micro_batch, forward_only)
     swaps, topk = step_swaps(engine, features, micro_batch, loss_function)
-    tu.assign_non_tensor(micro_batch, **{STEP_PATH_KEY: features.step_path()})
-    if not swaps:
-        return original(engine, micro_batch, loss_function=loss_function, forward_only=forward_only)
-    process_global = any(isinstance(swap.owner, types.ModuleType) for swap in swaps)
-    with _holding_process_globals(process_global), swapped(swaps):
+    tu.assign_non_tensor(micro_batch, **{STEP_PATH_KEY: features.step_path(aligned)})
+    swaps_globals = any(isinstance(swap.owner, types.ModuleType) for swap in swaps)
+    with _stepping(swaps_globals), swapped(swaps):
         return original(engine, micro_batch, loss_function=loss_function, forward_only=forward_only)
 
 
@@ -280,7 +277,8 @@ def _set_loss_fn(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _train_mini_batch(original: Callable[..., Any]) -> Callable[..., Any]:
     def train_mini_batch(self: Any, data: Any) -> Any:
-        return marking_on_policy(original, self, data)
+        features = features_of(self.engine)
+        return marking_on_policy(original, self, data, features is not None and features.request.pack_as_update)
 
     return train_mini_batch
 
@@ -309,27 +307,23 @@ def _engine_forward_step(original: Callable[..., Any]) -> Callable[..., Any]:
     return forward_step
 
 
-_installed_into: set[int] = set()
-
-
 def install(modules: Optional[Mapping[str, Any]] = None) -> None:
     """Install the seam into verl (idempotent; inert for engines whose loss asks for nothing).
 
     ``modules`` maps verl module names to stand-ins (tests install into altered copies of verl's classes);
-    by default verl's own modules. Every symbol is checked first (:mod:`verl_ext.engine.guard`)."""
+    by default verl's own modules. verl is checked first (:func:`verl_ext.engine.guard.check_verl`: an
+    unsupported release is refused unless ``DIVCLIP_ALLOW_UNSUPPORTED_VERL=1``; every symbol, and every key
+    the seam relies on in verl's source), so a mismatch raises before anything is wrapped."""
     import importlib
 
-    check_symbols(modules)
+    check_verl(modules)
     resolved = {name: (modules or {}).get(name) or importlib.import_module(name) for name in (ENGINE_MODULE, WORKER_MODULE)}
     engine_class = resolved[ENGINE_MODULE].FSDPEngineWithLMHead
     worker_class = resolved[WORKER_MODULE].TrainingWorker
-    if id(engine_class) in _installed_into and id(worker_class) in _installed_into:
-        return
-    if verl_version() != SUPPORTED_VERL:
-        logger.warning("verl %s is installed; verl-divclip's engine seam is written for verl %s", verl_version(), SUPPORTED_VERL)
+    # _wrap leaves a symbol that is already the seam's as it is: no bookkeeping by id(), which a class
+    # garbage-collected in between (tests' stand-ins) would hand to a new, unwrapped one
     _wrap(worker_class, "set_loss_fn", _set_loss_fn)
     _wrap(worker_class, "train_mini_batch", _train_mini_batch)
     _wrap(worker_class, "train_batch", _train_batch)
     _wrap(engine_class, "infer_batch", _infer_batch)
     _wrap(engine_class, "forward_step", _engine_forward_step)
-    _installed_into.update({id(engine_class), id(worker_class)})

@@ -26,6 +26,7 @@ import torch
 
 from verl_ext.core.coarsened_kl import check_top_k, log_masses_of_rows, topk_of_rows
 from verl_ext.core.vocab_pass import bucket_log_masses
+from verl_ext.engine.guard import engine_attribute
 from verl_ext.engine.swap import Swap
 
 #: Batch fields (verl's response layout, nested): pi_old's k + 1 log-masses, its k top ids.
@@ -179,7 +180,7 @@ def topk_outputs_swap(engine: Any, step: TopKStep) -> Swap:
 
 
 def refuse_ulysses(engine: Any) -> None:
-    if getattr(engine, "use_ulysses_sp", False):
+    if engine_attribute(engine, "use_ulysses_sp"):
         raise ValueError(
             "kl_full's top-k is taken from the logits of whole packed sequences; Ulysses sequence parallelism "
             "shards them: set actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=1"

@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 
 from verl_ext.core.vocab_pass import vocab_pass
+from verl_ext.engine.guard import engine_attribute
 from verl_ext.engine.request import POLICY_LOSS_KEY, request_of
 from verl_ext.engine.swap import Swap
 
@@ -49,7 +50,7 @@ VOCAB_PASS_KEY = f"{POLICY_LOSS_KEY}.vocab_pass"
 
 def refuse_fused_kernels(engine: Any) -> None:
     """The vocabulary pass replaces the LM head's logits; verl's fused kernels replace the whole forward."""
-    if bool(getattr(getattr(engine, "model_config", None), "use_fused_kernels", False)):
+    if bool(engine_attribute(engine, "model_config.use_fused_kernels")):
         raise ValueError(
             f"{VOCAB_PASS_KEY}=true replaces the LM head's logits; actor_rollout_ref.model.use_fused_kernels=true "
             "replaces the model forward with verl's fused kernel: choose one"
