@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import PolicyLossConfig
 
@@ -31,6 +31,17 @@ from verl_ext.registry import check_policy_config
 from verl_ext.plugin import require_registered
 
 ACTOR = "actor_rollout_ref.actor"
+
+
+def actor_strategy(model_engine: str) -> str:
+    """``actor.strategy`` for verl's ``model_engine`` when the user sets none (configs/divclip_trainer.yaml):
+    FSDP2 for ``dp`` (verl's own ``dp_actor`` says ``fsdp``, i.e. FSDP1), and the engine's own strategy for
+    the others, whose strategy is named after them (``megatron``, ``veomni``, ``torchtitan``) -- so the
+    config resolves to what the user chose, and the strategy checks see it."""
+    return "fsdp2" if model_engine == "dp" else str(model_engine)
+
+
+OmegaConf.register_new_resolver("divclip.actor_strategy", actor_strategy, replace=True)
 
 
 class ConfigError(ValueError):
@@ -61,6 +72,7 @@ def validate_divclip_config(config: DictConfig) -> Any:
     validate_data_trace(config)
     validate_filter_groups(config)
     validate_validation_length(config)
+    validate_verl_features(config)
     actor = build_actor_config(config)
     policy = actor.policy_loss
     if isinstance(policy, DivClipPolicyLossConfig):
@@ -84,6 +96,7 @@ def validate_divclip_config(config: DictConfig) -> Any:
                 "could only widen delta: use a smaller ppo_mini_batch_size or more ppo_epochs, or a static delta"
             )
     validate_strategy(actor, policy if isinstance(policy, DivClipPolicyLossConfig) else None)
+    validate_trainer_mode(config, actor)
     if isinstance(policy, DivClipPolicyLossConfig) and policy.vocab_pass:
         validate_vocab_pass(config, actor)
     if isinstance(policy, DivClipPolicyLossConfig) and policy.stores_old_topk:
@@ -106,6 +119,7 @@ def validate_divclip_config(config: DictConfig) -> Any:
                 "ERC needs pi_old's per-token entropy, which only the old-log-prob recompute produces; "
                 "algorithm.rollout_correction.bypass_mode=True skips it. Set it to False or turn ERC off."
             )
+    validate_bypass_mode(config, actor)
     return actor
 
 
@@ -131,25 +145,118 @@ def validate_strategy(actor: Any, policy: DivClipPolicyLossConfig | None) -> Non
         )
 
 
+TRAINER_MODE = "trainer.v1.trainer_mode"
+ASYNC_MODES = ("colocate_async", "separate_async")
+ROLLOUT = "actor_rollout_ref.rollout"
+
+
+def validate_verl_features(config: DictConfig) -> None:
+    """verl features the recipe's path would drop without a word, refused naming the key (the table of every
+    verl feature against the divclip path: docs/verl_features.md).
+
+    * ``distillation.enabled``: verl's worker installs ``distillation_ppo_loss``, and the divclip trainer
+      replaces every actor loss with its own through ``set_loss_fn``, so the distillation term would vanish.
+    * ``trainer.use_v1=false``: ``recipe.main`` always runs verl's v1 trainer (the hooks are v1's).
+    * ``actor.calculate_sum_pi_squared``: verl 0.9.1's v1 trainer never asks the engine for the sum of
+      squared probabilities (only the legacy trainer's optimal-token baseline reads it), so it does nothing.
+    """
+
+    if OmegaConf.select(config, "distillation.enabled", default=False):
+        raise ConfigError(
+            "distillation.enabled=true: verl's actor would train with distillation_ppo_loss, which verl-divclip "
+            "replaces with its own actor loss (every mode, through set_loss_fn), dropping the distillation term. "
+            "Distillation is not supported by recipe.main: run verl's main_ppo for it, or set distillation.enabled=false"
+        )
+    if not OmegaConf.select(config, "trainer.use_v1", default=True):
+        raise ConfigError(
+            "trainer.use_v1=false selects verl's legacy trainer, which recipe.main does not run (its hooks are the v1 "
+            "trainer's, in every trainer.v1.trainer_mode): set trainer.use_v1=true"
+        )
+    if OmegaConf.select(config, f"{ACTOR}.calculate_sum_pi_squared", default=False):
+        raise ConfigError(
+            f"{ACTOR}.calculate_sum_pi_squared=true has no effect in verl 0.9.1's v1 trainer (it never asks the engine "
+            "for the sum of squared probabilities; only the legacy trainer's optimal-token baseline reads it): set it false"
+        )
+
+
+def validate_trainer_mode(config: DictConfig, actor: Any) -> None:
+    """``trainer.v1.trainer_mode`` selects verl's trainer class, with the divclip features on top in every mode
+    (:func:`recipe.trainer.divclip_trainer_class`). What verl itself would only assert after Ray has started,
+    and what the async modes need from the recipe, is checked here, naming the keys:
+
+    * a known mode (verl's registry);
+    * async modes: ``rollout.calculate_log_probs=true`` -- the behaviour policy's log-probs, from which the
+      staleness figures (mu against pi_old) and verl's rollout correction are computed;
+    * ``separate_async``: ``data.train_batch_size == parameter_sync_step * actor.ppo_mini_batch_size``, a
+      standalone rollout pool (``rollout.nnodes`` and ``rollout.n_gpus_per_node`` > 0), and a weight-transfer
+      backend other than ``naive`` (``rollout.checkpoint_engine.backend``; on the cpu platform ``cpu_gloo``).
+    """
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    mode = OmegaConf.select(config, TRAINER_MODE, default="sync")
+    try:
+        get_trainer_cls(mode)
+    except ValueError as error:
+        raise ConfigError(f"{TRAINER_MODE}={mode!r}: {error}") from error
+    if mode not in ASYNC_MODES:
+        return
+    rollout = config.actor_rollout_ref.rollout
+    if not rollout.get("calculate_log_probs", False):
+        raise ConfigError(
+            f"{TRAINER_MODE}={mode} trains on samples of older policies: {ROLLOUT}.calculate_log_probs=true is needed "
+            "for the behaviour policy's log-probs (the staleness figures actor/divclip/staleness/* and verl's "
+            "algorithm.rollout_correction read them)"
+        )
+    if mode != "separate_async":
+        return
+    separate = config.trainer.v1.separate_async
+    sync_step = int(separate.get("parameter_sync_step", 1))
+    train_batch_size = int(config.data.train_batch_size)
+    if train_batch_size != sync_step * int(actor.ppo_mini_batch_size):
+        raise ConfigError(
+            f"{TRAINER_MODE}=separate_async trains one mini-batch per weight sync step: data.train_batch_size="
+            f"{train_batch_size} must equal trainer.v1.separate_async.parameter_sync_step={sync_step} x "
+            f"{ACTOR}.ppo_mini_batch_size={actor.ppo_mini_batch_size}"
+        )
+    for key in ("nnodes", "n_gpus_per_node"):
+        if int(rollout.get(key, 0) or 0) <= 0:
+            raise ConfigError(
+                f"{TRAINER_MODE}=separate_async generates on a standalone rollout pool: {ROLLOUT}.{key} must be > 0 "
+                f"(got {rollout.get(key, None)})"
+            )
+    backend = rollout.checkpoint_engine.backend
+    if backend == "naive":
+        raise ConfigError(
+            f"{TRAINER_MODE}=separate_async moves weights to the standalone rollout pool with a checkpoint engine: "
+            f"{ROLLOUT}.checkpoint_engine.backend=naive only serves colocated rollouts (nccl, nixl, ... on GPUs; "
+            "cpu_gloo on the cpu platform)"
+        )
+
+
+def validate_bypass_mode(config: DictConfig, actor: Any) -> None:
+    """``algorithm.rollout_correction.bypass_mode=true`` skips the old-log-prob pass (pi_old := mu, the rollout's
+    log-probs), so there is no pass to pack as the update: ``pack_old_log_prob_as_update`` must be false."""
+    rollout_correction = config.algorithm.get("rollout_correction", None) or {}
+    policy = actor.policy_loss
+    if rollout_correction.get("bypass_mode", False) and bool(getattr(policy, "pack_old_log_prob_as_update", True)):
+        raise ConfigError(
+            "algorithm.rollout_correction.bypass_mode=true skips the old-log-prob pass (pi_old is the rollout's mu), so "
+            f"{ACTOR}.policy_loss.pack_old_log_prob_as_update=true has no pass to pack as the update: set it false "
+            f"(a key of {ACTOR}.policy_loss._target_={CONFIG_TARGET})"
+        )
+
+
 def validate_vocab_pass(config: DictConfig, actor: Any) -> None:
     """``policy_loss.vocab_pass=true`` never builds the logits and runs inside verl's FSDP actor
     engine: refuse what needs the logits or another forward (named keys), before Ray starts.
-    Per-sample temperatures need nothing: the pass takes one temperature per token."""
-    from omegaconf import OmegaConf
-
+    Per-sample temperatures need nothing: the pass takes one temperature per token. (The other consumers of
+    the logits, ``calculate_sum_pi_squared`` and distillation, are refused for every run:
+    :func:`validate_verl_features`.)"""
     model = config.actor_rollout_ref.model
     if model.get("use_fused_kernels", False):
         raise ConfigError(
             f"{VOCAB_PASS}=true and actor_rollout_ref.model.use_fused_kernels=true both replace the LM head's logits "
             "(verl's fused forward reads lm_head.weight outside the head and fails under FSDP2): set one of them false"
-        )
-    if getattr(actor, "calculate_sum_pi_squared", False):
-        raise ConfigError(
-            f"{VOCAB_PASS}=true never materialises the logits that {ACTOR}.calculate_sum_pi_squared=true needs"
-        )
-    if OmegaConf.select(config, "distillation.enabled", default=False):
-        raise ConfigError(
-            f"{VOCAB_PASS}=true never materialises the student logits that distillation.enabled=true needs"
         )
     lora_rank = model.get("lora_rank", 0) or 0
     if lora_rank > 0 or model.get("lora_adapter_path", None):

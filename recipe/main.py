@@ -39,6 +39,9 @@ def run(config: DictConfig) -> None:
     # verl's validation prints to stdout; a dry run's stdout is the YAML alone
     with contextlib.redirect_stdout(sys.stderr) if config.divclip.dry_run else contextlib.nullcontext():
         validate(config)
+    # the strategy is resolved by this process's resolver (recipe.config_checks.actor_strategy); Ray's
+    # processes get the value
+    config.actor_rollout_ref.actor.strategy = config.actor_rollout_ref.actor.strategy
     if config.divclip.dry_run:
         OmegaConf.resolve(config)
         sys.stdout.write(OmegaConf.to_yaml(config))

@@ -153,11 +153,16 @@ class FakeWorkerGroup:
         self.loss_fns.append(loss_fn)
 
 
+class FakeBatch:
+    def __init__(self) -> None:
+        self.extra_info: dict[str, Any] = {}
+
+
 def test_trainer_reinstalls_the_loss_when_delta_moves_and_persists_it(monkeypatch, tmp_path):
     """The hooks' wiring; verl's own methods are stubbed (the real ones run in the CPU smoke)."""
     from verl.trainer.ppo.v1 import PPOTrainerSync
 
-    from recipe.trainer import DivClipTrainer
+    from recipe.trainer import divclip_trainer_class
 
     measured = {"kl3": 1.0}
 
@@ -174,8 +179,8 @@ def test_trainer_reinstalls_the_loss_when_delta_moves_and_persists_it(monkeypatc
     monkeypatch.setattr(PPOTrainerSync, "_load_checkpoint", verl_load_checkpoint)
     monkeypatch.setattr(PPOTrainerSync, "_save_checkpoint", lambda self: saved.append(self.global_steps))
 
-    def fresh_trainer() -> DivClipTrainer:
-        trainer = object.__new__(DivClipTrainer)
+    def fresh_trainer() -> Any:
+        trainer = object.__new__(divclip_trainer_class("sync"))
         trainer.config = compose_config(f"{P}.adaptive_delta_target=0.01", f"trainer.default_local_dir={tmp_path}")
         trainer.actor_rollout_wg = FakeWorkerGroup()
         trainer._load_checkpoint()
@@ -186,11 +191,11 @@ def test_trainer_reinstalls_the_loss_when_delta_moves_and_persists_it(monkeypatc
     deltas = lambda t: [f.keywords["config"].policy_loss.delta for f in t.actor_rollout_wg.loss_fns]  # noqa: E731
     assert deltas(trainer) == [0.07]
     metrics: dict = {}
-    trainer._update_actor("batch", metrics)
+    trainer._update_actor(FakeBatch(), metrics)
     assert metrics["actor/divclip/delta_next"] == pytest.approx(0.07 / 1.5)
     assert deltas(trainer) == [0.07, pytest.approx(0.07 / 1.5)]
     measured["kl3"] = 0.01  # inside the band: no change, no re-install
-    trainer._update_actor("batch", {})
+    trainer._update_actor(FakeBatch(), {})
     assert len(deltas(trainer)) == 2
     trainer.global_steps = 4
     trainer._save_checkpoint()

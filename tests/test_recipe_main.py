@@ -134,23 +134,26 @@ def test_trainer_stores_the_top_k_in_the_old_log_prob_pass_only(monkeypatch):
     and takes the request away again, so the reference pass after it stores nothing."""
     from verl.trainer.ppo.v1 import PPOTrainerSync
 
-    from recipe.trainer import DivClipTrainer
+    from recipe.trainer import divclip_trainer_class
+    from verl_ext.engine.packing import UPDATE_PACKING_KEY, UpdatePacking
     from verl_ext.engine.topk_capture import CAPTURE_KEY
 
     seen: list[Any] = []
     monkeypatch.setattr(PPOTrainerSync, "_compute_old_log_prob", lambda self, batch, metrics: seen.append(
         dict(batch.extra_info)) or batch)
-    batch = type("Batch", (), {"extra_info": {"temperature": 1.0}})()
+    batch = type("Batch", (), {"extra_info": {"temperature": 1.0}, "tags": []})()
     for overrides, expected in (
         (KL_FULL, 32),
         (["actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=true", "actor_rollout_ref.actor.policy_loss.kl_full_top_k=8"], 8),
         ([], None),
     ):
-        trainer = DivClipTrainer.__new__(DivClipTrainer)
-        trainer.config = compose_config(*overrides)
+        trainer = object.__new__(divclip_trainer_class("sync"))
+        trainer.config = compose_config(*overrides, "actor_rollout_ref.rollout.calculate_log_probs=false")
+        trainer.global_steps = 1
         assert trainer._compute_old_log_prob(batch, metrics={}) is batch
         assert seen[-1].get(CAPTURE_KEY) == expected
-        assert CAPTURE_KEY not in batch.extra_info
+        assert seen[-1][UPDATE_PACKING_KEY] == UpdatePacking.from_actor_config(trainer.config.actor_rollout_ref.actor, 1).as_extra_info()[UPDATE_PACKING_KEY]
+        assert CAPTURE_KEY not in batch.extra_info and UPDATE_PACKING_KEY not in batch.extra_info
 
 
 def test_misspelt_key_is_rejected_by_hydra_with_its_name():
@@ -201,11 +204,11 @@ class FakeWorkerGroup:
 def test_trainer_installs_the_actor_loss_once_after_verl_init(monkeypatch, erc):
     from verl.trainer.ppo.v1 import PPOTrainerSync
 
-    from recipe.trainer import DivClipTrainer
+    from recipe.trainer import divclip_trainer_class
     from verl_ext.actor_loss import divclip_actor_loss, entropy_is_detached
 
     overrides = ["actor_rollout_ref.actor.calculate_entropy=true", *ERC] if erc else []
-    trainer = object.__new__(DivClipTrainer)  # no Ray, no GPUs: only what on_init_end touches
+    trainer = object.__new__(divclip_trainer_class("sync"))  # no Ray, no GPUs: only what on_init_end touches
     trainer.config = compose_config(*overrides)
     trainer.actor_rollout_wg = FakeWorkerGroup()
     calls: list[str] = []
@@ -247,9 +250,9 @@ def test_trainer_logs_which_entropy_path_is_asked_for(monkeypatch, caplog, fused
 
     from verl.trainer.ppo.v1 import PPOTrainerSync
 
-    from recipe.trainer import DivClipTrainer
+    from recipe.trainer import divclip_trainer_class
 
-    trainer = object.__new__(DivClipTrainer)
+    trainer = object.__new__(divclip_trainer_class("sync"))
     trainer.config = compose_config(
         "actor_rollout_ref.actor.calculate_entropy=true", *ERC, f"actor_rollout_ref.model.use_fused_kernels={fused}"
     )
@@ -258,3 +261,68 @@ def test_trainer_logs_which_entropy_path_is_asked_for(monkeypatch, caplog, fused
     with caplog.at_level(logging.INFO, logger="recipe.trainer"):
         trainer.on_init_end()
     assert expected in caplog.text and "old-log-prob pass packed as the update" in caplog.text
+
+
+# ------------------------------------------------------------------------------------------------
+# verl features the divclip path would drop, and the trainer modes: refused before Ray, naming the key
+# ------------------------------------------------------------------------------------------------
+
+SEPARATE = ["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=1",
+            "actor_rollout_ref.rollout.n_gpus_per_node=1", "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_gloo",
+            "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=2"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["distillation.enabled=true"], r"distillation\.enabled=true: verl's actor would train with distillation_ppo_loss"),
+        (["trainer.use_v1=false"], r"trainer\.use_v1=false selects verl's legacy trainer"),
+        (["actor_rollout_ref.actor.calculate_sum_pi_squared=true"],
+         r"actor_rollout_ref\.actor\.calculate_sum_pi_squared=true has no effect in verl 0\.9\.1's v1 trainer"),
+        (["trainer.v1.trainer_mode=fully_async"], r"trainer\.v1\.trainer_mode='fully_async': Unknown trainer 'fully_async'"),
+        (["trainer.v1.trainer_mode=colocate_async", "actor_rollout_ref.rollout.calculate_log_probs=false"],
+         r"trainer\.v1\.trainer_mode=colocate_async .*actor_rollout_ref\.rollout\.calculate_log_probs=true is needed"),
+        ([*SEPARATE, "data.train_batch_size=6"],
+         r"data\.train_batch_size=6 must equal trainer\.v1\.separate_async\.parameter_sync_step=4 x "
+         r"actor_rollout_ref\.actor\.ppo_mini_batch_size=2"),
+        ([*SEPARATE, "actor_rollout_ref.rollout.nnodes=0"], r"actor_rollout_ref\.rollout\.nnodes must be > 0"),
+        ([*SEPARATE, "actor_rollout_ref.rollout.checkpoint_engine.backend=naive"],
+         r"actor_rollout_ref\.rollout\.checkpoint_engine\.backend=naive only serves colocated rollouts"),
+        (["algorithm.rollout_correction.bypass_mode=true"],
+         r"bypass_mode=true skips the old-log-prob pass .*pack_old_log_prob_as_update=true has no pass to pack"),
+    ],
+)
+def test_verl_features_the_path_would_drop_are_refused_naming_the_key(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        validate_divclip_config(compose_config(*overrides))
+
+
+@pytest.mark.parametrize("mode", ["sync", "colocate_async", "separate_async"])
+def test_every_trainer_mode_validates_and_selects_verls_class_with_the_divclip_features(mode: str) -> None:
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    from recipe.trainer import DivClipTrainer, divclip_trainer_class
+
+    overrides = SEPARATE if mode == "separate_async" else [f"trainer.v1.trainer_mode={mode}"]
+    validate_divclip_config(compose_config(*overrides))
+    cls = divclip_trainer_class(mode)
+    assert issubclass(cls, get_trainer_cls(mode)) and issubclass(cls, DivClipTrainer)
+    assert cls.__mro__[1] is DivClipTrainer  # the divclip hooks run first and call verl's class through super()
+    assert divclip_trainer_class(mode) is cls and getattr(sys.modules["recipe.trainer"], cls.__name__) is cls
+
+
+def test_bypass_mode_runs_non_entropy_modes_with_verls_packing() -> None:
+    """bypass_mode (pi_old := mu): the KL-budget modes run (a trust region around the behaviour policy) once the
+    aligned packing, which has no old pass to pack, is off; ERC and kl_full stay refused (tested above)."""
+    actor = validate_divclip_config(compose_config("algorithm.rollout_correction.bypass_mode=true", PACK_OFF))
+    assert actor.policy_loss.loss_mode == "kl3"
+
+
+def test_model_engine_resolves_its_own_strategy_and_is_refused_with_the_seams_features() -> None:
+    """verl's model_engine switch selects the engine's own actor config; the recipe's FSDP2 default applies to
+    verl's ``dp`` engine only, so model_engine=megatron resolves strategy=megatron and meets the strategy check."""
+    assert compose_config().actor_rollout_ref.actor.strategy == "fsdp2"
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.strategy='megatron'.*pack_old_log_prob_as_update"):
+        validate_divclip_config(compose_config("model_engine=megatron"))
+    config = compose_config("model_engine=megatron", PACK_OFF)
+    assert config.actor_rollout_ref.actor.strategy == "megatron" and config.actor_rollout_ref.ref.strategy == "megatron"

@@ -11,6 +11,8 @@
 * Two ranks, FSDP2 with the untied head sharded (a ``DTensor`` of ``Shard(0)``): the pass's log-probs
   and update equal the materialised path's, so FSDP2 unshards, reshards and reduce-scatters the
   head around it; and a 2-rank Ulysses group gives the materialised path's log-probs too.
+* The pass replaces verl's ``prepare_model_outputs``: on the same micro-batch of one engine both write the
+  same model-output keys (padded and not, with and without the entropy and pi_old's top-k task).
 """
 
 from __future__ import annotations
@@ -256,6 +258,85 @@ def test_refusals_name_the_key() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+# The pass replaces verl's prepare_model_outputs: the same keys on the same micro-batch
+# ------------------------------------------------------------------------------------------------
+
+
+def _zero_loss(model_output: dict[str, Any], data: Any, dp_group: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+    """A loss for the update's step (evaluating pi_theta on pi_old's stored ids needs one); the keys are read
+    from the step's output, not here."""
+    return torch.zeros(()), {}
+
+
+def job_model_output_keys(rank: int, world_size: int, model_path: str) -> dict[str, dict[str, Any]]:
+    """verl's ``prepare_model_outputs`` and the vocabulary pass on one micro-batch each time (one engine,
+    ``forward_step`` as verl's ``forward_backward_batch`` calls it): the model output's keys of both, per
+    padding, ``calculate_entropy`` and pi_old's top-k task (none, the old pass's capture, the update's evaluation)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.utils import prepare_micro_batches
+
+    from verl_ext.engine import seam
+    from verl_ext.engine.request import STEP_PATH_KEY, EngineRequest
+    from verl_ext.engine.topk_capture import CAPTURE_KEY, OLD_TOPK_IDS
+
+    seam.install()
+    batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, SPEC.vocab_size, seed=4)
+    out: dict[str, dict[str, Any]] = {}
+    for padding in ("rmpad", "padded"):
+        options = WorkerOptions(use_remove_padding=padding == "rmpad", micro_batch_size_per_gpu=len(PROMPT_LENS))
+        engine = build_actor_worker(model_path, options).engine
+        stored_ids = None
+        for task in ("none", "capture", "evaluate"):
+            for calculate_entropy in (True, False):
+                data = batch.clone()
+                tu.assign_non_tensor(  # what TrainingWorker.infer_batch and the trainer set (one micro-batch)
+                    data, use_remove_padding=options.use_remove_padding, use_dynamic_bsz=False, use_fused_kernels=False,
+                    max_token_len_per_gpu=options.max_token_len_per_gpu, micro_batch_size_per_gpu=len(PROMPT_LENS),
+                    calculate_entropy=calculate_entropy, temperature=1.0,
+                )
+                if task == "capture":
+                    tu.assign_non_tensor(data, **{CAPTURE_KEY: 4})
+                if task == "evaluate":
+                    data[OLD_TOPK_IDS] = stored_ids
+                micro_batches, _ = prepare_micro_batches(data)
+                assert len(micro_batches) == 1
+                micro_batch = micro_batches[0]
+                result: dict[str, Any] = {}
+                for path, request in (("verl", EngineRequest()), ("vocab_pass", EngineRequest(vocab_pass=True))):
+                    seam.set_features(engine, request)
+                    with torch.no_grad(), engine.eval_mode():
+                        _, output = engine.forward_step(
+                            micro_batch, loss_function=_zero_loss if task == "evaluate" else None, forward_only=True
+                        )
+                    model_output = output["model_output"]
+                    result[path] = sorted(model_output)
+                    result[f"{path}/log_probs"] = model_output["log_probs"].values()
+                    result[f"{path}/marked"] = tu.get_non_tensor_data(data=micro_batch, key=STEP_PATH_KEY, default={})["vocab_pass"]
+                    if task == "capture" and path == "verl":
+                        stored_ids = model_output[OLD_TOPK_IDS]
+                out[f"{padding}/{task}/entropy={calculate_entropy}"] = result
+    return out
+
+
+def test_the_pass_writes_the_keys_verls_prepare_model_outputs_writes(models: tuple[str, str]) -> None:
+    """The pass replaces verl's ``prepare_model_outputs`` for a step: on the same micro-batch it must write
+    the same keys (none dropped, none added), with and without the entropy and pi_old's top-k task.
+    (verl's keys that need the logits are refused, checked in verl's source at install: guard.MODEL_OUTPUT_KEYS.)"""
+    from verl_ext.engine.topk_capture import NEW_TOPK_LOG_PROBS, OLD_TOPK_IDS, OLD_TOPK_LOG_PROBS
+
+    results = run_ranks(job_model_output_keys, 1, models[0])[0]
+    assert len(results) == 12
+    for variant, result in results.items():
+        padding, task, entropy = variant.split("/")
+        expected = {"log_probs"} | ({"entropy"} if entropy == "entropy=True" else set())
+        expected |= {"capture": {OLD_TOPK_LOG_PROBS, OLD_TOPK_IDS}, "evaluate": {NEW_TOPK_LOG_PROBS}, "none": set()}[task]
+        assert set(result["verl"]) == expected, (variant, result["verl"])
+        assert result["vocab_pass"] == result["verl"], variant
+        assert result["verl/marked"] == 0.0 and result["vocab_pass/marked"] == 1.0, variant  # the pass did run
+        torch.testing.assert_close(result["vocab_pass/log_probs"], result["verl/log_probs"], rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
 # The config key, before Ray starts
 # ------------------------------------------------------------------------------------------------
 
@@ -290,8 +371,6 @@ def test_config_key_is_declared_and_reaches_the_loss() -> None:
     "overrides, message",
     [
         (["actor_rollout_ref.model.use_fused_kernels=true"], r"vocab_pass=true and actor_rollout_ref\.model\.use_fused_kernels"),
-        (["actor_rollout_ref.actor.calculate_sum_pi_squared=true"], r"actor_rollout_ref\.actor\.calculate_sum_pi_squared"),
-        (["distillation.enabled=true"], r"distillation\.enabled"),
         (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj,lm_head]"],
          r"target_modules=\['q_proj', 'lm_head'\] puts a LoRA adapter on lm_head"),
     ],
