@@ -220,6 +220,8 @@ class KeyUse:
 _MICRO_BATCHES = (ENGINE_UTILS_MODULE, "prepare_micro_batches")
 _TRAIN_BATCH = (WORKER_MODULE, "TrainingWorker.train_batch")
 _INFER_BATCH = (WORKER_MODULE, "TrainingWorker.infer_batch")
+_TRAIN_MINI_BATCH = (WORKER_MODULE, "TrainingWorker.train_mini_batch")
+_SPLIT = "the update's check of its packing counts the first epoch's mini-batches by verl's own rule"
 _INPUTS = (ENGINE_MODULE, "FSDPEngineWithLMHead.prepare_model_inputs")
 _OUTPUTS = (ENGINE_MODULE, "FSDPEngineWithLMHead.prepare_model_outputs")
 _PACKING = "the aligned packing sets it on the old-log-prob pass's batch to the update's setting"
@@ -235,6 +237,8 @@ KEY_USES: tuple[KeyUse, ...] = (
            value="self.engine_config.micro_batch_size_per_gpu"),
     KeyUse(*_TRAIN_BATCH, "use_dynamic_bsz", "writes", "the aligned packing splits both passes the same way",
            value="self.engine_config.use_dynamic_bsz"),
+    KeyUse(*_TRAIN_MINI_BATCH, "mini_batch_size", "reads", _SPLIT),
+    KeyUse(*_TRAIN_MINI_BATCH, "num_mini_batch", "reads", _SPLIT),
     KeyUse(*_INFER_BATCH, "use_dynamic_bsz", "writes", "the aligned packing splits both passes the same way",
            value="self.engine_config.use_dynamic_bsz"),
     KeyUse(*_INFER_BATCH, "compute_loss", "reads",
