@@ -18,8 +18,9 @@ micro-batches in verl's no-padding (nested) layout as the engine hands them to t
   the on-policy gauge validated the clip epsilons as the divclip modes need them and raised on verl
   modes with epsilons verl accepts (``clip_ratio_low >= 1``);
 * **designed differences**, asserted explicitly: the divclip loss logs ``actor/divclip/path/seam``
-  (the engine path, :func:`verl_ext.actor_loss.step_path_metrics`) and, on the update's on-policy
-  mini-batch, the on-policy gauge; and it aggregates metrics named ``*_min`` / ``*_max`` as MIN / MAX
+  (the engine path, :func:`verl_ext.actor_loss.step_path_metrics`), on the update's on-policy
+  mini-batch the on-policy gauge, and with rollout-correction weights their mean
+  (``actor/divclip/rollout_is_weight_mean``); and it aggregates metrics named ``*_min`` / ``*_max`` as MIN / MAX
   across micro-batches and ranks, where verl's ``ppo_loss`` averages every policy-loss metric;
 * **key coverage** (:func:`test_every_key_ppo_loss_reads_is_covered`): verl's ``ppo_loss`` source is
   parsed with ``ast``; every ``config`` attribute it reads or writes, every ``data`` and
@@ -259,10 +260,11 @@ def actor_configs(mode: str, case: ParityCase) -> dict[str, Any]:
 
 def divclip_only_metrics(case: ParityCase) -> set[str]:
     """Metrics only the divclip loss logs, by design: the engine path it measured (here ``seam = 0``:
-    no seam stepped these hand-built micro-batches) and, on the update's on-policy mini-batch, the
-    on-policy gauge (docs/losses.md, "The gauge")."""
+    no seam stepped these hand-built micro-batches), on the update's on-policy mini-batch the on-policy
+    gauge (docs/losses.md, "The gauge"), and with rollout-correction weights their mean as the loss got them."""
     gauge = {"actor/divclip/onpolicy/log_ratio_abs_max", "actor/divclip/onpolicy/ratio_clipfrac"}
-    return {"actor/divclip/path/seam"} | (gauge if case.on_policy_mark else set())
+    weights = {"actor/divclip/rollout_is_weight_mean"} if case.rollout_is_weights else set()
+    return {"actor/divclip/path/seam"} | (gauge if case.on_policy_mark else set()) | weights
 
 
 def divclip_aggregation(name: str, verl_aggregation: AggregationType) -> AggregationType:

@@ -168,6 +168,10 @@ def divclip_actor_loss(
         pg_metrics.update({f"actor/divclip/{name}": value for name, value in gauge.items()})
 
     pg_metrics.update(step_path_metrics(data))
+    if "rollout_is_weights" in padded.keys():
+        # verl's rollout-correction weights (algorithm.rollout_correction.rollout_is) as this loss received them
+        weights = padded["rollout_is_weights"][response_mask]
+        pg_metrics[ROLLOUT_IS_METRIC] = float(weights.float().mean()) if weights.numel() else 1.0
 
     if erc and policy.token_dump_path is not None:
         _dump_tokens(policy, data, padded["old_log_probs"], padded["entropy"], entropy, response_mask)
@@ -207,6 +211,7 @@ def divclip_actor_loss(
 
 
 PATH_METRIC = "actor/divclip/path/"
+ROLLOUT_IS_METRIC = "actor/divclip/rollout_is_weight_mean"
 
 
 def step_path_metrics(data: TensorDict) -> dict[str, float]:
