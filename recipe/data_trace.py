@@ -1,15 +1,19 @@
-"""Which prompts each training step trained on, as JSON lines (``divclip.data_trace=FILE``, opt-in).
+"""Which prompts each training step fetched and trained on, as JSON lines (``divclip.data_trace=FILE``, opt-in).
 
 A resume must neither skip nor repeat prompts: verl restores the dataloader's cursor from the step's
-``data.pt``. This trace makes that checkable. The trainer notes every prompt it fetches (its dataset
-``index`` and a hash of the prompt itself, stable across runs, unlike verl's per-fetch uid) and, when a
-step's actor update has run, appends one line::
+``data.pt`` and, in the asynchronous trainer modes, the prompt groups TransferQueue held (fetched, not yet
+trained). This trace makes that checkable. The trainer notes every prompt it fetches (its dataset ``index``
+and a hash of the prompt itself, stable across runs, unlike verl's per-fetch uid) and appends one line per
+event, each with the attempt it belongs to::
 
-    {"step": 3, "attempt": "<host>-<pid>-<start>", "prompts": [[index, hash], ...], "samples": 32}
+    {"event": "fetched", "step": 3, "attempt": "<host>-<pid>-<start>", "prompts": [[index, hash], ...]}
+    {"event": "restored", "step": 4, "attempt": ..., "prompts": [...]}   # async resume: TransferQueue's groups
+    {"event": "trained", "step": 3, "attempt": ..., "prompts": [...], "samples": 32}
 
-with the step's prompts sorted (the rollout samples of each, ``samples``, counted). Each attempt of a
-run appends to the same file; ``attempt`` tells them apart. ``tests/test_two_nodes_ray.py`` compares a
-crashed and a resumed attempt with an uninterrupted run of the same seed.
+``fetched`` lists prompts in fetch order; ``trained`` (once per actor update, sorted, with the rollout samples
+counted) lists what an update trained on. Each attempt of a run appends to the same file.
+``tests/test_two_nodes_ray.py`` compares a crashed and a resumed attempt with an uninterrupted run of the same
+seed; tests/test_trainer_modes_cpu.py checks an asynchronous resume.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import os
 import socket
 import time
 from collections import Counter
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 
 DATA_TRACE_KEY = "divclip.data_trace"
 
@@ -42,10 +46,15 @@ class DataTrace:
         self.attempt = f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
         self._prompts: dict[str, list[Any]] = {}
 
-    def fetched(self, uids: Iterable[str], indices: Iterable[Any], raw_prompts: Iterable[Any]) -> None:
-        """A fetched batch of prompts: verl's uid of each, its dataset index and its prompt."""
+    def fetched(self, step: int, uids: Iterable[str], indices: Iterable[Any], raw_prompts: Iterable[Any],
+                event: Literal["fetched", "restored"] = "fetched") -> None:
+        """Prompts the trainer holds from now on, at step ``step``: verl's uid of each, its dataset index and its
+        prompt; ``event="restored"`` for the groups an asynchronous resume took back from TransferQueue."""
+        ids = []
         for uid, index, raw in zip(uids, indices, raw_prompts, strict=True):
             self._prompts[str(uid)] = prompt_id(index, raw)
+            ids.append(self._prompts[str(uid)])
+        self._append({"event": event, "step": int(step), "attempt": self.attempt, "prompts": ids})
 
     def trained(self, step: int, sample_keys: Iterable[str]) -> None:
         """Step ``step`` updated the actor on these samples (verl's ``{uid}_{session}_{index}`` keys)."""
@@ -53,13 +62,17 @@ class DataTrace:
         unknown = sorted(uid for uid in samples if uid not in self._prompts)
         if unknown:
             raise KeyError(f"{DATA_TRACE_KEY}: step {step} trained on prompts never fetched: {unknown[:3]}")
-        line = {"step": int(step), "attempt": self.attempt,
-                "prompts": sorted(self._prompts.pop(uid) for uid in samples), "samples": sum(samples.values())}
+        self._append({"event": "trained", "step": int(step), "attempt": self.attempt,
+                      "prompts": sorted(self._prompts.pop(uid) for uid in samples), "samples": sum(samples.values())})
+
+    def _append(self, line: dict[str, Any]) -> None:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
 
 
-def read_trace(path: str) -> list[dict[str, Any]]:
+def read_trace(path: str, event: str = "trained") -> list[dict[str, Any]]:
+    """The trace's lines of one ``event`` (``trained``, ``fetched`` or ``restored``), in file order."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [json.loads(line) for line in f if line.strip()]
+    return [line for line in lines if line.get("event", "trained") == event]

@@ -109,7 +109,8 @@ class DivClipTrainer(ValidationLengthTrainerMixin):
         if not uids:
             return
         rows = tq.kv_batch_get(keys=uids, partition_id="train", select_fields=["index", "raw_prompt"])
-        self.data_trace.fetched(uids, _column(rows, "index"), _column(rows, "raw_prompt"))
+        self.data_trace.fetched(self.global_steps + 1, uids, _column(rows, "index"), _column(rows, "raw_prompt"),
+                                event="restored")
 
     def _build_adaptive_delta(self) -> Optional[AdaptiveDelta]:
         policy = self.config.actor_rollout_ref.actor.policy_loss
@@ -201,7 +202,7 @@ class DivClipTrainer(ValidationLengthTrainerMixin):
         batch = super()._next_train_batch(num_prompts)
         if self.data_trace is not None:
             indices = _column(batch, "index") if "index" in batch.keys() else [None] * len(batch)
-            self.data_trace.fetched(_column(batch, "uid"), indices, _column(batch, "raw_prompt"))
+            self.data_trace.fetched(self.global_steps, _column(batch, "uid"), indices, _column(batch, "raw_prompt"))
         return batch
 
     def _update_actor(self, batch: Any, metrics: dict) -> Any:

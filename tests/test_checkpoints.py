@@ -45,21 +45,28 @@ def test_without_a_tracker_nothing_is_moved(tmp_path: Path) -> None:
 
 
 def test_the_trace_records_each_steps_prompts_once(tmp_path: Path) -> None:
-    trace = DataTrace(str(tmp_path / "trace.jsonl"))
-    trace.fetched(["u1", "u2"], [7, 3], [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]])
+    path = str(tmp_path / "trace.jsonl")
+    trace = DataTrace(path)
+    trace.fetched(1, ["u1", "u2"], [7, 3], [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]])
     trace.trained(1, ["u1_0_0", "u1_1_0", "u2_0_0", "u2_1_0"])
-    trace.fetched(["u3"], [7], [[{"role": "user", "content": "a"}]])  # the same prompt fetched again
+    trace.fetched(2, ["u3"], [7], [[{"role": "user", "content": "a"}]])  # the same prompt fetched again
     trace.trained(2, ["u3_0_0"])
-    lines = read_trace(str(tmp_path / "trace.jsonl"))
+    lines = read_trace(path)
     assert [line["step"] for line in lines] == [1, 2] and lines[0]["samples"] == 4
     a, b = prompt_id(7, [{"role": "user", "content": "a"}]), prompt_id(3, [{"role": "user", "content": "b"}])
     assert lines[0]["prompts"] == sorted([a, b]) and lines[1]["prompts"] == [a]
     assert len({line["attempt"] for line in lines}) == 1
+    assert [line["prompts"] for line in read_trace(path, "fetched")] == [[a, b], [a]]  # in fetch order
+    resumed = DataTrace(path)  # another attempt takes a group back from TransferQueue
+    resumed.fetched(3, ["u4"], [3], [[{"role": "user", "content": "b"}]], event="restored")
+    resumed.trained(3, ["u4_0_0"])
+    (restored,) = read_trace(path, "restored")
+    assert restored["prompts"] == [b] and restored["step"] == 3 and restored["attempt"] == resumed.attempt
     with pytest.raises(KeyError, match="never fetched"):
         trace.trained(3, ["u9_0_0"])
     with pytest.raises(ValueError, match="divclip.data_trace='trace.jsonl' must be an absolute path"):
         DataTrace("trace.jsonl")
-    assert json.loads((tmp_path / "trace.jsonl").read_text().splitlines()[0])["prompts"][0][0] == 3
+    assert json.loads((tmp_path / "trace.jsonl").read_text().splitlines()[0])["prompts"][1][0] == 3
 
 
 def test_a_relative_trace_path_is_refused_before_ray() -> None:
