@@ -1,7 +1,8 @@
 """``python -m recipe.bench onpolicy`` at a tiny size: the rows it prints are the ones docs/benchmarks.md
-records. Whether verl's own packing of the old-log-prob pass masks tokens depends on the machine's
-kernels, so only what the code decides is asserted: the packings differ without the alignment and
-coincide with it, and with it ERC is exact."""
+records. What the code decides is asserted case by case: the packings differ without the alignment and
+coincide with it, and with it every ratio is exactly 1. The control's effect -- verl's own packing moves
+on-policy log-ratios away from 0 -- depends on which budgets the machine's kernels round differently, so it
+is asserted over the budget pairs: on at least one."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ def test_cases_compare_own_and_aligned_packing() -> None:
     assert {(r["packing"], r["budgets"]) for r in rows} == {
         (p, b) for p in ("own", "aligned") for b in ("40/64", "40/80", "24/48", "64/128")
     }
+    own_noise = {r["budgets"]: r["log_ratio_abs_max"] for r in rows if r["packing"] == "own"}
+    assert max(own_noise.values()) > 0, own_noise  # the noise the alignment removes
     for r in rows:
         assert r["threads"] == 1 and r["confident_frac"] > 0.5
         if r["packing"] == "aligned":
