@@ -24,6 +24,12 @@
 #   VOCAB_PASS       actor_rollout_ref.actor.policy_loss.vocab_pass: 1/true = log-probs and entropy of
 #                    both actor passes by the chunked vocabulary pass (no logits tensor), 0/false = verl's
 #                    materialised logits (docs/losses.md, "The vocabulary pass")
+#   MODE             trainer.v1.trainer_mode: sync (the configs' value, what both papers ran), colocate_async
+#                    or separate_async (docs/experiments.md, "Trainer modes"). separate_async also needs:
+#   ROLLOUT_GPUS_PER_NODE  actor_rollout_ref.rollout.n_gpus_per_node: the standalone rollout pool's GPUs per node
+#   ROLLOUT_NNODES   actor_rollout_ref.rollout.nnodes (default 1)
+#   CKPT_ENGINE      actor_rollout_ref.rollout.checkpoint_engine.backend, how weights reach the standalone pool
+#                    (default nccl; cpu_gloo on the cpu platform)
 
 DIVCLIP_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DIVCLIP_EXPERIMENTS_DIR="$DIVCLIP_ROOT/configs/experiments"
@@ -100,7 +106,32 @@ divclip_env_overrides() {
         DIVCLIP_ENV_OVERRIDES+=("actor_rollout_ref.actor.strategy=$STRATEGY")
     fi
     if [[ -n "${VOCAB_PASS:-}" ]]; then DIVCLIP_ENV_OVERRIDES+=("actor_rollout_ref.actor.policy_loss.vocab_pass=$(divclip_bool VOCAB_PASS "$VOCAB_PASS")"); fi
+    divclip_mode_overrides
     return 0
+}
+
+# MODE (and, for separate_async, its rollout pool and weight transfer) -> DIVCLIP_ENV_OVERRIDES.
+divclip_mode_overrides() {
+    local mode="${MODE:-}"
+    [[ -n "$mode" ]] || { [[ -z "${ROLLOUT_GPUS_PER_NODE:-}${ROLLOUT_NNODES:-}${CKPT_ENGINE:-}" ]] \
+        || divclip_die "ROLLOUT_GPUS_PER_NODE / ROLLOUT_NNODES / CKPT_ENGINE configure MODE=separate_async; MODE is unset"; return 0; }
+    case "$mode" in
+        sync | colocate_async | separate_async) DIVCLIP_ENV_OVERRIDES+=("trainer.v1.trainer_mode=$mode") ;;
+        *) divclip_die "MODE must be sync, colocate_async or separate_async, got '$mode'" ;;
+    esac
+    if [[ "$mode" != separate_async ]]; then
+        [[ -z "${ROLLOUT_GPUS_PER_NODE:-}${ROLLOUT_NNODES:-}${CKPT_ENGINE:-}" ]] \
+            || divclip_die "ROLLOUT_GPUS_PER_NODE / ROLLOUT_NNODES / CKPT_ENGINE configure MODE=separate_async, not MODE=$mode"
+        return 0
+    fi
+    [[ -n "${ROLLOUT_GPUS_PER_NODE:-}" ]] \
+        || divclip_die "MODE=separate_async generates on a standalone rollout pool: set ROLLOUT_GPUS_PER_NODE (its GPUs per node)"
+    divclip_positive_int ROLLOUT_GPUS_PER_NODE "$ROLLOUT_GPUS_PER_NODE"
+    divclip_positive_int ROLLOUT_NNODES "${ROLLOUT_NNODES:-1}"
+    [[ "${CKPT_ENGINE:-nccl}" =~ ^[a-z0-9_]+$ ]] || divclip_die "CKPT_ENGINE must be a checkpoint engine name, got '$CKPT_ENGINE'"
+    DIVCLIP_ENV_OVERRIDES+=("actor_rollout_ref.rollout.n_gpus_per_node=$ROLLOUT_GPUS_PER_NODE"
+                            "actor_rollout_ref.rollout.nnodes=${ROLLOUT_NNODES:-1}"
+                            "actor_rollout_ref.rollout.checkpoint_engine.backend=${CKPT_ENGINE:-nccl}")
 }
 
 # 1/true/0/false -> true/false (a Hydra bool), anything else exits 2 naming the variable.

@@ -17,7 +17,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
 ENV_KEYS = ("MODEL_PATH", "TRAIN_FILES", "VAL_FILES", "NNODES", "GPUS_PER_NODE", "CKPT_DIR", "PROJECT_NAME",
-            "EXPERIMENT_NAME", "DATA_DIR", "DIVCLIP_DATA_DIR", "ATR_MODEL", "SWEEP_JOBS", "STRATEGY", "VOCAB_PASS")
+            "EXPERIMENT_NAME", "DATA_DIR", "DIVCLIP_DATA_DIR", "ATR_MODEL", "SWEEP_JOBS", "STRATEGY", "VOCAB_PASS",
+            "MODE", "ROLLOUT_GPUS_PER_NODE", "ROLLOUT_NNODES", "CKPT_ENGINE", "PYTHON")
 
 ERC_SCRIPTS = {  # script -> (model, loss_mode, eps_low, eps_high, ERC on)
     "run_grpo_1.5b.sh": ("DeepSeek-R1-Distill-Qwen-1.5B", "clip", 0.2, 0.2, False),
@@ -111,6 +112,8 @@ def dry_runs() -> dict[str, subprocess.CompletedProcess]:
                    OVERRIDE_ENV)
     jobs["sweep"] = ("sweep_atr_baselines.sh", ("--dry-run", "--only", ",".join(SWEEP_DRY_RUN), "trainer.save_freq=7"),
                      {"SWEEP_JOBS": "2"})
+    for mode, env in ASYNC_ENV.items():  # the other 7B scripts' async modes: test_erc_7b_scripts_validate_in_each_async_mode
+        jobs[mode] = ("run_erc_dapo_7b.sh", ("--dry-run",), env)
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {key: pool.submit(run_script, script, *args, env=env)
                    for key, (script, args, env) in sorted(jobs.items(), key=lambda kv: kv[0] != "sweep")}
@@ -139,6 +142,7 @@ def test_erc_rows(dry_runs, script):
     actor, rollout, data = _actor(config), config["actor_rollout_ref"]["rollout"], config["data"]
     policy = actor["policy_loss"]
     assert config["actor_rollout_ref"]["model"]["path"] == f"deepseek-ai/{model}"
+    assert config["trainer"]["v1"]["trainer_mode"] == "sync"  # what the paper ran; MODE switches it
     assert policy["_target_"] == "verl_ext.config.DivClipPolicyLossConfig"
     assert policy["loss_mode"] == mode and policy["dual_clip_c"] is None
     assert (actor["clip_ratio_low"], actor["clip_ratio_high"]) == (eps_low, eps_high)
@@ -305,11 +309,68 @@ def test_sweep_bad_rows():
     assert proc.returncode == 2 and "ATR_MODEL must be 1.7b or 8b" in proc.stderr
 
 
+#: The trainer modes on a cluster (docs/experiments.md, "Trainer modes"): two 8-GPU training nodes, and for
+#: separate_async a standalone rollout pool of one 8-GPU node with NCCL weight transfer.
+ASYNC_ENV = {
+    "colocate_async": {"MODE": "colocate_async", "NNODES": "2"},
+    "separate_async": {"MODE": "separate_async", "NNODES": "2", "ROLLOUT_GPUS_PER_NODE": "8"},
+}
+ERC_7B_SCRIPTS = ("run_grpo_7b.sh", "run_dapo_7b.sh", "run_erc_dapo_7b.sh", "run_gppo_7b.sh", "run_erc_gppo_7b.sh",
+                  "run_erc_gspo_7b.sh", "run_erc_sapo_7b.sh")
+
+
+def check_mode(config: dict[str, Any], mode: str) -> None:
+    """The resolved config runs ``mode`` on the cluster's layout."""
+    v1, rollout = config["trainer"]["v1"], config["actor_rollout_ref"]["rollout"]
+    assert v1["trainer_mode"] == mode and config["trainer"]["nnodes"] == 2 and config["trainer"]["n_gpus_per_node"] == 8
+    assert rollout["calculate_log_probs"] is True  # the staleness figures and rollout correction need mu
+    if mode == "separate_async":
+        assert (rollout["nnodes"], rollout["n_gpus_per_node"], rollout["checkpoint_engine"]["backend"]) == (1, 8, "nccl")
+        sync_step = v1["separate_async"]["parameter_sync_step"]
+        assert config["data"]["train_batch_size"] == sync_step * config["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"]
+
+
+@pytest.mark.parametrize("mode", list(ASYNC_ENV))
+def test_the_erc_7b_dry_run_validates_in_each_async_mode(dry_runs: dict[str, subprocess.CompletedProcess], mode: str) -> None:
+    config = _load(dry_runs[mode])
+    check_mode(config, mode)
+    assert config["actor_rollout_ref"]["actor"]["policy_loss"]["erc_beta_low"] == 0.05
+
+
+def test_erc_7b_scripts_validate_in_each_async_mode(tmp_path: Path) -> None:
+    """Every ERC 7B script, with MODE set as a cluster user sets it: the Hydra command line the script builds
+    (read by a stand-in interpreter that prints it), composed and validated by recipe.main in this process --
+    what its dry run does, without a Python start per script (the real dry run: the test above)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from recipe.main import CONFIG_DIR, validate
+
+    printer = tmp_path / "print_argv"
+    printer.write_text("#!/bin/sh\nprintf '%s\\0' \"$@\"\n")
+    printer.chmod(0o755)
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        for script in ERC_7B_SCRIPTS:
+            for mode, env in ASYNC_ENV.items():
+                proc = run_script(script, env={**env, "PYTHON": str(printer)})
+                assert proc.returncode == 0, proc.stderr
+                argv = proc.stdout.split("\0")[:-1]
+                assert argv[:2] == ["-m", "recipe.main"], argv
+                config = compose(config_name="divclip_trainer", overrides=argv[2:])
+                validate(config)
+                check_mode(OmegaConf.to_container(config, resolve=True), mode)
+
+
 @pytest.mark.parametrize("env, message", [
     ({"NNODES": "two"}, "NNODES must be a positive integer"),
     ({"GPUS_PER_NODE": "0"}, "GPUS_PER_NODE must be a positive integer"),
     ({"MODEL_PATH": "/m/it's"}, "MODEL_PATH: a value with a single quote"),
     ({"STRATEGY": "fsdp 2"}, "STRATEGY must be a verl strategy name"),
+    ({"MODE": "async"}, "MODE must be sync, colocate_async or separate_async, got 'async'"),
+    ({"MODE": "separate_async"}, "MODE=separate_async generates on a standalone rollout pool: set ROLLOUT_GPUS_PER_NODE"),
+    ({"MODE": "colocate_async", "ROLLOUT_GPUS_PER_NODE": "8"}, "configure MODE=separate_async, not MODE=colocate_async"),
+    ({"ROLLOUT_GPUS_PER_NODE": "8"}, "configure MODE=separate_async; MODE is unset"),
+    ({"MODE": "separate_async", "ROLLOUT_GPUS_PER_NODE": "8", "CKPT_ENGINE": "nc cl"}, "CKPT_ENGINE must be a checkpoint engine name"),
 ])
 def test_bad_environment_is_a_clear_error(env, message):
     proc = run_script("run_dapo_7b.sh", "--dry-run", env=env)
