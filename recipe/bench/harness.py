@@ -11,7 +11,9 @@ Pieces (all CPU, no downloads):
   :func:`bench_micro_batch` gives the engine benchmarks' shared model and micro-batch shape.
 * :func:`build_actor_worker` builds and initialises the ``TrainingWorker`` (``VERL_PLATFORM=cpu``,
   FSDP2 on gloo). It initialises the process group itself from ``RANK``/``WORLD_SIZE``/``MASTER_*``
-  like a Ray worker does; :func:`run_ranks` sets those for 1..N spawned ranks.
+  like a Ray worker does; :func:`run_ranks` sets those for 1..N spawned ranks. ``WorkerOptions`` also
+  puts verl's LoRA adapter on the actor (``lora_rank``) or builds verl's critic instead
+  (``model_type="value_model"``: ``FSDPEngineWithValueHead``).
 * :func:`make_rollout_batch` builds a batch in verl's no-padding ``TensorDict`` layout, as the v1
   trainer's TransferQueue hands it to ``update_actor`` (nested ``input_ids``/``position_ids`` over
   prompt+response; nested ``prompts``, ``responses``, ``response_mask``, ``loss_mask``,
@@ -32,9 +34,10 @@ import functools
 import os
 import socket
 import tempfile
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 
 import torch
@@ -176,6 +179,10 @@ class WorkerOptions:
     fused_kernels_backend: str = "torch"  # actor_rollout_ref.model.fused_kernel_options.impl_backend (verl's yaml default)
     ulysses_sequence_parallel_size: int = 1  # actor.fsdp_config.ulysses_sequence_parallel_size
     strategy: str = "fsdp2"  # actor.strategy: "fsdp" is FSDP1 (GPU only in verl 0.9.1), "fsdp2" FSDP2
+    lora_rank: int = 0  # actor_rollout_ref.model.lora_rank (> 0: verl wraps the model in a peft LoRA adapter)
+    lora_alpha: int = 16  # actor_rollout_ref.model.lora_alpha
+    target_modules: Any = "all-linear"  # actor_rollout_ref.model.target_modules (a name or a list of module names)
+    model_type: str = "language_model"  # TrainingWorkerConfig.model_type: "value_model" builds verl's critic
 
 
 EXACT_SGD: dict[str, Any] = dict(optimizer="SGD", lr=0.5, clip_grad=1e9)
@@ -188,6 +195,15 @@ def build_actor_worker(model_path: str, options: WorkerOptions = WorkerOptions()
 
     Needs ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` in the environment (set by
     :func:`run_ranks`, or :func:`single_rank_env` for an in-process rank).
+
+    ``options.lora_rank > 0`` gives the model verl's LoRA adapter (``lora_alpha``, ``target_modules``;
+    only the adapter trains). ``options.model_type="value_model"`` builds the critic's worker instead
+    (``FSDPEngineWithValueHead``: the checkpoint loaded as a token classifier with one label, as verl's
+    critic loads it). Its value head, like a LoRA adapter's ``lora_A``, is initialised from torch's global
+    generator: seed it (``torch.manual_seed``) before building two workers that must start equal. verl
+    0.9.1's ``load_valuehead_model`` asks transformers for ``attn_implementation="flash_attention_2"``
+    whatever the config says, and flash-attn does not exist on CPU, so for a value model the loader gets
+    ``options.attn_implementation`` instead while the engine builds (:func:`_value_model_attention`).
     """
     from verl.plugin.platform import get_platform
     from verl.trainer.config import CheckpointConfig
@@ -214,6 +230,9 @@ def build_actor_worker(model_path: str, options: WorkerOptions = WorkerOptions()
         # verl's yaml sets impl_backend: torch; HFModelConfig's dataclass default ({}) skips the fused
         # forward patch, and the engine then fails reading output.log_probs.
         fused_kernel_options={"impl_backend": options.fused_kernels_backend},
+        lora_rank=options.lora_rank,
+        lora_alpha=options.lora_alpha,
+        target_modules=options.target_modules,
     )
     engine_config = FSDPEngineConfig(
         strategy=options.strategy,
@@ -237,15 +256,45 @@ def build_actor_worker(model_path: str, options: WorkerOptions = WorkerOptions()
     )
     worker = TrainingWorker(
         TrainingWorkerConfig(
-            model_type="language_model",
+            model_type=options.model_type,
             model_config=model_config,
             engine_config=engine_config,
             optimizer_config=optimizer_config,
             checkpoint_config=CheckpointConfig(),
         )
     )
-    worker.reset()  # TrainingWorker builds the model/optimizer here (Engine.initialize)
+    if options.model_type == "value_model":
+        with _value_model_attention(options.attn_implementation):
+            worker.reset()
+    else:
+        worker.reset()  # TrainingWorker builds the model/optimizer here (Engine.initialize)
     return worker
+
+
+@contextmanager
+def _value_model_attention(attn_implementation: str) -> Iterator[None]:
+    """While verl builds a critic, ``AutoModelForTokenClassification.from_pretrained`` asked for
+    ``flash_attention_2`` (hard-coded in verl 0.9.1's ``load_valuehead_model``) loads with
+    ``attn_implementation`` instead; every other argument is verl's. The class's own attribute is
+    given back on exit."""
+    from transformers import AutoModelForTokenClassification as auto_class
+
+    own = vars(auto_class).get("from_pretrained")  # transformers 5 sets it on each auto class
+    original = auto_class.from_pretrained  # the classmethod, bound to the auto class
+
+    def from_pretrained(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("attn_implementation") == "flash_attention_2":
+            kwargs["attn_implementation"] = attn_implementation
+        return original(*args, **kwargs)
+
+    auto_class.from_pretrained = from_pretrained  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own is None:
+            del auto_class.from_pretrained
+        else:
+            auto_class.from_pretrained = own  # type: ignore[method-assign]
 
 
 def make_actor_config(**overrides: Any) -> Any:
