@@ -13,7 +13,9 @@ path against verl's on one CUDA GPU at bf16, FSDP1 and FSDP2), ``acceptance`` (e
 target: ``gpu --acceptance``), ``gpu_workload`` (the model shape and loss configs both share), ``onpolicy`` (ERC's on-policy
 exactness under the configs' packings: the noise's source and the alignment's cost), ``full_kl``
 (``kl_full``'s update against ``kl3``'s; bytes of the stored top-k), ``topk_tail`` (a checkpoint's
-mass outside its top-k on teacher-forced solutions: what ``kl_full_top_k`` is chosen from);
+mass outside its top-k on teacher-forced solutions: what ``kl_full_top_k`` is chosen from),
+``trainer_modes`` (samples per second of verl's sync and async trainer modes on the CPU smoke, and their
+staleness);
 ``__main__`` dispatches by name.
 
 Who may import it: only its own ``__main__`` and tests; nothing in :mod:`verl_ext` or the rest of

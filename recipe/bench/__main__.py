@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "reward": "recipe.bench.reward",
     "gpu": "recipe.bench.gpu",
     "onpolicy": "recipe.bench.onpolicy",
+    "trainer-modes": "recipe.bench.trainer_modes",
 }
 ACCEPTANCE_FLAG = "--acceptance"
 """``python -m recipe.bench gpu --acceptance ...`` runs :mod:`recipe.bench.acceptance` with the other options."""
