@@ -5,6 +5,11 @@
   returned log-probs are the model's; top-k / top-p / temperature masks; EOS and max_tokens.
 * ``HFCpuServer`` driven directly in asyncio (no Ray): concurrent requests are batched, outputs
   follow verl's ``TokenOutput`` contract, bad sampling params fail loudly.
+* Partial rollout, as verl's async trainers drive it: a batch stops at a token boundary; an abort hands
+  each waiting request its tokens so far, their log-probs and the weight version; requests wait while
+  generation is paused (or are rejected at once after ``reject_request=True``); a request parked during a
+  weight update generates with the new weights and reports their version; verl's own
+  ``FullyAsyncLLMServerClient`` merges a rollout aborted at version 5 and finished at version 6.
 * Weight sync through the real Ray path: a server launched by ``HFCpuReplica.launch_servers``
   on a local (loopback) Ray, and ``HFCpuServerAdapter.update_weights`` fed a weight generator
   as ``ActorRolloutRefWorker.update_weights`` feeds it: the server ends with exactly the sent
@@ -12,7 +17,8 @@
 * Registration in verl's registries, and ``enable_cpu_ray`` (no-op off the cpu platform, the
   CPU-count check on it, signature guard).
 
-Runs in well under 2 minutes on 2 cores (the Ray test starts a 2-CPU local cluster once).
+Runs in well under 2 minutes on 2 cores (the Ray test starts a 2-CPU local cluster once; the
+partial-rollout tests take ~5 s).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -33,6 +40,7 @@ if str(_ROOT) not in sys.path:
 
 from recipe.smoke.task import build_tokenizer, save_model_and_tokenizer  # noqa: E402
 from verl_ext.cpu import rollout as hf_cpu  # noqa: E402
+from verl_ext.cpu import server as hf_server  # noqa: E402
 from verl_ext.cpu.rollout import register_cpu_rollout  # noqa: E402
 from verl_ext.cpu.sampling import (  # noqa: E402
     SamplingSpec,
@@ -49,7 +57,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def model(model_dir: str) -> torch.nn.Module:
-    return hf_cpu.load_hf_model(model_dir, "float32")
+    return hf_server.load_hf_model(model_dir, "float32")
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +175,7 @@ def test_eos_and_max_tokens(model: torch.nn.Module, tokenizer: Any) -> None:
 def test_server_batches_concurrent_requests(model_dir: str, tokenizer: Any) -> None:
     from verl.workers.rollout.replica import RolloutMode, TokenOutput
 
-    server = hf_cpu.HFCpuServer(_rollout_config(calculate_log_probs=True), _model_config(model_dir), RolloutMode.HYBRID, 0)
+    server = hf_server.HFCpuServer(_rollout_config(calculate_log_probs=True), _model_config(model_dir), RolloutMode.HYBRID, 0)
     prompt = _prompt(tokenizer, "4071")
     params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
 
@@ -197,7 +205,7 @@ def test_server_honours_a_request_max_tokens_above_response_length(model_dir: st
     rollout.response_length (8 here); the server serves it, within max_model_len."""
     from verl.workers.rollout.replica import RolloutMode
 
-    server = hf_cpu.HFCpuServer(_rollout_config(ignore_eos=True, max_model_len=40), _model_config(model_dir), RolloutMode.HYBRID, 0)
+    server = hf_server.HFCpuServer(_rollout_config(ignore_eos=True, max_model_len=40), _model_config(model_dir), RolloutMode.HYBRID, 0)
     prompt = _prompt(tokenizer, "4071")
     greedy = {"temperature": 0.0, "top_p": 1.0, "top_k": -1}
 
@@ -225,6 +233,193 @@ def test_greedy_requests_leave_the_sampling_stream_alone(model: torch.nn.Module,
     assert torch.equal(gen.get_state(), before)
     generate_batch(model, [prompt], [4], SamplingSpec(temperature=1.0), eos_ids=[], pad_id=0, generator=gen)
     assert not torch.equal(gen.get_state(), before)
+
+
+# ----------------------------------------------------------------------------------------------
+# Partial rollout: abort, pause, resume with new weights (what verl's async trainers need)
+# ----------------------------------------------------------------------------------------------
+
+GREEDY_WITH_LOGPROBS = {"temperature": 0, "top_p": 1.0, "top_k": -1, "logprobs": True}
+
+
+def test_generate_batch_stops_at_a_token_boundary(model: torch.nn.Module, tokenizer: Any) -> None:
+    prompts = [_prompt(tokenizer, "4071"), _prompt(tokenizer, "55")]
+    asked = []
+
+    def stop_before_the_fourth_step() -> bool:
+        asked.append(1)
+        return len(asked) > 3
+
+    results = generate_batch(
+        model, prompts, [8, 2], SamplingSpec(temperature=0.0, want_logprobs=True), eos_ids=[], pad_id=0,
+        logprobs_mode="raw_logprobs", should_stop=stop_before_the_fourth_step,
+    )
+    (tokens, logps, finish), (short, _, short_finish) = results
+    ref_tokens, ref_logps = _reference_greedy(model, prompts[0], 3)
+    assert (tokens, finish) == (ref_tokens, "abort") and logps == pytest.approx(ref_logps, abs=1e-4)
+    assert len(short) == 2 and short_finish == "length"  # finished before the stop: complete, not aborted
+
+
+def _server(model_dir: str, **config: Any) -> Any:
+    from verl.workers.rollout.replica import RolloutMode
+
+    return hf_server.HFCpuServer(_rollout_config(ignore_eos=True, **config), _model_config(model_dir), RolloutMode.STANDALONE, 0)
+
+
+def _hold_decoding_at_step(server: Any, step: int) -> threading.Event:
+    """Make the server's ``step``-th forward pass (the one sampling token ``step``) wait until an abort asks
+    the batch to stop, so that the abort lands after exactly ``step`` tokens. Returns the event set on arrival."""
+    arrived = threading.Event()
+    forward = server.model.forward
+    calls = []
+
+    def held_forward(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == step:
+            arrived.set()
+            assert server._stop_decoding.wait(timeout=30), "no abort arrived"
+        return forward(*args, **kwargs)
+
+    server.model.forward = held_forward
+    return arrived
+
+
+async def _until(event: threading.Event) -> None:
+    for _ in range(3000):
+        if event.is_set():
+            return
+        await asyncio.sleep(0.01)
+    raise TimeoutError("the server never reached the held decoding step")
+
+
+def _perturbed_weights(model_dir: str, seed: int) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
+    """New weights (and a model holding them) as an actor update would produce."""
+    torch.manual_seed(seed)
+    new_model = hf_server.load_hf_model(model_dir, "float32")
+    weights = {k: v + 0.5 * torch.randn_like(v) if v.is_floating_point() else v for k, v in new_model.state_dict().items()}
+    new_model.load_state_dict(weights)
+    return weights, new_model
+
+
+async def _load_weights(server: Any, weights: dict[str, torch.Tensor], global_steps: int) -> None:
+    await server.begin_weight_update()
+    await server.load_weight_bucket(list(weights.items()))
+    await server.finish_weight_update(global_steps)
+
+
+def test_abort_returns_partial_tokens_logprobs_and_version(model_dir: str, model: torch.nn.Module, tokenizer: Any) -> None:
+    server = _server(model_dir)
+    prompt = _prompt(tokenizer, "4071")
+    arrived = _hold_decoding_at_step(server, 3)
+
+    async def run() -> tuple[Any, dict[str, Any]]:
+        await server.set_global_steps(5)
+        request = asyncio.create_task(server.generate(prompt_ids=prompt, sampling_params={**GREEDY_WITH_LOGPROBS, "max_tokens": 8}, request_id="r0"))
+        await _until(arrived)
+        aborted = await server.abort_all_requests()
+        assert request.done()  # every in-flight request has its answer when the abort returns
+        return request.result(), aborted
+
+    output, aborted = asyncio.run(run())
+    ref_tokens, ref_logps = _reference_greedy(model, prompt, 3)
+    assert output.token_ids == ref_tokens and output.log_probs == pytest.approx(ref_logps, abs=1e-4)
+    assert output.stop_reason == "aborted" and output.extra_fields["global_steps"] == 5
+    assert aborted == {"aborted_count": 1, "request_ids": ["r0"]}
+    assert server.get_stats()["aborted_requests"] == 1
+
+
+def test_requests_wait_while_paused_and_are_rejected_when_asked(model_dir: str, tokenizer: Any) -> None:
+    server = _server(model_dir)
+    prompt = _prompt(tokenizer, "123")
+    params = {**GREEDY_WITH_LOGPROBS, "max_tokens": 4}
+
+    async def run() -> tuple[Any, Any, Any, Any]:
+        assert await server.abort_all_requests() == {"aborted_count": 0, "request_ids": []}
+        parked = asyncio.create_task(server.generate(prompt_ids=prompt, sampling_params=dict(params)))
+        await asyncio.sleep(0.3)
+        assert not parked.done()  # waits for resume_generation
+        await server.resume_generation()
+        completed = await asyncio.wait_for(parked, timeout=30)
+        await server.abort_all_requests()
+        parked_then_rejected = asyncio.create_task(server.generate(prompt_ids=prompt, sampling_params=dict(params)))
+        await asyncio.sleep(0.1)
+        await server.abort_all_requests(reject_request=True)  # the server leaves rotation (separate_async)
+        rejected = await asyncio.wait_for(server.generate(prompt_ids=prompt, sampling_params=dict(params)), timeout=1)
+        parked_then_rejected = await asyncio.wait_for(parked_then_rejected, timeout=1)
+        await server.resume_generation()  # a resume restores admission
+        after = await asyncio.wait_for(server.generate(prompt_ids=prompt, sampling_params=dict(params)), timeout=30)
+        return completed, rejected, parked_then_rejected, after
+
+    completed, rejected, parked_then_rejected, after = asyncio.run(run())
+    assert completed.stop_reason == "completed" and len(completed.token_ids) == 4
+    for output in (rejected, parked_then_rejected):
+        assert output.stop_reason == "aborted" and output.token_ids == [] and output.log_probs == []
+        assert output.extra_fields["global_steps"] is None  # no tokens, no version
+    assert after.token_ids == completed.token_ids
+    assert server.get_stats()["rejected_requests"] == 2
+
+
+def test_a_request_parked_during_a_weight_update_uses_the_new_weights(model_dir: str, tokenizer: Any) -> None:
+    server = _server(model_dir)
+    prompt = _prompt(tokenizer, "98765")
+    new_weights, new_model = _perturbed_weights(model_dir, seed=2)
+
+    async def run() -> Any:
+        await server.set_global_steps(5)
+        await server.abort_all_requests()
+        parked = asyncio.create_task(server.generate(prompt_ids=prompt, sampling_params={**GREEDY_WITH_LOGPROBS, "max_tokens": 6}))
+        await asyncio.sleep(0.1)
+        await _load_weights(server, new_weights, global_steps=6)
+        await server.resume_generation()
+        return await asyncio.wait_for(parked, timeout=30)
+
+    output = asyncio.run(run())
+    new_tokens, new_logps = _reference_greedy(new_model, prompt, 6)
+    assert output.token_ids == new_tokens and output.log_probs == pytest.approx(new_logps, abs=1e-4)
+    assert output.extra_fields["global_steps"] == 6
+
+
+def test_fully_async_client_merges_a_rollout_across_a_weight_update(model_dir: str, model: torch.nn.Module, tokenizer: Any) -> None:
+    """verl's FullyAsyncLLMServerClient (its abort/resume loop, unchanged) against the server: the rollout is
+    aborted after 3 tokens, the weights change while generation is paused, and the client's re-sent request
+    continues from prompt + partial with the new weights; one response of 8 tokens spans versions 5..6."""
+    from omegaconf import OmegaConf
+    from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
+
+    server = _server(model_dir)
+    prompt = _prompt(tokenizer, "4071")
+    new_weights, new_model = _perturbed_weights(model_dir, seed=3)
+    arrived = _hold_decoding_at_step(server, 3)
+
+    class ClientOfOneServer(FullyAsyncLLMServerClient):
+        """The load balancer replaced by the one server (no Ray); the resume loop is verl's."""
+
+        async def _acquire_server(self, request_id: str, **extra: Any) -> tuple[str, Any]:
+            return "hf_cpu-replica-0", SimpleNamespace(generate=SimpleNamespace(remote=lambda **kw: server.generate(**kw)))
+
+        def _release_server(self, server_id: str, request_id: Any = None) -> None:
+            return None
+
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "hf_cpu", "response_length": 8}}})
+    client = ClientOfOneServer(config=config)
+
+    async def run() -> Any:
+        await server.set_global_steps(5)
+        rollout = asyncio.create_task(client.generate("sample-0", prompt_ids=prompt, sampling_params=dict(GREEDY_WITH_LOGPROBS)))
+        await _until(arrived)
+        await server.abort_all_requests()  # colocate_async's on_sample_end
+        await _load_weights(server, new_weights, global_steps=6)  # on_step_end: naive weight sync...
+        await server.resume_generation()  # ...then resume_generation_replicas
+        return await asyncio.wait_for(rollout, timeout=60)
+
+    output = asyncio.run(run())
+    old_tokens, old_logps = _reference_greedy(model, prompt, 3)
+    new_tokens, new_logps = _reference_greedy(new_model, prompt + old_tokens, 5)
+    assert output.token_ids == old_tokens + new_tokens
+    assert output.log_probs == pytest.approx(old_logps + new_logps, abs=1e-4)
+    assert new_tokens != _reference_greedy(model, prompt + old_tokens, 5)[0]  # the new weights did change the rest
+    assert output.extra_fields["min_global_steps"] == 5 and output.extra_fields["max_global_steps"] == 6
+    assert output.extra_fields["global_steps"] == 6 and output.stop_reason == "length"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,7 +460,7 @@ def test_weight_sync_changes_rollout_outputs(local_ray: Any, model_dir: str, tok
 
     # new weights, streamed the way ActorRolloutRefWorker.update_weights streams the engine's
     torch.manual_seed(1)
-    reference = hf_cpu.load_hf_model(model_dir, "float32").state_dict()
+    reference = hf_server.load_hf_model(model_dir, "float32").state_dict()
     new_weights = {k: v + 0.5 * torch.randn_like(v) if v.is_floating_point() else v for k, v in reference.items()}
 
     monkeypatch.setenv("RANK", "0")

@@ -10,9 +10,13 @@ What lives here:
   ``VERL_PLATFORM=cpu`` (gloo collectives), and the FSDP2 engines registered for ``device="cpu"``.
 * :mod:`verl_ext.cpu.ray_resources` -- ``ResourcePoolManager``'s resource check counting CPUs
   instead of GPUs on the cpu platform.
-* :mod:`verl_ext.cpu.rollout` -- the ``hf_cpu`` rollout backend (a transformers generation server,
-  its replica and its weight-sync adapter), registered in verl's rollout registries.
+* :mod:`verl_ext.cpu.rollout` -- the ``hf_cpu`` rollout backend (its replica and its weight-sync
+  adapter), registered in verl's rollout registries.
+* :mod:`verl_ext.cpu.server` -- the ``hf_cpu`` generation server (a transformers copy of the policy;
+  abort/resume for partial rollout).
 * :mod:`verl_ext.cpu.sampling` -- the server's batched sampling (torch only: vLLM's semantics).
+* :mod:`verl_ext.cpu.checkpoint_engine` -- the ``cpu_gloo`` checkpoint engine: weights from the actor
+  ranks to a standalone rollout pool over gloo (``separate_async``).
 
 Who may import it: :mod:`verl_ext.plugin` (lazily, under ``VERL_PLATFORM=cpu``), CPU-only tools and
 tests. The method core (:mod:`verl_ext.core`), the engine seam, the registry and the actor loss
@@ -38,13 +42,21 @@ groups land one per node as they do on GPUs. A local Ray gets it from ``ray_kwar
 (``launch/run_smoke_cpu.sh`` sets it); a cluster node from ``ray start --resources='{"cpu_device": N}'``."""
 
 
+ROLLOUT_NAME = "hf_cpu"
+"""Value of ``actor_rollout_ref.rollout.name`` that selects the CPU rollout backend."""
+
+CHECKPOINT_ENGINE_NAME = "cpu_gloo"
+"""Value of ``actor_rollout_ref.rollout.checkpoint_engine.backend`` that selects the CPU weight transfer."""
+
+
 def cpu_platform_selected() -> bool:
     """True when this process runs verl on the ``cpu`` platform (``VERL_PLATFORM=cpu``)."""
     return os.environ.get("VERL_PLATFORM", "").strip().lower() == PLATFORM_NAME
 
 
 def setup_cpu_process() -> None:
-    """Everything a process needs for verl's trainer on CPU: platform, Ray pools, ``hf_cpu`` rollout.
+    """Everything a process needs for verl's trainer on CPU: platform, Ray pools, ``hf_cpu`` rollout,
+    ``cpu_gloo`` checkpoint engine.
 
     The ``verl.plugins`` entry point (:mod:`verl_ext.plugin`) calls it in every process that imports
     verl. Also usable as ``ray_kwargs.ray_init.runtime_env.worker_process_setup_hook`` or from an
@@ -65,6 +77,10 @@ def setup_cpu_process() -> None:
     # half-initialised module here would fail.
     enable_cpu_ray()
     register_cpu_rollout()
+    if "verl_ext.cpu.checkpoint_engine" not in sys.modules:
+        # registers cpu_gloo in CheckpointEngineRegistry as it is imported (as verl's own engines do); a
+        # module found already there is being imported, or was, and registers (or registered) itself
+        import verl_ext.cpu.checkpoint_engine  # noqa: F401
 
 
-__all__ = ["DEVICE_RESOURCE", "PLATFORM_NAME", "cpu_platform_selected", "setup_cpu_process"]
+__all__ = ["CHECKPOINT_ENGINE_NAME", "DEVICE_RESOURCE", "PLATFORM_NAME", "ROLLOUT_NAME", "cpu_platform_selected", "setup_cpu_process"]

@@ -19,6 +19,12 @@ verl's own extension points, without editing verl:
    ``"cpu:gloo"``. Editing ``__defaults__`` on the function object (instead of rebinding the name)
    reaches every module that already did ``from verl.utils.distributed import ...``, e.g.
    ``verl.workers.engine_workers``; callers that pass ``backend=`` explicitly are unaffected.
+4. One more, applied with the engines (in the processes that build verl's FSDP engine on this platform):
+   ``verl.utils.fsdp_utils.fsdp2_sharded_save_to_cpu``, which ``separate_async``'s ``DetachActorWorker``
+   uses to keep the cycle's first weights (pi_old of Decoupled PPO, ``parameter_sync_step > 1``), copies
+   each local shard with ``.cpu()`` -- a no-op on CPU, so the "saved" shards were the live parameters and
+   ``restore_model_from_cpu`` restored whatever the optimizer had made of them. The wrapper copies every
+   saved shard that shares storage with a live parameter (none does on an accelerator).
 
 Registration of the engines is lazy: ``verl.workers.engine.fsdp.transformer_impl`` computes
 ``get_device_name()`` at import time and pulls in transformers/peft, so importing it from the
@@ -31,8 +37,10 @@ See ``docs/cpu_platform.md`` for what works on CPU and what does not.
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
+import inspect
 import logging
 import os
 import platform as _pyplatform
@@ -254,7 +262,46 @@ def _register_engines(transformer_impl: types.ModuleType) -> None:
                 EngineRegistry.register(model_type=model_type, backend="fsdp", device=PLATFORM_NAME)(
                     _fsdp1_guard(cls)
                 )
+        _patch_fsdp2_save_to_cpu()
         _engines_registered = True
+
+
+def _live_storages(model: torch.nn.Module) -> set[int]:
+    """Storage addresses of ``model``'s parameters (a DTensor's local shard for FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        (param._local_tensor if isinstance(param, DTensor) else param).untyped_storage().data_ptr()
+        for param in model.parameters()
+    }
+
+
+def _patch_fsdp2_save_to_cpu() -> None:
+    """Make ``fsdp2_sharded_save_to_cpu`` copy the shards it saves (module docstring, 4.). Idempotent."""
+    from verl.utils import fsdp_utils
+
+    original = fsdp_utils.fsdp2_sharded_save_to_cpu
+    if getattr(original, "__verl_ext_cpu__", False):
+        return
+    params = list(inspect.signature(original).parameters)
+    if params != ["model"]:
+        raise RuntimeError(
+            "verl_ext.cpu.platform: verl.utils.fsdp_utils.fsdp2_sharded_save_to_cpu has parameters "
+            f"{params}, expected ['model'] as in verl 0.9.1; the CPU platform's copying save needs updating."
+        )
+
+    @functools.wraps(original)
+    def fsdp2_sharded_save_to_cpu(model: torch.nn.Module) -> tuple[dict[str, tuple[torch.Tensor, Any]], Any]:
+        cpu_sharded_state, global_spec = original(model)
+        live = _live_storages(model)
+        copied = {
+            name: (tensor.clone() if tensor.untyped_storage().data_ptr() in live else tensor, spec)
+            for name, (tensor, spec) in cpu_sharded_state.items()
+        }
+        return copied, global_spec
+
+    fsdp2_sharded_save_to_cpu.__verl_ext_cpu__ = True  # type: ignore[attr-defined]
+    fsdp_utils.fsdp2_sharded_save_to_cpu = fsdp2_sharded_save_to_cpu
 
 
 def _fsdp1_guard(base: type) -> type:

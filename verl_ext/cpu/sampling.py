@@ -14,7 +14,7 @@ model's log-softmax).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -99,13 +99,18 @@ def generate_batch(
     generator: Optional[torch.Generator] = None,
     ignore_eos: bool = False,
     logprobs_mode: str = "processed_logprobs",
+    should_stop: Optional[Callable[[], bool]] = None,
 ) -> list[tuple[list[int], Optional[list[float]], str]]:
     """Sample continuations for left-padded ``prompts`` with a KV cache.
 
     Returns one ``(token_ids, log_probs or None, finish_reason)`` per prompt, where
-    ``finish_reason`` is ``"stop"`` (an EOS id was sampled; it is included, as vLLM does) or
-    ``"length"`` (``max_tokens`` reached). Rows that finished keep being fed (their outputs are
-    discarded) so the batch stays rectangular; the loop ends when every row is done.
+    ``finish_reason`` is ``"stop"`` (an EOS id was sampled; it is included, as vLLM does),
+    ``"length"`` (``max_tokens`` reached) or ``"abort"`` (``should_stop()`` returned true before the
+    row finished; the row keeps the tokens sampled so far). Rows that finished keep being fed (their
+    outputs are discarded) so the batch stays rectangular; the loop ends when every row is done.
+
+    ``should_stop`` is asked before every decoding step (the first included), so an abort lands on
+    a token boundary: every returned token comes with its log-prob, and no step is half applied.
     """
     if logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
         raise NotImplementedError(f"hf_cpu rollout supports logprobs_mode processed_logprobs|raw_logprobs, got {logprobs_mode!r}")
@@ -134,6 +139,11 @@ def generate_batch(
     past = None
     step_ids, step_pos, mask = input_ids, position_ids, attention_mask
     for step in range(int(limits.max().item())):
+        if should_stop is not None and should_stop():
+            for row in range(batch):
+                if not done[row]:
+                    finish[row] = "abort"
+            break
         out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=past, use_cache=True)
         past = out.past_key_values
         logits = out.logits[:, -1, :].float()
