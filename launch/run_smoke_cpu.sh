@@ -12,8 +12,19 @@
 #   TEST_FREQ=5   SAVE_FREQ=10   DATA_TRACE=FILE: each step's prompts (dataset index, uid) as JSON lines
 #   NNODES > 1 needs a Ray cluster (RAY_ADDRESS, e.g. through launch/submit.sh) whose nodes advertise
 #   N_DEVICES "cpu_device" slots each (ray start --resources='{"cpu_device": N_DEVICES}'; docs/cpu_platform.md).
+#   ROLLOUT_DEVICES=N (default 0): a standalone rollout pool of N "cpu_device" slots per node for
+#   trainer.v1.trainer_mode=separate_async (sets actor_rollout_ref.rollout.nnodes=NNODES and
+#   rollout.n_gpus_per_node=N; the local Ray gets N more slots, each with 2 CPUs for its bundle). The mode
+#   itself and its other keys are Hydra overrides; see docs/cpu_platform.md, "Asynchronous trainer modes".
+#   RESPONSE_LEN=4: data.max_response_length (longer responses give the async modes' aborts something to cut).
 #   REQUIRE_MARGIN=1: exit non-zero unless the last-5 mean reward beats the first-5 clearly.
 #   VOCAB_PASS=1: log-probs and entropies of both actor passes by the vocabulary pass (no logits tensor).
+#   PRECISION=fp32|bf16 (default fp32): the actor's FSDP mixed precision; bf16 is verl's default (bf16 parameters
+#   in compute, fp32 reduction), the precision GPU users run.
+#   DYNAMIC_BSZ=TOKENS: dynamic batching as the configs run it -- the update's micro-batches hold up to TOKENS
+#   tokens (actor.ppo_max_token_len_per_gpu), the old-log-prob pass's 2 x TOKENS, mini-batches shuffled
+#   (actor.shuffle=true); unset: fixed micro-batches of 64 sequences in both passes.
+#   HEAD_SCALE=S: the generated model's output head multiplied by S (larger logits, as a trained model's).
 #   SMOKE_MODEL=DIR: start RL from this Hugging Face model instead of the generated random one (the
 #   SFT -> RL chain: the merged output of `python -m recipe.sft` on data/sft_train.parquet, which
 #   `python -m recipe.smoke.task --sft N` writes; tests/test_sft_chain_cpu.py).
@@ -33,6 +44,7 @@ STEPS="${STEPS:-40}"
 TASK="${TASK:-echo}"
 SMOKE_OUT="$(mkdir -p "${SMOKE_OUT:-outputs/smoke/$LOSS}" && cd "${SMOKE_OUT:-outputs/smoke/$LOSS}" && pwd)"
 N_DEVICES="${N_DEVICES:-1}"
+ROLLOUT_DEVICES="${ROLLOUT_DEVICES:-0}"
 NNODES="${NNODES:-1}"
 BATCH="${BATCH:-16}"
 if [[ "$NNODES" != 1 && -z "${RAY_ADDRESS:-}" ]]; then
@@ -53,6 +65,18 @@ case "$LOSS" in
                actor_rollout_ref.actor.policy_loss.kl_full_top_k=8 actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=True) ;;
   *) echo "run_smoke_cpu.sh: LOSS must be erc_dapo, kl3 or kl_full, got '$LOSS'" >&2; exit 2 ;;
 esac
+case "${PRECISION:-fp32}" in
+  fp32) PACKING_ARGS=(+actor_rollout_ref.actor.fsdp_config.mixed_precision='{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}') ;;
+  bf16) PACKING_ARGS=(+actor_rollout_ref.actor.fsdp_config.mixed_precision='{param_dtype:bf16,reduce_dtype:fp32,buffer_dtype:fp32}') ;;
+  *) echo "run_smoke_cpu.sh: PRECISION must be fp32 or bf16, got '$PRECISION'" >&2; exit 2 ;;
+esac
+if [[ -n "${DYNAMIC_BSZ:-}" ]]; then
+  [[ "$DYNAMIC_BSZ" =~ ^[1-9][0-9]*$ ]] || { echo "run_smoke_cpu.sh: DYNAMIC_BSZ must be a token count, got '$DYNAMIC_BSZ'" >&2; exit 2; }
+  PACKING_ARGS+=(actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True
+                 actor_rollout_ref.actor.ppo_max_token_len_per_gpu="$DYNAMIC_BSZ"
+                 actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=$((2 * DYNAMIC_BSZ))
+                 actor_rollout_ref.actor.shuffle=True)
+fi
 case "${VOCAB_PASS:-}" in
   "") ;;
   1 | true | TRUE | True) LOSS_ARGS+=(actor_rollout_ref.actor.policy_loss.vocab_pass=true) ;;
@@ -68,7 +92,7 @@ export VERL_FILE_LOGGER_PATH="$SMOKE_OUT/logs/attempt-$(date +%Y%m%d-%H%M%S)-$$.
 
 # 1. Task, model and tokenizer, generated locally.
 if [[ ! -f "$SMOKE_OUT/assets/model/config.json" || ! -f "$SMOKE_OUT/assets/data/train.parquet" ]]; then
-  "$PYTHON" -m recipe.smoke.task --out "$SMOKE_OUT/assets" --task "$TASK"
+  "$PYTHON" -m recipe.smoke.task --out "$SMOKE_OUT/assets" --task "$TASK" --head-scale "${HEAD_SCALE:-1}"
 fi
 
 # A local Ray of our own unless we run inside a Ray job (then Ray owns the resources).
@@ -83,8 +107,15 @@ if [[ -z "${RAY_ADDRESS:-}" ]]; then
   # Ray's CPU count is logical: it oversubscribes 2 cores on purpose (each device slot's bundle holds
   # 3 for its colocated workers; the TaskRunner, rollout, reward and TransferQueue hold more). The
   # device slots are the cpu platform's "cpu_device" resource, as GPUs are on a GPU node.
-  RAY_ARGS+=(+ray_kwargs.ray_init.address=local ray_kwargs.ray_init.num_cpus=$((5 + 3 * N_DEVICES)) "+ray_kwargs.ray_init.resources={cpu_device:$N_DEVICES}"
+  # A standalone rollout pool (ROLLOUT_DEVICES) adds its slots, each bundle holding 2 CPUs (verl's
+  # init_standalone pools colocate 2 worker groups).
+  RAY_ARGS+=(+ray_kwargs.ray_init.address=local ray_kwargs.ray_init.num_cpus=$((5 + 3 * N_DEVICES + 2 * ROLLOUT_DEVICES))
+             "+ray_kwargs.ray_init.resources={cpu_device:$((N_DEVICES + ROLLOUT_DEVICES))}"
              +ray_kwargs.ray_init._node_ip_address=127.0.0.1)
+fi
+ROLLOUT_POOL_ARGS=()
+if [[ "$ROLLOUT_DEVICES" != 0 ]]; then
+  ROLLOUT_POOL_ARGS=(actor_rollout_ref.rollout.nnodes="$NNODES" actor_rollout_ref.rollout.n_gpus_per_node="$ROLLOUT_DEVICES")
 fi
 if [[ -n "${DATA_TRACE:-}" ]]; then RAY_ARGS+=("divclip.data_trace=$DATA_TRACE"); fi
 
@@ -96,7 +127,7 @@ if [[ -n "${DATA_TRACE:-}" ]]; then RAY_ARGS+=("divclip.data_trace=$DATA_TRACE")
   trainer.val_before_train=True trainer.test_freq="${TEST_FREQ:-5}" trainer.save_freq="${SAVE_FREQ:-10}" \
   trainer.resume_mode=auto trainer.default_local_dir="$SMOKE_OUT/ckpt" \
   trainer.logger='[console,file]' trainer.project_name=divclip_smoke trainer.experiment_name="$LOSS" \
-  "${RAY_ARGS[@]}" \
+  "${RAY_ARGS[@]}" "${ROLLOUT_POOL_ARGS[@]}" \
   transfer_queue.backend.SimpleStorage.num_data_storage_units=1 \
   data.train_files="$SMOKE_OUT/assets/data/train.parquet" data.val_files="$SMOKE_OUT/assets/data/val.parquet" \
   data.train_batch_size="$BATCH" data.max_prompt_length=24 data.max_response_length="${RESPONSE_LEN:-4}" \
@@ -106,7 +137,7 @@ if [[ -n "${DATA_TRACE:-}" ]]; then RAY_ARGS+=("divclip.data_trace=$DATA_TRACE")
   +actor_rollout_ref.model.override_config.attn_implementation=sdpa \
   actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.actor.use_torch_compile=False \
   actor_rollout_ref.actor.fsdp_config.use_torch_compile=False \
-  +actor_rollout_ref.actor.fsdp_config.mixed_precision='{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}' \
+  "${PACKING_ARGS[@]}" \
   actor_rollout_ref.actor.optim.lr="${LR:-5e-3}" \
   actor_rollout_ref.actor.ppo_mini_batch_size=$((BATCH / 2)) actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64 \
   actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.actor.entropy_coeff=0 \

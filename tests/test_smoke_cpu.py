@@ -3,7 +3,15 @@
 few steps, validating two benchmarks at their own response lengths and sample counts
 (recipe/validation/length.py). Resuming from a checkpoint is tested on two Ray nodes, through a killed
 rank (tests/test_two_nodes_ray.py). No learning margin here: the full run is
-`bash launch/run_smoke_cpu.sh` (docs/cpu_end_to_end.md has its figures)."""
+`bash launch/run_smoke_cpu.sh` (docs/cpu_end_to_end.md has its figures).
+
+The runs here train as GPU users configure verl (:data:`GPU_PACKING`): bf16 parameters, dynamic batching
+with the old-log-prob pass at twice the update's token budget (small enough that the two passes' micro-
+batches differ), shuffled mini-batches, two a step, and a model whose output head is scaled so that its
+logits are large enough for bf16's rounding to show the kernels' batch-size dependence. The on-policy gauge
+is exactly 0 on every step of every run (the trainer hands the update's split to the old-log-prob pass,
+and the update checked that it ran that packing); the same ERC-DAPO run with
+``pack_old_log_prob_as_update=false`` is the control, and shows the noise (the gauge > 0 on some step)."""
 
 from __future__ import annotations
 
@@ -21,6 +29,13 @@ from recipe.smoke.report import margin_test, merge_attempts
 ROOT = Path(__file__).resolve().parents[1]
 
 
+#: How GPU users run verl, for the smoke (launch/run_smoke_cpu.sh): verl's default bf16, dynamic batching at
+#: 128 update / 256 old-pass tokens per micro-batch (each mini-batch of 64 sequences of 5-30 tokens spans several
+#: micro-batches, packed differently by the two budgets), shuffled mini-batches (two a step: ppo_mini_batch_size
+#: = BATCH / 2), and the head scaled by 30 (logits of tens, where one bf16 ulp is 0.06-0.125).
+GPU_PACKING = {"PRECISION": "bf16", "DYNAMIC_BSZ": "128", "HEAD_SCALE": "30"}
+
+
 def run_smoke(out: Path, loss: str, steps: int, *overrides: str, **env: str) -> subprocess.CompletedProcess:
     full_env = {
         **os.environ,
@@ -28,6 +43,7 @@ def run_smoke(out: Path, loss: str, steps: int, *overrides: str, **env: str) -> 
         "SMOKE_OUT": str(out),
         "LOSS": loss,
         "STEPS": str(steps),
+        **GPU_PACKING,
         **env,
     }
     full_env.pop("RAY_ADDRESS", None)
@@ -41,7 +57,8 @@ def run_smoke(out: Path, loss: str, steps: int, *overrides: str, **env: str) -> 
 
 def assert_on_policy_exact(data: dict, erc: bool, vocab_pass: bool = False) -> None:
     """The step's on-policy gauge reads exactly 0 (every mode packs its old-log-prob pass as the update) and
-    the workers' path record says how each micro-batch was computed (a measurement, not the driver's claim)."""
+    the workers' path record says how each micro-batch was computed (a measurement, not the driver's claim:
+    ``aligned_packing`` is 1 only where the update found its micro-batches packed as the old pass recorded)."""
     gauge = "actor/divclip/onpolicy/"
     assert data[gauge + "log_ratio_abs_max"] == 0.0 and data[gauge + "ratio_clipfrac"] == 0.0, data
     assert (gauge + "erc_masked_frac" in data) == erc
@@ -52,10 +69,12 @@ def assert_on_policy_exact(data: dict, erc: bool, vocab_pass: bool = False) -> N
     assert data[path + "vocab_pass"] == float(vocab_pass) and data[path + "entropy_fp32"] == float(erc or vocab_pass)
 
 
-def step_one_metrics(out: Path) -> dict:
-    """The metrics a one-step smoke logged for its training step."""
-    (line,) = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"step": 1' in x]
-    return line["data"]
+def step_metrics(out: Path) -> dict[int, dict]:
+    """Each logged step's metrics (step 0: validation before training; one line per step)."""
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = {line["step"]: line["data"] for line in lines}
+    assert len(metrics) == len(lines), "a step logged twice"
+    return metrics
 
 
 def assert_coarsened_kl_from_stored_top_k(data: dict, *more_diagnostic_keys: str) -> None:
@@ -81,7 +100,7 @@ def validation_length_args(out: Path) -> list[str]:
 
     assets = out / "assets"
     if not (assets / "data" / "val_long.parquet").exists():
-        build_smoke_assets(assets)
+        build_smoke_assets(assets, head_scale=float(GPU_PACKING["HEAD_SCALE"]))
         write_with_data_source(assets / "data" / "val.parquet", assets / "data" / "val_long.parquet", "smoke_echo_long")
     (default_length, _), (long_length, long_n) = VAL_LENGTHS["smoke_echo"], VAL_LENGTHS["smoke_echo_long"]
     validation = "actor_rollout_ref.rollout.custom.validation"
@@ -113,8 +132,31 @@ def erc_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def erc_control(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The erc_run's training, with verl's own packing of the old-log-prob pass."""
+    out = tmp_path_factory.mktemp("smoke_erc_control")
+    run_smoke(out, "erc_dapo", 3, "trainer.val_before_train=False",
+              "actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=false",
+              SAVE_FREQ="-1", TEST_FREQ="-1", RESPONSE_LEN=str(TRAIN_LENGTH))
+    return out
+
+
+def test_verls_packing_of_the_old_pass_shows_the_noise_the_alignment_removes(erc_run: Path, erc_control: Path) -> None:
+    """The control arm: the same training with pack_old_log_prob_as_update=false packs the old-log-prob pass by
+    its own (twice larger) budget, so on-policy log-ratios leave 0 on some step -- the kernels' noise, which the
+    aligned runs read as exactly 0 on every step. Which step shows it depends on the machine's kernels."""
+    control = step_metrics(erc_control)
+    gauge = "actor/divclip/onpolicy/log_ratio_abs_max"
+    assert {1, 2, 3} <= set(control)
+    assert max(control[step][gauge] for step in (1, 2, 3)) > 0, [control[step][gauge] for step in (1, 2, 3)]
+    assert all(control[step]["actor/divclip/path/aligned_packing"] == 0.0 for step in (1, 2, 3))
+    aligned = step_metrics(erc_run)
+    assert all(aligned[step][gauge] == 0.0 for step in (1, 2))
+
+
 def test_trainer_runs_erc_dapo_end_to_end(erc_run: Path) -> None:
-    metrics = {json.loads(line)["step"]: json.loads(line)["data"] for line in (erc_run / "metrics.jsonl").read_text().splitlines()}
+    metrics = step_metrics(erc_run)
     assert {1, 2} <= set(metrics)
     for step in (1, 2):
         data = metrics[step]
@@ -132,7 +174,7 @@ def test_trainer_runs_erc_dapo_end_to_end(erc_run: Path) -> None:
 
 
 def test_validation_runs_each_benchmark_at_its_own_length_and_n(erc_run: Path) -> None:
-    metrics = {json.loads(line)["step"]: json.loads(line)["data"] for line in (erc_run / "metrics.jsonl").read_text().splitlines()}
+    metrics = step_metrics(erc_run)
     validated = [step for step in sorted(metrics) if any(k.startswith("val-core/") for k in metrics[step])]
     assert validated == [0, 2]
     for step in validated:
@@ -161,7 +203,7 @@ def test_trainer_runs_kl_full_through_the_vocab_pass_end_to_end(tmp_path: Path) 
                      "actor_rollout_ref.actor.policy_loss.kl_full_top_k=8", SAVE_FREQ="-1", TEST_FREQ="-1",
                      VOCAB_PASS="1")
     assert "'vocab_pass': True" in proc.stdout  # the config verl's TaskRunner prints
-    data = step_one_metrics(tmp_path)
+    data = step_metrics(tmp_path)[1]
     assert "actor/divclip/erc/ratio_mean" not in data
     assert_on_policy_exact(data, erc=False, vocab_pass=True)
     assert_coarsened_kl_from_stored_top_k(data)

@@ -165,10 +165,13 @@ def build_tokenizer() -> Any:
     return tokenizer
 
 
-def build_model(tokenizer: Any, spec: SmokeModelSpec = SmokeModelSpec(), seed: int = 0) -> Any:
+def build_model(tokenizer: Any, spec: SmokeModelSpec = SmokeModelSpec(), seed: int = 0, head_scale: float = 1.0) -> Any:
     """A random-weight ``Qwen3ForCausalLM`` whose vocabulary is exactly the tokenizer's.
 
     The vocabulary must not be padded: a sampled id with no token would decode to nothing.
+    ``head_scale`` multiplies the output head: larger logits, as a trained model's are, so that one bf16 ulp
+    of a logit is large enough for the kernels' batch-size-dependent rounding to show in the log-probs
+    (the trainer-level on-policy tests, tests/test_onpolicy_trainer.py).
     """
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
@@ -182,6 +185,9 @@ def build_model(tokenizer: Any, spec: SmokeModelSpec = SmokeModelSpec(), seed: i
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
+    if head_scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(head_scale)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -190,12 +196,14 @@ def build_model(tokenizer: Any, spec: SmokeModelSpec = SmokeModelSpec(), seed: i
     return model
 
 
-def save_model_and_tokenizer(path: str | os.PathLike[str], spec: SmokeModelSpec = SmokeModelSpec(), seed: int = 0) -> str:
+def save_model_and_tokenizer(
+    path: str | os.PathLike[str], spec: SmokeModelSpec = SmokeModelSpec(), seed: int = 0, head_scale: float = 1.0
+) -> str:
     """Write the tiny Qwen3 checkpoint and its tokenizer to ``path`` (a HF model dir); return it."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, spec, seed)
+    model = build_model(tokenizer, spec, seed, head_scale)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return str(out)
@@ -282,10 +290,11 @@ def build_smoke_assets(
     n_val: int = 20,
     seed: int = 0,
     spec: SmokeModelSpec = SmokeModelSpec(),
+    head_scale: float = 1.0,
 ) -> SmokeAssets:
     """Model, tokenizer and data for the smoke run under ``out_dir`` (``model/``, ``data/``)."""
     out = Path(out_dir)
-    model_path = save_model_and_tokenizer(out / "model", spec, seed)
+    model_path = save_model_and_tokenizer(out / "model", spec, seed, head_scale)
     train_file, val_file = write_smoke_data(out / "data", task, n_train, n_val, seed)
     with open(Path(model_path) / "config.json") as f:
         vocab_size = int(json.load(f)["vocab_size"])
@@ -324,10 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train", type=int, default=512, help="training prompts")
     parser.add_argument("--val", type=int, default=20, help="validation prompts (disjoint from training)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--head-scale", type=float, default=1.0,
+                        help="multiply the model's output head (larger logits, as a trained model's)")
     parser.add_argument("--sft", type=int, default=0, metavar="N",
                         help="also write data/sft_train.parquet with N answered prompts (SFT -> RL chain)")
     args = parser.parse_args(argv)
-    assets = build_smoke_assets(args.out, args.task, args.train, args.val, args.seed)
+    assets = build_smoke_assets(args.out, args.task, args.train, args.val, args.seed, head_scale=args.head_scale)
     report = asdict(assets)
     if args.sft:
         report["sft_file"] = write_smoke_sft_data(Path(args.out) / "data", args.task, args.sft, args.seed)
