@@ -188,8 +188,10 @@ def validate_trainer_mode(config: DictConfig, actor: Any) -> None:
     * async modes: ``rollout.calculate_log_probs=true`` -- the behaviour policy's log-probs, from which the
       staleness figures (mu against pi_old) and verl's rollout correction are computed;
     * ``separate_async``: ``data.train_batch_size == parameter_sync_step * actor.ppo_mini_batch_size``, a
-      standalone rollout pool (``rollout.nnodes`` and ``rollout.n_gpus_per_node`` > 0), and a weight-transfer
-      backend other than ``naive`` (``rollout.checkpoint_engine.backend``; on the cpu platform ``cpu_gloo``).
+      standalone rollout pool (``rollout.nnodes`` and ``rollout.n_gpus_per_node`` > 0), a weight-transfer
+      backend other than ``naive`` (``rollout.checkpoint_engine.backend``; on the cpu platform ``cpu_gloo``),
+      verl's hybrid engine on (``hybrid_engine=false`` fails inside verl 0.9.1), and fixed micro-batches that
+      divide each rank's share of an update's samples (one update per ``parameter_sync_step``).
     """
     from verl.trainer.ppo.v1 import get_trainer_cls
 
@@ -231,6 +233,27 @@ def validate_trainer_mode(config: DictConfig, actor: Any) -> None:
             f"{ROLLOUT}.checkpoint_engine.backend=naive only serves colocated rollouts (nccl, nixl, ... on GPUs; "
             "cpu_gloo on the cpu platform)"
         )
+    if config.trainer.get("device", None) == "cpu" and backend != "cpu_gloo":
+        raise ConfigError(
+            f"{TRAINER_MODE}=separate_async on the cpu platform (trainer.device=cpu) moves weights with the cpu_gloo "
+            f"checkpoint engine: {ROLLOUT}.checkpoint_engine.backend={backend} needs GPUs"
+        )
+    if not config.actor_rollout_ref.get("hybrid_engine", True):
+        raise ConfigError(
+            f"{TRAINER_MODE}=separate_async with actor_rollout_ref.hybrid_engine=false fails inside verl 0.9.1's "
+            "PPOTrainerSeparateAsync._setup (a logger call with flush=True): leave actor_rollout_ref.hybrid_engine=true"
+        )
+    if not actor.use_dynamic_bsz:
+        ranks = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
+        rows = train_batch_size // sync_step * int(rollout.n)
+        for key, size in ((f"{ACTOR}.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu),
+                          (f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", rollout.get("log_prob_micro_batch_size_per_gpu"))):
+            if size and (rows % ranks or (rows // ranks) % int(size)):
+                raise ConfigError(
+                    f"{TRAINER_MODE}=separate_async trains {rows} samples per update (data.train_batch_size / "
+                    f"parameter_sync_step x rollout.n) over {ranks} actor ranks; {key}={size} must divide each rank's "
+                    f"{rows / ranks:g}"
+                )
 
 
 def validate_bypass_mode(config: DictConfig, actor: Any) -> None:

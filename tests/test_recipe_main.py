@@ -269,7 +269,7 @@ def test_trainer_logs_which_entropy_path_is_asked_for(monkeypatch, caplog, fused
 
 SEPARATE = ["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=1",
             "actor_rollout_ref.rollout.n_gpus_per_node=1", "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_gloo",
-            "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=2"]
+            "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.n_gpus_per_node=1"]
 
 
 @pytest.mark.parametrize(
@@ -282,12 +282,18 @@ SEPARATE = ["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout
         (["trainer.v1.trainer_mode=fully_async"], r"trainer\.v1\.trainer_mode='fully_async': Unknown trainer 'fully_async'"),
         (["trainer.v1.trainer_mode=colocate_async", "actor_rollout_ref.rollout.calculate_log_probs=false"],
          r"trainer\.v1\.trainer_mode=colocate_async .*actor_rollout_ref\.rollout\.calculate_log_probs=true is needed"),
-        ([*SEPARATE, "data.train_batch_size=6"],
-         r"data\.train_batch_size=6 must equal trainer\.v1\.separate_async\.parameter_sync_step=4 x "
-         r"actor_rollout_ref\.actor\.ppo_mini_batch_size=2"),
+        ([*SEPARATE, "data.train_batch_size=12"],
+         r"data\.train_batch_size=12 must equal trainer\.v1\.separate_async\.parameter_sync_step=4 x "
+         r"actor_rollout_ref\.actor\.ppo_mini_batch_size=4"),
         ([*SEPARATE, "actor_rollout_ref.rollout.nnodes=0"], r"actor_rollout_ref\.rollout\.nnodes must be > 0"),
         ([*SEPARATE, "actor_rollout_ref.rollout.checkpoint_engine.backend=naive"],
          r"actor_rollout_ref\.rollout\.checkpoint_engine\.backend=naive only serves colocated rollouts"),
+        ([*SEPARATE, "trainer.device=cpu", "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"],
+         r"on the cpu platform \(trainer\.device=cpu\) moves weights with the cpu_gloo checkpoint engine: "
+         r"actor_rollout_ref\.rollout\.checkpoint_engine\.backend=nccl needs GPUs"),
+        ([*SEPARATE, "actor_rollout_ref.hybrid_engine=false"], r"actor_rollout_ref\.hybrid_engine=false fails inside verl"),
+        ([*SEPARATE, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"],
+         r"trains 4 samples per update .* actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu=3 must divide"),
         (["algorithm.rollout_correction.bypass_mode=true"],
          r"bypass_mode=true skips the old-log-prob pass .*pack_old_log_prob_as_update=true has no pass to pack"),
     ],
