@@ -1,0 +1,129 @@
+"""verl's asynchronous trainer modes with the divclip rules, end to end on CPU (`launch/run_smoke_cpu.sh`: verl's
+real v1 trainer, local Ray, FSDP2, hf_cpu rollouts with partial rollout, our reward).
+
+Per mode -- ``colocate_async`` (trainer and rollout share the device slot; generation aborted at each step's
+end and resumed on the new weights) and ``separate_async`` (a standalone rollout pool on its own slot, weights
+sent over the ``cpu_gloo`` checkpoint engine, two updates per weight sync: verl's Decoupled PPO) -- one run
+trains ERC-DAPO for two steps, validates and writes a checkpoint; a second run resumes from it and trains kl3
+for two more steps (a resume restores the model, the optimizer, the dataloader and TransferQueue's prompt
+groups; the loss is configuration, so the resumed segment is where the second rule runs) and validates again.
+Both are trained as GPU users run verl (tests/test_smoke_cpu.py, ``GPU_PACKING``). The ``separate_async`` runs
+also turn on verl's rollout correction: token-level IS weights truncated to an IcePop-style band and
+token-level KL3 rejection sampling.
+
+Asserted on every step: a finite loss; the on-policy gauge exactly 0 on the step's first update (the one that
+starts from pi_old) with the packing the update found aligned; the staleness figures
+(``actor/divclip/staleness/*``: version lag, mu against pi_old), whose lag agrees with verl's own
+``trajectory_staleness_worst``; the rule of each segment. Across the resume, from the data trace: no prompt is
+trained twice, and every prompt the first run fetched and did not train was taken back from TransferQueue by
+the second. With rollout correction the weights reach the loss (``actor/divclip/rollout_is_weight_mean`` away
+from 1); tests/test_rollout_correction.py shows they change the gradient as verl's own loss applies them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from recipe.data_trace import read_trace
+from tests.test_smoke_cpu import assert_on_policy_exact, run_smoke, step_metrics
+
+MODE_ARGS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "colocate_async": (["trainer.v1.trainer_mode=colocate_async"], {}),
+    "separate_async": (["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=2",
+                        "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_gloo"], {"ROLLOUT_DEVICES": "1"}),
+}
+ROLLOUT_CORRECTION = [
+    "algorithm.rollout_correction.rollout_is=token",
+    "algorithm.rollout_correction.rollout_is_threshold='0.5_2.0'",  # IcePop-style band: weights outside are cut
+    "algorithm.rollout_correction.rollout_rs=token_k3",
+    "algorithm.rollout_correction.rollout_rs_threshold=2.0",
+]
+FIRST, RESUMED = (1, 2), (3, 4)
+STALENESS = "actor/divclip/staleness/"
+
+
+@pytest.fixture(scope="module", params=list(MODE_ARGS))
+def resumed_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    mode = request.param
+    out = tmp_path_factory.mktemp(f"smoke_{mode}")
+    overrides, env = MODE_ARGS[mode]
+    overrides = [*overrides, "trainer.val_before_train=False", *(ROLLOUT_CORRECTION if mode == "separate_async" else [])]
+    env = {**env, "DATA_TRACE": str(out / "trace.jsonl"), "SAVE_FREQ": "2", "TEST_FREQ": "2", "RESPONSE_LEN": "8"}
+    run_smoke(out, "erc_dapo", FIRST[-1], *overrides, **env)
+    first_checkpoint = sorted(p.name for p in (out / "ckpt").iterdir() if p.name.startswith("global_step_"))
+    run_smoke(out, "kl3", RESUMED[-1], *overrides, **env)
+    return {"mode": mode, "out": out, "metrics": step_metrics(out), "first_checkpoint": first_checkpoint}
+
+
+def test_both_rules_train_validate_and_resume(resumed_run: dict[str, Any]) -> None:
+    metrics, out = resumed_run["metrics"], resumed_run["out"]
+    assert resumed_run["first_checkpoint"] == ["global_step_2"]
+    assert set(FIRST + RESUMED) <= set(metrics)
+    for step in FIRST + RESUMED:
+        assert math.isfinite(metrics[step]["actor/pg_loss"]), step
+    for step in FIRST:  # ERC-DAPO: clip-higher with ERC's entropy band
+        assert "actor/divclip/erc/ratio_mean" in metrics[step] and metrics[step]["actor/divclip/erc/ratio_mean"] > 0
+    for step in RESUMED:  # kl3 at delta 0.07 after the resume
+        assert "actor/divclip/erc/ratio_mean" not in metrics[step]
+        assert metrics[step]["actor/divclip/ratio_lower"] == pytest.approx(0.671, abs=1e-3)
+    for step in (FIRST[-1], RESUMED[-1]):  # validation every second step, in each run
+        assert any(key.startswith("val-core/") for key in metrics[step]), step
+    attempts = sorted((out / "logs").glob("*.jsonl"))
+    assert len(attempts) == 2
+    resumed_steps = [json.loads(line)["step"] for line in attempts[1].read_text().splitlines()]
+    assert min(resumed_steps) == RESUMED[0]  # the second run continued from the checkpoint, not from scratch
+
+
+def test_every_step_starts_exactly_on_policy_and_reports_its_staleness(resumed_run: dict[str, Any]) -> None:
+    metrics = resumed_run["metrics"]
+    lags = []
+    for step in FIRST + RESUMED:
+        data = metrics[step]
+        assert_on_policy_exact(data, erc=step in FIRST)
+        lag_mean, lag_max = data[STALENESS + "version_lag_mean"], data[STALENESS + "version_lag_max"]
+        assert 0 <= lag_mean <= lag_max
+        # verl's own reading of the same tags, over the whole step: the same lag
+        assert lag_mean == pytest.approx(data["training/off_policy/trajectory_staleness_worst/mean"], abs=1e-9)
+        assert data[STALENESS + "behaviour_kl3_mean"] >= 0 and data[STALENESS + "behaviour_log_ratio_abs_max"] > 0
+        lags.append(lag_max)
+    assert max(lags) >= 1, lags  # samples of older policies were trained: the staleness is real
+
+
+def test_no_prompt_is_trained_twice_and_none_is_skipped_across_the_resume(resumed_run: dict[str, Any]) -> None:
+    path = str(resumed_run["out"] / "trace.jsonl")
+    attempts = list(dict.fromkeys(line["attempt"] for line in read_trace(path, "fetched")))
+    assert len(attempts) == 2
+
+    def prompts(event: str, attempt: str) -> list[tuple[Any, ...]]:
+        return [tuple(p) for line in read_trace(path, event) if line["attempt"] == attempt for p in line["prompts"]]
+
+    fetched_first, trained_first = prompts("fetched", attempts[0]), prompts("trained", attempts[0])
+    restored, fetched_second = prompts("restored", attempts[1]), prompts("fetched", attempts[1])
+    trained_second = prompts("trained", attempts[1])
+    trained = trained_first + trained_second
+    assert trained and max(Counter(trained).values()) == 1  # within the epoch: nothing trained twice
+    assert len(set(fetched_first)) == len(fetched_first) and not set(fetched_first) & set(fetched_second)
+    assert set(trained_first) <= set(fetched_first)
+    # what the first run held untrained at its checkpoint (the run ended there) came back, and nothing else
+    assert Counter(restored) == Counter(fetched_first) - Counter(trained_first)
+    assert set(trained_second) <= set(restored) | set(fetched_second)
+    assert {line["step"] for line in read_trace(path)} == set(FIRST + RESUMED)
+
+
+def test_rollout_correction_weights_reach_the_loss(resumed_run: dict[str, Any]) -> None:
+    metrics = resumed_run["metrics"]
+    if resumed_run["mode"] != "separate_async":
+        assert all("rollout_corr/rollout_is_mean" not in metrics[step] for step in FIRST + RESUMED)
+        assert all("actor/divclip/rollout_is_weight_mean" not in metrics[step] for step in FIRST + RESUMED)
+        return
+    for step in FIRST + RESUMED:
+        data = metrics[step]
+        assert "rollout_corr/rollout_is_mean" in data and "rollout_corr/rollout_rs_masked_fraction" in data
+        assert 0 < data["actor/divclip/rollout_is_weight_mean"] <= 2.0  # IcePop: weights outside [0.5, 2] are 0
+    assert any(metrics[step]["actor/divclip/rollout_is_weight_mean"] != 1.0 for step in FIRST + RESUMED)
