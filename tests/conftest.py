@@ -12,15 +12,17 @@ import verl  # noqa: F401  (runs the verl.plugins entry points)
 #: (measured with ``--durations``, 2026-11-25): end-to-end runs and fixtures of a minute or more. The
 #: order only affects how the two workers share the suite, not what any test checks.
 LONGEST_FIRST = (
-    "test_launch.py",
-    "test_two_nodes_ray.py",
     "test_onpolicy.py",
+    "test_two_nodes_ray.py",
+    "test_launch.py",
     "test_smoke_cpu.py",
+    "test_trainer_modes_cpu.py",
     "test_bench_gpu_probe_cpu.py",
     "test_sft_chain_cpu.py",
     "test_bench_entropy_memory.py",
     "test_dynamic_sampling_cpu.py",
     "test_recipe_main.py",
+    "test_verl_features_engine.py",
 )
 
 
