@@ -127,9 +127,10 @@ def _mismatch(symbol: Symbol, what: str, version: Optional[str] = None) -> VerlM
     )
 
 
-def check_verl_version(installed: Optional[str] = None, environ: Mapping[str, str] = os.environ) -> None:
-    """Refuse a verl release other than :data:`SUPPORTED_VERL`, unless ``environ`` sets
-    :data:`ALLOW_UNSUPPORTED_VERL_ENV` to ``1`` (then log a warning and go on).
+def check_verl_version(installed: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> None:
+    """Refuse a verl release other than :data:`SUPPORTED_VERL`, unless ``environ`` (default: the process's
+    environment as it is at the call) sets :data:`ALLOW_UNSUPPORTED_VERL_ENV` to ``1`` (then log a warning and
+    go on).
 
     Why refuse although every name is checked: the other checks see names, signatures and layouts, not
     behaviour -- a release that keeps them all and changes, say, how verl packs micro-batches would break
@@ -137,7 +138,7 @@ def check_verl_version(installed: Optional[str] = None, environ: Mapping[str, st
     installed = installed or verl_version()
     if installed == SUPPORTED_VERL:
         return
-    if environ.get(ALLOW_UNSUPPORTED_VERL_ENV, "").strip() == "1":
+    if (os.environ if environ is None else environ).get(ALLOW_UNSUPPORTED_VERL_ENV, "").strip() == "1":
         logger.warning(
             "verl %s is installed; verl-divclip's engine seam is written for verl %s and runs on it because %s=1",
             installed, SUPPORTED_VERL, ALLOW_UNSUPPORTED_VERL_ENV,
