@@ -17,6 +17,7 @@ What lives here:
 * :mod:`verl_ext.cpu.sampling` -- the server's batched sampling (torch only: vLLM's semantics).
 * :mod:`verl_ext.cpu.checkpoint_engine` -- the ``cpu_gloo`` checkpoint engine: weights from the actor
   ranks to a standalone rollout pool over gloo (``separate_async``).
+* :mod:`verl_ext.cpu.patch` -- how the two modules above replace a verl function: checked, once.
 
 Who may import it: :mod:`verl_ext.plugin` (lazily, under ``VERL_PLATFORM=cpu``), CPU-only tools and
 tests. The method core (:mod:`verl_ext.core`), the engine seam, the registry and the actor loss

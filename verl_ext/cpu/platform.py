@@ -37,10 +37,8 @@ See ``docs/cpu_platform.md`` for what works on CPU and what does not.
 
 from __future__ import annotations
 
-import functools
 import importlib.abc
 import importlib.machinery
-import inspect
 import logging
 import os
 import platform as _pyplatform
@@ -56,6 +54,7 @@ import torch
 from verl.plugin.platform import PlatformBase, PlatformRegistry
 
 from verl_ext.cpu import DEVICE_RESOURCE, PLATFORM_NAME  # PLATFORM_NAME: the VERL_PLATFORM value that selects this platform
+from verl_ext.cpu.patch import patch_verl
 
 logger = logging.getLogger(__name__)
 
@@ -280,28 +279,19 @@ def _patch_fsdp2_save_to_cpu() -> None:
     """Make ``fsdp2_sharded_save_to_cpu`` copy the shards it saves (module docstring, 4.). Idempotent."""
     from verl.utils import fsdp_utils
 
-    original = fsdp_utils.fsdp2_sharded_save_to_cpu
-    if getattr(original, "__verl_ext_cpu__", False):
-        return
-    params = list(inspect.signature(original).parameters)
-    if params != ["model"]:
-        raise RuntimeError(
-            "verl_ext.cpu.platform: verl.utils.fsdp_utils.fsdp2_sharded_save_to_cpu has parameters "
-            f"{params}, expected ['model'] as in verl 0.9.1; the CPU platform's copying save needs updating."
-        )
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def fsdp2_sharded_save_to_cpu(model: torch.nn.Module) -> tuple[dict[str, tuple[torch.Tensor, Any]], Any]:
+            cpu_sharded_state, global_spec = original(model)
+            live = _live_storages(model)
+            copied = {
+                name: (tensor.clone() if tensor.untyped_storage().data_ptr() in live else tensor, spec)
+                for name, (tensor, spec) in cpu_sharded_state.items()
+            }
+            return copied, global_spec
 
-    @functools.wraps(original)
-    def fsdp2_sharded_save_to_cpu(model: torch.nn.Module) -> tuple[dict[str, tuple[torch.Tensor, Any]], Any]:
-        cpu_sharded_state, global_spec = original(model)
-        live = _live_storages(model)
-        copied = {
-            name: (tensor.clone() if tensor.untyped_storage().data_ptr() in live else tensor, spec)
-            for name, (tensor, spec) in cpu_sharded_state.items()
-        }
-        return copied, global_spec
+        return fsdp2_sharded_save_to_cpu
 
-    fsdp2_sharded_save_to_cpu.__verl_ext_cpu__ = True  # type: ignore[attr-defined]
-    fsdp_utils.fsdp2_sharded_save_to_cpu = fsdp2_sharded_save_to_cpu
+    patch_verl(fsdp_utils, "fsdp2_sharded_save_to_cpu", ["model"], "verl.utils.fsdp_utils.fsdp2_sharded_save_to_cpu", make)
 
 
 def _fsdp1_guard(base: type) -> type:

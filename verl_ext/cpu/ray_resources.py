@@ -36,13 +36,12 @@ method's signature first (raises if verl changed it), and is applied once.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import threading
 from typing import Any, Callable
 
 from verl_ext.cpu import DEVICE_RESOURCE, cpu_platform_selected
+from verl_ext.cpu.patch import patch_verl
 
 logger = logging.getLogger(__name__)
 
@@ -111,27 +110,19 @@ def _check_cpu_resources_available(manager: Any) -> None:
 def _patch_resource_check() -> None:
     from verl.single_controller.ray.base import ResourcePoolManager
 
-    original: Callable[..., Any] = ResourcePoolManager._check_resource_available
-    if getattr(original, "__verl_ext_cpu__", False):
-        return
-    params = list(inspect.signature(original).parameters)
-    if params != ["self"]:
-        raise RuntimeError(
-            "verl_ext.cpu.ray_resources: verl.single_controller.ray.base.ResourcePoolManager._check_resource_available "
-            f"has parameters {params}, expected ['self'] as in verl 0.9.1; update the CPU resource check."
-        )
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _check_resource_available(self: Any) -> None:
+            # Decided per call, from the platform actually resolved in this process.
+            from verl.plugin.platform import get_platform
 
-    @functools.wraps(original)
-    def _check_resource_available(self: Any) -> None:
-        # Decided per call, from the platform actually resolved in this process.
-        from verl.plugin.platform import get_platform
+            if get_platform().ray_resource_name() == DEVICE_RESOURCE:
+                return _check_cpu_resources_available(self)
+            return original(self)
 
-        if get_platform().ray_resource_name() == DEVICE_RESOURCE:
-            return _check_cpu_resources_available(self)
-        return original(self)
+        return _check_resource_available
 
-    _check_resource_available.__verl_ext_cpu__ = True  # type: ignore[attr-defined]
-    ResourcePoolManager._check_resource_available = _check_resource_available  # type: ignore[method-assign]
+    patch_verl(ResourcePoolManager, "_check_resource_available", ["self"],
+               "verl.single_controller.ray.base.ResourcePoolManager._check_resource_available", make)
 
 
 def enable_cpu_ray() -> bool:
