@@ -101,11 +101,55 @@ def _load(proc: subprocess.CompletedProcess) -> Any:
     return yaml.safe_load(proc.stdout)
 
 
+#: A stand-in interpreter for the scripts (``PYTHON=<it>``): prints the data folder the script exported and the
+#: command line it would run, NUL-separated, instead of running Python.
+PRINTER = "#!/bin/sh\nprintf '%s\\0' \"$DIVCLIP_DATA_DIR\" \"$@\"\n"
+
+
 @pytest.fixture(scope="module")
-def dry_runs() -> dict[str, subprocess.CompletedProcess]:
-    """All dry runs, two at a time (the sweep's own rows two at a time as well)."""
-    jobs = {script: (script, ("--dry-run",), None) for script in [*ERC_SCRIPTS, *ATR_SCRIPTS, "run_quickstart_1gpu.sh"]}
-    jobs["run_atr_grpo_qwen3_8b.sh"] = ("run_atr_grpo_qwen3_8b.sh", ("--dry-run",), {"DATA_DIR": "/srv/divclip data"})
+def printer(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("printer") / "print_argv"
+    path.write_text(PRINTER)
+    path.chmod(0o755)
+    return str(path)
+
+
+def script_config(printer: str, script: str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The resolved config a script's dry run prints, composed and validated by ``recipe.main`` in this process
+    from the command line the script builds (read with :data:`PRINTER`): the script's own environment mapping,
+    argument handling and checks run as they are; only the Python start per script is saved. A few scripts
+    still dry-run for real (:func:`dry_runs`), which covers ``recipe.main --dry-run`` itself."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from recipe.main import CONFIG_DIR, validate
+
+    proc = run_script(script, *args, env={**(env or {}), "PYTHON": printer})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data_dir, *argv = proc.stdout.split("\0")[:-1]
+    assert argv[:2] == ["-m", "recipe.main"], argv
+    flags = [arg for arg in argv[2:] if arg.startswith("-")]
+    assert flags in ([], ["--dry-run"]), flags  # Hydra's own flags: the real dry runs
+    saved = os.environ.get("DIVCLIP_DATA_DIR")
+    os.environ["DIVCLIP_DATA_DIR"] = data_dir  # what the script exported for its interpreter
+    try:
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+            config = compose(config_name="divclip_trainer", overrides=[arg for arg in argv[2:] if arg not in flags])
+            validate(config)
+            return OmegaConf.to_container(config, resolve=True)
+    finally:
+        if saved is None:
+            os.environ.pop("DIVCLIP_DATA_DIR", None)
+        else:
+            os.environ["DIVCLIP_DATA_DIR"] = saved
+
+
+@pytest.fixture(scope="module")
+def dry_runs(printer: str) -> dict[str, Any]:
+    """Every script's resolved config: real dry runs (two at a time) where ``recipe.main --dry-run`` itself is
+    under test -- Hydra's flags passed through, the sweep, the quickstart, the async modes -- and the paper rows
+    through :func:`script_config`."""
+    jobs = {"run_quickstart_1gpu.sh": ("run_quickstart_1gpu.sh", ("--dry-run",), None)}
     # Hydra's flags pass through, wherever they are given
     jobs["env"] = ("run_erc_dapo_7b.sh", ("actor_rollout_ref.actor.optim.lr=2e-6", "--dry-run", "--config-name",
                                           "divclip_trainer", "trainer.nnodes=3"),
@@ -117,18 +161,24 @@ def dry_runs() -> dict[str, subprocess.CompletedProcess]:
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {key: pool.submit(run_script, script, *args, env=env)
                    for key, (script, args, env) in sorted(jobs.items(), key=lambda kv: kv[0] != "sweep")}
-        procs = {key: future.result() for key, future in futures.items()}
-    return procs
+        results: dict[str, Any] = {key: future.result() for key, future in futures.items()}
+    for script in [*ERC_SCRIPTS, *ATR_SCRIPTS]:
+        env = {"DATA_DIR": "/srv/divclip data"} if script == "run_atr_grpo_qwen3_8b.sh" else None
+        results[script] = script_config(printer, script, "--dry-run", env=env)
+    return results
 
 
-def _config(dry_runs: dict[str, subprocess.CompletedProcess], key: str) -> Any:
-    """The parsed YAML of one dry run (each test fails on its own run only)."""
-    proc = dry_runs[key]
-    assert proc.returncode == 0, f"{key}: {proc.stderr[-3000:]}"
+def _config(dry_runs: dict[str, Any], key: str) -> Any:
+    """One script's resolved config (each test fails on its own run only): composed in-process, or the parsed
+    YAML of a real dry run."""
+    result = dry_runs[key]
+    if isinstance(result, dict):
+        return result
+    assert result.returncode == 0, f"{key}: {result.stderr[-3000:]}"
     if key != "sweep":
-        return yaml.safe_load(proc.stdout)
-    names = re.findall(r"^--- # (\S+)$", proc.stdout, flags=re.M)
-    return dict(zip(names, yaml.safe_load_all(proc.stdout), strict=True))
+        return yaml.safe_load(result.stdout)
+    names = re.findall(r"^--- # (\S+)$", result.stdout, flags=re.M)
+    return dict(zip(names, yaml.safe_load_all(result.stdout), strict=True))
 
 
 def _actor(config: Any) -> Any:
@@ -337,28 +387,12 @@ def test_the_erc_7b_dry_run_validates_in_each_async_mode(dry_runs: dict[str, sub
     assert config["actor_rollout_ref"]["actor"]["policy_loss"]["erc_beta_low"] == 0.05
 
 
-def test_erc_7b_scripts_validate_in_each_async_mode(tmp_path: Path) -> None:
-    """Every ERC 7B script, with MODE set as a cluster user sets it: the Hydra command line the script builds
-    (read by a stand-in interpreter that prints it), composed and validated by recipe.main in this process --
-    what its dry run does, without a Python start per script (the real dry run: the test above)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from recipe.main import CONFIG_DIR, validate
-
-    printer = tmp_path / "print_argv"
-    printer.write_text("#!/bin/sh\nprintf '%s\\0' \"$@\"\n")
-    printer.chmod(0o755)
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-        for script in ERC_7B_SCRIPTS:
-            for mode, env in ASYNC_ENV.items():
-                proc = run_script(script, env={**env, "PYTHON": str(printer)})
-                assert proc.returncode == 0, proc.stderr
-                argv = proc.stdout.split("\0")[:-1]
-                assert argv[:2] == ["-m", "recipe.main"], argv
-                config = compose(config_name="divclip_trainer", overrides=argv[2:])
-                validate(config)
-                check_mode(OmegaConf.to_container(config, resolve=True), mode)
+def test_erc_7b_scripts_validate_in_each_async_mode(printer: str) -> None:
+    """Every ERC 7B script, with MODE set as a cluster user sets it, composed and validated as its dry run does
+    (:func:`script_config`; the real dry run: the test above)."""
+    for script in ERC_7B_SCRIPTS:
+        for mode, env in ASYNC_ENV.items():
+            check_mode(script_config(printer, script, "--dry-run", env=env), mode)
 
 
 @pytest.mark.parametrize("env, message", [
@@ -445,16 +479,14 @@ def _at(config: Any, dotted: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def released_dry_runs() -> dict[str, subprocess.CompletedProcess]:
-    """`bash launch/<script> --dry-run +profile=released` for every ERC script, two at a time."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {script: pool.submit(run_script, script, "+profile=released", "--dry-run") for script in sorted(ERC_SCRIPTS)}
-        return {script: future.result() for script, future in futures.items()}
+def released_dry_runs(printer: str) -> dict[str, dict[str, Any]]:
+    """`bash launch/<script> --dry-run +profile=released` for every ERC script (:func:`script_config`)."""
+    return {script: script_config(printer, script, "+profile=released", "--dry-run") for script in sorted(ERC_SCRIPTS)}
 
 
 @pytest.mark.parametrize("script", sorted(ERC_SCRIPTS))
 def test_erc_released_profile(released_dry_runs, script):
-    config = _load(released_dry_runs[script])
+    config = released_dry_runs[script]
     for key, value in RELEASED.items():
         assert _at(config, key) == value, key
     # what the profile leaves alone: the row's model and clip rule, the shared backbone

@@ -1,15 +1,14 @@
 """Launch rows beyond the papers: ERC stacked on verl's own GSPO and SAPO losses on the ERC paper's
-7B setup. Each script dry-runs through ``python -m recipe.main`` and its resolved YAML carries the
-rule, the ERC band and the ERC base settings (docs/experiments.md, "Beyond the papers")."""
+7B setup. Each script's command line, composed and validated by ``recipe.main`` as its dry run does,
+resolves to the rule, the ERC band and the ERC base settings (docs/experiments.md, "Beyond the papers")."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
-from tests.test_launch import _actor, _load, run_script
+from tests.test_launch import _actor, printer, script_config  # noqa: F401  (printer: the fixture)
 
 ROWS = {  # script -> (loss_mode, clip eps (low, high), loss_agg_mode, actor extras)
     "run_erc_gspo_7b.sh": ("gspo", (0.0003, 0.0004), "seq-mean-token-mean", {}),
@@ -18,10 +17,10 @@ ROWS = {  # script -> (loss_mode, clip eps (low, high), loss_agg_mode, actor ext
 
 
 @pytest.fixture(scope="module")
-def configs() -> dict[str, Any]:
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        procs = {script: pool.submit(run_script, script, "--dry-run") for script in ROWS}
-        return {script: _load(future.result()) for script, future in procs.items()}
+def configs(printer: str) -> dict[str, Any]:  # noqa: F811  (the imported fixture)
+    """Each row as its dry run resolves it (composed and validated in this process: tests/test_launch.py's
+    ``script_config``)."""
+    return {script: script_config(printer, script, "--dry-run") for script in ROWS}
 
 
 @pytest.mark.parametrize("script", sorted(ROWS))
