@@ -9,7 +9,8 @@ for two more steps (a resume restores the model, the optimizer, the dataloader a
 groups; the loss is configuration, so the resumed segment is where the second rule runs) and validates again.
 Both are trained as GPU users run verl (tests/test_smoke_cpu.py, ``GPU_PACKING``). The ``separate_async`` runs
 also turn on verl's rollout correction: token-level IS weights masked outside an IcePop-style band and
-token-level KL3 rejection sampling. The resumed ``colocate_async`` segment runs kl3 in ``bypass_mode``
+token-level KL3 rejection sampling; the ``colocate_async`` runs validate each benchmark at its own response
+length and sample count (recipe/validation/length.py). The resumed ``colocate_async`` segment runs kl3 in ``bypass_mode``
 (pi_old := mu, the rollout's log-probs: a trust region around the behaviour policy), which needs verl's own
 packing and marks no update on-policy.
 
@@ -34,7 +35,7 @@ from typing import Any
 import pytest
 
 from recipe.data_trace import read_trace
-from tests.test_smoke_cpu import assert_on_policy_exact, run_smoke, step_metrics
+from tests.test_smoke_cpu import VAL_LENGTHS, assert_on_policy_exact, run_smoke, step_metrics, validation_length_args
 
 MODE_ARGS: dict[str, tuple[list[str], dict[str, str]]] = {
     "colocate_async": (["trainer.v1.trainer_mode=colocate_async"], {}),
@@ -58,7 +59,9 @@ def resumed_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     mode = request.param
     out = tmp_path_factory.mktemp(f"smoke_{mode}")
     overrides, env = MODE_ARGS[mode]
-    overrides = [*overrides, "trainer.val_before_train=False", *(ROLLOUT_CORRECTION if mode == "separate_async" else [])]
+    # separate_async: rollout correction; colocate_async: validation at each benchmark's own length and n
+    mode_extras = ROLLOUT_CORRECTION if mode == "separate_async" else validation_length_args(out)
+    overrides = [*overrides, "trainer.val_before_train=False", *mode_extras]
     # lr 2e-4: one step moves the policy by a few nats on some tokens, so a sample one version old is off by that
     # much -- IcePop's band masks a quarter of the tokens. (At the smoke's 5e-3 it masked ~95%, and a batch with
     # every token outside the band makes verl 0.9.1's effective-sample-size figure divide by zero.)
@@ -85,6 +88,10 @@ def test_both_rules_train_validate_and_resume(resumed_run: dict[str, Any]) -> No
         assert metrics[step]["actor/divclip/ratio_lower"] == pytest.approx(0.671, abs=1e-3)
     for step in (FIRST[-1], RESUMED[-1]):  # validation every second step, in each run
         assert any(key.startswith("val-core/") for key in metrics[step]), step
+        if resumed_run["mode"] == "colocate_async":  # each benchmark at its own length and sample count
+            for source, (length, n) in VAL_LENGTHS.items():
+                assert metrics[step][f"val-aux/{source}/response_length/limit"] == length
+                assert f"val-core/{source}/acc/mean@{n}" in metrics[step]
     attempts = sorted((out / "logs").glob("*.jsonl"))
     assert len(attempts) == 2
     resumed_steps = [json.loads(line)["step"] for line in attempts[1].read_text().splitlines()]
