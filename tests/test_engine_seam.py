@@ -402,16 +402,26 @@ def test_a_step_is_refused_while_another_threads_step_swaps_or_reads_the_process
     assert out["globals_restored"]
 
 
+def swapping() -> list[Swap]:
+    """A step's swaps that include a module global (as the fp32 entropy's do)."""
+    return [Swap(types.ModuleType("verl_module"), "entropy_from_logits", None, "a global")]
+
+
+def reading() -> list[Swap]:
+    """A step that swaps nothing (verl's own loss): it only reads the globals."""
+    return []
+
+
 def test_one_threads_steps_nest_and_the_guard_is_free_again_after_a_refusal() -> None:
-    with seam._stepping(True):
-        with seam._stepping(True):  # re-entrant in one thread
+    with seam._stepping(swapping):
+        with seam._stepping(swapping):  # re-entrant in one thread
             pass
     assert not seam._active_steps
     errors: list[BaseException] = []
     inside, release = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with seam._stepping(False):
+        with seam._stepping(reading):
             inside.set()
             release.wait(10)
 
@@ -419,14 +429,14 @@ def test_one_threads_steps_nest_and_the_guard_is_free_again_after_a_refusal() ->
     holder.start()
     inside.wait(10)
     try:
-        with seam._stepping(True):
+        with seam._stepping(swapping):
             pass
     except RuntimeError as error:
         errors.append(error)
     release.set()
     holder.join(10)
     assert len(errors) == 1 and not seam._active_steps
-    with seam._stepping(True):
+    with seam._stepping(swapping):
         pass
 
 
@@ -513,3 +523,31 @@ def test_defining_a_constraint_twice_is_refused() -> None:
 
     with pytest.raises(ValueError, match="constraint 'kl3' is already defined"):
         define_constraint("kl3")(lambda inputs: None)
+
+
+def test_a_step_builds_its_swaps_and_registers_with_no_other_step_starting_or_ending_in_between() -> None:
+    """A swap captures the function it wraps when it is built: a step building its swaps while another thread's
+    swapping step runs would wrap that step's function, and if that step ended before this one registered, the
+    guard would let it run. So the build and the registration are one: here the other step is asked to end
+    during the build, cannot before the check, and this step is refused."""
+    inside, end, ended = threading.Event(), threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with seam._stepping(swapping):
+            inside.set()
+            end.wait(10)
+        ended.set()
+
+    def build_while_the_other_step_ends() -> list[Swap]:
+        end.set()
+        ended.wait(0.5)  # would be set within the build if the other step could unregister now
+        return swapping()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert inside.wait(10)
+    with pytest.raises(RuntimeError, match="two threads of one process"):
+        with seam._stepping(build_while_the_other_step_ends):
+            pass
+    holder.join(10)
+    assert ended.is_set() and not seam._active_steps

@@ -330,6 +330,29 @@ def test_the_update_checks_its_packing_against_the_old_pass_record(confident_mod
     assert found["no pass recorded, direct caller"] == [0.0]  # nothing aligned was observed: reported as 0
 
 
+def test_an_update_that_bypasses_the_mini_batch_hook_fails_instead_of_passing_unobserved() -> None:
+    """If verl stopped routing an update's mini-batches through ``TrainingWorker.train_batch`` (where the
+    observer counts them), the observer would compare nothing: a micro-batch before any mini-batch, or an
+    update that ends with recorded mini-batches never started, raises."""
+    from verl_ext.engine.packing import PackingMismatchError, PackingRecord, UpdateObserver
+
+    record = PackingRecord([(5, 1), (6, 2)], mini_batches=[[], []])  # two first-epoch mini-batches
+    early = UpdateObserver(record, first_epoch=2)
+    early.start(record.fingerprints)
+    with pytest.raises(PackingMismatchError, match="ran before any of the update's mini-batches started"):
+        early.observe(None)
+    short = UpdateObserver(record, first_epoch=2)
+    short.start(record.fingerprints)
+    short.start_mini_batch()
+    with pytest.raises(PackingMismatchError, match="the update ran 1 of its first epoch's 2 mini-batch"):
+        short.finish()
+    complete = UpdateObserver(record, first_epoch=2)
+    complete.start(record.fingerprints)
+    for _ in range(3):  # a second epoch's mini-batch is not compared
+        complete.start_mini_batch()
+    complete.finish()
+
+
 DP_MODES = ("kl3", "gspo", "erc", "kl_full", "erc+vocab_pass")
 ULYSSES_MODES = ("kl3", "gspo", "erc", "erc+vocab_pass")  # kl_full needs unsharded sequences (refused with Ulysses)
 TWO_RANK_PACKING = PACKINGS["dynamic 40/80, 2 shuffled mini-batches, 2 epochs"]

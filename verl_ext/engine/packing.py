@@ -309,6 +309,11 @@ class UpdateObserver:
 
     def observe(self, micro_batch: TensorDict) -> None:
         """An update micro-batch about to run: in the first epoch it must be the recorded one."""
+        if self.mini_batch < 0:
+            raise self._mismatch(
+                "an update micro-batch ran before any of the update's mini-batches started (verl's train_mini_batch "
+                "did not pass its mini-batches through TrainingWorker.train_batch), so the update cannot be compared"
+            )
         if self.mini_batch >= self.first_epoch:
             return  # later epochs are off-policy by definition; nothing was packed for them
         expected = self.record.mini_batches[self.mini_batch]
@@ -322,7 +327,13 @@ class UpdateObserver:
         self.micro_batch += 1
 
     def finish(self) -> None:
+        """The update call returned: its last mini-batch is complete, and every recorded one ran."""
         self._end_mini_batch()
+        if self.mini_batch + 1 < self.first_epoch:
+            raise self._mismatch(
+                f"the update ran {self.mini_batch + 1} of its first epoch's {self.first_epoch} mini-batch(es) through "
+                "TrainingWorker.train_batch, so the others were not compared"
+            )
 
 
 def update_mini_batches_per_epoch(worker: Any, data: TensorDict) -> int:

@@ -175,14 +175,18 @@ _active_steps: dict[int, list[bool]] = {}  # thread -> one entry per step it is 
 
 
 @contextmanager
-def _stepping(swaps_globals: bool) -> Iterator[None]:
+def _stepping(build_swaps: Callable[[], list[Swap]]) -> Iterator[list[Swap]]:
     """Every forward step of a covered engine runs inside this: verl's code *reads* the module globals
     ``entropy_from_logits`` / ``logprobs_from_logits`` in every step, and a step with the fp32 entropy or the
     top-k *swaps* them for its duration. So a step refuses to start while a step of another thread is
     running and either of the two swaps -- the reader would compute with the other's functions, or the
-    other with this one's. Steps that swap nothing may run side by side; one thread's steps nest freely."""
+    other with this one's. Steps that swap nothing may run side by side; one thread's steps nest freely.
+    The step's swaps are built (they capture the functions they wrap) and the step registered under one
+    lock, so no other thread's step can start or end in between; yields the swaps."""
     me = threading.get_ident()
     with _steps_lock:
+        swaps = build_swaps()
+        swaps_globals = any(isinstance(swap.owner, types.ModuleType) for swap in swaps)
         others = [swaps for thread, steps in _active_steps.items() if thread != me for swaps in steps]
         if others and (swaps_globals or any(others)):
             raise RuntimeError(
@@ -192,7 +196,7 @@ def _stepping(swaps_globals: bool) -> Iterator[None]:
             )
         _active_steps.setdefault(me, []).append(swaps_globals)
     try:
-        yield
+        yield swaps
     finally:
         with _steps_lock:
             steps = _active_steps[me]
@@ -217,13 +221,13 @@ def logprobs_swap(entropy_detached: bool, topk: Optional[TopKStep]) -> Swap:
     return Swap(impl, "logprobs_from_logits", logprobs_from_logits, "fp32 entropy / pi_old's top-k")
 
 
-def step_swaps(engine: Any, features: EngineFeatures, micro_batch: Any, loss_function: Any) -> tuple[list[Swap], Optional[TopKStep]]:
+def step_swaps(engine: Any, features: EngineFeatures, micro_batch: Any, loss_function: Any) -> list[Swap]:
     """Every swap of one forward step, decided in the documented order (module docstring, item 4)."""
     topk = topk_step(micro_batch, loss_function)
     if topk is not None:
         refuse_ulysses(engine)
     if features.request.vocab_pass:
-        return vocab_pass_swaps(engine, loss_function, observers=[topk] if topk is not None else []), topk
+        return vocab_pass_swaps(engine, loss_function, observers=[topk] if topk is not None else [])
     swaps: list[Swap] = []
     if features.entropy_fn is not None:
         swaps += entropy_swaps(engine, features.entropy_fn)
@@ -231,7 +235,7 @@ def step_swaps(engine: Any, features: EngineFeatures, micro_batch: Any, loss_fun
         swaps.append(logprobs_swap(features.entropy_fn is not None, topk))
     if topk is not None:
         swaps.append(topk_outputs_swap(engine, topk))
-    return swaps, topk
+    return swaps
 
 
 def _forward_step(original: Callable[..., Any], engine: Any, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
@@ -244,10 +248,8 @@ def _forward_step(original: Callable[..., Any], engine: Any, micro_batch: Any, l
     if features is None:
         features = EngineFeatures(EngineRequest(), EntropyPath.VERL, None)
     aligned = observed_packing(engine, micro_batch, forward_only)
-    swaps, topk = step_swaps(engine, features, micro_batch, loss_function)
     tu.assign_non_tensor(micro_batch, **{STEP_PATH_KEY: features.step_path(aligned)})
-    swaps_globals = any(isinstance(swap.owner, types.ModuleType) for swap in swaps)
-    with _stepping(swaps_globals), swapped(swaps):
+    with _stepping(lambda: step_swaps(engine, features, micro_batch, loss_function)) as swaps, swapped(swaps):
         return original(engine, micro_batch, loss_function=loss_function, forward_only=forward_only)
 
 
