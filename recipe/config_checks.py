@@ -88,7 +88,17 @@ def validate_divclip_config(config: DictConfig) -> Any:
     if isinstance(policy, DivClipPolicyLossConfig) and policy.adaptive_delta_enabled:
         train_prompts = config.data.get("train_batch_size", None)
         on_policy = actor.ppo_epochs == 1 and train_prompts is not None and actor.ppo_mini_batch_size >= train_prompts
-        if on_policy:
+        separate = OmegaConf.select(config, TRAINER_MODE, default="sync") == "separate_async"
+        sync_step = OmegaConf.select(config, "trainer.v1.separate_async.parameter_sync_step", default=1)
+        if separate and actor.ppo_epochs == 1 and sync_step == 1:
+            raise ConfigError(
+                f"{ACTOR}.policy_loss.adaptive_delta_target: {TRAINER_MODE}=separate_async with "
+                f"trainer.v1.separate_async.parameter_sync_step=1 and {ACTOR}.ppo_epochs=1 makes every update one "
+                "on-policy mini-batch, whose measured KL3 is 0: the controller would have nothing to read. Use "
+                "parameter_sync_step > 1 (the later updates of each cycle measure the drift from pi_old), more "
+                "ppo_epochs, or a static delta"
+            )
+        if on_policy and not separate:
             raise ConfigError(
                 f"{ACTOR}.policy_loss.adaptive_delta_target: with one PPO mini-batch per step "
                 f"({ACTOR}.ppo_mini_batch_size={actor.ppo_mini_batch_size} >= data.train_batch_size={train_prompts}) "
@@ -190,8 +200,9 @@ def validate_trainer_mode(config: DictConfig, actor: Any) -> None:
     * ``separate_async``: ``data.train_batch_size == parameter_sync_step * actor.ppo_mini_batch_size``, a
       standalone rollout pool (``rollout.nnodes`` and ``rollout.n_gpus_per_node`` > 0), a weight-transfer
       backend other than ``naive`` (``rollout.checkpoint_engine.backend``; on the cpu platform ``cpu_gloo``),
-      verl's hybrid engine on (``hybrid_engine=false`` fails inside verl 0.9.1), and fixed micro-batches that
-      divide each rank's share of an update's samples (one update per ``parameter_sync_step``).
+      verl's hybrid engine on (``hybrid_engine=false`` fails inside verl 0.9.1), a reward model (if any) in its
+      own resource pool, no rollout disaggregation with the hybrid switch, and fixed micro-batches that divide
+      each data-parallel rank's share of an update's samples (one update per ``parameter_sync_step``).
     """
     from verl.trainer.ppo.v1 import get_trainer_cls
 
@@ -243,17 +254,39 @@ def validate_trainer_mode(config: DictConfig, actor: Any) -> None:
             f"{TRAINER_MODE}=separate_async with actor_rollout_ref.hybrid_engine=false fails inside verl 0.9.1's "
             "PPOTrainerSeparateAsync._setup (a logger call with flush=True): leave actor_rollout_ref.hybrid_engine=true"
         )
+    if OmegaConf.select(config, "reward.reward_model.enable", default=False) and not OmegaConf.select(
+            config, "reward.reward_model.enable_resource_pool", default=False):
+        raise ConfigError(
+            f"{TRAINER_MODE}=separate_async never pauses the standalone rollout to free memory for a colocated reward "
+            "model: with reward.reward_model.enable=true set reward.reward_model.enable_resource_pool=true"
+        )
+    if OmegaConf.select(separate, "hybrid_rollout.enable_switch", default=False) and config.actor_rollout_ref.get(
+            "hybrid_engine", True) and OmegaConf.select(rollout, "disaggregation.enabled", default=False):
+        raise ConfigError(
+            f"{TRAINER_MODE}=separate_async: trainer.v1.separate_async.hybrid_rollout.enable_switch=true does not "
+            f"support {ROLLOUT}.disaggregation.enabled=true (verl moves paused replicas' queued requests)"
+        )
     if not actor.use_dynamic_bsz:
-        ranks = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
+        # data-parallel ranks: Ulysses sequence parallelism shares each sample among sp ranks
+        ranks = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node) // _ulysses_size(actor)
         rows = train_batch_size // sync_step * int(rollout.n)
         for key, size in ((f"{ACTOR}.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu),
                           (f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", rollout.get("log_prob_micro_batch_size_per_gpu"))):
             if size and (rows % ranks or (rows // ranks) % int(size)):
                 raise ConfigError(
                     f"{TRAINER_MODE}=separate_async trains {rows} samples per update (data.train_batch_size / "
-                    f"parameter_sync_step x rollout.n) over {ranks} actor ranks; {key}={size} must divide each rank's "
+                    f"parameter_sync_step x rollout.n) over {ranks} data-parallel actor ranks; {key}={size} must divide each rank's "
                     f"{rows / ranks:g}"
                 )
+
+
+def _ulysses_size(actor: Any) -> int:
+    """The actor's Ulysses sequence-parallel size (the actor's key or its engine's, whichever is set)."""
+    engine = getattr(actor, "fsdp_config", None)
+    return max(
+        int(getattr(actor, "ulysses_sequence_parallel_size", 1) or 1),
+        int(getattr(engine, "ulysses_sequence_parallel_size", 1) or 1),
+    )
 
 
 def validate_bypass_mode(config: DictConfig, actor: Any) -> None:
@@ -312,11 +345,7 @@ def validate_old_topk(config: DictConfig, actor: Any, policy: DivClipPolicyLossC
             f"{what} needs the logits to take pi_old's top-k and pi_theta's log-probs on it; verl's fused kernels "
             "never materialise them: set actor_rollout_ref.model.use_fused_kernels=False"
         )
-    engine = getattr(actor, "fsdp_config", None)
-    sp_size = max(
-        int(getattr(actor, "ulysses_sequence_parallel_size", 1) or 1),
-        int(getattr(engine, "ulysses_sequence_parallel_size", 1) or 1),
-    )
+    sp_size = _ulysses_size(actor)
     if sp_size > 1:
         raise ConfigError(
             f"{what} takes the top-k from the logits of whole packed sequences; Ulysses sequence parallelism shards "

@@ -56,9 +56,12 @@ class DataTrace:
             ids.append(self._prompts[str(uid)])
         self._append({"event": event, "step": int(step), "attempt": self.attempt, "prompts": ids})
 
-    def trained(self, step: int, sample_keys: Iterable[str]) -> None:
-        """Step ``step`` updated the actor on these samples (verl's ``{uid}_{session}_{index}`` keys)."""
-        samples = Counter(str(key).split("_", 1)[0] for key in sample_keys)
+    def trained(self, step: int, sample_keys: Iterable[str], tags: Iterable[dict[str, Any]]) -> None:
+        """Step ``step`` updated the actor on these samples (verl's ``{uid}_{session}_{index}`` keys, with their
+        TransferQueue tags): the synthetic samples verl appends to make a batch divisible (tagged ``is_padding``,
+        ``verl.trainer.ppo.padding_utils``) belong to no prompt and are left out."""
+        samples = Counter(str(key).split("_", 1)[0] for key, tag in zip(sample_keys, tags, strict=True)
+                          if not tag.get("is_padding", False))
         unknown = sorted(uid for uid in samples if uid not in self._prompts)
         if unknown:
             raise KeyError(f"{DATA_TRACE_KEY}: step {step} trained on prompts never fetched: {unknown[:3]}")

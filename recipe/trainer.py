@@ -210,20 +210,27 @@ class DivClipTrainer(ValidationLengthTrainerMixin):
         # unless bypass_mode skipped that pass; and pi_theta is pi_old when the update starts, unless pi_old
         # is the behaviour policy (bypass) or the first weights of a Decoupled-PPO cycle (a later update of it)
         bypass = self._bypass_mode()
-        batch.extra_info.update({
-            UPDATE_FOLLOWS_OLD_PASS_KEY: not bypass,
-            STARTS_ON_POLICY_KEY: not bypass and getattr(self, "local_trigger_step", 0) == 0,
-        })
+        starts_on_policy = not bypass and getattr(self, "local_trigger_step", 0) == 0
+        batch.extra_info.update({UPDATE_FOLLOWS_OLD_PASS_KEY: not bypass, STARTS_ON_POLICY_KEY: starts_on_policy})
         batch = super()._update_actor(batch, metrics=metrics)
         if self.data_trace is not None:
-            self.data_trace.trained(self.global_steps, batch.keys)
-        if self.adaptive_delta is not None:
+            self.data_trace.trained(self.global_steps, batch.keys, batch.tags)
+        if self.adaptive_delta is not None and self._update_measures_drift(starts_on_policy):
             # the update's KL3, all-gathered over data-parallel ranks and reduced by verl
             changed = self.adaptive_delta.update(metrics)
             metrics["actor/divclip/delta_next"] = self.adaptive_delta.delta
             if changed:
                 self.install_actor_loss()
         return batch
+
+    def _update_measures_drift(self, starts_on_policy: bool) -> bool:
+        """Whether the update's KL3 measures how far the policy moves, for adaptive delta. Not when the update is
+        one on-policy pass: ``separate_async`` trains one mini-batch per update, so with ``ppo_epochs=1`` the first
+        update of each ``parameter_sync_step`` cycle starts at pi_old and reads exactly 0 whatever delta is (in the
+        other modes one mini-batch per step is refused before Ray)."""
+        actor = self.config.actor_rollout_ref.actor
+        one_pass = self.config.trainer.v1.trainer_mode == "separate_async" and actor.ppo_epochs == 1
+        return not (starts_on_policy and one_pass)
 
 
 def _column(batch: Any, key: str) -> list[Any]:

@@ -48,9 +48,10 @@ def test_the_trace_records_each_steps_prompts_once(tmp_path: Path) -> None:
     path = str(tmp_path / "trace.jsonl")
     trace = DataTrace(path)
     trace.fetched(1, ["u1", "u2"], [7, 3], [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]])
-    trace.trained(1, ["u1_0_0", "u1_1_0", "u2_0_0", "u2_1_0"])
+    padding = {"is_padding": True}  # verl's samples that make a batch divisible: no prompt, not counted
+    trace.trained(1, ["u1_0_0", "u1_1_0", "u2_0_0", "u2_1_0", "pad9f_0_0", "pad9f_1_0"], [{}] * 4 + [padding] * 2)
     trace.fetched(2, ["u3"], [7], [[{"role": "user", "content": "a"}]])  # the same prompt fetched again
-    trace.trained(2, ["u3_0_0"])
+    trace.trained(2, ["u3_0_0"], [{}])
     lines = read_trace(path)
     assert [line["step"] for line in lines] == [1, 2] and lines[0]["samples"] == 4
     a, b = prompt_id(7, [{"role": "user", "content": "a"}]), prompt_id(3, [{"role": "user", "content": "b"}])
@@ -59,11 +60,11 @@ def test_the_trace_records_each_steps_prompts_once(tmp_path: Path) -> None:
     assert [line["prompts"] for line in read_trace(path, "fetched")] == [[a, b], [a]]  # in fetch order
     resumed = DataTrace(path)  # another attempt takes a group back from TransferQueue
     resumed.fetched(3, ["u4"], [3], [[{"role": "user", "content": "b"}]], event="restored")
-    resumed.trained(3, ["u4_0_0"])
+    resumed.trained(3, ["u4_0_0"], [{}])
     (restored,) = read_trace(path, "restored")
     assert restored["prompts"] == [b] and restored["step"] == 3 and restored["attempt"] == resumed.attempt
     with pytest.raises(KeyError, match="never fetched"):
-        trace.trained(3, ["u9_0_0"])
+        trace.trained(3, ["u9_0_0"], [{}])
     with pytest.raises(ValueError, match="divclip.data_trace='trace.jsonl' must be an absolute path"):
         DataTrace("trace.jsonl")
     assert json.loads((tmp_path / "trace.jsonl").read_text().splitlines()[0])["prompts"][1][0] == 3

@@ -294,6 +294,14 @@ SEPARATE = ["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout
         ([*SEPARATE, "actor_rollout_ref.hybrid_engine=false"], r"actor_rollout_ref\.hybrid_engine=false fails inside verl"),
         ([*SEPARATE, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"],
          r"trains 4 samples per update .* actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu=3 must divide"),
+        ([*SEPARATE, "reward.reward_model.enable=true"],
+         r"separate_async never pauses .* set reward\.reward_model\.enable_resource_pool=true"),
+        ([*SEPARATE, "trainer.v1.separate_async.hybrid_rollout.enable_switch=true",
+          "actor_rollout_ref.rollout.disaggregation.enabled=true"],
+         r"hybrid_rollout\.enable_switch=true does not support actor_rollout_ref\.rollout\.disaggregation\.enabled"),
+        ([*SEPARATE, "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"],
+         r"over 2 data-parallel actor ranks; actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu=4 must divide each "
+         r"rank's 2"),
         (["algorithm.rollout_correction.bypass_mode=true"],
          r"bypass_mode=true skips the old-log-prob pass .*pack_old_log_prob_as_update=true has no pass to pack"),
     ],
@@ -315,6 +323,14 @@ def test_every_trainer_mode_validates_and_selects_verls_class_with_the_divclip_f
     assert issubclass(cls, get_trainer_cls(mode)) and issubclass(cls, DivClipTrainer)
     assert cls.__mro__[1] is DivClipTrainer  # the divclip hooks run first and call verl's class through super()
     assert divclip_trainer_class(mode) is cls and getattr(sys.modules["recipe.trainer"], cls.__name__) is cls
+
+
+def test_separate_async_divides_an_update_among_data_parallel_ranks_not_ulysses_ranks() -> None:
+    """Two ranks in one Ulysses group are one data-parallel rank: its 4 samples fit micro-batches of 4 (refused
+    above without sequence parallelism, where each of the two ranks holds 2)."""
+    validate_divclip_config(compose_config(*SEPARATE, "trainer.n_gpus_per_node=2",
+                                           "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"))
 
 
 def test_bypass_mode_runs_non_entropy_modes_with_verls_packing() -> None:
