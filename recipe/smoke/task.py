@@ -171,7 +171,7 @@ def build_model(tokenizer: Any, spec: SmokeModelSpec = SmokeModelSpec(), seed: i
     The vocabulary must not be padded: a sampled id with no token would decode to nothing.
     ``head_scale`` multiplies the output head: larger logits, as a trained model's are, so that one bf16 ulp
     of a logit is large enough for the kernels' batch-size-dependent rounding to show in the log-probs
-    (the trainer-level on-policy tests, tests/test_onpolicy_trainer.py).
+    (the trainer-level on-policy tests: tests/test_smoke_cpu.py, tests/test_sft_chain_cpu.py).
     """
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM

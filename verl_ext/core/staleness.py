@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from verl_ext.core.divergences import kl3
+
 
 def version_lag(trained_version: int, min_versions: Sequence[int]) -> dict[str, float]:
     """Per sample, how many weight versions its oldest token lags behind pi_old, the version the trainer
@@ -40,5 +42,4 @@ def behaviour_divergence(old_log_prob: torch.Tensor, rollout_log_prob: torch.Ten
     if not valid.any():
         return {}
     log_w = (old_log_prob.double() - rollout_log_prob.double())[valid]
-    kl3 = torch.expm1(log_w) - log_w
-    return {"behaviour_kl3_mean": float(kl3.mean()), "behaviour_log_ratio_abs_max": float(log_w.abs().max())}
+    return {"behaviour_kl3_mean": float(kl3(log_w).mean()), "behaviour_log_ratio_abs_max": float(log_w.abs().max())}

@@ -76,7 +76,7 @@ ROW_KEY = "divclip_row"
 """Tensor field the seam adds to a batch it packs or trains: each row's position in the batch the worker
 received, so that every micro-batch says which rows it holds."""
 
-_MINI_BATCHES_SEEN = "_divclip_mini_batches_seen"
+_NEXT_ON_POLICY = "_divclip_next_mini_batch_on_policy"
 _RECORD_ATTR = "_divclip_packing_record"
 _RECORDING_ATTR = "_divclip_recording"
 _OBSERVER_ATTR = "_divclip_update_observer"
@@ -399,13 +399,13 @@ def is_on_policy(data: TensorDict) -> bool:
 
 
 def marking_on_policy(train_mini_batch: Callable[..., Any], worker: Any, data: TensorDict, pack_as_update: bool) -> Any:
-    """``TrainingWorker.train_mini_batch``, observed (:func:`observing_update`) and counting the mini-batches
-    it runs (see :func:`marking_first_mini_batch`)."""
+    """``TrainingWorker.train_mini_batch``, observed (:func:`observing_update`), its first mini-batch marked
+    on-policy when the call starts from pi_old (see :func:`marking_first_mini_batch`)."""
     from verl.utils import tensordict_utils as tu
 
     observer = observing_update(worker, data, pack_as_update)
     starts_on_policy = bool(tu.get_non_tensor_data(data=data, key=STARTS_ON_POLICY_KEY, default=True))
-    setattr(worker, _MINI_BATCHES_SEEN, 0 if starts_on_policy else -1)
+    setattr(worker, _NEXT_ON_POLICY, starts_on_policy)
     setattr(worker.engine, _OBSERVER_ATTR, observer)
     try:
         output = train_mini_batch(worker, data)
@@ -413,7 +413,7 @@ def marking_on_policy(train_mini_batch: Callable[..., Any], worker: Any, data: T
             observer.finish()
         return output
     finally:
-        setattr(worker, _MINI_BATCHES_SEEN, None)
+        setattr(worker, _NEXT_ON_POLICY, None)
         setattr(worker.engine, _OBSERVER_ATTR, None)
 
 
@@ -425,8 +425,8 @@ def marking_first_mini_batch(train_batch: Callable[..., Any], worker: Any, data:
     observer: Optional[UpdateObserver] = getattr(worker.engine, _OBSERVER_ATTR, None)
     if observer is not None:
         observer.start_mini_batch()
-    seen = getattr(worker, _MINI_BATCHES_SEEN, None)
-    if seen is not None:
-        tu.assign_non_tensor(data, **{ON_POLICY_KEY: seen == 0})
-        setattr(worker, _MINI_BATCHES_SEEN, seen + 1 if seen >= 0 else seen)
+    on_policy = getattr(worker, _NEXT_ON_POLICY, None)
+    if on_policy is not None:  # inside a train_mini_batch call: only its first mini-batch can be on-policy
+        tu.assign_non_tensor(data, **{ON_POLICY_KEY: on_policy})
+        setattr(worker, _NEXT_ON_POLICY, False)
     return train_batch(worker, data)

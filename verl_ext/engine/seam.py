@@ -61,7 +61,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 
 from verl_ext.engine.entropy_path import entropy_fn_for, entropy_swaps
-from verl_ext.engine.guard import ENGINE_MODULE, WORKER_MODULE, check_engine_instance, check_verl
+from verl_ext.engine.guard import ENGINE_MODULE, WORKER_MODULE, check_engine_instance, check_verl, engine_attribute
 from verl_ext.engine.packing import infer_as_update, marking_first_mini_batch, marking_on_policy, observed_packing
 from verl_ext.engine.request import (
     STEP_PATH_KEY,
@@ -148,7 +148,9 @@ def set_features(engine: Any, request: EngineRequest) -> EngineFeatures:
         check_engine_instance(engine)
         if request.vocab_pass:
             refuse_fused_kernels(engine)
-    use_fused = bool(getattr(getattr(engine, "engine_config", None), "use_fused_kernels", False))
+    # checked by check_engine_instance above whenever the loss asks for anything; with nothing asked the entropy
+    # path is verl's whatever the engine (an uncovered one included) says
+    use_fused = request.any and bool(engine_attribute(engine, "engine_config.use_fused_kernels"))
     path = resolve_entropy_path(request, use_fused_kernels=use_fused)
     features = EngineFeatures(request, path, entropy_fn_for(engine) if path is EntropyPath.DIVCLIP_FP32 else None)
     previous = features_of(engine)
