@@ -8,11 +8,10 @@ import json
 from typing import Any
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from recipe.main import CONFIG_DIR
 from recipe.config_checks import ConfigError, validate_divclip_config
 from tests.test_losses import actor_config, random_batch, run_registry_loss
+from tests.test_recipe_main import SEPARATE, compose_config
 from verl_ext.adaptive_delta import SEQUENCE_METRIC, STATE_FILE, TOKEN_METRIC, AdaptiveDelta
 from verl_ext.config import DivClipPolicyLossConfig
 
@@ -131,11 +130,6 @@ def test_verls_own_trainer_path_refuses_the_adaptive_knob():
         run_registry_loss("kl3", old, new, adv, mask, actor_config("kl3", adaptive_delta_target=0.01))
 
 
-def compose_config(*overrides: str) -> Any:
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-        return compose(config_name="divclip_trainer", overrides=list(overrides))
-
-
 def test_on_policy_updates_are_rejected_before_ray():
     on = [f"{P}.adaptive_delta_target=0.01", "data.train_batch_size=16"]
     with pytest.raises(ConfigError, match=r"ppo_mini_batch_size=16 >= data\.train_batch_size=16"):
@@ -145,9 +139,7 @@ def test_on_policy_updates_are_rejected_before_ray():
                                            "actor_rollout_ref.actor.ppo_epochs=2"))
 
 
-SEPARATE = ["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=1",
-            "actor_rollout_ref.rollout.n_gpus_per_node=1", "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_gloo",
-            "trainer.n_gpus_per_node=1", f"{P}.adaptive_delta_target=0.01"]
+ADAPTIVE_SEPARATE = [*SEPARATE, f"{P}.adaptive_delta_target=0.01"]  # 16 prompts a step, mini-batches of 4
 
 
 def test_separate_async_with_one_on_policy_mini_batch_per_update_is_rejected_before_ray():
@@ -156,10 +148,9 @@ def test_separate_async_with_one_on_policy_mini_batch_per_update_is_rejected_bef
            "trainer.v1.separate_async.parameter_sync_step=1"]
     with pytest.raises(ConfigError, match=r"parameter_sync_step=1 and actor_rollout_ref\.actor\.ppo_epochs=1 makes every "
                                           r"update one on-policy mini-batch"):
-        validate_divclip_config(compose_config(*SEPARATE, *one))
-    validate_divclip_config(compose_config(*SEPARATE, *one, "actor_rollout_ref.actor.ppo_epochs=2"))
-    validate_divclip_config(compose_config(*SEPARATE, "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-                                           "trainer.v1.separate_async.parameter_sync_step=4"))
+        validate_divclip_config(compose_config(*ADAPTIVE_SEPARATE, *one))
+    validate_divclip_config(compose_config(*ADAPTIVE_SEPARATE, *one, "actor_rollout_ref.actor.ppo_epochs=2"))
+    validate_divclip_config(compose_config(*ADAPTIVE_SEPARATE, "trainer.v1.separate_async.parameter_sync_step=4"))
 
 
 class FakeWorkerGroup:
@@ -238,8 +229,8 @@ def test_separate_async_feeds_the_controller_the_updates_that_measure_drift(monk
     monkeypatch.setattr(verl_class, "_update_actor", verl_update_actor)
     monkeypatch.setattr(verl_class, "_load_checkpoint", lambda self: setattr(self, "global_steps", 0))
     trainer = object.__new__(divclip_trainer_class("separate_async"))
-    trainer.config = compose_config(*SEPARATE, "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-                                    "trainer.v1.separate_async.parameter_sync_step=4", f"trainer.default_local_dir={tmp_path}")
+    trainer.config = compose_config(*ADAPTIVE_SEPARATE, "trainer.v1.separate_async.parameter_sync_step=4",
+                                    f"trainer.default_local_dir={tmp_path}")
     trainer.actor_rollout_wg = FakeWorkerGroup()
     trainer._load_checkpoint()
     trainer.on_init_end()

@@ -459,9 +459,7 @@ def test_weight_sync_changes_rollout_outputs(local_ray: Any, model_dir: str, tok
     assert before == outputs()  # greedy is deterministic
 
     # new weights, streamed the way ActorRolloutRefWorker.update_weights streams the engine's
-    torch.manual_seed(1)
-    reference = hf_server.load_hf_model(model_dir, "float32").state_dict()
-    new_weights = {k: v + 0.5 * torch.randn_like(v) if v.is_floating_point() else v for k, v in reference.items()}
+    new_weights, _ = _perturbed_weights(model_dir, seed=1)
 
     monkeypatch.setenv("RANK", "0")
     from verl.utils.config import omega_conf_to_dataclass

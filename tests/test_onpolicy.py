@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -282,9 +282,9 @@ def job_observed_packing(rank: int, world_size: int, model_path: str) -> dict[st
     worker = build_actor_worker(model_path, worker_options(PACKINGS["dynamic 40/80, 2 shuffled mini-batches, 2 epochs"]))
     worker.set_loss_fn(divclip_loss(MODES["kl3"]))
 
-    def case(old_packing: UpdatePacking, update: dict[str, Any], data: Any = None, follows: bool = True,
+    def case(old_packing: Optional[UpdatePacking], update: dict[str, Any], data: Any = None, follows: bool = True,
              updates: int = 1) -> Any:
-        old = compute_log_prob(worker, batch, packing=old_packing) if old_packing is not None else compute_log_prob(worker, batch)
+        old = compute_log_prob(worker, batch, packing=old_packing)
         trained = (batch if data is None else data).clone()
         trained["old_log_probs"], trained["entropy"] = old["old_log_probs"], old["entropy"]
         try:

@@ -35,14 +35,11 @@ from typing import Any
 
 import pytest
 
+from recipe.bench.trainer_modes import MODE_ARGS
 from recipe.data_trace import read_trace
 from tests.test_smoke_cpu import VAL_LENGTHS, assert_on_policy_exact, run_smoke, step_metrics, validation_length_args
 
-MODE_ARGS: dict[str, tuple[list[str], dict[str, str]]] = {
-    "colocate_async": (["trainer.v1.trainer_mode=colocate_async"], {}),
-    "separate_async": (["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=2",
-                        "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_gloo"], {"ROLLOUT_DEVICES": "1"}),
-}
+ASYNC_MODES = ("colocate_async", "separate_async")  # their smoke arguments: MODE_ARGS, shared with the benchmark
 BYPASS = ["algorithm.rollout_correction.bypass_mode=true",
           "actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=false"]
 ROLLOUT_CORRECTION = [
@@ -55,7 +52,7 @@ FIRST, RESUMED = (1, 2), (3, 4)
 STALENESS = "actor/divclip/staleness/"
 
 
-@pytest.fixture(scope="module", params=list(MODE_ARGS))
+@pytest.fixture(scope="module", params=ASYNC_MODES)
 def resumed_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     mode = request.param
     out = tmp_path_factory.mktemp(f"smoke_{mode}")

@@ -319,7 +319,8 @@ def two_nodes() -> Iterator[dict[str, Any]]:
     finally:
         # 1. Before any cleanup: every cluster process alive now, whether seen now or earlier.
         watch.stop()
-        found = set(watch.sample()) | {k for k in watch.records if watch.alive(k)}
+        watch.sample()
+        found = {k for k in watch.records if watch.alive(k)}
         # 2. The cluster's own shutdown: the launcher reads stdin to its end, then calls cluster.shutdown().
         try:
             launcher.stdin.close()
@@ -671,9 +672,10 @@ def test_resume_continues_from_the_last_complete_checkpoint_and_repeats_no_promp
         assert hyper[0] == hyper[1], rank  # the same lr (constant schedule), betas, eps and weight decay
         # the check's controls: the uninterrupted run's own update passes it; a fresh optimizer and the
         # uninterrupted run's saved state (a real AdamW state, not the one loaded) fail it nearly everywhere
-        assert adam_misfits(load_shards(straight_out / "ckpt" / f"global_step_{resumed_from}", rank), reference)[0] == 0
+        straight_saved = load_shards(straight_out / "ckpt" / f"global_step_{resumed_from}", rank)
+        assert adam_misfits(straight_saved, reference)[0] == 0
         fresh = adam_misfits(before, after, prior="fresh")[0]
-        foreign = adam_misfits(load_shards(straight_out / "ckpt" / f"global_step_{resumed_from}", rank), after)[0]
+        foreign = adam_misfits(straight_saved, after)[0]
         assert min(fresh, foreign) > elements / 2, (rank, fresh, foreign, elements)
         print(f"two-node test: rank {rank}: 0 of {elements} elements misfit the saved optimizer state; "
               f"{fresh} misfit a fresh one, {foreign} the uninterrupted run's")

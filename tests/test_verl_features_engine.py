@@ -58,6 +58,8 @@ from recipe.bench.harness import (
     save_tiny_qwen3,
     update_actor,
 )
+from tests.test_onpolicy import divclip_loss  # the divclip actor loss as DivClipTrainer installs it
+from verl_ext.engine.swap import Swap, swapped
 
 SPEC = TinyQwen3Spec(tie_word_embeddings=True)  # verl's fused forward under FSDP2 needs the head in the root unit
 PROMPT_LENS = [3, 5, 4, 6, 2, 7, 5, 3]
@@ -73,15 +75,6 @@ FUSED = dict(use_fused_kernels=True, fused_kernels_backend="torch")
 #: written on, see the control in job_lora)
 BF16_DYNAMIC_2_TO_1 = dict(mixed_precision=None, use_dynamic_bsz=True, max_token_len_per_gpu=24, infer_max_token_len_per_gpu=48)
 MINI_BATCH, LOADER_SEED = 4, 11  # two shuffled update mini-batches of the 8 rows
-
-
-def divclip_loss(**policy: Any) -> Any:
-    """The divclip actor loss as ``DivClipTrainer`` installs it (``build_actor_loss``)."""
-    from verl_ext.actor_loss import build_actor_loss
-    from verl_ext.config import DivClipPolicyLossConfig
-
-    return build_actor_loss(make_actor_config(policy_loss=DivClipPolicyLossConfig(**policy), clip_ratio_low=0.2,
-                                              clip_ratio_high=0.28))
 
 
 def verl_ppo_loss() -> Any:
@@ -138,7 +131,7 @@ def parity_pair(model_path: str, options: WorkerOptions) -> dict[str, dict[str, 
     and with verl's ``ppo_loss``, on one batch and identically initialised workers."""
     batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, SPEC.vocab_size, seed=3)
     return {
-        "divclip": parity_run(model_path, options, divclip_loss(loss_mode="vanilla", pack_old_log_prob_as_update=False), batch),
+        "divclip": parity_run(model_path, options, divclip_loss(dict(loss_mode="vanilla"), aligned=False), batch),
         "verl": parity_run(model_path, options, verl_ppo_loss(), batch),
     }
 
@@ -183,7 +176,7 @@ def job_lora(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
     for name, mode in ON_POLICY_MODES.items():
         torch.manual_seed(1)
         worker = build_actor_worker(model_path, bf16)
-        worker.set_loss_fn(divclip_loss(**mode))
+        worker.set_loss_fn(divclip_loss(mode))
         erc = "erc_beta_low" in mode
         # the adapter at its initialisation (lora_B = 0), trained once, and trained twice with the ref pass in between
         out[name] = [on_policy_step(worker, batch, erc), on_policy_step(worker, batch, erc),
@@ -191,10 +184,10 @@ def job_lora(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
     # the control: the same three kl3 steps with verl's own packing of the old pass (the opt-out)
     torch.manual_seed(1)
     worker = build_actor_worker(model_path, bf16)
-    worker.set_loss_fn(divclip_loss(loss_mode="kl3", pack_old_log_prob_as_update=False))
+    worker.set_loss_fn(divclip_loss(dict(loss_mode="kl3"), aligned=False))
     out["control"] = [on_policy_step(worker, batch, False, ref_pass=step == 2, aligned=False) for step in range(3)]
     base = build_actor_worker(model_path, WorkerOptions(**BF16_DYNAMIC_2_TO_1, **EXACT_SGD))  # no adapter
-    base.set_loss_fn(divclip_loss(loss_mode="kl3"))  # packs a keyless pass as the LoRA worker's ref pass: one in-order mini-batch
+    base.set_loss_fn(divclip_loss(dict(loss_mode="kl3")))  # packs a keyless pass as the LoRA worker's ref pass: one in-order mini-batch
     out["base_log_probs"] = ref_log_prob(base, batch, no_lora_adapter=False).values()
     return out
 
@@ -210,11 +203,8 @@ def counting_fused_kernel(calls: dict[str, int], phase: list[str]) -> Iterator[N
         calls[phase[0]] = calls.get(phase[0], 0) + 1
         return original(self, *args, **kwargs)
 
-    FusedLinearForPPO.forward = forward  # type: ignore[method-assign]
-    try:
+    with swapped([Swap(FusedLinearForPPO, "forward", forward, "counting the fused kernel")]):
         yield
-    finally:
-        FusedLinearForPPO.forward = original  # type: ignore[method-assign]
 
 
 def job_fused(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
@@ -227,7 +217,7 @@ def job_fused(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
     batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, SPEC.vocab_size, seed=5)
     for name, mode in ON_POLICY_MODES.items():
         worker = build_actor_worker(model_path, WorkerOptions(**FUSED, **BF16_DYNAMIC_2_TO_1, **EXACT_SGD))
-        worker.set_loss_fn(divclip_loss(**mode))
+        worker.set_loss_fn(divclip_loss(mode))
         calls: dict[str, int] = {}
         phase = ["build"]
         with counting_fused_kernel(calls, phase):
@@ -282,14 +272,9 @@ def verls_own_functions() -> Iterator[None]:
     function as ``__divclip_original__``), the wrappers re-installed after it."""
     from verl_ext.engine.seam import ORIGINAL_ATTR
 
-    wrappers = [(owner, name, vars(owner)[name]) for owner, name in seam_wrapped()]
-    for owner, name, wrapper in wrappers:
-        setattr(owner, name, getattr(wrapper, ORIGINAL_ATTR))
-    try:
+    with swapped([Swap(owner, name, getattr(vars(owner)[name], ORIGINAL_ATTR), "verl's own function")
+                  for owner, name in seam_wrapped()]):
         yield
-    finally:
-        for owner, name, wrapper in wrappers:
-            setattr(owner, name, wrapper)
 
 
 @contextmanager
@@ -303,11 +288,8 @@ def counting_seam_steps(count: list[int]) -> Iterator[None]:
         count[0] += 1
         return original(*args, **kwargs)
 
-    seam._forward_step = forward_step
-    try:
+    with swapped([Swap(seam, "_forward_step", forward_step, "counting the seam's steps")]):
         yield
-    finally:
-        seam._forward_step = original
 
 
 def job_critic(rank: int, world_size: int, model_path: str) -> dict[str, Any]:

@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[2]
 MODES = ("sync", "colocate_async", "separate_async")
 BATCH, ROLLOUT_N = 16, 8
 
-#: What each mode adds to the smoke's command line (docs/cpu_platform.md, "Asynchronous trainer modes").
+#: What each mode adds to the smoke's command line (docs/cpu_platform.md, "Asynchronous trainer modes"); the async
+#: end-to-end tests (tests/test_trainer_modes_cpu.py) run the same.
 MODE_ARGS: dict[str, tuple[list[str], dict[str, str]]] = {
     "sync": ([], {}),
     "colocate_async": (["trainer.v1.trainer_mode=colocate_async"], {}),
