@@ -1,37 +1,33 @@
-"""Parity of the divclip actor loss with verl's ``ppo_loss`` on verl's own loss modes (issue 31).
+"""The divclip actor loss is verl's ``ppo_loss`` plus metrics (issue 31, issue 36).
 
-:func:`verl_ext.actor_loss.divclip_actor_loss` re-implements verl 0.9.1's
-``verl.workers.utils.losses.ppo_loss`` and is installed on the actor workers for every run, verl's own
-modes included. This module holds the two to the same behaviour at the loss-function level, on
-micro-batches in verl's no-padding (nested) layout as the engine hands them to the loss:
+:func:`verl_ext.actor_loss.divclip_actor_loss` calls verl 0.9.1's ``verl.workers.utils.losses.ppo_loss``
+and supplies the divclip registry entries what its signature lacks (both entropies, pi_old's top-k). It is
+installed on the actor workers for every run, verl's own modes included. This module holds the two to the
+same loss at the loss-function level, on micro-batches in verl's no-padding (nested) layout as the engine
+hands them to the loss:
 
 * **parity** (:func:`test_divclip_loss_is_ppo_loss`): for every verl mode registered in
-  ``POLICY_LOSS_REGISTRY`` (the divclip constraints excluded) and every case of :data:`CASES`, both
-  losses run on the same micro-batch with the same ``ActorConfig`` -- once with verl's
-  ``PolicyLossConfig``, once with ``DivClipPolicyLossConfig`` with no divclip knob set -- and give
-  the same total loss, the same gradient with respect to the model's ``log_probs`` and ``entropy``
-  and the same metric values, all **bit for bit** (both sides call the same verl functions --
-  the registry's policy loss, ``agg_loss``, ``kl_penalty``, ``no_padding_2_padding`` -- on the same
-  tensors and combine them with the same floating-point operations in the same order, so no
-  tolerance is needed);
+  ``POLICY_LOSS_REGISTRY`` (the divclip entries excluded) and every case of :data:`CASES`, both losses run
+  on the same micro-batch with the same ``ActorConfig`` -- once with verl's ``PolicyLossConfig``, once with
+  ``DivClipPolicyLossConfig`` with no divclip knob set -- and give the same total loss, the same gradient
+  with respect to the model's ``log_probs`` and ``entropy`` and the same metric values, bit for bit; the
+  divclip modes likewise (:func:`test_divclip_modes_run_inside_ppo_loss`), where ``ppo_loss`` reaches the
+  divclip operator through the registry;
 * **one divergence found and fixed** (:func:`test_the_gauge_measures_verls_clip_range_without_refusing_it`):
   the on-policy gauge validated the clip epsilons as the divclip modes need them and raised on verl
   modes with epsilons verl accepts (``clip_ratio_low >= 1``);
 * **designed differences**, asserted explicitly: the divclip loss logs ``actor/divclip/path/seam``
   (the engine path, :func:`verl_ext.actor_loss.step_path_metrics`), on the update's on-policy
-  mini-batch the on-policy gauge, and with rollout-correction weights their mean
-  (``actor/divclip/rollout_is_weight_mean``); and it aggregates metrics named ``*_min`` / ``*_max`` as MIN / MAX
-  across micro-batches and ranks, where verl's ``ppo_loss`` averages every policy-loss metric;
-* **key coverage** (:func:`test_every_key_ppo_loss_reads_is_covered`): verl's ``ppo_loss`` source is
-  parsed with ``ast``; every ``config`` attribute it reads or writes, every ``data`` and
-  ``model_output`` key and every whole-object hand-off must appear in :data:`KEY_COVERAGE`, which
-  names the parity case that covers it. A verl that reads a new key fails here, naming it.
+  mini-batch the on-policy gauge; and it aggregates metrics named
+  ``*_min`` / ``*_max`` as MIN / MAX across micro-batches and ranks, where verl's ``ppo_loss`` averages
+  every policy-loss metric.
 
 What is covered elsewhere and not repeated here: ERC and dual-clip on verl's modes at the loss level
 (``tests/test_verl_modes.py``), how MIN/MAX metrics reduce across micro-batches and ranks
 (``test_verl_modes.py::test_extremes_aggregate_as_extremes_across_micro_batches_and_ranks``), the
-divclip modes against verl's ``vanilla`` (``tests/test_losses.py::test_theorem_4_1_*``), and the loss
-inside verl's engine (``tests/test_actor_loss_engine.py``).
+divclip modes against verl's ``vanilla`` (``tests/test_losses.py::test_theorem_4_1_*``), rollout-correction
+weights through the installed loss (``tests/test_rollout_correction.py``), and the loss inside verl's engine
+(``tests/test_actor_loss_engine.py``).
 """
 
 from __future__ import annotations
@@ -68,10 +64,10 @@ REQUIRED_MODES = {"vanilla", "gspo", "sapo", "clip_cov"}
 
 
 def verl_modes() -> list[str]:
-    """verl's own registered policy losses: the registry without the divclip constraints."""
-    from verl_ext.core.region import CONSTRAINTS
+    """verl's own registered policy losses: the registry without the divclip entries."""
+    from verl_ext.registry import is_verl_mode
 
-    return sorted(set(core_algos.POLICY_LOSS_REGISTRY) - set(CONSTRAINTS))
+    return sorted(mode for mode in core_algos.POLICY_LOSS_REGISTRY if is_verl_mode(mode))
 
 
 def _string_options(function: Callable[..., Any], variable: str) -> set[str]:
@@ -261,10 +257,10 @@ def actor_configs(mode: str, case: ParityCase) -> dict[str, Any]:
 def divclip_only_metrics(case: ParityCase) -> set[str]:
     """Metrics only the divclip loss logs, by design: the engine path it measured (here ``seam = 0``:
     no seam stepped these hand-built micro-batches), on the update's on-policy mini-batch the on-policy
-    gauge (docs/losses.md, "The gauge"), and with rollout-correction weights their mean as the loss got them."""
+    gauge (docs/losses.md, "The gauge"). (The rollout-correction weights' mean of a divclip mode comes from
+    its registered function, which ``ppo_loss`` calls in both.)"""
     gauge = {"actor/divclip/onpolicy/log_ratio_abs_max", "actor/divclip/onpolicy/ratio_clipfrac"}
-    weights = {"actor/divclip/rollout_is_weight_mean"} if case.rollout_is_weights else set()
-    return {"actor/divclip/path/seam"} | (gauge if case.on_policy_mark else set()) | weights
+    return {"actor/divclip/path/seam"} | (gauge if case.on_policy_mark else set())
 
 
 def divclip_aggregation(name: str, verl_aggregation: AggregationType) -> AggregationType:
@@ -329,6 +325,33 @@ def test_divclip_loss_is_ppo_loss(mode: str, case: ParityCase) -> None:
         assert ours.metrics["actor/pg_loss"].aggregation == expected
         assert ("actor/entropy_loss" in ours.metrics) == case.entropy
         assert ("kl_loss" in ours.metrics) == bool(case.actor.get("use_kl_loss"))
+
+
+#: the divclip modes ``ppo_loss`` can run from its own inputs (``kl_full`` needs pi_old's top-k from the engine)
+DIVCLIP_PARITY_MODES = ("clip", "kl3", "kl1", "kl2", "is_kl3", "trgppo", "dcpo", "gppo", "seq_kl3")
+#: the cases where the divclip registry entry itself differs from verl's vanilla (weights, global batch, KL, bonus)
+DIVCLIP_PARITY_CASES = ("baseline", "rollout_is_weights", "everything", "entropy_bonus", "on_policy_mark")
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in DIVCLIP_PARITY_CASES], ids=DIVCLIP_PARITY_CASES)
+@pytest.mark.parametrize("mode", DIVCLIP_PARITY_MODES)
+def test_divclip_modes_run_inside_ppo_loss(mode: str, case: ParityCase) -> None:
+    """A divclip mode through the installed loss is verl's ``ppo_loss`` with the divclip registry entry: the
+    same loss, gradients and metrics, bit for bit, as verl's ``ppo_loss`` called directly on the same config
+    (which looks the mode up in the registry); the metrics the registered function adds are there in both."""
+    from verl_ext.actor_loss import divclip_actor_loss
+    from verl_ext.config import DivClipPolicyLossConfig
+    from verl_ext.core.region import CONSTRAINTS
+
+    assert set(DIVCLIP_PARITY_MODES) == set(CONSTRAINTS) - {"kl_full"}
+    data = make_micro_batch(case)
+    values = model_output_values(data)
+    config = make_actor_config(policy_loss=DivClipPolicyLossConfig(loss_mode=mode), **{**CLIP_RATIOS, **case.actor})
+    verl_run = run_loss(verl_losses.ppo_loss, config, data, values, case.entropy)
+    ours = run_loss(divclip_actor_loss, config, data, values, case.entropy)
+    assert torch.isfinite(verl_run.loss) and "actor/divclip/kl3_mean" in verl_run.metrics
+    assert_same_run(verl_run, ours, case)
+    assert ("actor/divclip/rollout_is_weight_mean" in verl_run.metrics) == case.rollout_is_weights
 
 
 def test_the_options_change_the_loss() -> None:
@@ -407,141 +430,6 @@ def test_extreme_metrics_aggregate_as_extremes_by_design() -> None:
         assert verl_run.metrics[name].aggregation == AggregationType.MEAN
         assert ours.metrics[name].aggregation == (AggregationType.MIN if name.endswith("_min") else AggregationType.MAX)
         assert ours.metrics[name].values == verl_run.metrics[name].values
-
-
-# ------------------------------------------------------------------------------------------------
-# Key coverage: every key verl's ppo_loss reads maps to the case that covers it
-# ------------------------------------------------------------------------------------------------
-
-#: Every key verl's ``ppo_loss`` reads (``config`` attributes, ``config.global_batch_info`` entries it
-#: writes, ``data`` and ``model_output`` keys, objects it hands on whole) -> the parity cases covering it.
-#: ``*`` = every case of :data:`CASES`.
-KEY_COVERAGE: dict[str, tuple[str, ...]] = {
-    "config.global_batch_info": ("global_batch/dp2/token-mean", "global_batch/dp2/seq-mean-token-mean", "everything"),
-    "config.global_batch_info[dp_size]": ("global_batch/dp2/token-mean", "everything"),
-    "config.global_batch_info[batch_num_tokens]": ("global_batch/dp2/token-mean", "global_batch/batch_num_tokens_only"),
-    "config.global_batch_info[global_batch_size]": ("global_batch/dp2/seq-mean-token-mean",
-                                                    "global_batch/global_batch_size_only"),
-    "config.global_batch_info[loss_scale_factor]": ("loss_scale_factor/seq-mean-token-sum-norm", "everything"),
-    "config.loss_scale_factor": ("loss_scale_factor/token-mean", "loss_scale_factor/seq-mean-token-sum-norm"),
-    "config.loss_agg_mode": tuple(f"loss_agg_mode/{agg}" for agg in loss_agg_modes()),
-    "config.policy_loss.loss_mode": ("*",),
-    "config -> policy_loss_fn": ("*", "on_policy_mark/clip_ratio_low_1"),
-    "config.entropy_coeff": ("entropy_bonus", "entropy_without_bonus"),
-    "config.use_kl_loss": ("kl_loss/low_var_kl", "ref_log_prob_without_kl_loss",
-                           "test_kl_loss_without_ref_log_prob_fails_in_both"),
-    "config.kl_loss_type": tuple(f"kl_loss/{kind}" for kind in accepted_kl_loss_types()),
-    "config.kl_loss_coef": ("kl_loss/low_var_kl",),
-    "data[dp_size]": ("global_batch/dp2/token-mean", "everything"),
-    "data[batch_num_tokens]": ("global_batch/batch_num_tokens_only", "global_batch/dp2/token-mean"),
-    "data[global_batch_size]": ("global_batch/global_batch_size_only", "global_batch/dp2/seq-mean-token-mean"),
-    "data[rollout_is_weights]": ("rollout_is_weights", "baseline"),  # present and absent
-    # verl selects (pads) ref_log_prob whenever present, the divclip loss only with use_kl_loss; only the KL
-    # term reads it, so the two agree bit for bit whether it is there or not (ref_log_prob_without_kl_loss)
-    "data[ref_log_prob]": ("kl_loss/low_var_kl", "ref_log_prob_without_kl_loss",
-                           "test_kl_loss_without_ref_log_prob_fails_in_both"),
-    "data[response_mask]": ("*",),  # with masked tokens inside responses (MASKED_TAILS)
-    "data[old_log_probs]": ("*",),
-    "data[advantages]": ("*",),
-    "data -> no_padding_2_padding": ("*",),  # prompts, responses, max_response_len: the same verl function
-    "model_output[log_probs]": ("*",),
-    "model_output[entropy]": ("entropy_bonus", "entropy_without_bonus", "baseline"),  # present and absent
-}
-
-
-def ppo_loss_keys(function: Callable[..., Any] = verl_losses.ppo_loss) -> set[str]:
-    """Every key ``function`` (verl's ``ppo_loss``) reads, in :data:`KEY_COVERAGE`'s notation.
-
-    Recognised: ``config.<attr>``, ``config.<attr>.get("k")`` (as ``config.<attr>.k``), writes
-    ``config.<attr>["k"] = ...``; ``data["k"]``, ``"k" in data``, ``data.get("k")`` and the keys of
-    ``data.select(*fields)`` (the ``fields`` list and its ``append``s); ``model_output["k"]`` and
-    ``.get("k")``; ``config`` / ``data`` / ``model_output`` handed whole to a call (``X -> callee``).
-    Any other use of the three raises, naming the line, so a new access pattern cannot slip by.
-    """
-    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-    watched = {"config", "data", "model_output"}
-    keys: set[str] = set()
-
-    def constant(node: ast.AST) -> str:
-        if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
-            raise AssertionError(f"line {node.lineno}: a key that is not a string constant: {ast.unparse(node)}")
-        return node.value
-
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and node.id == "fields" and isinstance(node.ctx, ast.Store):
-            value = parents[node].value
-            if not isinstance(value, ast.List):
-                raise AssertionError(f"line {node.lineno}: fields built from something else than a list: {ast.unparse(value)}")
-            keys |= {f"data[{constant(e)}]" for e in value.elts}
-        if isinstance(node, ast.Call) and ast.unparse(node.func) == "fields.append":
-            keys.add(f"data[{constant(node.args[0])}]")
-        if not (isinstance(node, ast.Name) and node.id in watched) or isinstance(node.ctx, ast.Store):
-            continue
-        parent = parents[node]
-        grand = parents.get(parent)
-        where = f"line {node.lineno}: {ast.unparse(grand if grand is not None else parent)}"
-        if isinstance(parent, ast.Subscript) and parent.value is node:
-            keys.add(f"{node.id}[{constant(parent.slice)}]")
-        elif isinstance(parent, ast.Compare) and isinstance(parent.ops[0], ast.In) and parent.comparators[0] is node:
-            keys.add(f"{node.id}[{constant(parent.left)}]")
-        elif isinstance(parent, ast.Attribute) and parent.attr == "get" and isinstance(grand, ast.Call) and node.id != "config":
-            keys.add(f"{node.id}[{constant(grand.args[0])}]")
-        elif isinstance(parent, ast.Attribute) and node.id == "data" and parent.attr == "select":
-            continue  # the selected keys are the ``fields`` above
-        elif isinstance(parent, ast.Attribute) and node.id == "config":
-            attribute = f"config.{parent.attr}"
-            if isinstance(grand, ast.Attribute) and grand.attr == "get" and isinstance(parents.get(grand), ast.Call):
-                keys.add(f"{attribute}.{constant(parents[grand].args[0])}")
-            elif isinstance(grand, ast.Subscript) and isinstance(grand.ctx, ast.Store):
-                keys.add(f"{attribute}[{constant(grand.slice)}]")
-            elif isinstance(grand, ast.Attribute):
-                raise AssertionError(f"{where}: an unrecognised access to {attribute}")
-            else:
-                keys.add(attribute)
-        elif isinstance(parent, ast.Call) or (isinstance(parent, ast.keyword) and isinstance(grand, ast.Call)):
-            call = parent if isinstance(parent, ast.Call) else grand
-            keys.add(f"{node.id} -> {ast.unparse(call.func)}")
-        else:
-            raise AssertionError(f"{where}: an unrecognised use of {node.id!r}")
-    return keys
-
-
-def test_every_key_ppo_loss_reads_is_covered() -> None:
-    keys = ppo_loss_keys()
-    assert keys - set(KEY_COVERAGE) == set(), f"verl's ppo_loss reads keys no parity case covers: {sorted(keys - set(KEY_COVERAGE))}"
-    assert set(KEY_COVERAGE) - keys == set(), f"the table names keys verl's ppo_loss no longer reads: {sorted(set(KEY_COVERAGE) - keys)}"
-    known = set(CASE_NAMES) | {"*"} | {name for name in globals() if name.startswith("test_")}
-    for key, covered_by in KEY_COVERAGE.items():
-        assert covered_by and set(covered_by) <= known, (key, set(covered_by) - known)
-
-
-def test_the_key_parser_sees_every_access_pattern() -> None:
-    """The parser on a made-up loss using each pattern once, and refusing one it does not know."""
-
-    def made_up(config: Any, model_output: Any, data: Any) -> None:
-        config.global_batch_info["dp_size"] = data["dp_size"]
-        fields = ["old_log_probs"]
-        if "weights" in data:
-            fields.append("weights")
-        padded = data.select(*fields)
-        helper(model_output.get("entropy"), data, config=config, mode=config.policy_loss.get("loss_mode"))
-        return config.entropy_coeff, padded, data.get("extra")
-
-    def broken(config: Any, model_output: Any, data: Any) -> Any:
-        return config.policy_loss.loss_mode
-
-    assert ppo_loss_keys(made_up) == {
-        "config.global_batch_info[dp_size]", "data[dp_size]", "data[old_log_probs]", "data[weights]",
-        "model_output[entropy]", "data -> helper", "config -> helper", "config.policy_loss.loss_mode",
-        "config.entropy_coeff", "data[extra]",
-    }
-    with pytest.raises(AssertionError, match="unrecognised access to config.policy_loss"):
-        ppo_loss_keys(broken)
-
-
-def helper(*args: Any, **kwargs: Any) -> None:
-    """A callee for :func:`test_the_key_parser_sees_every_access_pattern`'s made-up loss."""
 
 
 def test_verl_modes_get_the_policy_loss_inputs_ppo_loss_hands_them() -> None:

@@ -88,3 +88,67 @@ def test_with_dual_clip_the_clip_mode_is_verls_vanilla_with_weights_too() -> Non
                                             loss_agg_mode="token-mean", config=vanilla, rollout_is_weights=weights)
     loss.backward()
     torch.testing.assert_close(grad, log_prob.grad, rtol=1e-10, atol=1e-12)
+
+
+INSTALLED_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "kl3": ("kl3", {}),
+    "clip+erc": ("clip", ERC),
+    "gppo": ("gppo", {}),
+    "vanilla+erc": ("vanilla", ERC),  # ERC on verl's own mode: verl's function under the entropy gate
+}
+
+
+@pytest.mark.parametrize("variant", list(INSTALLED_VARIANTS))
+def test_the_installed_loss_hands_the_weights_to_the_policy_term(variant: str) -> None:
+    """Through the loss installed on the actor workers (``build_actor_loss``, which calls verl's ``ppo_loss``):
+    each token's gradient is its weight times its gradient without weights (the constraint's decisions do not
+    depend on the weights, token-mean's denominator neither), and the divclip modes report the weights' mean
+    as their registered function received it."""
+    from tests.test_ppo_loss_parity import (
+        CLIP_RATIOS, PROMPT_LENS, RESPONSE_LENS, ParityCase, make_micro_batch, model_output_values,
+    )
+
+    from recipe.bench.harness import make_actor_config
+    from verl_ext.actor_loss import build_actor_loss
+
+    mode, knobs = INSTALLED_VARIANTS[variant]
+    erc = "erc_beta_low" in knobs
+    config = make_actor_config(policy_loss=DivClipPolicyLossConfig(loss_mode=mode, **knobs), **CLIP_RATIOS)
+    loss_fn = build_actor_loss(config)
+    offsets = torch.tensor([0] + [p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]).cumsum(0)
+    weighted = make_micro_batch(ParityCase("rollout_is_weights", rollout_is_weights=True))
+    plain = weighted.clone()
+    del plain["rollout_is_weights"]
+    values = model_output_values(weighted)
+    if erc:  # pi_old's entropy: pi_theta's within a few percent, some tokens outside the 5 % band
+        gen = torch.Generator().manual_seed(4)
+        old_entropy = []
+        start = 0
+        for prompt, response in zip(PROMPT_LENS, RESPONSE_LENS):
+            current = values["entropy"][start + prompt - 1 : start + prompt - 1 + response]
+            old_entropy.append(current * (0.9 + 0.2 * torch.rand(response, generator=gen)))
+            start += prompt + response
+        for batch in (weighted, plain):
+            batch["entropy"] = torch.nested.as_nested_tensor(old_entropy, layout=torch.jagged)
+
+    def gradient(data: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        leaves = {name: values[name].clone().requires_grad_(True) for name in (("log_probs", "entropy") if erc else ("log_probs",))}
+        model_output = {name: torch.nested.nested_tensor_from_jagged(leaf, offsets=offsets) for name, leaf in leaves.items()}
+        loss, metrics = loss_fn(model_output=model_output, data=data.clone())
+        return torch.autograd.grad(loss, leaves["log_probs"])[0], metrics
+
+    grad_weighted, metrics = gradient(weighted)
+    grad_plain, _ = gradient(plain)
+    # the weights per flat position of the engine's output (a response sits one to the left of its tokens)
+    weights = torch.ones_like(grad_plain)
+    start = 0
+    for prompt, response, row in zip(PROMPT_LENS, RESPONSE_LENS, weighted["rollout_is_weights"].unbind()):
+        weights[start + prompt - 1 : start + prompt - 1 + response] = row
+        start += prompt + response
+    assert (grad_plain != 0).sum() >= 5
+    assert not torch.allclose(grad_weighted, grad_plain)  # the weights change the gradient ...
+    torch.testing.assert_close(grad_weighted, weights * grad_plain, rtol=1e-6, atol=1e-9)  # ... token by token
+    if mode in CONSTRAINTS:
+        mask = weighted["response_mask"].values().bool()
+        expected = float(weighted["rollout_is_weights"].values()[mask].mean())
+        assert metrics["actor/divclip/rollout_is_weight_mean"].values == [pytest.approx(expected)]

@@ -16,12 +16,14 @@ and beside them, the glue to verl's trainer-side APIs:
 
 * ``config`` -- ``DivClipPolicyLossConfig``, the dataclass verl composes ``policy_loss.*`` into; it
   checks its values alone (a leaf: verl and the standard library).
-* ``registry`` -- the constraints in verl's ``POLICY_LOSS_REGISTRY`` (never shadowing verl's own), and
-  the config checks that need the registry (``check_policy_config``).
+* ``registry`` -- the constraints in verl's ``POLICY_LOSS_REGISTRY`` (never shadowing verl's own), the
+  entry for ERC on verl's own modes, the inputs the actor loss supplies to them for one ``ppo_loss`` call,
+  and the config checks that need the registry (``check_policy_config``).
 * ``verl_modes`` -- ERC and dual-clip on verl's own losses; ``adaptive_delta`` -- the opt-in controller
   of the KL budget delta (ATR section 6.5); ``token_dump`` -- the per-token dump for ERC's Figure 3.
-* ``actor_loss`` -- the loss installed with ``set_loss_fn`` (ERC needs both entropies, which verl's loss
-  registry does not pass); it declares what its engine must do and installs the seam in the worker.
+* ``actor_loss`` -- the loss installed with ``set_loss_fn``: verl's own ``ppo_loss`` with what its registry
+  signature lacks (both entropies, pi_old's top-k) supplied to the registered function, plus the on-policy
+  gauge and path metrics; it declares what its engine must do and installs the seam in the worker.
 * ``plugin`` -- the ``verl.plugins`` entry point: registers the modes in every process that imports verl.
 
 Who may import it: :mod:`recipe`, benchmarks, tests and verl itself (through the plugin). It imports verl
@@ -36,7 +38,7 @@ import verl's engine or worker modules)::
     token_dump    -> (no verl_ext module)
     core          -> config
     engine        -> core
-    registry      -> config, core
+    registry      -> config, core, verl_modes
     verl_modes    -> config, core
     adaptive_delta -> config, core, registry
     actor_loss    -> config, core, engine, registry, token_dump, verl_modes

@@ -1,13 +1,13 @@
-"""The entropy-aware actor loss installed on verl's actor workers with ``set_loss_fn``.
+"""The actor loss installed on verl's actor workers with ``set_loss_fn``: verl's own ``ppo_loss``, wrapped.
 
-verl's policy-loss registry passes only log-probs, advantages and the mask, so Entropy Ratio
-Clipping cannot be reached through it. This loss has the signature of verl's
-``verl.workers.utils.losses.ppo_loss`` and the same behaviour (entropy bonus, KL loss,
-metric aggregation), and additionally hands the per-token entropies of pi_old
-(``data["entropy"]``, kept by the v1 trainer from the old-log-prob pass) and of pi_theta
-(``model_output["entropy"]``) to the divclip core. verl's own loss modes (``vanilla``,
-``sapo``, ``clip_cov``, ...) go through their registry functions unchanged, so one actor loss
-serves every baseline.
+verl's ``ppo_loss`` computes every term (the policy term through ``POLICY_LOSS_REGISTRY``, the entropy bonus,
+the KL loss, the aggregation with the global batch info, the IS weights). Its registry call passes only
+log-probs, advantages, the mask and the IS weights, so Entropy Ratio Clipping (both entropies: pi_old's as
+``data["entropy"]``, kept by the v1 trainer from the old-log-prob pass, pi_theta's as
+``model_output["entropy"]``) and ``kl_full`` (pi_old's top-k) cannot reach the divclip entries through it:
+this wrapper supplies them for the duration of the call (:func:`verl_ext.registry.supplying`), and for ERC on
+one of verl's own modes selects the registry entry that gates that mode's policy term
+(:data:`verl_ext.registry.ERC_ON_VERL_MODE`). One actor loss serves every baseline.
 
 With ``loss_mode=kl_full`` or ``kl_full_diagnostic`` the loss also reads pi_old's stored top-k
 (``data["divclip_old_topk_log_probs"]``) and pi_theta's log-masses on it, which the engine seam adds
@@ -25,16 +25,19 @@ on-policy mini-batch, the on-policy gauge (``actor/divclip/onpolicy/*``).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
 from tensordict import TensorDict
-from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
+from verl.trainer.ppo.core_algos import agg_loss
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.config import ActorConfig
+from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
 from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig, actor_clip_ratios
@@ -42,58 +45,45 @@ from verl_ext.core.coarsened_kl import TopKLogMasses
 from verl_ext.core.erc import entropy_ratio, outside_band
 from verl_ext.core.gauge import on_policy_gauge
 from verl_ext.core.region import CONSTRAINTS
-from verl_ext.core.surrogate import constrained_policy_loss
 from verl_ext.engine import seam
 from verl_ext.engine.packing import is_on_policy
 from verl_ext.engine.request import STEP_PATH_KEY, declare, entropy_as_mask, request_of
 from verl_ext.engine.topk_capture import NEW_TOPK_LOG_PROBS, OLD_TOPK_LOG_PROBS
-from verl_ext.registry import resolve_policy_config
+from verl_ext.registry import ERC_ON_VERL_MODE, ROLLOUT_IS_METRIC, LossInputs, resolve_policy_config, supplying
 from verl_ext.token_dump import TokenDumpWriter
-from verl_ext.verl_modes import verl_policy_loss
+from verl_ext.verl_modes import with_clip_ratio_c
 
 
 def divclip_actor_loss(
     config: ActorConfig, model_output: dict[str, Any], data: TensorDict, dp_group: Any = None
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """verl ``ppo_loss`` with per-token entropies routed into the divclip core (ERC).
+    """verl's ``ppo_loss``, with what its policy-loss registry cannot pass supplied to the registered function.
+
+    verl's ``ppo_loss`` computes the whole loss (policy term through the registry, entropy bonus, KL loss,
+    aggregation, global batch info, IS weights); this wrapper supplies the divclip entries what the registry
+    signature lacks (:class:`verl_ext.registry.LossInputs`: both entropies for ERC, pi_old's top-k for
+    ``kl_full``), selects :data:`~verl_ext.registry.ERC_ON_VERL_MODE` for ERC on verl's own modes, and adds
+    what is not a loss term: the on-policy gauge, the engine path, the correct-response NLL of the released
+    ERC scripts, the ERC token dump, and MIN/MAX aggregation of ``*_min`` / ``*_max`` metrics.
 
     Args:
         config: the actor config; ``config.policy_loss`` selects the mode.
-        model_output: the engine's output for the micro-batch: ``log_probs`` (nested,
-            no-padding layout) and, with ``calculate_entropy``, ``entropy``.
-        data: the micro-batch: ``old_log_probs``, ``advantages``, ``response_mask``, the
-            global batch sizes, and ``entropy`` (pi_old) when ERC is on.
+        model_output: the engine's output for the micro-batch: ``log_probs`` (nested, no-padding layout)
+            and, with ``calculate_entropy``, ``entropy``.
+        data: the micro-batch: ``old_log_probs``, ``advantages``, ``response_mask``, the global batch
+            sizes, and ``entropy`` (pi_old) when ERC is on.
     """
-    log_prob = no_padding_2_padding(model_output["log_probs"], data)
-    entropy = model_output.get("entropy", None)
-    if entropy is not None:
-        entropy = no_padding_2_padding(entropy, data)
-
-    config.global_batch_info["dp_size"] = data["dp_size"]
-    config.global_batch_info["batch_num_tokens"] = data["batch_num_tokens"]
-    config.global_batch_info["global_batch_size"] = data["global_batch_size"]
-    config.global_batch_info["loss_scale_factor"] = config.loss_scale_factor
-    # Same rule as verl's ppo_loss: globally normalised losses are summed across micro-batches.
-    global_norm = (
-        data["dp_size"] > 1
-        or data["batch_num_tokens"] is not None
-        or data["global_batch_size"] is not None
-        or config.loss_scale_factor is not None
-    )
-    metric_aggregation = AggregationType.SUM if global_norm else AggregationType.MEAN
-
     mode = config.policy_loss.get("loss_mode", "vanilla")
     policy = divclip_policy_config(config)
     erc = policy is not None and policy.erc_enabled
     topk_stored = mode in CONSTRAINTS and policy.stores_old_topk
     needs_rewards = policy is not None and policy.correct_nll_coef > 0
+    on_policy = is_on_policy(data)
 
-    fields = ["response_mask", "old_log_probs", "advantages"]
-    optional = {"rollout_is_weights": True, "ref_log_prob": config.use_kl_loss}
-    fields += [name for name, wanted in optional.items() if wanted and name in data]
+    fields = ["response_mask", "old_log_probs"]
     if erc:
         fields.append(_require(data, "entropy", "ERC needs pi_old's per-token entropy (data['entropy'])"))
-        if entropy is None:
+        if model_output.get("entropy", None) is None:
             raise ValueError(
                 "ERC needs the current per-token entropy, but the engine returned none: set "
                 "actor_rollout_ref.actor.calculate_entropy=True"
@@ -110,108 +100,90 @@ def divclip_actor_loss(
         # only with algorithm.use_kl_in_reward (then it holds the KL-penalised reward).
         reward_field = "token_level_rewards" if "token_level_rewards" in data else "rm_scores"
         fields.append(_require(data, reward_field, "policy_loss.correct_nll_coef > 0 needs token_level_rewards or rm_scores"))
-    padded = data.select(*fields).to_padded_tensor()
-    response_mask = padded["response_mask"].to(bool)
-    loss_agg_mode = config.loss_agg_mode
 
-    if mode in CONSTRAINTS:
-        clip_low, clip_high = actor_clip_ratios(config)
-        pg_loss, pg_metrics = constrained_policy_loss(
-            padded["old_log_probs"],
-            log_prob,
-            padded["advantages"],
-            response_mask,
-            mode=mode,
-            policy=policy,
-            clip_ratio_low=clip_low,
-            clip_ratio_high=clip_high,
-            loss_agg_mode=loss_agg_mode,
-            global_batch_info=config.global_batch_info,
-            rollout_is_weights=padded.get("rollout_is_weights", None),
-            old_entropy=padded["entropy"] if erc else None,
-            entropy=entropy if erc else None,
-            topk=TopKLogMasses(
-                old=padded_response(data[OLD_TOPK_LOG_PROBS], response_mask.shape[-1]),
-                new=padded_response(model_output[NEW_TOPK_LOG_PROBS], response_mask.shape[-1]),
-            )
-            if topk_stored
-            else None,
-        )
-    else:  # verl's own mode, with ERC / dual-clip composed on top when the divclip config sets them
-        pg_loss, pg_metrics = verl_policy_loss(
-            mode,
-            old_log_prob=padded["old_log_probs"],
-            log_prob=log_prob,
-            advantages=padded["advantages"],
-            response_mask=response_mask,
-            loss_agg_mode=loss_agg_mode,
-            config=config,
-            policy=policy,
-            rollout_is_weights=padded.get("rollout_is_weights", None),
-            old_entropy=padded["entropy"] if erc else None,
-            entropy=entropy if erc else None,
-        )
+    padded = data.select(*fields).to_padded_tensor() if (erc or on_policy or needs_rewards or topk_stored) else None
+    log_prob = entropy = None
+    if padded is not None:
+        response_mask = padded["response_mask"].to(bool)
+        log_prob = no_padding_2_padding(model_output["log_probs"], data)
+        if erc:
+            entropy = no_padding_2_padding(model_output["entropy"], data)
+    if erc and config.entropy_coeff == 0:
+        # ERC without a bonus uses the entropy only as a mask: verl's (no-op) bonus term gets it detached, so
+        # no backward runs through it (with verl's fused kernels it would otherwise run for nothing)
+        model_output = {**model_output, "entropy": model_output["entropy"].detach()}
 
-    if is_on_policy(data):
+    inputs = LossInputs(
+        old_entropy=padded["entropy"] if erc else None,
+        entropy=entropy,
+        topk=TopKLogMasses(
+            old=padded_response(data[OLD_TOPK_LOG_PROBS], response_mask.shape[-1]),
+            new=padded_response(model_output[NEW_TOPK_LOG_PROBS], response_mask.shape[-1]),
+        )
+        if topk_stored
+        else None,
+    )
+    loss_config = config
+    if mode not in CONSTRAINTS and erc:  # verl's own mode: ERC_ON_VERL_MODE gates its policy term
+        inputs = dataclasses.replace(inputs, verl_mode=mode, verl_config=config)
+        loss_config = _with_policy_loss(config, loss_mode=ERC_ON_VERL_MODE)
+    elif mode not in CONSTRAINTS and policy is not None and policy.dual_clip_c is not None:
+        loss_config = with_clip_ratio_c(config, policy.dual_clip_c)  # verl's vanilla with this c
+    with supplying(inputs):
+        policy_loss, metrics = ppo_loss(loss_config, model_output, data, dp_group)
+    metrics = {name: _as_extreme(name, metric) for name, metric in metrics.items()}
+    extra: dict[str, float] = step_path_metrics(data)
+
+    if on_policy:
         # pi_theta == pi_old up to arithmetic here: the gauge shows what the kernels add (detached)
         clip_low, clip_high = _measured_clip_range(config)
-        gauge = on_policy_gauge(
-            padded["old_log_probs"],
-            log_prob,
-            response_mask,
-            clip_low,
-            clip_high,
-            old_entropy=padded["entropy"] if erc else None,
-            entropy=entropy if erc else None,
-            erc_band=(policy.erc_beta_low, policy.erc_beta_high, policy.erc_eps) if erc else None,
+        extra.update(
+            (f"actor/divclip/{name}", value)
+            for name, value in on_policy_gauge(
+                padded["old_log_probs"],
+                log_prob,
+                response_mask,
+                clip_low,
+                clip_high,
+                old_entropy=inputs.old_entropy,
+                entropy=entropy,
+                erc_band=(policy.erc_beta_low, policy.erc_beta_high, policy.erc_eps) if erc else None,
+            ).items()
         )
-        pg_metrics.update({f"actor/divclip/{name}": value for name, value in gauge.items()})
-
-    pg_metrics.update(step_path_metrics(data))
-    if "rollout_is_weights" in padded.keys():
-        # verl's rollout-correction weights (algorithm.rollout_correction.rollout_is) as this loss received them
-        weights = padded["rollout_is_weights"][response_mask]
-        pg_metrics[ROLLOUT_IS_METRIC] = float(weights.float().mean()) if weights.numel() else 1.0
-
     if erc and policy.token_dump_path is not None:
-        _dump_tokens(policy, data, padded["old_log_probs"], padded["entropy"], entropy, response_mask)
-
-    metrics: dict[str, Any] = {name: Metric(value=value, aggregation=_aggregation_of(name)) for name, value in pg_metrics.items()}
-    metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=metric_aggregation)
-    policy_loss = pg_loss
-
-    if entropy is not None:  # verl's entropy bonus (a no-op term at entropy_coeff=0)
-        # ERC without a bonus uses the entropy only as a mask: report it, but keep it out of the
-        # graph (with verl's fused kernels its backward would otherwise run for nothing).
-        entropy_is_mask = erc and config.entropy_coeff == 0
-        entropy_loss = agg_loss(
-            loss_mat=entropy.detach() if entropy_is_mask else entropy,
-            loss_mask=response_mask,
-            loss_agg_mode=loss_agg_mode,
-            **config.global_batch_info,
-        )
-        if not entropy_is_mask:
-            policy_loss = policy_loss - config.entropy_coeff * entropy_loss
-        metrics["actor/entropy_loss"] = Metric(value=entropy_loss, aggregation=metric_aggregation)
-
-    if config.use_kl_loss:
-        kld = kl_penalty(logprob=log_prob, ref_logprob=padded["ref_log_prob"], kl_penalty=config.kl_loss_type)
-        kl_loss = agg_loss(loss_mat=kld, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info)
-        policy_loss = policy_loss + kl_loss * config.kl_loss_coef
-        metrics["kl_loss"] = Metric(value=kl_loss, aggregation=metric_aggregation)
-        metrics["kl_coef"] = config.kl_loss_coef
+        _dump_tokens(policy, data, padded["old_log_probs"], inputs.old_entropy, entropy, response_mask)
+    metrics.update({name: Metric(value=value, aggregation=_aggregation_of(name)) for name, value in extra.items()})
 
     if needs_rewards:
         nll_loss, correct_fraction = _correct_response_nll(log_prob, padded[reward_field], response_mask, policy, config)
         policy_loss = policy_loss + policy.correct_nll_coef * nll_loss
-        metrics["actor/divclip/correct_nll"] = Metric(value=nll_loss, aggregation=metric_aggregation)
+        metrics["actor/divclip/correct_nll"] = Metric(value=nll_loss, aggregation=metrics["actor/pg_loss"].aggregation)
         metrics["actor/divclip/correct_fraction"] = Metric(value=correct_fraction, aggregation=AggregationType.MEAN)
 
     return policy_loss, metrics
 
 
+def _as_extreme(name: str, metric: Any) -> Any:
+    """``*_min`` / ``*_max`` metrics stay extremes across micro-batches and ranks (verl's ``ppo_loss`` averages
+    every policy-loss metric); everything else as ``ppo_loss`` aggregates it."""
+    aggregation = _aggregation_of(name)
+    if isinstance(metric, Metric) and aggregation != AggregationType.MEAN:
+        metric.aggregation = aggregation
+    return metric
+
+
+def _with_policy_loss(config: ActorConfig, **changes: Any) -> ActorConfig:
+    """A shallow view of the (frozen) actor config with ``policy_loss`` fields changed. Shallow on purpose:
+    ``global_batch_info``, which ``ppo_loss`` fills per micro-batch, stays the config's own dict."""
+    view = copy.copy(config)
+    policy = copy.copy(config.policy_loss)
+    for name, value in changes.items():
+        object.__setattr__(policy, name, value)
+    object.__setattr__(view, "policy_loss", policy)
+    return view
+
+
 PATH_METRIC = "actor/divclip/path/"
-ROLLOUT_IS_METRIC = "actor/divclip/rollout_is_weight_mean"
 
 
 def step_path_metrics(data: TensorDict) -> dict[str, float]:

@@ -6,9 +6,14 @@
   is not the project's own is never overwritten: registering refuses, naming the mode, so a future verl
   ``gppo`` or ``dcpo`` cannot be silently shadowed.
 * The registry's loss function for a mode calls the operator
-  (:func:`verl_ext.core.surrogate.constrained_policy_loss`) with what verl's registry passes (log-probs,
-  advantages, mask); ERC, ``kl_full`` and the adaptive delta need more and run through the actor loss
-  (:mod:`verl_ext.actor_loss`).
+  (:func:`verl_ext.core.surrogate.constrained_policy_loss`) with what verl's ``ppo_loss`` passes (log-probs,
+  advantages, mask, IS weights). What that signature lacks -- both entropies for ERC, pi_old's top-k for
+  ``kl_full`` -- the actor loss (:mod:`verl_ext.actor_loss`, a thin wrapper around verl's ``ppo_loss``)
+  supplies for the duration of one call (:func:`supplying`); the registered function reads it there.
+* :data:`ERC_ON_VERL_MODE` is registered too: the actor loss selects it for ERC stacked on one of verl's own
+  modes, and it gates the policy term's log-probs (:func:`verl_ext.verl_modes.verl_policy_loss`) before
+  calling verl's registered function -- so the KL loss and entropy bonus of ``ppo_loss`` keep their
+  gradients.
 * :func:`check_policy_config` checks a ``DivClipPolicyLossConfig`` against the registry (known
   ``loss_mode``, adaptive delta on a KL-budget mode, ERC / dual-clip on verl's own modes), naming the
   key; :func:`resolve_policy_config` finds the config inside an actor config and checks it.
@@ -18,16 +23,68 @@ Imports :mod:`verl_ext.config`, :mod:`verl_ext.core` and verl's ``core_algos``: 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
 from verl_ext.config import CONFIG_TARGET, POLICY_LOSS_KEY, DivClipPolicyLossConfig, actor_clip_ratios, register_mode_check
+from verl_ext.core.coarsened_kl import TopKLogMasses
 from verl_ext.core.constraints import KL_FULL_NEEDS_TOPK
 from verl_ext.core.region import CONSTRAINTS
 from verl_ext.core.surrogate import constrained_policy_loss
+
+@dataclass(frozen=True)
+class LossInputs:
+    """What verl's policy-loss signature lacks, for one call of verl's ``ppo_loss`` made by the actor loss.
+
+    Tensors are padded like ``log_prob`` (``(batch, response_length)``; the top-k ``(..., k + 1)``).
+
+    Attributes:
+        old_entropy, entropy: pi_old's and pi_theta's per-token entropies (ERC), else None.
+        topk: pi_old's stored top-k log-masses and pi_theta's on them (``kl_full``, the diagnostic), else None.
+        verl_mode: with ERC on one of verl's own modes, that mode (the actor loss selects
+            :data:`ERC_ON_VERL_MODE` in ``ppo_loss`` and this entry calls ``verl_mode``), else None.
+        verl_config: the actor config ``verl_mode``'s function receives (``ppo_loss`` got a view selecting
+            :data:`ERC_ON_VERL_MODE`).
+    """
+
+    old_entropy: Optional[torch.Tensor] = None
+    entropy: Optional[torch.Tensor] = None
+    topk: Optional[TopKLogMasses] = None
+    verl_mode: Optional[str] = None
+    verl_config: Any = None
+
+
+_LOSS_INPUTS: ContextVar[Optional[LossInputs]] = ContextVar("divclip_loss_inputs", default=None)
+
+ERC_ON_VERL_MODE = "divclip_erc_on_verl_mode"
+"""The registry entry the actor loss selects for ERC stacked on one of verl's own modes (never a user's
+``loss_mode``: :func:`check_policy_config` refuses it)."""
+
+ROLLOUT_IS_METRIC = "actor/divclip/rollout_is_weight_mean"
+"""Mean over valid tokens of the rollout-correction weights the registered function received from
+``ppo_loss`` (1.0 when the micro-batch has no valid token)."""
+
+
+@contextmanager
+def supplying(inputs: LossInputs) -> Iterator[None]:
+    """Make ``inputs`` visible to the registered loss functions for the duration of one ``ppo_loss`` call."""
+    token = _LOSS_INPUTS.set(inputs)
+    try:
+        yield
+    finally:
+        _LOSS_INPUTS.reset(token)
+
+
+def supplied_inputs() -> Optional[LossInputs]:
+    """The inputs the actor loss supplies to the current ``ppo_loss`` call, or None outside one."""
+    return _LOSS_INPUTS.get()
+
 
 _OWN_MODE_ATTR = "__divclip_mode__"
 """Set on every registry function this module creates: tells the project's entries from verl's."""
@@ -42,6 +99,11 @@ _ADAPTIVE_NEEDS_TRAINER = (
 def is_own_mode(mode: str) -> bool:
     """Whether verl's registry entry ``mode`` is one of this project's constraints (not verl's own loss)."""
     return getattr(POLICY_LOSS_REGISTRY.get(mode), _OWN_MODE_ATTR, None) == mode
+
+
+def is_verl_mode(mode: str) -> bool:
+    """Whether ``mode`` is one of verl's own registered policy losses (not a divclip entry)."""
+    return mode in POLICY_LOSS_REGISTRY and mode not in CONSTRAINTS and mode != ERC_ON_VERL_MODE
 
 
 def register_modes() -> None:
@@ -59,6 +121,11 @@ def register_modes() -> None:
             )
         if existing is None:
             POLICY_LOSS_REGISTRY[mode] = _make_registry_loss(mode)
+    existing = POLICY_LOSS_REGISTRY.get(ERC_ON_VERL_MODE)
+    if existing is None:
+        POLICY_LOSS_REGISTRY[ERC_ON_VERL_MODE] = _erc_on_verl_mode
+    elif existing is not _erc_on_verl_mode and not is_own_mode(ERC_ON_VERL_MODE):
+        raise RuntimeError(f"verl {verl.__version__} already registers a policy loss named {ERC_ON_VERL_MODE!r}")
 
 
 def resolve_policy_config(config: Any) -> DivClipPolicyLossConfig:
@@ -98,6 +165,8 @@ def check_policy_config(policy: DivClipPolicyLossConfig, prefix: str = POLICY_LO
     actor loss, ``recipe.config_checks``, the adaptive-delta controller) call it as well.
     """
     mode = policy.loss_mode
+    if mode == ERC_ON_VERL_MODE:
+        raise ValueError(f"{prefix}.loss_mode={mode!r} is internal to the divclip actor loss: name a loss mode")
     if mode not in CONSTRAINTS and mode not in POLICY_LOSS_REGISTRY:
         known = sorted(set(POLICY_LOSS_REGISTRY) | set(CONSTRAINTS))
         raise ValueError(f"{prefix}.loss_mode={mode!r} is not a registered policy loss; known: {known}")
@@ -152,11 +221,17 @@ def _make_registry_loss(mode: str) -> Callable[..., tuple[torch.Tensor, dict[str
             raise ValueError(f"policy loss {mode!r} needs the actor config (config=None)")
         low, high = actor_clip_ratios(config)
         policy = resolve_policy_config(config)
-        if policy.adaptive_delta_enabled:
+        supplied = supplied_inputs()
+        topk = None
+        if supplied is not None:  # called by verl's ppo_loss inside the divclip actor loss
+            old_entropy = supplied.old_entropy if old_entropy is None else old_entropy
+            entropy = supplied.entropy if entropy is None else entropy
+            topk = supplied.topk
+        elif policy.adaptive_delta_enabled:
             raise ValueError(_ADAPTIVE_NEEDS_TRAINER.format(mode=mode))
-        if policy.kl_full_diagnostic:
+        if policy.kl_full_diagnostic and topk is None:
             raise ValueError(KL_FULL_NEEDS_TOPK.replace("loss_mode='kl_full'", "kl_full_diagnostic"))
-        return constrained_policy_loss(
+        loss, metrics = constrained_policy_loss(
             old_log_prob,
             log_prob,
             advantages,
@@ -170,12 +245,59 @@ def _make_registry_loss(mode: str) -> Callable[..., tuple[torch.Tensor, dict[str
             rollout_is_weights=rollout_is_weights,
             old_entropy=old_entropy,
             entropy=entropy,
+            topk=topk,
         )
+        if rollout_is_weights is not None:
+            metrics[ROLLOUT_IS_METRIC] = _valid_mean(rollout_is_weights, response_mask)
+        return loss, metrics
 
     policy_loss.__name__ = policy_loss.__qualname__ = f"compute_policy_loss_{mode}"
     setattr(policy_loss, _OWN_MODE_ATTR, mode)
     policy_loss.__doc__ = f"verl policy loss ``{mode}``: the divclip operator with constraint {mode!r}."
     return policy_loss
+
+
+def _erc_on_verl_mode(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """ERC stacked on verl's ``supplied_inputs().verl_mode``: the policy term's log-probs gated by the entropy
+    band, then verl's registered function with the actor's own config (:mod:`verl_ext.verl_modes`)."""
+    from verl_ext.verl_modes import verl_policy_loss
+
+    supplied = supplied_inputs()
+    if supplied is None or supplied.verl_mode is None:
+        raise ValueError(f"policy loss {ERC_ON_VERL_MODE!r} runs only inside the divclip actor loss (verl_ext.actor_loss)")
+    actor_config = supplied.verl_config
+    loss, metrics = verl_policy_loss(
+        supplied.verl_mode,
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        loss_agg_mode=loss_agg_mode,
+        config=actor_config,
+        policy=resolve_policy_config(actor_config),
+        rollout_is_weights=rollout_is_weights,
+        old_entropy=supplied.old_entropy,
+        entropy=supplied.entropy,
+    )
+    if rollout_is_weights is not None:
+        metrics[ROLLOUT_IS_METRIC] = _valid_mean(rollout_is_weights, response_mask)
+    return loss, metrics
+
+
+setattr(_erc_on_verl_mode, _OWN_MODE_ATTR, ERC_ON_VERL_MODE)
+
+
+def _valid_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    valid = values.detach()[mask.bool()]
+    return float(valid.float().mean()) if valid.numel() else 1.0
 
 
 register_modes()

@@ -70,7 +70,7 @@ def verl_policy_loss(
         log_prob = gate_log_prob_gradient(log_prob, band)
         erc_metrics = _erc_metrics(band, response_mask)
     if policy is not None and policy.dual_clip_c is not None:
-        config = _with_clip_ratio_c(config, policy.dual_clip_c)
+        config = with_clip_ratio_c(config, policy.dual_clip_c)
     pg_loss, pg_metrics = get_policy_loss_fn(mode)(
         old_log_prob=old_log_prob,
         log_prob=log_prob,
@@ -83,7 +83,7 @@ def verl_policy_loss(
     return pg_loss, {**pg_metrics, **erc_metrics}
 
 
-def _with_clip_ratio_c(config: Any, clip_ratio_c: float) -> Any:
+def with_clip_ratio_c(config: Any, clip_ratio_c: float) -> Any:
     """A shallow copy of the (frozen) actor config with another ``clip_ratio_c``. Shallow on
     purpose: ``global_batch_info``, filled per micro-batch by the actor loss, stays shared."""
     view = copy.copy(config)
