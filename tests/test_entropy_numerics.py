@@ -175,7 +175,10 @@ class LogprobSpy:
         import verl.workers.engine.fsdp.transformer_impl as impl
 
         self.impl = impl
-        self.original = impl.logprobs_from_logits
+        from verl_ext.engine.swap import verl_function
+
+        self.previous = impl.logprobs_from_logits  # the seam's dispatcher once installed, restored on exit
+        self.original = verl_function(impl, "logprobs_from_logits")
         self.calls: list[bool] = []
 
     def __enter__(self) -> "LogprobSpy":
@@ -183,11 +186,14 @@ class LogprobSpy:
             self.calls.append(bool(inplace_backward))
             return self.original(logits=logits, labels=labels, inplace_backward=inplace_backward)
 
+        from verl_ext.engine.swap import install_dispatch
+
         self.impl.logprobs_from_logits = spy
+        install_dispatch(self.impl, "logprobs_from_logits")  # the seam's per-step override still dispatches over it
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.impl.logprobs_from_logits = self.original
+        self.impl.logprobs_from_logits = self.previous
 
 
 def on_policy_erc(model_path: str, options: WorkerOptions, batch: Any) -> dict[str, Any]:

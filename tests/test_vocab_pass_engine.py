@@ -321,7 +321,7 @@ def job_model_output_keys(rank: int, world_size: int, model_path: str) -> dict[s
 def test_the_pass_writes_the_keys_verls_prepare_model_outputs_writes(models: tuple[str, str]) -> None:
     """The pass replaces verl's ``prepare_model_outputs`` for a step: on the same micro-batch it must write
     the same keys (none dropped, none added), with and without the entropy and pi_old's top-k task.
-    (verl's keys that need the logits are refused, checked in verl's source at install: guard.MODEL_OUTPUT_KEYS.)"""
+    (verl's keys that need the logits are refused before Ray: recipe/config_checks.py.)"""
     from verl_ext.engine.topk_capture import NEW_TOPK_LOG_PROBS, OLD_TOPK_IDS, OLD_TOPK_LOG_PROBS
 
     results = run_ranks(job_model_output_keys, 1, models[0])[0]

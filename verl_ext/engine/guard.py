@@ -1,21 +1,17 @@
 """What the seam relies on in verl, checked before anything is wrapped, and where the seam reads it.
 
-The seam (:mod:`verl_ext.engine.seam`) reaches into verl 0.9.1's actor engine. In another verl release a
-renamed method, a changed signature, a removed config field, a renamed engine attribute or non-tensor
-key, or a changed result layout would otherwise turn a feature or a refusal off silently (the fp32
-entropy, the aligned packing, the vocabulary pass's refusal of ``calculate_sum_pi_squared``) or fail deep
-inside a training step. Each dependency is a row of one table below; a mismatch raises
-:class:`VerlMismatchError` with one message naming what differs, the installed verl version and the
-supported one.
+The seam (:mod:`verl_ext.engine.seam`) reaches into verl 0.9.1's actor engine, and every other verl release
+is refused (the version is pinned). What still fails closed under the pin -- and, with the override, names
+what changed in another release -- is checked: the symbols the seam wraps or calls and their signatures, the
+engine attributes the features read (never with a silent default), and the layout of ``infer_batch``'s
+result. What verl's functions do inside (which keys they read) is what the pin fixes, so the guard does not
+parse verl's source. A mismatch raises :class:`VerlMismatchError` with one message naming what differs, the
+installed verl version and the supported one.
 
 * :func:`check_verl_version` -- verl is :data:`SUPPORTED_VERL`, unless :data:`ALLOW_UNSUPPORTED_VERL_ENV`
   is ``1`` (at install).
 * :data:`SYMBOLS` -- every verl symbol the seam wraps, swaps or calls: it exists, takes the parameters
   the seam passes, declares the config fields the seam reads (at install).
-* :data:`KEY_USES` -- the non-tensor keys (and fields of dicts verl passes between its own methods) that
-  verl's functions must still read or write for a feature to hold, found in their source (at install).
-* :data:`MODEL_OUTPUT_KEYS` -- every key verl's ``prepare_model_outputs`` writes is produced or refused
-  by the vocabulary pass, which replaces it wholesale (in its source, at install).
 * :data:`ENGINE_INSTANCE_ATTRIBUTES` -- the engine instance's attributes (and its configs') that the
   features read or swap (when the seam sets an engine's features; the features read them through
   :func:`engine_attribute`, never with a silent default).
@@ -31,15 +27,13 @@ Imports verl's modules lazily (only :func:`resolve` does), so the tables are che
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import importlib
 import inspect
 import logging
 import os
-import textwrap
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -190,240 +184,11 @@ def check_symbols(modules: Optional[Mapping[str, Any]] = None, symbols: tuple[Sy
         check_symbol(symbol, modules)
 
 
-# ------------------------------------------------------------------------------------------------
-# Keys verl's functions read and write, found in their source
-# ------------------------------------------------------------------------------------------------
-
-Access = Literal["reads", "writes"]
-
-
-@dataclass(frozen=True)
-class KeyUse:
-    """A key that verl's ``function`` must read or write for a feature of the seam to hold: a non-tensor
-    key of a batch, or a field of a dict verl passes between its own methods (``container``: the dict's
-    name in verl's source; ``None``: any). ``value``: for a write the seam relies on, the expression verl
-    must assign (its source text)."""
-
-    module: str
-    function: str
-    key: str
-    access: Access
-    why: str
-    container: Optional[str] = None
-    value: Optional[str] = None
-
-    @property
-    def symbol(self) -> Symbol:
-        where = f" of {self.container}" if self.container else ""
-        return Symbol(self.module, self.function, why=f"which {self.access} the key {self.key!r}{where}: {self.why}")
-
-
-_MICRO_BATCHES = (ENGINE_UTILS_MODULE, "prepare_micro_batches")
-_TRAIN_BATCH = (WORKER_MODULE, "TrainingWorker.train_batch")
-_INFER_BATCH = (WORKER_MODULE, "TrainingWorker.infer_batch")
-_TRAIN_MINI_BATCH = (WORKER_MODULE, "TrainingWorker.train_mini_batch")
-_SPLIT = "the update's check of its packing counts the first epoch's mini-batches by verl's own rule"
-_INPUTS = (ENGINE_MODULE, "FSDPEngineWithLMHead.prepare_model_inputs")
-_OUTPUTS = (ENGINE_MODULE, "FSDPEngineWithLMHead.prepare_model_outputs")
-_PACKING = "the aligned packing sets it on the old-log-prob pass's batch to the update's setting"
-_REFUSAL = "the vocabulary pass refuses a step that sets it, reading the same key"
-
-KEY_USES: tuple[KeyUse, ...] = (
-    KeyUse(*_MICRO_BATCHES, "use_dynamic_bsz", "reads", "it picks which of the two micro-batch settings splits a batch"),
-    KeyUse(*_MICRO_BATCHES, "max_token_len_per_gpu", "reads", _PACKING),
-    KeyUse(*_MICRO_BATCHES, "micro_batch_size_per_gpu", "reads", _PACKING),
-    KeyUse(*_TRAIN_BATCH, "max_token_len_per_gpu", "writes", "the update's token budget, which the aligned packing copies",
-           value="self.engine_config.max_token_len_per_gpu"),
-    KeyUse(*_TRAIN_BATCH, "micro_batch_size_per_gpu", "writes", "the update's micro-batch size, which the aligned packing copies",
-           value="self.engine_config.micro_batch_size_per_gpu"),
-    KeyUse(*_TRAIN_BATCH, "use_dynamic_bsz", "writes", "the aligned packing splits both passes the same way",
-           value="self.engine_config.use_dynamic_bsz"),
-    KeyUse(*_TRAIN_MINI_BATCH, "mini_batch_size", "reads", _SPLIT),
-    KeyUse(*_TRAIN_MINI_BATCH, "num_mini_batch", "reads", _SPLIT),
-    KeyUse(*_INFER_BATCH, "use_dynamic_bsz", "writes", "the aligned packing splits both passes the same way",
-           value="self.engine_config.use_dynamic_bsz"),
-    KeyUse(*_INFER_BATCH, "compute_loss", "reads",
-           "the old-log-prob pass runs without a loss function, which is how a step knows to capture pi_old's top-k"),
-    KeyUse(*_INPUTS, "temperature", "reads", "the per-token temperatures the vocabulary pass divides by"),
-    KeyUse(*_INPUTS, "input_ids_rmpad_rolled", "writes", "the vocabulary pass's labels", container="output_args"),
-    KeyUse(*_INPUTS, "temperature_rmpad", "writes", "the vocabulary pass's temperatures (remove-padding path)",
-           container="output_args"),
-    KeyUse(*_INPUTS, "temperature", "writes", "the vocabulary pass's temperatures (padded path)", container="output_args"),
-    KeyUse(*_INPUTS, "pad_size", "writes", "the vocabulary pass's Ulysses gather and pad removal", container="output_args"),
-    KeyUse(*_OUTPUTS, "calculate_entropy", "reads", "the vocabulary pass, replacing it, emits the entropy on the same key"),
-    KeyUse(*_OUTPUTS, "distillation_only", "reads", _REFUSAL),
-    KeyUse(*_OUTPUTS, "distillation_use_topk", "reads", _REFUSAL),
-    KeyUse(*_OUTPUTS, "calculate_sum_pi_squared", "reads", _REFUSAL),
-    KeyUse(*_OUTPUTS, "use_fused_kernels", "reads", _REFUSAL),
-)
-"""Each (verl function, key, why) the seam relies on, checked in the function's source at install."""
-
-
-@dataclass
-class _KeyAccesses:
-    """What one function's source reads and writes: ``(container, key)`` pairs; writes map to the value's source."""
-
-    reads: set[tuple[str, str]] = dataclasses.field(default_factory=set)
-    writes: dict[tuple[str, str], Optional[str]] = dataclasses.field(default_factory=dict)
-
-    def has(self, access: Access, key: str, container: Optional[str]) -> bool:
-        found = self.reads if access == "reads" else self.writes
-        return any(k == key and container in (None, c) for c, k in found)
-
-    def value(self, key: str, container: Optional[str]) -> list[Optional[str]]:
-        return [v for (c, k), v in self.writes.items() if k == key and container in (None, c)]
-
-
-def _source_tree(symbol: Symbol, modules: Optional[Mapping[str, Any]]) -> ast.AST:
-    found = resolve(symbol, modules)
-    function = inspect.unwrap(getattr(found, "__divclip_original__", found))  # verl's own, under a seam wrapper
-    try:
-        return ast.parse(textwrap.dedent(inspect.getsource(function)))
-    except (OSError, TypeError) as error:
-        raise _mismatch(symbol, f"its source cannot be read ({error}), so the keys the seam relies on cannot be checked") from None
-
-
-def _string(node: Optional[ast.AST]) -> Optional[str]:
-    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
-
-
-def _subscript_keys(node: ast.Subscript, parents: Mapping[ast.AST, ast.AST]) -> set[str]:
-    """The keys a subscript ``d[...]`` names: a literal; a loop variable over literal names (each of them);
-    any other expression ``e`` as ``"*e"`` (a key only known at run time), ``e`` being the loop's iterable
-    when it is a loop variable."""
-    literal = _string(node.slice)
-    if literal is not None:
-        return {literal}
-    if isinstance(node.slice, ast.Name):
-        scope = parents.get(node)
-        while scope is not None:
-            if isinstance(scope, ast.For) and node.slice.id in {n.id for n in ast.walk(scope.target) if isinstance(n, ast.Name)}:
-                elements = scope.iter.elts if isinstance(scope.iter, (ast.Tuple, ast.List, ast.Set)) else []
-                names = {name for element in elements if (name := _string(element)) is not None}
-                return names if elements and len(names) == len(elements) else {f"*{ast.unparse(scope.iter)}"}
-            scope = parents.get(scope)
-    return {f"*{ast.unparse(node.slice)}"}
-
-
-def _key_accesses(tree: ast.AST) -> _KeyAccesses:
-    """Keys read: ``key="k"`` arguments, literal arguments of ``.get``/``.pop``/``get_non_tensor_data``,
-    ``d["k"]`` loads, ``"k" in d``. Keys written: keyword arguments of ``assign_non_tensor`` and ``dict``,
-    ``d["k"] = v`` stores, literal keys of ``d = {...}`` and ``d.update(...)`` (unknown ones as ``"*e"``)."""
-    found = _KeyAccesses()
-    parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
-            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-            data = next((kw.value for kw in node.keywords if kw.arg == "data"), node.args[0] if node.args else None)
-            container = ast.unparse(data) if data is not None else ""
-            found.reads.update((container, key) for kw in node.keywords if kw.arg == "key" and (key := _string(kw.value)))
-            if name in ("get", "pop", "get_non_tensor_data"):
-                owner = ast.unparse(node.func.value) if isinstance(node.func, ast.Attribute) else ""
-                found.reads.update((owner, key) for arg in node.args if (key := _string(arg)))
-            if name in ("assign_non_tensor", "dict"):
-                found.writes.update({(container, kw.arg): ast.unparse(kw.value) for kw in node.keywords if kw.arg})
-            if name == "update" and isinstance(node.func, ast.Attribute):
-                target = ast.unparse(node.func.value)
-                for arg in node.args:
-                    keys = [_string(k) for k in arg.keys] if isinstance(arg, ast.Dict) else [None]
-                    found.writes.update({(target, k if k is not None else f"*{ast.unparse(arg)}"): None for k in keys})
-        elif isinstance(node, ast.Subscript):
-            target = ast.unparse(node.value)
-            for key in _subscript_keys(node, parents):
-                if isinstance(node.ctx, ast.Store):
-                    assigned = parents.get(node)
-                    found.writes[(target, key)] = ast.unparse(assigned.value) if isinstance(assigned, ast.Assign) else None
-                else:
-                    found.reads.add((target, key))
-        elif isinstance(node, ast.Compare) and (key := _string(node.left)) and isinstance(node.ops[0], ast.In):
-            found.reads.add((ast.unparse(node.comparators[0]), key))
-        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
-            for target in node.targets:
-                found.writes.update({(ast.unparse(target), _string(k) or f"*{ast.unparse(k)}"): None
-                                     for k in node.value.keys if k is not None})
-    return found
-
-
-def check_key_uses(modules: Optional[Mapping[str, Any]] = None, uses: Sequence[KeyUse] = KEY_USES) -> None:
-    """Check that each verl function of ``uses`` still reads or writes its key (and, where given, assigns the
-    expected value), in its source; the first mismatch raises :class:`VerlMismatchError`."""
-    accesses: dict[tuple[str, str], _KeyAccesses] = {}
-    for use in uses:
-        where = (use.module, use.function)
-        if where not in accesses:
-            accesses[where] = _key_accesses(_source_tree(Symbol(*where), modules))
-        found = accesses[where]
-        if not found.has(use.access, use.key, use.container):
-            raise _mismatch(use.symbol, f"its source no longer {use.access} {use.key!r}")
-        if use.value is not None and use.value not in found.value(use.key, use.container):
-            raise _mismatch(use.symbol, f"its source sets {use.key!r} to {' / '.join(map(str, found.value(use.key, use.container)))}, "
-                                        f"not {use.value}")
-
-
-# ------------------------------------------------------------------------------------------------
-# The keys of verl's model output, which the vocabulary pass replaces
-# ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelOutputKey:
-    """A key verl's ``prepare_model_outputs`` writes into its ``model_output``: ``produced`` by the
-    vocabulary pass too, or never reached with it (the recipe refuses what makes verl write it)."""
-
-    key: str
-    produced: bool
-    why: str
-
-
-_DISTILLATION = ("top-k distillation: refused with the vocabulary pass (distillation_use_topk / use_fused_kernels at "
-                 "the step: vocab_pass_step; before Ray, recipe/config_checks.py: distillation.enabled for every run, "
-                 "validate_verl_features; use_fused_kernels with the pass, validate_vocab_pass)")
-
-MODEL_OUTPUT_KEYS: tuple[ModelOutputKey, ...] = (
-    ModelOutputKey("log_probs", True, "the pass's log pi(y_t), nested like verl's"),
-    ModelOutputKey("entropy", True, "the pass's entropy, nested like verl's, when calculate_entropy"),
-    ModelOutputKey("sum_pi_squared", False,
-                   "needs the logits: calculate_sum_pi_squared is refused with the vocabulary pass (at the step: "
-                   "vocab_pass_step; before Ray for every run: recipe/config_checks.py validate_verl_features)"),
-    ModelOutputKey("distillation_losses", False, f"fused-kernel {_DISTILLATION}"),
-    ModelOutputKey("student_mass", False, f"fused-kernel {_DISTILLATION}"),
-    ModelOutputKey("teacher_mass", False, f"fused-kernel {_DISTILLATION}"),
-    ModelOutputKey("*outputs.items()", False, f"the fields of the loss's logits processor under {_DISTILLATION}"),
-)
-"""Every key verl's ``prepare_model_outputs`` writes, and why the vocabulary pass, which replaces it for a
-step, loses none ("*e": the keys of a loop over ``e``, known only at run time)."""
-
-_PREPARE_OUTPUTS = Symbol(*_OUTPUTS, why="replaced per step by the vocabulary pass, which must produce or refuse each key it writes")
-
-
-def model_output_keys(modules: Optional[Mapping[str, Any]] = None) -> set[str]:
-    """The keys verl's ``prepare_model_outputs`` writes into its ``model_output`` dict (its source)."""
-    writes = _key_accesses(_source_tree(_PREPARE_OUTPUTS, modules)).writes
-    return {key for container, key in writes if container == "model_output"}
-
-
-def check_model_output_keys(modules: Optional[Mapping[str, Any]] = None,
-                            table: Sequence[ModelOutputKey] = MODEL_OUTPUT_KEYS) -> None:
-    """verl's ``prepare_model_outputs`` writes only keys of ``table``, and every key the vocabulary pass
-    produces; otherwise the pass would drop a key verl's consumers read, or emit one they no longer do."""
-    written = model_output_keys(modules)
-    unknown = sorted(written - {row.key for row in table})
-    if unknown:
-        raise _mismatch(_PREPARE_OUTPUTS, f"its model_output gains {', '.join(map(repr, unknown))}, which the vocabulary "
-                                          "pass neither produces nor refuses (verl_ext.engine.guard.MODEL_OUTPUT_KEYS)")
-    gone = [row.key for row in table if row.produced and row.key not in written]
-    if gone:
-        raise _mismatch(_PREPARE_OUTPUTS, f"its model_output no longer has {', '.join(map(repr, gone))}, which the "
-                                          "vocabulary pass produces in its place")
-
-
 def check_verl(modules: Optional[Mapping[str, Any]] = None) -> None:
-    """Everything ``seam.install`` checks before it wraps anything: the version, :data:`SYMBOLS`,
-    :data:`KEY_USES`, :data:`MODEL_OUTPUT_KEYS` (``modules``: stand-ins for verl's modules, in tests)."""
+    """Everything ``seam.install`` checks before it wraps anything: the version and :data:`SYMBOLS`
+    (``modules``: stand-ins for verl's modules, in tests)."""
     check_verl_version()
     check_symbols(modules)
-    check_key_uses(modules)
-    check_model_output_keys(modules)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -39,12 +39,11 @@ symbol, the installed and the supported verl version):
    also on error (:func:`verl_ext.engine.swap.swapped`, which refuses two swaps of one attribute).
 
 **Two engines in one process.** Features live on each engine instance, and so do most swaps (the
-engine's attributes, its LM head's ``forward``). Two are process-global for the duration of a step:
-``verl.utils.torch_functional.entropy_from_logits`` and the FSDP engine module's
-``logprobs_from_logits`` (verl calls them by module-global name), and every step reads them. Engines
-stepping one after the other -- verl's actor and reference engines in one worker, several test engines
--- are therefore safe; a step that starts while another thread's step runs raises when either of the two
-swaps those globals, instead of computing with the other's functions.
+engine's attributes, its LM head's ``forward``). verl calls two functions by module-global name,
+``verl.utils.torch_functional.entropy_from_logits`` and the FSDP engine module's ``logprobs_from_logits``: they
+are replaced once, at install, by dispatchers that call the current step's override in the thread running it
+(:func:`verl_ext.engine.swap.install_dispatch`), so steps of two engines in two threads compute what each
+computes alone.
 """
 
 from __future__ import annotations
@@ -52,11 +51,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import threading
-import types
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -72,14 +68,11 @@ from verl_ext.engine.request import (
     request_of,
     resolve_entropy_path,
 )
-from verl_ext.engine.swap import Swap, swapped
+from verl_ext.engine.swap import ORIGINAL_ATTR, Swap, install_dispatch, swapped, verl_function
 from verl_ext.engine.topk_capture import TopKStep, refuse_ulysses, topk_outputs_swap, topk_step
 from verl_ext.engine.vocab_pass_step import refuse_fused_kernels, vocab_pass_swaps
 
 logger = logging.getLogger(__name__)
-
-ORIGINAL_ATTR = "__divclip_original__"
-"""Set on every seam wrapper: verl's function it wraps (install is idempotent; the guard reads verl's signature)."""
 
 _FEATURES_ATTR = "_divclip_features"
 
@@ -172,47 +165,12 @@ def set_pack_as_update(engine: Any, enabled: bool) -> None:
 # One forward step
 # ------------------------------------------------------------------------------------------------
 
-_steps_lock = threading.Lock()
-_active_steps: dict[int, list[bool]] = {}  # thread -> one entry per step it is in (nested: re-entrant), True if it swaps
-
-
-@contextmanager
-def _stepping(build_swaps: Callable[[], list[Swap]]) -> Iterator[list[Swap]]:
-    """Every forward step of a covered engine runs inside this: verl's code *reads* the module globals
-    ``entropy_from_logits`` / ``logprobs_from_logits`` in every step, and a step with the fp32 entropy or the
-    top-k *swaps* them for its duration. So a step refuses to start while a step of another thread is
-    running and either of the two swaps -- the reader would compute with the other's functions, or the
-    other with this one's. Steps that swap nothing may run side by side; one thread's steps nest freely.
-    The step's swaps are built (they capture the functions they wrap) and the step registered under one
-    lock, so no other thread's step can start or end in between; yields the swaps."""
-    me = threading.get_ident()
-    with _steps_lock:
-        swaps = build_swaps()
-        swaps_globals = any(isinstance(swap.owner, types.ModuleType) for swap in swaps)
-        others = [swaps for thread, steps in _active_steps.items() if thread != me for swaps in steps]
-        if others and (swaps_globals or any(others)):
-            raise RuntimeError(
-                "two divclip forward steps are running at once in two threads of one process, and one of them swaps "
-                "verl's module-global entropy_from_logits / logprobs_from_logits, which the other reads: steps must "
-                "run one at a time per process (verl's workers do)"
-            )
-        _active_steps.setdefault(me, []).append(swaps_globals)
-    try:
-        yield swaps
-    finally:
-        with _steps_lock:
-            steps = _active_steps[me]
-            steps.pop()
-            if not steps:
-                del _active_steps[me]
-
-
 def logprobs_swap(entropy_detached: bool, topk: Optional[TopKStep]) -> Swap:
     """The step's one ``logprobs_from_logits``: the top-k sees the logits, and with a graph-free entropy
     flash-attn's in-place backward is given back (nothing else needs the logits in backward)."""
     import verl.workers.engine.fsdp.transformer_impl as impl
 
-    original = impl.logprobs_from_logits
+    original = verl_function(impl, "logprobs_from_logits")
 
     @functools.wraps(original)
     def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
@@ -251,7 +209,7 @@ def _forward_step(original: Callable[..., Any], engine: Any, micro_batch: Any, l
         features = EngineFeatures(EngineRequest(), EntropyPath.VERL, None)
     aligned = observed_packing(engine, micro_batch, forward_only)
     tu.assign_non_tensor(micro_batch, **{STEP_PATH_KEY: features.step_path(aligned)})
-    with _stepping(lambda: step_swaps(engine, features, micro_batch, loss_function)) as swaps, swapped(swaps):
+    with swapped(step_swaps(engine, features, micro_batch, loss_function)):
         return original(engine, micro_batch, loss_function=loss_function, forward_only=forward_only)
 
 
@@ -331,3 +289,9 @@ def install(modules: Optional[Mapping[str, Any]] = None) -> None:
     _wrap(worker_class, "train_batch", _train_batch)
     _wrap(engine_class, "infer_batch", _infer_batch)
     _wrap(engine_class, "forward_step", _engine_forward_step)
+    # verl calls these by module-global name in every step; the steps' overrides are dispatched per thread
+    import verl.utils.torch_functional as verl_F
+    import verl.workers.engine.fsdp.transformer_impl as impl
+
+    install_dispatch(verl_F, "entropy_from_logits")
+    install_dispatch(impl, "logprobs_from_logits")
