@@ -12,6 +12,10 @@ verl's own path.
   - with the aligned packing (the default) under verl's default bf16 and dynamic batching at a 2:1 token
     budget, the on-policy gauge reads exactly 0 and ``path/aligned_packing`` 1 in ``kl3`` and in ERC, on
     every step (the adapter at its initialisation and trained);
+  - the control: the same steps with verl's own packing of the old pass (``pack_old_log_prob_as_update=false``)
+    at 24/48, 24/72 and 40/80 tokens: the path reads 0 and the gauge > 0 on at least one (packing, step),
+    where the aligned arm of the same packings reads exactly 0 (the kernels' noise the alignment removes:
+    which packings show it depends on the machine's kernels, so the claim is "at least one");
   - the reference-policy pass verl runs on the actor's engine under LoRA (``no_lora_adapter=True``,
     between the old-log-prob pass and the update, without the update's packing key) leaves the old
     pass's packing record alone: the update still finds it aligned and the gauge reads 0; its
@@ -21,7 +25,8 @@ verl's own path.
 * **verl's fused kernels** (``actor_rollout_ref.model.use_fused_kernels=true``, torch backend): the
   entropy of both passes comes from verl's fused kernel (the kernel runs in both passes, the path
   records no fp32 entropy, ERC's on-policy ratio is exactly 1); the divclip ``vanilla`` loss matches
-  ``ppo_loss`` bit for bit; the gauge is 0 with the aligned packing in ERC and ``kl3``. verl's fused
+  ``ppo_loss`` bit for bit; the gauge is 0 with the aligned packing in ERC and ``kl3``, and in its control
+  (verl's own packing of the old pass at 24/48 and 40/80 tokens) > 0 on at least one packing. verl's fused
   forward reads ``lm_head.weight`` inside the model's root FSDP2 unit, which holds the head only when the
   embeddings are tied (verl wraps an untied head as its own unit, and the kernel then fails on a sharded
   weight whatever the loss); the test model therefore ties them, as Qwen3 0.6B-4B do.
@@ -74,6 +79,11 @@ FUSED = dict(use_fused_kernels=True, fused_kernels_backend="torch")
 #: (24/48 tokens: where verl's own packing of the old pass shows the kernels' noise under LoRA on the CPU this was
 #: written on, see the control in job_lora)
 BF16_DYNAMIC_2_TO_1 = dict(mixed_precision=None, use_dynamic_bsz=True, max_token_len_per_gpu=24, infer_max_token_len_per_gpu=48)
+#: more token budgets (update / log-prob pass) for the controls: on the 2-core CPU these were written on, verl's own
+#: packing showed the noise under LoRA at 24/48 and 24/72 on the trained adapter's step (0.03125), not at 40/80;
+#: with the fused kernel at every one (1e-4 to 4e-3)
+LORA_CONTROL_BUDGETS = {"24/72": (24, 72), "40/80": (40, 80)}
+FUSED_CONTROL_BUDGETS = {"24/48": (24, 48), "40/80": (40, 80)}
 MINI_BATCH, LOADER_SEED = 4, 11  # two shuffled update mini-batches of the 8 rows
 
 
@@ -160,6 +170,25 @@ def on_policy_step(worker: Any, batch: Any, erc: bool, ref_pass: bool = False, a
     return {**found, "metrics": {k: [float(v) for v in vals] for k, vals in metrics.items() if isinstance(vals, list)}}
 
 
+def bf16_dynamic(budgets: tuple[int, int]) -> dict[str, Any]:
+    """verl's default bf16 with dynamic batching at ``budgets`` (update, log-prob pass) tokens per micro-batch."""
+    return dict(mixed_precision=None, use_dynamic_bsz=True, max_token_len_per_gpu=budgets[0],
+                infer_max_token_len_per_gpu=budgets[1])
+
+
+def aligned_and_control(model_path: str, features: dict[str, Any], budgets: tuple[int, int], batch: Any,
+                        steps: int) -> dict[str, list[dict[str, Any]]]:
+    """``steps`` kl3 steps of a fresh worker (``features`` at ``budgets``), once with the aligned packing and once
+    with verl's own packing of the old pass (the control), from the same initialisation."""
+    out = {}
+    for arm, aligned in (("aligned", True), ("control", False)):
+        torch.manual_seed(1)
+        worker = build_actor_worker(model_path, WorkerOptions(**features, **bf16_dynamic(budgets), **EXACT_SGD))
+        worker.set_loss_fn(divclip_loss(dict(loss_mode="kl3"), aligned=aligned))
+        out[arm] = [on_policy_step(worker, batch, False, aligned=aligned) for _ in range(steps)]
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # The jobs (one spawned rank each)
 # ------------------------------------------------------------------------------------------------
@@ -186,6 +215,9 @@ def job_lora(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
     worker = build_actor_worker(model_path, bf16)
     worker.set_loss_fn(divclip_loss(dict(loss_mode="kl3"), aligned=False))
     out["control"] = [on_policy_step(worker, batch, False, ref_pass=step == 2, aligned=False) for step in range(3)]
+    # the two arms at more token budgets (the adapter at init and trained once)
+    out["packings"] = {name: aligned_and_control(model_path, LORA, budgets, batch, steps=2)
+                       for name, budgets in LORA_CONTROL_BUDGETS.items()}
     base = build_actor_worker(model_path, WorkerOptions(**BF16_DYNAMIC_2_TO_1, **EXACT_SGD))  # no adapter
     base.set_loss_fn(divclip_loss(dict(loss_mode="kl3")))  # packs a keyless pass as the LoRA worker's ref pass: one in-order mini-batch
     out["base_log_probs"] = ref_log_prob(base, batch, no_lora_adapter=False).values()
@@ -223,6 +255,9 @@ def job_fused(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
         with counting_fused_kernel(calls, phase):
             step = on_policy_step(worker, batch, "erc_beta_low" in mode, phase=lambda name: phase.__setitem__(0, name))
         out[name] = {**step, "fused_calls": calls, "entropy_path": entropy_path_of(worker.engine).value}
+    # the control: one kl3 step with verl's own packing of the old pass, beside the aligned arm, per token budget
+    out["packings"] = {name: aligned_and_control(model_path, FUSED, budgets, batch, steps=1)
+                       for name, budgets in FUSED_CONTROL_BUDGETS.items()}
     return out
 
 
@@ -396,13 +431,28 @@ def test_lora_bf16_dynamic_2_to_1_is_exactly_on_policy(lora: dict[str, Any], mod
         assert set(step["metrics"][PATH + "entropy_fp32"]) == {1.0 if mode == "erc" else 0.0}
 
 
-def test_lora_control_verls_own_packing_is_not_found_aligned(lora: dict[str, Any]) -> None:
-    """With ``pack_old_log_prob_as_update=false`` the update finds no aligned packing (path 0): what the
-    aligned arm's 1 is measured against. Its gauge is what the kernels add under verl's packing: machine-
-    dependent, so not asserted (on the 2-core CPU this was written on it read 0.03125 on the second step)."""
-    for step in lora["control"]:
-        assert set(step["metrics"][PATH + "aligned_packing"]) == {0.0}, step["metrics"]
-        assert math.isfinite(step["metrics"][GAUGE + "log_ratio_abs_max"][0])  # the gauge still reads
+def assert_control_shows_the_noise(arms: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[tuple[str, int], float]:
+    """Per packing, the control (verl's own packing of the old pass) is not found aligned (path 0) and its gauge
+    reads, the aligned arm is exactly on-policy; over all packings and steps the control's gauge is > 0 at least
+    once: the kernels' noise, which the aligned arm of the same packings does not show. Returns the control's gauges."""
+    noise = {}
+    for packing, arm in arms.items():
+        for step, (aligned, control) in enumerate(zip(arm["aligned"], arm["control"])):
+            assert_on_policy(aligned, erc=False)
+            assert "mismatch" not in control, control["mismatch"]
+            assert set(control["metrics"][PATH + "aligned_packing"]) == {0.0}, control["metrics"]
+            noise[packing, step] = control["metrics"][GAUGE + "log_ratio_abs_max"][0]
+            assert math.isfinite(noise[packing, step])
+    assert max(noise.values()) > 0, noise
+    return noise
+
+
+def test_lora_control_verls_own_packing_shows_the_noise_the_alignment_removes(lora: dict[str, Any]) -> None:
+    """With ``pack_old_log_prob_as_update=false`` the update finds no aligned packing (path 0) and the gauge reads
+    > 0 on at least one of the packings and steps (24/48 with the ref pass on its third step, 24/72, 40/80), where
+    the aligned kl3 arm reads exactly 0 on every one."""
+    arms = {"24/48": {"aligned": lora["kl3"], "control": lora["control"]}, **lora["packings"]}
+    assert_control_shows_the_noise(arms)
 
 
 @pytest.mark.parametrize("mode", list(ON_POLICY_MODES))
@@ -432,6 +482,12 @@ def test_fused_kernels_serve_both_passes_exactly_on_policy(fused: dict[str, Any]
     assert_on_policy(result, erc=mode == "erc")
     assert set(result["metrics"][PATH + "entropy_fp32"]) == {0.0}  # no pass took the fp32 entropy
     assert result["entropy_path"] == ("fused_kernel" if mode == "erc" else "verl")
+
+
+def test_fused_kernels_control_verls_own_packing_shows_the_noise_the_alignment_removes(fused: dict[str, Any]) -> None:
+    """The fused kernel's log-probs with verl's own packing of the old pass: path 0 and the gauge > 0 on at least
+    one packing (24/48, 40/80), where the aligned arm at the same packing reads exactly 0."""
+    assert_control_shows_the_noise(fused["packings"])
 
 
 # --- the critic ---------------------------------------------------------------------------------

@@ -1,14 +1,17 @@
 """The vocabulary pass at tensor-core rate: why TF32 keeps its logits exact, and that the setting is scoped.
 
-* TF32 rounding emulated in bit arithmetic (round to nearest even on the 13 dropped mantissa bits), and a
-  TF32 matmul emulated against an exact reference (every float32 product is exact in float64; ``math.fsum``
-  adds them without error and rounds once). For bf16- and fp16-valued operands rounding to TF32 changes
-  nothing, so the emulated TF32 matmul equals the exact product of the original operands bit for bit; what
-  the hardware adds is float32 accumulation, and the float32 matmul stays within the recursive-summation
-  bound gamma_n = n u / (1 - n u) (u = 2^-24, n the inner dimension) of the exact result while differing
-  from it (a bound, not an identity). For general float32 operands the emulated TF32 matmul differs from
-  the exact one, within 2 * 2^-11 + 2^-22 per product term. The logit gradient (a general float32) rounded
-  to TF32 stays within 2^-11 per term.
+* TF32 rounding emulated in bit arithmetic (round to nearest even on the 13 dropped mantissa bits), checked
+  on known values, and an emulated TF32 device (:class:`EmulatedTF32`: while cuBLAS's setting says "tf32",
+  each float32 matmul rounds its operands to TF32 first; the pass's decision is the product's dtype rule as
+  if on CUDA). On it the product's own code runs against the exact reference (every float32 product is
+  exact in float64; ``math.fsum`` adds them without error and rounds once): with bf16/fp16 operands the
+  pass's logit matmul (``_float32_logits_into``) stays within the recursive-summation bound
+  gamma_n = n u / (1 - n u) (u = 2^-24) of the exact logits while differing from them (a bound, not an
+  identity), the pass under TF32 equals its float32 path bit for bit (TF32 keeps half-precision values), and
+  its log-probs are within the logits' bound of the exact log-softmax. With fp32 operands the product
+  refuses TF32 (the float32 path, within gamma_n), and the control shows why: the same matmul forced onto
+  TF32 leaves that bound. The logit gradient (a general float32) rounded to TF32 stays within 2^-11 per
+  term: the arithmetic only (the pass's bf16 gradients cannot show it on a CPU).
 * :func:`tensor_core_matmuls` takes the TF32 path only on CUDA with half-precision operands; on CPU and
   with fp32 parameters nothing changes.
 * :func:`tf32_matmuls` sets cuBLAS's float32 precision for its block only and restores it on every exit
@@ -34,7 +37,6 @@ from verl_ext.core import vocab_pass as vp
 MATMUL = torch.backends.cuda.matmul
 UNIT_ROUNDOFF_TF32 = 2.0**-11  # 10 explicit mantissa bits, round to nearest
 UNIT_ROUNDOFF_FP32 = 2.0**-24
-UNIT_ROUNDOFF_FP64 = 2.0**-53
 
 
 def tf32_round(x: torch.Tensor) -> torch.Tensor:
@@ -64,13 +66,6 @@ def exact_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.tensor([[math.fsum(terms) for terms in row] for row in products.tolist()], dtype=torch.float64)
 
 
-def tf32_matmul_emulated(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """A TF32 tensor-core matmul ``a @ b.t()`` without its accumulation error: the operands rounded to
-    TF32, multiplied exactly and summed exactly (:func:`exact_matmul`). What TF32 itself changes is
-    the difference to :func:`exact_matmul` of the original operands."""
-    return exact_matmul(tf32_round(a), tf32_round(b))
-
-
 def gamma(n: int, unit_roundoff: float) -> float:
     """Higham's gamma_n = n u / (1 - n u): a sum of n exact terms in any order, each addition rounded to
     unit roundoff u, is within gamma_n * sum |term| of the exact sum (gamma_{n-1} suffices)."""
@@ -85,44 +80,12 @@ def test_the_emulated_rounding_is_tf32s() -> None:
     assert ((tf32_round(x) - x).abs() <= UNIT_ROUNDOFF_TF32 * x.abs()).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_valued_operands_are_exact_in_tf32_so_a_tf32_matmul_errs_only_by_float32_summation(dtype: torch.dtype) -> None:
-    """bf16 (8 significant bits) and fp16 (11) values are TF32 values (11): rounding keeps them, the
-    product of two has at most 22 significant bits, exact in float32. So the TF32 matmul without its
-    accumulation equals the exact product of the *original* operands bit for bit, and the only error
-    left is float32 summation: the float32 matmul's, within gamma_n of the exact result and not zero."""
-    a, b = half_valued((64, 96), dtype, seed=1), half_valued((64, 96), dtype, seed=2)
-    assert torch.equal(tf32_round(a), a) and torch.equal(tf32_round(b), b)
-    assert torch.equal((a * b).double(), a.double() * b.double())  # float32 products exact: <= 22 significant bits
-    hidden, weight = half_valued((32, 128), dtype, seed=3), half_valued((256, 128), dtype, seed=4)
-    exact = exact_matmul(hidden, weight)
-    assert torch.equal(tf32_matmul_emulated(hidden, weight), exact)  # TF32 loses nothing on these operands
-    float32 = (hidden @ weight.t()).double()
-    summation_error = (float32 - exact).abs()
-    magnitude = exact_matmul(hidden.abs(), weight.abs())  # sum |h_k w_k| per logit
-    assert (summation_error <= gamma(hidden.shape[1], UNIT_ROUNDOFF_FP32) * magnitude).all()
-    assert summation_error.max() > 0  # float32 accumulation does round: a bound, not an identity
-
-
-def test_general_float32_operands_are_not_exact_in_tf32() -> None:
-    """For general float32 operands TF32 rounding is real: per element and per matmul, the TF32 result
-    differs from the exact one, by at most 2u + u^2 (u = 2^-11, one rounding per operand) of each
-    product term's magnitude, plus the two float64 roundings of the references."""
-    gen = torch.Generator().manual_seed(5)
-    a, b = torch.randn(64, 96, generator=gen), torch.randn(64, 96, generator=gen)
-    changed = (tf32_round(a) * tf32_round(b) != a * b).float().mean()
-    assert changed > 0.9  # the bit-for-bit equality above is a property of half-precision values
-    assert not torch.equal(tf32_round(a) @ tf32_round(b).t(), a @ b.t())
-    rounding_error = (tf32_matmul_emulated(a, b) - exact_matmul(a, b)).abs()
-    magnitude = exact_matmul(a.abs(), b.abs())
-    per_term = 2 * UNIT_ROUNDOFF_TF32 + UNIT_ROUNDOFF_TF32**2
-    assert (rounding_error <= (per_term + 4 * UNIT_ROUNDOFF_FP64) * magnitude).all()
-    assert (rounding_error > 0).float().mean() > 0.99  # differs almost everywhere
-
-
 def test_the_gradients_tf32_rounding_stays_within_its_bound() -> None:
-    """The backward's ``dW = dx^T h`` and ``dh = dx W`` take the logit gradient ``dx`` rounded to TF32:
-    each product term moves by at most 2^-11 of itself (plus float32 summation)."""
+    """The arithmetic behind docs/losses.md's gradient claim, on the emulation only (no product code): the
+    backward's ``dW = dx^T h`` and ``dh = dx W`` with the logit gradient ``dx`` rounded to TF32 move each product
+    term by at most 2^-11 of itself (plus float32 summation). Through the product this is not observable on a
+    CPU: with half-precision operands the pass returns its gradients in bf16/fp16, whose rounding (2^-8 / 2^-11)
+    is not finer than TF32's."""
     gen = torch.Generator().manual_seed(6)
     dz = torch.randn(48, 300, generator=gen) * 1e-3
     hidden, weight = half_valued((48, 64), torch.bfloat16, seed=7), half_valued((300, 64), torch.bfloat16, seed=8)
@@ -137,6 +100,106 @@ def test_the_gradients_tf32_rounding_stays_within_its_bound() -> None:
 
 def cuda_like(dtype: torch.dtype) -> Any:
     return types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"), dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# The product's matmuls on an emulated TF32 device, against the exact (math.fsum) reference
+# ------------------------------------------------------------------------------------------------
+
+
+class EmulatedTF32:
+    """A CPU that honours cuBLAS's TF32 setting as a tensor core does: while ``fp32_precision`` is "tf32", each
+    float32 ``torch.mm`` / ``@`` / ``addmm_`` rounds its two operands to TF32 (:func:`tf32_round`) and then
+    multiplies them in float32. The vocabulary pass's TF32 decision is the product's own dtype rule
+    (:func:`~verl_ext.core.vocab_pass.tensor_core_matmuls`) applied as if the tensors were on CUDA. ``rounded``
+    counts the matmuls that ran as TF32."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.rounded = 0
+        decide = vp.tensor_core_matmuls
+        monkeypatch.setattr(vp, "tensor_core_matmuls", lambda hidden, weight, requested=None:
+                            decide(cuda_like(hidden.dtype), cuda_like(weight.dtype), requested))
+        for owner, name in ((torch, "mm"), (torch.Tensor, "__matmul__"), (torch.Tensor, "addmm_")):
+            monkeypatch.setattr(owner, name, self._rounding(getattr(owner, name), name == "addmm_"))
+
+    @staticmethod
+    def _round_in_layout(x: torch.Tensor) -> torch.Tensor:
+        """``x`` rounded to TF32 in a tensor of ``x``'s strides (a transposed operand stays transposed, so the CPU
+        kernel and its summation order are the ones the unrounded call would take)."""
+        return x.clone().copy_(tf32_round(x))
+
+    def _rounding(self, original: Callable[..., Any], in_place: bool) -> Callable[..., Any]:
+        def matmul(*args: Any, **kwargs: Any) -> Any:
+            first = 1 if in_place else 0  # addmm_(self, mat1, mat2): self is the accumulator, not an operand
+            a, b = args[first], args[first + 1]
+            if MATMUL.fp32_precision == "tf32" and a.dtype == b.dtype == torch.float32:
+                self.rounded += 1
+                args = (*args[:first], self._round_in_layout(a), self._round_in_layout(b), *args[first + 2:])
+            return original(*args, **kwargs)
+
+        return matmul
+
+
+def exact_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float) -> tuple[torch.Tensor, ...]:
+    """float64 ``log softmax(hidden @ weight^T / T)`` at ``labels`` from the exact logits (:func:`exact_matmul`),
+    and per token the bound of the logits' float32 summation error, ``gamma_n * max_j sum_k |h_k w_jk| / T``."""
+    exact = exact_matmul(hidden.float(), weight.float()) / temperature
+    magnitude = exact_matmul(hidden.float().abs(), weight.float().abs()) / temperature
+    log_probs = torch.log_softmax(exact, dim=1).gather(1, labels.unsqueeze(1)).squeeze(1)
+    return log_probs, gamma(hidden.shape[1], UNIT_ROUNDOFF_FP32) * magnitude.max(dim=1).values
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_pass_under_tf32_computes_the_exact_logits_up_to_float32_summation(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """The product's logit matmul (``_float32_logits_into``) and the whole pass with half-precision operands on
+    the emulated TF32 device: the pass takes the TF32 path, and since TF32 keeps bf16/fp16 values the logits are
+    the exact (fsum) ones up to float32 summation -- within gamma_n, not equal -- and the pass's log-probs,
+    entropies and top-k equal its float32 path's bit for bit and the exact log-probs within the logits' bound."""
+    device = EmulatedTF32(monkeypatch)
+    hidden, weight = half_valued((32, 128), dtype, seed=3).to(dtype), half_valued((256, 128), dtype, seed=4).to(dtype)
+    tf32 = vp.tensor_core_matmuls(hidden, weight)
+    assert tf32  # the product's rule: half-precision operands on CUDA take tensor cores
+    logits = torch.empty(32, 256)
+    vp._float32_logits_into(logits, hidden.float(), weight, tf32)
+    exact = exact_matmul(hidden.float(), weight.float())
+    error = (logits.double() - exact).abs()
+    assert (error <= gamma(128, UNIT_ROUNDOFF_FP32) * exact_matmul(hidden.float().abs(), weight.float().abs())).all()
+    assert error.max() > 0  # float32 accumulation does round: a bound, not an identity
+    assert device.rounded == 1  # and it ran as one TF32 matmul
+
+    hidden, weight = half_valued((40, 32), dtype, seed=9).to(dtype), (half_valued((700, 32), dtype, seed=10) * 1e-2).to(dtype)
+    labels = torch.randint(0, 700, (40,), generator=torch.Generator().manual_seed(11))
+    before = device.rounded
+    out = vp.vocab_pass(hidden, weight, labels, 0.7, top_k=4, chunk_bytes=4096)
+    assert device.rounded > before  # the pass ran its matmuls as TF32
+    float32 = vp.vocab_pass(hidden, weight, labels, 0.7, top_k=4, chunk_bytes=4096, tensor_cores=False)
+    for name in ("log_probs", "entropy", "top_log_probs", "top_ids"):
+        assert torch.equal(getattr(out, name), getattr(float32, name)), name
+    reference, logit_bound = exact_log_probs(hidden, weight, labels, 0.7)
+    # log pi_y = z_y - logsumexp(z) moves by at most 2 logit errors, plus the float32 arithmetic of the reduction
+    bound = 2 * logit_bound + 16 * UNIT_ROUNDOFF_FP32 * (reference.abs() + 1)
+    assert ((out.log_probs.double() - reference).abs() <= bound).all()
+
+
+def test_general_float32_operands_are_refused_tf32_by_the_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 parameters: the product's rule keeps the pass off TF32 (no matmul rounded, the float32 path bit for
+    bit, the logits within gamma_n of the exact ones). The control: the same logit matmul forced onto TF32 on
+    the emulated device is not within that bound -- what the refusal avoids."""
+    device = EmulatedTF32(monkeypatch)
+    gen = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(32, 96, generator=gen), torch.randn(200, 96, generator=gen)
+    labels = torch.randint(0, 200, (32,), generator=gen)
+    assert not vp.tensor_core_matmuls(hidden, weight) and not vp.tensor_core_matmuls(hidden.bfloat16(), weight)
+    out = vp.vocab_pass(hidden, weight, labels, 0.7, top_k=4)
+    float32 = vp.vocab_pass(hidden, weight, labels, 0.7, top_k=4, tensor_cores=False)
+    assert device.rounded == 0 and torch.equal(out.log_probs, float32.log_probs) and torch.equal(out.entropy, float32.entropy)
+    exact, magnitude = exact_matmul(hidden, weight), exact_matmul(hidden.abs(), weight.abs())
+    bound = gamma(96, UNIT_ROUNDOFF_FP32) * magnitude
+    for tf32, within in ((False, True), (True, False)):
+        logits = torch.empty(32, 200)
+        vp._float32_logits_into(logits, hidden, weight, tf32)
+        assert bool(((logits.double() - exact).abs() <= bound).all()) is within, tf32
+    assert device.rounded == 1
 
 
 def test_the_tensor_core_path_is_taken_only_on_cuda_with_half_precision_operands() -> None:
