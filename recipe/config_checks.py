@@ -88,17 +88,18 @@ def validate_divclip_config(config: DictConfig) -> Any:
     if isinstance(policy, DivClipPolicyLossConfig) and policy.adaptive_delta_enabled:
         train_prompts = config.data.get("train_batch_size", None)
         on_policy = actor.ppo_epochs == 1 and train_prompts is not None and actor.ppo_mini_batch_size >= train_prompts
-        separate = OmegaConf.select(config, TRAINER_MODE, default="sync") == "separate_async"
-        sync_step = OmegaConf.select(config, "trainer.v1.separate_async.parameter_sync_step", default=1)
-        if separate and actor.ppo_epochs == 1 and sync_step == 1:
+        trainer_mode = OmegaConf.select(config, TRAINER_MODE, default="sync")
+        sync_step = OmegaConf.select(config, f"trainer.v1.{trainer_mode}.parameter_sync_step", default=1)
+        if sync_step != 1:
+            # the controller reads one update a step, its KL3 against the pi_old it started from; in a Decoupled-PPO
+            # cycle every update but the first starts away from pi_old (the cycle's first weights)
             raise ConfigError(
-                f"{ACTOR}.policy_loss.adaptive_delta_target: {TRAINER_MODE}=separate_async with "
-                f"trainer.v1.separate_async.parameter_sync_step=1 and {ACTOR}.ppo_epochs=1 makes every update one "
-                "on-policy mini-batch, whose measured KL3 is 0: the controller would have nothing to read. Use "
-                "parameter_sync_step > 1 (the later updates of each cycle measure the drift from pi_old), more "
-                "ppo_epochs, or a static delta"
+                f"{ACTOR}.policy_loss.adaptive_delta_target: {TRAINER_MODE}={trainer_mode} with "
+                f"trainer.v1.{trainer_mode}.parameter_sync_step={sync_step} trains {sync_step} updates per step against "
+                "the cycle's first weights as pi_old, so no update but the first measures its own KL3 from the pi_old "
+                "it started at: use parameter_sync_step=1 (one update a step) or a static delta"
             )
-        if on_policy and not separate:
+        if on_policy:
             raise ConfigError(
                 f"{ACTOR}.policy_loss.adaptive_delta_target: with one PPO mini-batch per step "
                 f"({ACTOR}.ppo_mini_batch_size={actor.ppo_mini_batch_size} >= data.train_batch_size={train_prompts}) "
@@ -130,7 +131,20 @@ def validate_divclip_config(config: DictConfig) -> Any:
                 "algorithm.rollout_correction.bypass_mode=True skips it. Set it to False or turn ERC off."
             )
     validate_bypass_mode(config, actor)
+    validate_verl_keys(config)
     return actor
+
+
+def validate_verl_keys(config: DictConfig) -> None:
+    """The rule table of every verl key (:mod:`recipe.verl_keys`, docs/verl_features.md): a ``replaced`` key
+    holding a value the divclip path would not use, and the table's own refusals, are refused naming the keys."""
+    from recipe.verl_keys import check_refused_keys, check_replaced_keys
+
+    try:
+        check_replaced_keys(config)
+        check_refused_keys(config)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
 
 
 VOCAB_PASS = f"{ACTOR}.policy_loss.vocab_pass"
@@ -138,7 +152,7 @@ VOCAB_PASS = f"{ACTOR}.policy_loss.vocab_pass"
 
 def validate_strategy(actor: Any, policy: DivClipPolicyLossConfig | None) -> None:
     """Every feature the recipe adds inside verl's actor engine (ERC's fp32 entropy, the vocabulary pass,
-    pi_old's top-k, the aligned packing) lives in the engine seam, which covers verl's FSDP engine only
+    pi_old's top-k, pack_old_log_prob_as_update) lives in the engine seam, which covers verl's FSDP engine only
     (:data:`verl_ext.engine.request.SUPPORTED_STRATEGIES`). Another ``actor.strategy`` with any of them
     on is refused here, naming the keys -- it would otherwise run silently without them. ``policy`` is
     None for verl's plain policy-loss config, whose actor loss still packs the old pass as the update."""
@@ -191,7 +205,7 @@ def validate_verl_features(config: DictConfig) -> None:
 
 def validate_trainer_mode(config: DictConfig, actor: Any) -> None:
     """``trainer.v1.trainer_mode`` selects verl's trainer class, with the divclip features on top in every mode
-    (:func:`recipe.trainer.divclip_trainer_class`). What verl itself would only assert after Ray has started,
+    (``recipe.trainer.DIVCLIP_TRAINERS``). What verl itself would only assert after Ray has started,
     and what the async modes need from the recipe, is checked here, naming the keys:
 
     * a known mode (verl's registry);

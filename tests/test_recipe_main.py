@@ -4,6 +4,7 @@ the divclip actor loss once, after verl's own on_init_end."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -89,7 +90,7 @@ PACK_OFF = "actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=fals
 @pytest.mark.parametrize(
     "overrides, keys",
     [
-        ([MEGATRON], ["pack_old_log_prob_as_update"]),  # on by default: every mode asks for the aligned packing
+        ([MEGATRON], ["pack_old_log_prob_as_update"]),  # on by default: every mode asks for pack_old_log_prob_as_update
         ([MEGATRON, PACK_OFF, *ERC, "actor_rollout_ref.actor.calculate_entropy=true"], ["erc_beta_low/erc_beta_high"]),
         ([MEGATRON, PACK_OFF, *KL_FULL], ["loss_mode=kl_full"]),
         ([MEGATRON, PACK_OFF, "actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=true"], ["kl_full_diagnostic"]),
@@ -134,7 +135,7 @@ def test_trainer_stores_the_top_k_in_the_old_log_prob_pass_only(monkeypatch):
     and takes the request away again, so the reference pass after it stores nothing."""
     from verl.trainer.ppo.v1 import PPOTrainerSync
 
-    from recipe.trainer import divclip_trainer_class
+    from recipe.trainer import DivClipPPOTrainerSync
     from verl_ext.engine.packing import UPDATE_PACKING_KEY, UpdatePacking
     from verl_ext.engine.topk_capture import CAPTURE_KEY
 
@@ -147,7 +148,7 @@ def test_trainer_stores_the_top_k_in_the_old_log_prob_pass_only(monkeypatch):
         (["actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=true", "actor_rollout_ref.actor.policy_loss.kl_full_top_k=8"], 8),
         ([], None),
     ):
-        trainer = object.__new__(divclip_trainer_class("sync"))
+        trainer = object.__new__(DivClipPPOTrainerSync)
         trainer.config = compose_config(*overrides, "actor_rollout_ref.rollout.calculate_log_probs=false")
         trainer.global_steps = 1
         assert trainer._compute_old_log_prob(batch, metrics={}) is batch
@@ -204,11 +205,11 @@ class FakeWorkerGroup:
 def test_trainer_installs_the_actor_loss_once_after_verl_init(monkeypatch, erc):
     from verl.trainer.ppo.v1 import PPOTrainerSync
 
-    from recipe.trainer import divclip_trainer_class
+    from recipe.trainer import DivClipPPOTrainerSync
     from verl_ext.actor_loss import divclip_actor_loss, entropy_is_detached
 
     overrides = ["actor_rollout_ref.actor.calculate_entropy=true", *ERC] if erc else []
-    trainer = object.__new__(divclip_trainer_class("sync"))  # no Ray, no GPUs: only what on_init_end touches
+    trainer = object.__new__(DivClipPPOTrainerSync)  # no Ray, no GPUs: only what on_init_end touches
     trainer.config = compose_config(*overrides)
     trainer.actor_rollout_wg = FakeWorkerGroup()
     calls: list[str] = []
@@ -250,9 +251,9 @@ def test_trainer_logs_which_entropy_path_is_asked_for(monkeypatch, caplog, fused
 
     from verl.trainer.ppo.v1 import PPOTrainerSync
 
-    from recipe.trainer import divclip_trainer_class
+    from recipe.trainer import DivClipPPOTrainerSync
 
-    trainer = object.__new__(divclip_trainer_class("sync"))
+    trainer = object.__new__(DivClipPPOTrainerSync)
     trainer.config = compose_config(
         "actor_rollout_ref.actor.calculate_entropy=true", *ERC, f"actor_rollout_ref.model.use_fused_kernels={fused}"
     )
@@ -311,18 +312,99 @@ def test_verl_features_the_path_would_drop_are_refused_naming_the_key(overrides:
         validate_divclip_config(compose_config(*overrides))
 
 
+VERL_TRAINERS = {"sync": "PPOTrainerSync", "colocate_async": "PPOTrainerColocateAsync",
+                 "separate_async": "PPOTrainerSeparateAsync"}
+
+
 @pytest.mark.parametrize("mode", ["sync", "colocate_async", "separate_async"])
 def test_every_trainer_mode_validates_and_selects_verls_class_with_the_divclip_features(mode: str) -> None:
+    """Importing recipe.trainer puts, under verl's own mode name, a subclass of verl's class for the mode with the
+    divclip piece first in its MRO (its hooks wrap verl's through super())."""
+    import verl.trainer.ppo.v1 as v1
     from verl.trainer.ppo.v1 import get_trainer_cls
 
-    from recipe.trainer import DivClipTrainer, divclip_trainer_class
+    from recipe.trainer import DIVCLIP_TRAINERS, DivClipTrainer
 
     overrides = SEPARATE if mode == "separate_async" else [f"trainer.v1.trainer_mode={mode}"]
     validate_divclip_config(compose_config(*overrides))
-    cls = divclip_trainer_class(mode)
-    assert issubclass(cls, get_trainer_cls(mode)) and issubclass(cls, DivClipTrainer)
-    assert cls.__mro__[1] is DivClipTrainer  # the divclip hooks run first and call verl's class through super()
-    assert divclip_trainer_class(mode) is cls and getattr(sys.modules["recipe.trainer"], cls.__name__) is cls
+    cls = DIVCLIP_TRAINERS[mode]
+    assert get_trainer_cls(mode) is cls
+    assert cls.__bases__ == (DivClipTrainer, getattr(v1, VERL_TRAINERS[mode])) and cls.__mro__[1] is DivClipTrainer
+    assert getattr(sys.modules["recipe.trainer"], cls.__name__) is cls
+
+
+def test_the_registry_patch_replaces_only_verls_own_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one patch of verl's trainer registry: idempotent, and refused, naming the mode, where the entry is not
+    verl's class that the divclip class is built on (another plugin's, or a verl whose class moved)."""
+    from verl.trainer.ppo.v1 import PPOTrainerColocateAsync, PPOTrainerSync
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+
+    from recipe.trainer import DIVCLIP_TRAINERS, register_divclip_trainers
+
+    monkeypatch.setitem(TRAINER_REGISTRY, "sync", PPOTrainerSync)  # verl's, as a plain verl process has it
+    register_divclip_trainers()
+    register_divclip_trainers()
+    assert {mode: TRAINER_REGISTRY[mode] for mode in DIVCLIP_TRAINERS} == DIVCLIP_TRAINERS
+    monkeypatch.setitem(TRAINER_REGISTRY, "sync", PPOTrainerColocateAsync)
+    with pytest.raises(RuntimeError, match=r"trainer\.v1\.trainer_mode='sync': verl's trainer registry holds .*"
+                                           r"PPOTrainerColocateAsync.*not verl's .*PPOTrainerSync"):
+        register_divclip_trainers()
+    monkeypatch.delitem(TRAINER_REGISTRY, "sync")
+    with pytest.raises(RuntimeError, match=r"trainer_mode='sync': verl's trainer registry holds None"):
+        register_divclip_trainers()
+
+
+def test_the_task_runner_adds_the_trainer_module_to_the_runtime_env_it_is_asked_for(monkeypatch) -> None:
+    """run_ppo starts the runner with .remote(), or .options(runtime_env={"nsight": ...}) under nsys: either way the
+    TaskRunner's env_vars name the trainer module after what the job already names."""
+    from recipe.main import EXTERNAL_MODULES, DivClipTaskRunnerV1
+
+    monkeypatch.delenv(EXTERNAL_MODULES, raising=False)
+    runner = DivClipTaskRunnerV1(compose_config())
+    assert runner.env_vars == {EXTERNAL_MODULES: "verl_ext.plugin,recipe.trainer"}
+    nsight = {"t": "cuda,nvtx", "cuda-memory-usage": "true"}
+    assert runner.actor_options(runtime_env={"nsight": nsight, "env_vars": {"A": "1"}}) == {
+        "runtime_env": {"nsight": nsight, "env_vars": {"A": "1", EXTERNAL_MODULES: "verl_ext.plugin,recipe.trainer"}}}
+    config = compose_config(f"+ray_kwargs.ray_init.runtime_env.env_vars.{EXTERNAL_MODULES}='mine,recipe.trainer'")
+    assert DivClipTaskRunnerV1(config).env_vars == {EXTERNAL_MODULES: "mine,recipe.trainer,verl_ext.plugin"}
+    monkeypatch.setenv(EXTERNAL_MODULES, "theirs")  # the job's environment (ray job submit --runtime-env-json)
+    assert DivClipTaskRunnerV1(compose_config()).env_vars == {EXTERNAL_MODULES: "theirs,verl_ext.plugin,recipe.trainer"}
+
+
+def test_only_the_task_runner_and_what_it_starts_build_the_divclip_trainers() -> None:
+    """On a local Ray: an actor started with the runner's options (as run_ppo starts verl's TaskRunnerV1) finds the
+    divclip classes in verl's registry, keeps the job's own env_vars (Ray merges them) and hands the variable to an
+    actor it starts; a plain worker of the same job keeps verl's classes."""
+    code = f"""
+import json, ray
+from tests.test_recipe_main import compose_config
+from recipe.main import DivClipTaskRunnerV1
+
+@ray.remote(num_cpus=0)
+class Probe:
+    def trainers(self, child=False):
+        import os
+        from verl.trainer.ppo.v1 import get_trainer_cls
+        found = {{"classes": [get_trainer_cls(m).__name__ for m in ("sync", "colocate_async", "separate_async")],
+                 "job": os.environ.get("PROBE_JOB")}}
+        if child:
+            found["child"] = ray.get(Probe.options(runtime_env={{"env_vars": {{"PROBE_CHILD": "1"}}}}).remote().trainers.remote())
+        return found
+
+ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+         runtime_env={{"env_vars": {{"PROBE_JOB": "job"}}}})
+runner = DivClipTaskRunnerV1(compose_config())
+print(json.dumps({{"runner": ray.get(Probe.options(**runner.actor_options()).remote().trainers.remote(child=True)),
+                  "plain": ray.get(Probe.remote().trainers.remote())}}))
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    divclip = ["DivClipPPOTrainerSync", "DivClipPPOTrainerColocateAsync", "DivClipPPOTrainerSeparateAsync"]
+    assert found["runner"] == {"classes": divclip, "job": "job", "child": {"classes": divclip, "job": "job"}}
+    assert found["plain"] == {"classes": list(VERL_TRAINERS.values()), "job": "job"}
 
 
 def test_separate_async_divides_an_update_among_data_parallel_ranks_not_ulysses_ranks() -> None:
@@ -335,7 +417,7 @@ def test_separate_async_divides_an_update_among_data_parallel_ranks_not_ulysses_
 
 def test_bypass_mode_runs_non_entropy_modes_with_verls_packing() -> None:
     """bypass_mode (pi_old := mu): the KL-budget modes run (a trust region around the behaviour policy) once the
-    aligned packing, which has no old pass to pack, is off; ERC and kl_full stay refused (tested above)."""
+    pack_old_log_prob_as_update, which has no old pass to pack, is off; ERC and kl_full stay refused (tested above)."""
     actor = validate_divclip_config(compose_config("algorithm.rollout_correction.bypass_mode=true", PACK_OFF))
     assert actor.policy_loss.loss_mode == "kl3"
 

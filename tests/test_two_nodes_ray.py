@@ -100,7 +100,6 @@ RUN_ARGS = [
     "trainer.val_before_train=False",
     # 8 prompts x 4 samples = 32 a step, two PPO mini-batches of 16: 8 samples per rank and mini-batch
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
     # ERC on ATR's kl3, with the adaptive delta: delta widens on every update (ADAPTIVE), so a resume that
     # lost the controller's state would show in the logged delta
     "actor_rollout_ref.actor.policy_loss.erc_beta_low=0.05",
