@@ -7,11 +7,14 @@ and a hash of the prompt itself, stable across runs, unlike verl's per-fetch uid
 event, each with the attempt it belongs to::
 
     {"event": "fetched", "step": 3, "attempt": "<host>-<pid>-<start>", "prompts": [[index, hash], ...]}
-    {"event": "restored", "step": 4, "attempt": ..., "prompts": [...]}   # async resume: TransferQueue's groups
+    {"event": "restored", "step": 4, "attempt": ..., "prompts": [...], "status": ["success", "running", ...]}
     {"event": "trained", "step": 3, "attempt": ..., "prompts": [...], "samples": 32}
 
-``fetched`` lists prompts in fetch order; ``trained`` (once per actor update, sorted, with the rollout samples
-counted) lists what an update trained on. Each attempt of a run appends to the same file.
+``fetched`` lists prompts in fetch order; ``restored`` the groups an asynchronous resume took back from
+TransferQueue, each with verl's status of the group at the checkpoint (``pending`` / ``running`` ones verl
+generates anew with the resumed weights, finished ones keep their samples); ``trained`` (once per actor update,
+sorted, with the rollout samples counted) lists what an update trained on. Each attempt of a run appends to the
+same file.
 ``tests/test_two_nodes_ray.py`` compares a crashed and a resumed attempt with an uninterrupted run of the same
 seed; tests/test_trainer_modes_cpu.py checks an asynchronous resume.
 """
@@ -24,7 +27,7 @@ import os
 import socket
 import time
 from collections import Counter
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable
 
 DATA_TRACE_KEY = "divclip.data_trace"
 
@@ -46,15 +49,29 @@ class DataTrace:
         self.attempt = f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
         self._prompts: dict[str, list[Any]] = {}
 
-    def fetched(self, step: int, uids: Iterable[str], indices: Iterable[Any], raw_prompts: Iterable[Any],
-                event: Literal["fetched", "restored"] = "fetched") -> None:
-        """Prompts the trainer holds from now on, at step ``step``: verl's uid of each, its dataset index and its
-        prompt; ``event="restored"`` for the groups an asynchronous resume took back from TransferQueue."""
+    def fetched(self, step: int, uids: Iterable[str], indices: Iterable[Any], raw_prompts: Iterable[Any]) -> None:
+        """Prompts the trainer fetched from the dataloader at step ``step``: verl's uid of each, its dataset index
+        and its prompt."""
+        self._append({"event": "fetched", "step": int(step), "attempt": self.attempt,
+                      "prompts": self._hold(uids, indices, raw_prompts)})
+
+    def restored(self, step: int, uids: Iterable[str], indices: Iterable[Any], raw_prompts: Iterable[Any],
+                 statuses: Iterable[str]) -> None:
+        """The prompt groups an asynchronous resume took back from TransferQueue before step ``step``, as
+        :meth:`fetched`, with verl's status of each group at the checkpoint."""
+        ids = self._hold(uids, indices, raw_prompts)
+        status = [str(value) for value in statuses]
+        if len(status) != len(ids):
+            raise ValueError(f"{DATA_TRACE_KEY}: {len(ids)} restored prompts but {len(status)} statuses")
+        self._append({"event": "restored", "step": int(step), "attempt": self.attempt, "prompts": ids, "status": status})
+
+    def _hold(self, uids: Iterable[str], indices: Iterable[Any], raw_prompts: Iterable[Any]) -> list[list[Any]]:
+        """Note the prompts the trainer holds from now on; returns their ids."""
         ids = []
         for uid, index, raw in zip(uids, indices, raw_prompts, strict=True):
             self._prompts[str(uid)] = prompt_id(index, raw)
             ids.append(self._prompts[str(uid)])
-        self._append({"event": event, "step": int(step), "attempt": self.attempt, "prompts": ids})
+        return ids
 
     def trained(self, step: int, sample_keys: Iterable[str], tags: Iterable[dict[str, Any]]) -> None:
         """Step ``step`` updated the actor on these samples (verl's ``{uid}_{session}_{index}`` keys, with their

@@ -1,33 +1,35 @@
 """The divclip trainer: what verl-divclip adds to verl 0.9.1's v1 trainer, for every trainer mode.
 
-:class:`DivClipTrainer` is one piece applied to whichever class verl registers for
-``trainer.v1.trainer_mode`` (``sync``, ``colocate_async``, ``separate_async``): :func:`divclip_trainer_class`
-composes it with ``verl.trainer.ppo.v1.get_trainer_cls(mode)``, the lookup verl's own ``main_ppo`` does.
-What it adds:
+:class:`DivClipTrainer` is one piece on top of each class verl registers for ``trainer.v1.trainer_mode``:
+:class:`DivClipPPOTrainerSync`, :class:`DivClipPPOTrainerColocateAsync` and
+:class:`DivClipPPOTrainerSeparateAsync`. Importing this module puts them in verl's trainer registry under
+verl's own mode names (:func:`register_divclip_trainers`, the one guarded patch of that registry:
+docs/engine.md, "The trainer classes"), so verl's unmodified ``TaskRunnerV1.run`` builds them through
+``get_trainer_cls``. ``recipe.main`` starts that TaskRunner with ``VERL_USE_EXTERNAL_MODULES`` naming this
+module, which verl imports with ``import verl``: a process that never imports it -- a plain verl run --
+keeps verl's classes. What the divclip piece adds:
 
 * the divclip actor loss (:func:`verl_ext.actor_loss.build_actor_loss`) installed on the actor workers with
   ``set_loss_fn`` once the worker groups exist, and again whenever the opt-in adaptive trust-region
-  controller (``policy_loss.adaptive_delta_target``, :mod:`verl_ext.adaptive_delta`) moves delta after an
-  actor update; the controller's state is saved into and restored from verl's ``global_step_N`` folders;
+  controller (``policy_loss.adaptive_delta_target``, :mod:`verl_ext.adaptive_delta`) moves delta after the
+  step's actor update; the controller's state is saved into and restored from verl's ``global_step_N`` folders;
 * the update's packing handed to the old-log-prob pass (:mod:`verl_ext.engine.packing`), and, for the update,
   whether it follows that pass and whether it starts on-policy (not in ``bypass_mode``, nor in the later
   updates of a Decoupled-PPO cycle, whose pi_old is the cycle's first weights);
 * pi_old's top-k stored by the old-log-prob pass for ``loss_mode=kl_full`` / ``kl_full_diagnostic``
   (:func:`verl_ext.engine.topk_capture.capturing_old_topk`);
-* the staleness of each trained batch (:mod:`verl_ext.core.staleness`: version lag, mu against pi_old),
-  logged as ``actor/divclip/staleness/*``;
+* how far the behaviour policy mu is from pi_old on each trained batch (:mod:`verl_ext.core.staleness`),
+  logged as ``actor/divclip/staleness/*`` (the version lag is verl's ``training/off_policy/*``);
 * validation at each benchmark's own length (``actor_rollout_ref.rollout.custom.validation``,
-  :mod:`recipe.validation.length`);
+  :mod:`recipe.validation.length`; ``recipe.main`` names its agent-loop manager for verl's TaskRunner);
 * only complete checkpoints resumed (:mod:`recipe.checkpoints`) and, with ``divclip.data_trace``, the
-  prompts each step trained on (:mod:`recipe.data_trace`).
+  prompts each step trained on (:mod:`recipe.data_trace`);
+* the check, in the TaskRunner's process, that the ``verl.plugins`` entry point registered the divclip
+  losses there (:func:`verl_ext.plugin.require_registered`).
 
 Where verl's class overrides the same hook (``PPOTrainerSeparateAsync._compute_old_log_prob`` restores the
 cycle's first weights), both run: this class's hook wraps verl's through ``super()``. Everything else
 (rollouts, rewards, advantages, the old-log-prob recompute with entropy, weight sync, checkpoints) is verl's.
-
-``DivClipTaskRunner`` mirrors ``verl.trainer.main_ppo.TaskRunnerV1.run``: that class is a ``@ray.remote``
-actor class and cannot be subclassed, and its ``run`` builds the trainer from verl's registry rather than
-taking a class.
 """
 
 from __future__ import annotations
@@ -35,31 +37,30 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from pprint import pprint
 from typing import Any, Optional
 
-import ray
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
+from verl.trainer.ppo.v1 import PPOTrainerColocateAsync, PPOTrainerSeparateAsync, PPOTrainerSync
+from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
 from verl.utils.config import omega_conf_to_dataclass
-from verl.utils.import_utils import load_class_from_fqn
-from verl.utils.logging_utils import configure_verl_logging
 
 from verl_ext.actor_loss import build_actor_loss
 from verl_ext.adaptive_delta import AdaptiveDelta
 from verl_ext.core.region import CONSTRAINTS
-from verl_ext.core.staleness import behaviour_divergence, version_lag
+from verl_ext.core.staleness import behaviour_divergence
 from verl_ext.engine.packing import (
-    STARTS_ON_POLICY_KEY,
+    ON_POLICY_KEY,
     UPDATE_FOLLOWS_OLD_PASS_KEY,
     UPDATE_PACKING_KEY,
     UpdatePacking,
 )
 from verl_ext.engine.request import describe, request_of, resolve_entropy_path
 from verl_ext.engine.topk_capture import capturing_old_topk, old_topk_request
+from verl_ext.plugin import require_registered
 
 from recipe.checkpoints import set_aside_incomplete_checkpoints
 from recipe.data_trace import DataTrace
-from recipe.validation.length import ValidationLengthTrainerMixin, ValidationPlan
+from recipe.validation.length import ValidationLengthTrainerMixin
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +68,16 @@ STALENESS_METRIC = "actor/divclip/staleness/"
 
 
 class DivClipTrainer(ValidationLengthTrainerMixin):
-    """What verl-divclip adds to a verl v1 trainer class (module docstring); compose it with one through
-    :func:`divclip_trainer_class`. Its hooks call ``super()``: verl's class runs underneath."""
+    """What verl-divclip adds to a verl v1 trainer class (module docstring), composed with each of verl's in
+    :data:`DIVCLIP_TRAINERS`. Its hooks call ``super()``: verl's class runs underneath."""
 
     adaptive_delta: Optional[AdaptiveDelta] = None
     data_trace: Optional[DataTrace] = None
+
+    def __init__(self, config: DictConfig) -> None:
+        # this is verl's TaskRunner process, which imported verl: its plugin must have registered the losses
+        require_registered()
+        super().__init__(config=config)
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -99,7 +105,8 @@ class DivClipTrainer(ValidationLengthTrainerMixin):
 
     def _trace_restored_prompts(self) -> None:
         """Async modes resume with the prompt groups TransferQueue held at the checkpoint (fetched by an
-        earlier attempt, not yet trained): the data trace learns them as fetched."""
+        earlier attempt, not yet trained): the data trace learns them as restored, each with verl's status (verl
+        re-issues the pending and running ones when training starts)."""
         if self.config.trainer.v1.trainer_mode == "sync":
             return
         import transfer_queue as tq
@@ -109,8 +116,8 @@ class DivClipTrainer(ValidationLengthTrainerMixin):
         if not uids:
             return
         rows = tq.kv_batch_get(keys=uids, partition_id="train", select_fields=["index", "raw_prompt"])
-        self.data_trace.fetched(self.global_steps + 1, uids, _column(rows, "index"), _column(rows, "raw_prompt"),
-                                event="restored")
+        self.data_trace.restored(self.global_steps + 1, uids, _column(rows, "index"), _column(rows, "raw_prompt"),
+                                 [listing[uid]["status"] for uid in uids])
 
     def _build_adaptive_delta(self) -> Optional[AdaptiveDelta]:
         policy = self.config.actor_rollout_ref.actor.policy_loss
@@ -184,18 +191,17 @@ class DivClipTrainer(ValidationLengthTrainerMixin):
         return batch
 
     def _staleness(self, batch: Any) -> dict[str, float]:
-        """``actor/divclip/staleness/*`` of the batch about to be trained (:mod:`verl_ext.core.staleness`)."""
-        found: dict[str, float] = {}
-        min_versions = [tag["min_global_steps"] for tag in batch.tags
-                        if not tag.get("is_padding", False) and tag.get("min_global_steps") is not None]
-        found.update(version_lag(self.global_steps - 1, min_versions))
-        if self.config.actor_rollout_ref.rollout.calculate_log_probs:
-            import transfer_queue as tq
+        """``actor/divclip/staleness/*`` of the batch about to be trained: mu against pi_old
+        (:func:`verl_ext.core.staleness.behaviour_divergence`). The weight-version lag of the same samples is
+        verl's own figure (``training/off_policy/trajectory_staleness*``, over the step)."""
+        if not self.config.actor_rollout_ref.rollout.calculate_log_probs:
+            return {}
+        import transfer_queue as tq
 
-            fields = ["old_log_probs", "rollout_log_probs", "response_mask"]
-            data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-            padded = data.to_padded_tensor()
-            found.update(behaviour_divergence(padded["old_log_probs"], padded["rollout_log_probs"], padded["response_mask"]))
+        fields = ["old_log_probs", "rollout_log_probs", "response_mask"]
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        padded = data.to_padded_tensor()
+        found = behaviour_divergence(padded["old_log_probs"], padded["rollout_log_probs"], padded["response_mask"])
         return {STALENESS_METRIC + name: value for name, value in found.items()}
 
     def _next_train_batch(self, num_prompts: Optional[int] = None) -> Any:
@@ -211,26 +217,18 @@ class DivClipTrainer(ValidationLengthTrainerMixin):
         # is the behaviour policy (bypass) or the first weights of a Decoupled-PPO cycle (a later update of it)
         bypass = self._bypass_mode()
         starts_on_policy = not bypass and getattr(self, "local_trigger_step", 0) == 0
-        batch.extra_info.update({UPDATE_FOLLOWS_OLD_PASS_KEY: not bypass, STARTS_ON_POLICY_KEY: starts_on_policy})
+        batch.extra_info.update({UPDATE_FOLLOWS_OLD_PASS_KEY: not bypass, ON_POLICY_KEY: starts_on_policy})
         batch = super()._update_actor(batch, metrics=metrics)
         if self.data_trace is not None:
             self.data_trace.trained(self.global_steps, batch.keys, batch.tags)
-        if self.adaptive_delta is not None and self._update_measures_drift(starts_on_policy):
-            # the update's KL3, all-gathered over data-parallel ranks and reduced by verl
+        if self.adaptive_delta is not None:
+            # the step's one update (recipe.config_checks refuses adaptive delta with parameter_sync_step > 1): its
+            # KL3 against the pi_old it started from, all-gathered over data-parallel ranks and reduced by verl
             changed = self.adaptive_delta.update(metrics)
             metrics["actor/divclip/delta_next"] = self.adaptive_delta.delta
             if changed:
                 self.install_actor_loss()
         return batch
-
-    def _update_measures_drift(self, starts_on_policy: bool) -> bool:
-        """Whether the update's KL3 measures how far the policy moves, for adaptive delta. Not when the update is
-        one on-policy pass: ``separate_async`` trains one mini-batch per update, so with ``ppo_epochs=1`` the first
-        update of each ``parameter_sync_step`` cycle starts at pi_old and reads exactly 0 whatever delta is (in the
-        other modes one mini-batch per step is refused before Ray)."""
-        actor = self.config.actor_rollout_ref.actor
-        one_pass = self.config.trainer.v1.trainer_mode == "separate_async" and actor.ppo_epochs == 1
-        return not (starts_on_policy and one_pass)
 
 
 def _column(batch: Any, key: str) -> list[Any]:
@@ -239,76 +237,53 @@ def _column(batch: Any, key: str) -> list[Any]:
     return list(value.tolist() if hasattr(value, "tolist") else value)
 
 
-_TRAINER_CLASSES: dict[str, type] = {}
+# -- the classes verl's TaskRunnerV1 builds ------------------------------------------------------
 
 
-def divclip_trainer_class(mode: str) -> type:
-    """:class:`DivClipTrainer` composed with the class verl registers for ``trainer.v1.trainer_mode=mode``
-    (``verl.trainer.ppo.v1.get_trainer_cls``, which raises naming the known modes), built once per mode and
-    published in this module under its own name (``DivClipPPOTrainerSync``, ...)."""
-    from verl.trainer.ppo.v1 import get_trainer_cls
-
-    if mode not in _TRAINER_CLASSES:
-        base = get_trainer_cls(mode)
-        name = f"DivClip{base.__name__}"
-        cls = type(name, (DivClipTrainer, base), {"__module__": __name__, "__qualname__": name, "__doc__":
-                   f"verl's ``{base.__name__}`` (trainer_mode={mode}) with :class:`DivClipTrainer` on top."})
-        globals()[name] = cls
-        _TRAINER_CLASSES[mode] = cls
-    return _TRAINER_CLASSES[mode]
+class DivClipPPOTrainerSync(DivClipTrainer, PPOTrainerSync):
+    """verl's ``PPOTrainerSync`` (``trainer.v1.trainer_mode=sync``) with :class:`DivClipTrainer` on top."""
 
 
-@ray.remote(num_cpus=1)
-class DivClipTaskRunner:
-    """Mirror of verl's ``TaskRunnerV1`` that builds the divclip trainer of the configured mode."""
+class DivClipPPOTrainerColocateAsync(DivClipTrainer, PPOTrainerColocateAsync):
+    """verl's ``PPOTrainerColocateAsync`` (``trainer.v1.trainer_mode=colocate_async``) with :class:`DivClipTrainer`
+    on top."""
 
-    def __init__(self) -> None:
-        self.config: DictConfig | None = None
-        self.trainer: Any = None
-        self.agent_loop_manager: Any = None
 
-    def init_agent_loop_manager(self) -> None:
-        from verl.trainer.ppo.v1 import AgentLoopManagerTQ
+class DivClipPPOTrainerSeparateAsync(DivClipTrainer, PPOTrainerSeparateAsync):
+    """verl's ``PPOTrainerSeparateAsync`` (``trainer.v1.trainer_mode=separate_async``) with
+    :class:`DivClipTrainer` on top."""
 
-        manager_fqn = self.config.actor_rollout_ref.rollout.get("agent", {}).get("agent_loop_manager_class")
-        manager_cls = load_class_from_fqn(manager_fqn, "AgentLoopManager") if manager_fqn else AgentLoopManagerTQ
-        if ValidationPlan.from_config(self.config) is not None:
-            # validation rows run their own agent loop (recipe.validation.length checked that no
-            # custom manager is set); training rows run verl's, through the same dispatch
-            from recipe.validation.rollout import ValidationLengthAgentLoopManager
 
-            manager_cls = ValidationLengthAgentLoopManager
-        self.agent_loop_manager = manager_cls.create(
-            config=self.config,
-            llm_client=self.trainer.get_llm_client(),
-            teacher_client=self.trainer.get_teacher_client(),
-            reward_loop_worker_handles=self.trainer.get_reward_handles(),
-        )
+#: ``trainer.v1.trainer_mode`` -> the divclip class that replaces verl's under that name.
+DIVCLIP_TRAINERS: dict[str, type[DivClipTrainer]] = {
+    "sync": DivClipPPOTrainerSync,
+    "colocate_async": DivClipPPOTrainerColocateAsync,
+    "separate_async": DivClipPPOTrainerSeparateAsync,
+}
 
-    def run(self, config: DictConfig) -> None:
-        import transfer_queue as tq
 
-        from verl_ext.plugin import require_registered
+def register_divclip_trainers() -> None:
+    """Put the divclip classes in verl's trainer registry under verl's own mode names (idempotent).
 
-        configure_verl_logging()
-        require_registered()  # this Ray process imported verl: the entry point must have run
-        trainer_cls = divclip_trainer_class(config.trainer.v1.trainer_mode)
-        config.transfer_queue.enable = True
-        pprint(OmegaConf.to_container(config, resolve=True))
-        OmegaConf.resolve(config)
-        self.config = config
-        tq.init(config.transfer_queue)
-        succeeded = False
-        try:
-            self.trainer = trainer_cls(config=config)
-            self.trainer.init()
-            self.init_agent_loop_manager()
-            self.trainer.fit(self.agent_loop_manager)
-            succeeded = True
-        finally:
-            try:
-                tracking = getattr(self.trainer, "logger", None)
-                if tracking is not None:
-                    tracking.finish(exit_code=0 if succeeded else 1)
-            finally:
-                tq.close()
+    verl's ``register_trainer`` refuses to re-register a name to another class, and verl compares
+    ``trainer_mode`` with ``"sync"`` in many places, so the names stay verl's and the entry is replaced
+    directly -- only where it still holds exactly the verl class the divclip class is built on.
+
+    Raises:
+        RuntimeError: naming the mode, when its entry is missing or holds any other class (another
+            plugin's, or a verl release whose class for that mode moved).
+    """
+    for mode, cls in DIVCLIP_TRAINERS.items():
+        verl_cls = cls.__bases__[-1]
+        existing = TRAINER_REGISTRY.get(mode)
+        if existing is cls:
+            continue
+        if existing is not verl_cls:
+            raise RuntimeError(
+                f"trainer.v1.trainer_mode={mode!r}: verl's trainer registry holds {existing!r}, not verl's "
+                f"{verl_cls.__module__}.{verl_cls.__name__} that {cls.__name__} is built on; refusing to replace it"
+            )
+        TRAINER_REGISTRY[mode] = cls
+
+
+register_divclip_trainers()

@@ -142,15 +142,21 @@ def test_on_policy_updates_are_rejected_before_ray():
 ADAPTIVE_SEPARATE = [*SEPARATE, f"{P}.adaptive_delta_target=0.01"]  # 16 prompts a step, mini-batches of 4
 
 
-def test_separate_async_with_one_on_policy_mini_batch_per_update_is_rejected_before_ray():
-    """separate_async trains one mini-batch per update: with parameter_sync_step=1 every update starts at pi_old."""
+def test_separate_async_reads_one_update_a_step_or_is_rejected_before_ray():
+    """The controller reads one update a step, its KL3 against the pi_old it started from. separate_async's
+    Decoupled PPO trains parameter_sync_step updates a step against the cycle's first weights, so only with
+    parameter_sync_step=1 does that hold -- and then, as in sync, one on-policy mini-batch has nothing to read."""
+    for sync_step in (4, 2):
+        with pytest.raises(ConfigError, match=rf"{P}\.adaptive_delta_target: trainer\.v1\.trainer_mode=separate_async "
+                                              rf"with trainer\.v1\.separate_async\.parameter_sync_step={sync_step} "
+                                              r"trains .* use parameter_sync_step=1"):
+            validate_divclip_config(compose_config(*ADAPTIVE_SEPARATE, f"trainer.v1.separate_async.parameter_sync_step={sync_step}",
+                                                   f"data.train_batch_size={4 * sync_step}"))
     one = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
            "trainer.v1.separate_async.parameter_sync_step=1"]
-    with pytest.raises(ConfigError, match=r"parameter_sync_step=1 and actor_rollout_ref\.actor\.ppo_epochs=1 makes every "
-                                          r"update one on-policy mini-batch"):
+    with pytest.raises(ConfigError, match=r"ppo_mini_batch_size=4 >= data\.train_batch_size=4"):
         validate_divclip_config(compose_config(*ADAPTIVE_SEPARATE, *one))
     validate_divclip_config(compose_config(*ADAPTIVE_SEPARATE, *one, "actor_rollout_ref.actor.ppo_epochs=2"))
-    validate_divclip_config(compose_config(*ADAPTIVE_SEPARATE, "trainer.v1.separate_async.parameter_sync_step=4"))
 
 
 class FakeWorkerGroup:
@@ -170,7 +176,7 @@ def test_trainer_reinstalls_the_loss_when_delta_moves_and_persists_it(monkeypatc
     """The hooks' wiring; verl's own methods are stubbed (the real ones run in the CPU smoke)."""
     from verl.trainer.ppo.v1 import PPOTrainerSync
 
-    from recipe.trainer import divclip_trainer_class
+    from recipe.trainer import DivClipPPOTrainerSync
 
     measured = {"kl3": 1.0}
 
@@ -188,7 +194,7 @@ def test_trainer_reinstalls_the_loss_when_delta_moves_and_persists_it(monkeypatc
     monkeypatch.setattr(PPOTrainerSync, "_save_checkpoint", lambda self: saved.append(self.global_steps))
 
     def fresh_trainer() -> Any:
-        trainer = object.__new__(divclip_trainer_class("sync"))
+        trainer = object.__new__(DivClipPPOTrainerSync)
         trainer.config = compose_config(f"{P}.adaptive_delta_target=0.01", f"trainer.default_local_dir={tmp_path}")
         trainer.actor_rollout_wg = FakeWorkerGroup()
         trainer._load_checkpoint()
@@ -210,34 +216,3 @@ def test_trainer_reinstalls_the_loss_when_delta_moves_and_persists_it(monkeypatc
     assert saved == [4] and (tmp_path / "global_step_4" / STATE_FILE).exists()
     resumed = fresh_trainer()
     assert deltas(resumed) == [pytest.approx(0.07 / 1.5)]  # the first install already uses the restored delta
-
-
-def test_separate_async_feeds_the_controller_the_updates_that_measure_drift(monkeypatch, tmp_path):
-    """In separate_async the first update of a parameter_sync_step cycle starts at pi_old (its KL3 reads 0 by
-    construction) and is not a reading; the later ones (pi_theta moved, pi_old kept) are."""
-    from verl.trainer.ppo.v1 import get_trainer_cls
-
-    from recipe.trainer import divclip_trainer_class
-    from verl_ext.engine.packing import STARTS_ON_POLICY_KEY
-
-    def verl_update_actor(self, batch, metrics):
-        metrics[TOKEN_METRIC] = 0.0 if self.local_trigger_step == 0 else 1.0
-        return batch
-
-    verl_class = get_trainer_cls("separate_async")
-    monkeypatch.setattr(verl_class, "on_init_end", lambda self: None)
-    monkeypatch.setattr(verl_class, "_update_actor", verl_update_actor)
-    monkeypatch.setattr(verl_class, "_load_checkpoint", lambda self: setattr(self, "global_steps", 0))
-    trainer = object.__new__(divclip_trainer_class("separate_async"))
-    trainer.config = compose_config(*ADAPTIVE_SEPARATE, "trainer.v1.separate_async.parameter_sync_step=4",
-                                    f"trainer.default_local_dir={tmp_path}")
-    trainer.actor_rollout_wg = FakeWorkerGroup()
-    trainer._load_checkpoint()
-    trainer.on_init_end()
-    for trigger in (0, 1, 2, 3, 0):
-        trainer.local_trigger_step = trigger
-        batch = FakeBatch()
-        trainer._update_actor(batch, {})
-        assert batch.extra_info[STARTS_ON_POLICY_KEY] is (trigger == 0)
-    assert trainer.adaptive_delta.updates == 3  # the three updates after each cycle's first
-    assert trainer.adaptive_delta.delta == pytest.approx(max(0.07 / 1.5**3, trainer.adaptive_delta.minimum))

@@ -59,10 +59,11 @@ def test_the_trace_records_each_steps_prompts_once(tmp_path: Path) -> None:
     assert len({line["attempt"] for line in lines}) == 1
     assert [line["prompts"] for line in read_trace(path, "fetched")] == [[a, b], [a]]  # in fetch order
     resumed = DataTrace(path)  # another attempt takes a group back from TransferQueue
-    resumed.fetched(3, ["u4"], [3], [[{"role": "user", "content": "b"}]], event="restored")
+    resumed.restored(3, ["u4"], [3], [[{"role": "user", "content": "b"}]], ["running"])
     resumed.trained(3, ["u4_0_0"], [{}])
     (restored,) = read_trace(path, "restored")
     assert restored["prompts"] == [b] and restored["step"] == 3 and restored["attempt"] == resumed.attempt
+    assert restored["status"] == ["running"]
     with pytest.raises(KeyError, match="never fetched"):
         trace.trained(3, ["u9_0_0"], [{}])
     with pytest.raises(ValueError, match="divclip.data_trace='trace.jsonl' must be an absolute path"):

@@ -16,11 +16,12 @@ packing and marks no update on-policy.
 
 Asserted on every step: a finite loss; the on-policy gauge exactly 0 on the step's first update (the one that
 starts from pi_old) with the packing the update found aligned -- in bypass mode no gauge, nothing aligned, and
-mu and pi_old one and the same; the staleness figures
-(``actor/divclip/staleness/*``: version lag, mu against pi_old), whose lag agrees with verl's own
-``trajectory_staleness_worst``; the rule of each segment. Across the resume, from the data trace: no prompt is
-trained twice, every prompt the first run fetched and did not train was taken back from TransferQueue by
-the second, and the two runs together fetched the epoch's first prompts in verl's sampler order, none skipped.
+mu and pi_old one and the same; mu against pi_old (``actor/divclip/staleness/*``); verl's version lag of the
+trained samples (``trajectory_staleness_worst``) equal to the lag the test derives from the data trace alone
+(the step each prompt was fetched, or re-issued at the resume, against the step it was trained); the rule of
+each segment. Across the resume, from the data trace: no prompt is trained twice, every prompt the first run
+fetched and did not train was taken back from TransferQueue by the second and trained by it, and the two runs
+together fetched the epoch's first prompts in verl's sampler order, none skipped.
 With rollout correction the weights reach the loss (``actor/divclip/rollout_is_weight_mean`` away
 from 1); tests/test_rollout_correction.py shows they change the gradient as verl's own loss applies them.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,7 @@ ROLLOUT_CORRECTION = [
 ]
 FIRST, RESUMED = (1, 2), (3, 4)
 STALENESS = "actor/divclip/staleness/"
+WORST = "training/off_policy/trajectory_staleness_worst/"
 
 
 @pytest.fixture(scope="module", params=ASYNC_MODES)
@@ -98,23 +101,45 @@ def test_both_rules_train_validate_and_resume(resumed_run: dict[str, Any]) -> No
 
 def test_every_step_starts_exactly_on_policy_and_reports_its_staleness(resumed_run: dict[str, Any]) -> None:
     metrics = resumed_run["metrics"]
-    lags = []
+    lags = lags_from_the_trace(resumed_run["out"] / "trace.jsonl")
     for step in FIRST + RESUMED:
         data = metrics[step]
-        lag_mean, lag_max = data[STALENESS + "version_lag_mean"], data[STALENESS + "version_lag_max"]
-        assert 0 <= lag_mean <= lag_max
-        # verl's own reading of the same tags, over the whole step: the same lag
-        assert lag_mean == pytest.approx(data["training/off_policy/trajectory_staleness_worst/mean"], abs=1e-9)
-        lags.append(lag_max)
+        # verl's lag of the samples trained (from the versions its rollout stamped on them) is the lag the test's
+        # own bookkeeping gives each prompt: the step it was fetched or re-issued at against the step it trained at
+        assert data[WORST + "mean"] == pytest.approx(statistics.fmean(lags[step]), abs=1e-9), (step, lags[step])
+        assert (data[WORST + "min"], data[WORST + "max"]) == (min(lags[step]), max(lags[step])), (step, lags[step])
         if step in resumed_run["bypass"]:  # pi_old is mu: nothing to pack, no update starts on-policy
             assert not any(key.startswith("actor/divclip/onpolicy/") for key in data)
-            assert data["actor/divclip/path/aligned_packing"] == 0.0
+            assert data["actor/divclip/path/pack_old_log_prob_as_update"] == 0.0
             assert data[STALENESS + "behaviour_kl3_mean"] == data[STALENESS + "behaviour_log_ratio_abs_max"] == 0.0
             continue
         assert_on_policy_exact(data, erc=step in FIRST)
         # mu and pi_old differ (rollout numerics, and the versions in between): k3 is > 0 wherever they do
         assert data[STALENESS + "behaviour_kl3_mean"] > 0 and data[STALENESS + "behaviour_log_ratio_abs_max"] > 0
-    assert max(lags) >= 1, lags  # samples of older policies were trained: the staleness is real
+    assert max(max(lags[step]) for step in FIRST + RESUMED) >= 1  # samples of older policies were trained
+
+
+def lags_from_the_trace(path: Path) -> dict[int, list[int]]:
+    """Per training step t, for each prompt it trained, t - 1 - v: pi_old's weight version less v, the version the
+    rollout held when the prompt's generation started, from the test's own bookkeeping in the data trace. A prompt
+    fetched at step s starts with version s - 1 (the weights of step s - 1's update); one restored from TransferQueue
+    at the resume's step r keeps its first run's version if it had finished, and is generated anew with version r - 1
+    (the resumed weights) if it was pending or running (verl re-issues those). Every prompt is trained with the same
+    number of samples, so a mean over prompts is one over samples."""
+    version: dict[tuple[Any, ...], int] = {}
+    for line in read_trace(str(path), "fetched"):
+        for prompt in line["prompts"]:
+            version.setdefault(tuple(prompt), line["step"] - 1)
+    for line in read_trace(str(path), "restored"):
+        for prompt, status in zip(line["prompts"], line["status"], strict=True):
+            if status in ("pending", "running"):
+                version[tuple(prompt)] = line["step"] - 1
+    trained = read_trace(str(path), "trained")
+    assert len({line["samples"] / len(line["prompts"]) for line in trained}) == 1  # n samples per prompt, no padding
+    lags: dict[int, list[int]] = {}
+    for line in trained:
+        lags.setdefault(line["step"], []).extend(line["step"] - 1 - version[tuple(p)] for p in line["prompts"])
+    return lags
 
 
 def test_no_prompt_is_trained_twice_and_none_is_skipped_across_the_resume(resumed_run: dict[str, Any]) -> None:
@@ -128,6 +153,7 @@ def test_no_prompt_is_trained_twice_and_none_is_skipped_across_the_resume(resume
     fetched_first, trained_first = prompts("fetched", attempts[0]), prompts("trained", attempts[0])
     restored, fetched_second = prompts("restored", attempts[1]), prompts("fetched", attempts[1])
     trained_second = prompts("trained", attempts[1])
+    assert restored  # the first run's checkpoint held fetched, untrained prompt groups
     trained = trained_first + trained_second
     assert trained and max(Counter(trained).values()) == 1  # within the epoch: nothing trained twice
     assert len(set(fetched_first)) == len(fetched_first) and not set(fetched_first) & set(fetched_second)
@@ -135,6 +161,7 @@ def test_no_prompt_is_trained_twice_and_none_is_skipped_across_the_resume(resume
     # what the first run held untrained at its checkpoint (the run ended there) came back, and nothing else
     assert Counter(restored) == Counter(fetched_first) - Counter(trained_first)
     assert set(trained_second) <= set(restored) | set(fetched_second)
+    assert set(restored) <= set(trained_second)  # and the resumed run trained every one of them
     assert {line["step"] for line in read_trace(path)} == set(FIRST + RESUMED)
     # none skipped by the resumed dataloader: the two attempts fetched the sampler's first prompts of the epoch
     fetched = [index for index, _ in fetched_first + fetched_second]

@@ -15,10 +15,12 @@ driver sees them), or ``actor/divclip/seq_kl3_mean`` for ``seq_kl3``, whose budg
 the sequence ratio, or ``actor/divclip/kl_full_mean`` for ``kl_full``, whose budget bounds the
 coarsened full-vocabulary KL (each constraint's ``budget_metric``).
 
-Where it runs: on the driver, in ``recipe.trainer.DivClipTrainer``. After each actor update the
-trainer feeds d to :meth:`AdaptiveDelta.update` and, when delta changed, re-installs the actor
-loss on the workers with the new delta (``set_loss_fn``, dispatched ONE_TO_ALL), so every
-data-parallel rank trains with the same delta by construction. The state is a small JSON file in
+Where it runs: on the driver, in ``recipe.trainer.DivClipTrainer``. d is the KL3 of the step's one
+actor update against the pi_old it started from, in every trainer mode (``recipe.config_checks`` refuses
+the controller where a step trains several updates against one pi_old: ``parameter_sync_step > 1``, verl's
+Decoupled PPO). After that update the trainer feeds d to :meth:`AdaptiveDelta.update` and, when delta
+changed, re-installs the actor loss on the workers with the new delta (``set_loss_fn``, dispatched
+ONE_TO_ALL), so every data-parallel rank trains with the same delta by construction. The state is a small JSON file in
 verl's ``global_step_N`` checkpoint folder (:data:`STATE_FILE`), written with the checkpoint and
 read back when verl resumes from it.
 """

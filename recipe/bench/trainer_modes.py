@@ -12,13 +12,15 @@ wait on its longest generations, which the async modes overlap with training). T
 one sequence at a time (``rollout.max_num_seqs=1``), so the long ones cost what they cost on a busy GPU
 server and an abort can catch a request mid-generation.
 
-Per mode it reads verl's own per-step figures from the run's ``metrics.jsonl``: ``perf/time_per_step`` (the
-step's wall time) and the samples trained (``data.train_batch_size x rollout.n``); step 1 is left out (it
-includes the async modes' warm-up batches). Samples per second = trained samples / summed step time. It
-prints one row per mode with the ratio to ``sync`` measured in the same invocation, and, for the async modes,
-the mean version lag of the trained samples (``actor/divclip/staleness/version_lag_mean``) and the largest
-number of versions a sample spanned (verl's ``training/off_policy/trajectory_spans/max``). No target: two
-CPU cores overlap little (docs/benchmarks.md has the figures and what they do and do not say about a GPU).
+Per mode it reads verl's own per-step wall time (``perf/time_per_step``) from the run's ``metrics.jsonl`` and
+counts the samples each step trained from the run's data trace (``divclip.data_trace``: one ``trained`` line
+per actor update, with its samples counted, verl's padding left out -- :mod:`recipe.data_trace`); step 1 is
+left out (it includes the async modes' warm-up batches). Samples per second = trained samples / summed step
+time. It prints one row per mode with the ratio to ``sync`` measured in the same invocation, and, for the async
+modes, the mean version lag of the trained samples (verl's ``training/off_policy/trajectory_staleness_worst/mean``:
+versions between the oldest weights a sample was generated with and pi_old's) and the largest number of
+versions a sample spanned (verl's ``training/off_policy/trajectory_spans/max``). No target: two CPU cores
+overlap little (docs/benchmarks.md has the figures and what they do and do not say about a GPU).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("sync", "colocate_async", "separate_async")
 BATCH, ROLLOUT_N = 16, 8
+LAG = "training/off_policy/trajectory_staleness_worst/mean"
+SPANS = "training/off_policy/trajectory_spans/max"
 
 #: What each mode adds to the smoke's command line (docs/cpu_platform.md, "Asynchronous trainer modes"); the async
 #: end-to-end tests (tests/test_trainer_modes_cpu.py) run the same.
@@ -48,22 +52,34 @@ MODE_ARGS: dict[str, tuple[list[str], dict[str, str]]] = {
 }
 
 
-def run_mode(mode: str, out: Path, steps: int, response_len: int, loss: str) -> Path:
-    """One mode's smoke run into ``out``; raises with the run's last output on failure."""
+def run_mode(mode: str, out: Path, steps: int, response_len: int, loss: str) -> tuple[Path, Path]:
+    """One mode's smoke run into ``out``: its ``metrics.jsonl`` and its data trace. Raises with the run's last output
+    on failure."""
     overrides, extra_env = MODE_ARGS[mode]
+    trace = out / "trace.jsonl"
     env = {**os.environ, "PYTHON": sys.executable, "SMOKE_OUT": str(out), "LOSS": loss, "STEPS": str(steps),
            "TEST_FREQ": "-1", "SAVE_FREQ": "-1", "RESPONSE_LEN": str(response_len), "BATCH": str(BATCH),
-           "ROLLOUT_N": str(ROLLOUT_N), **extra_env}
+           "ROLLOUT_N": str(ROLLOUT_N), "DATA_TRACE": str(trace), **extra_env}
     env.pop("RAY_ADDRESS", None)
     args = ["bash", str(ROOT / "launch" / "run_smoke_cpu.sh"), "trainer.val_before_train=False",
             "actor_rollout_ref.rollout.max_num_seqs=1", *overrides]
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"{mode}: the smoke run failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return out / "metrics.jsonl"
+    return out / "metrics.jsonl", trace
 
 
-def mode_row(mode: str, metrics_file: Path, samples_per_step: int) -> dict[str, Any]:
+def trained_samples(trace_file: Path) -> dict[int, int]:
+    """Samples trained per step, summed over the step's actor updates (the trace's ``trained`` lines)."""
+    counts: dict[int, int] = {}
+    for line in trace_file.read_text().splitlines():
+        record = json.loads(line) if line.strip() else {}
+        if record.get("event") == "trained":
+            counts[record["step"]] = counts.get(record["step"], 0) + int(record["samples"])
+    return counts
+
+
+def mode_row(mode: str, metrics_file: Path, trace_file: Path) -> dict[str, Any]:
     """Samples per second over steps 2.. of one run, and its staleness (module docstring)."""
     steps = {}
     for line in metrics_file.read_text().splitlines():
@@ -72,17 +88,23 @@ def mode_row(mode: str, metrics_file: Path, samples_per_step: int) -> dict[str, 
             steps[record["step"]] = record["data"]
     if not steps:
         raise ValueError(f"{mode}: {metrics_file} has no step after the first; raise --steps")
+    counts = trained_samples(trace_file)
+    untraced = sorted(set(steps) - set(counts))
+    if untraced:
+        raise ValueError(f"{mode}: {trace_file} records no trained sample for steps {untraced} of {metrics_file}")
     seconds = sum(data["perf/time_per_step"] for data in steps.values())
+    samples = sum(counts[step] for step in steps)
     row: dict[str, Any] = {
         "mode": mode,
         "steps": len(steps),
         "seconds": round(seconds, 2),
-        "samples_per_second": round(samples_per_step * len(steps) / seconds, 3),
+        "samples": samples,
+        "samples_per_second": round(samples / seconds, 3),
         "response_length_mean": round(statistics.fmean(d["response_length/mean"] for d in steps.values()), 2),
         "response_length_max": max(d["response_length/max"] for d in steps.values()),
     }
-    lags = [d["actor/divclip/staleness/version_lag_mean"] for d in steps.values() if "actor/divclip/staleness/version_lag_mean" in d]
-    spans = [d["training/off_policy/trajectory_spans/max"] for d in steps.values() if "training/off_policy/trajectory_spans/max" in d]
+    lags = [d[LAG] for d in steps.values() if LAG in d]
+    spans = [d[SPANS] for d in steps.values() if SPANS in d]
     row["version_lag_mean"] = round(statistics.fmean(lags), 3) if lags else None
     row["trajectory_spans_max"] = max(spans) if spans else None
     return row
@@ -114,8 +136,7 @@ def main(argv: list[str]) -> int:
     out_root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench_trainer_modes_"))
     rows = []
     for mode in modes:
-        metrics_file = run_mode(mode, out_root / mode, args.steps, args.response_len, args.loss)
-        rows.append(mode_row(mode, metrics_file, BATCH * ROLLOUT_N))
+        rows.append(mode_row(mode, *run_mode(mode, out_root / mode, args.steps, args.response_len, args.loss)))
     rows = compare(rows)
     stamp = _dt.date.today().isoformat()
     for row in rows:
