@@ -6,7 +6,7 @@ restoring every swap, refusing what it does not cover; and the one-of-each rules
   naming the symbol, the installed verl version and the supported one -- and wraps nothing.
 * What the seam reads of verl is checked too, each mismatch named with both versions: an unsupported verl
   release is refused unless ``DIVCLIP_ALLOW_UNSUPPORTED_VERL=1``; an engine attribute verl renamed (when
-  the features are set, and at each read); an ``infer_batch`` result without a key the aligned packing
+  the features are set, and at each read); an ``infer_batch`` result without a key pack_old_log_prob_as_update
   reassembles. (verl's source is not parsed: the version pin fixes what its functions read inside.)
 * Installed on unaltered copies it wraps each symbol once (idempotent) and keeps verl's signature and
   dispatch attributes; verl's own classes are installed once per process.
@@ -228,7 +228,7 @@ def test_the_features_read_the_engine_without_a_silent_default() -> None:
 
 
 def test_an_infer_batch_result_without_a_key_is_named_at_the_first_call() -> None:
-    """The aligned packing checks verl's result before reassembling it: a VerlMismatchError naming the key,
+    """pack_old_log_prob_as_update checks verl's result before reassembling it: a VerlMismatchError naming the key,
     not a KeyError inside the reassembly."""
     from tensordict import TensorDict
 
@@ -242,7 +242,7 @@ def test_an_infer_batch_result_without_a_key_is_named_at_the_first_call() -> Non
 
     with pytest.raises(guard.VerlMismatchError,
                        match=r"FSDPEngineWithLMHead\.infer_batch \(its result's model_output, loss, metrics reassembled by "
-                             r"the aligned packing\), but its result has no key 'loss' \(it has \['losses', 'metrics', "
+                             r"pack_old_log_prob_as_update\), but its result has no key 'loss' \(it has \['losses', 'metrics', "
                              r"'model_output'\]\)") as error:
         infer_as_update(engine, data, None, renamed_loss)
     assert_names_the_versions(str(error.value))
@@ -384,7 +384,7 @@ def test_an_uncovered_engine_is_refused_not_marked() -> None:
     engine = NotAnFSDPEngine()
     for asked, keys in ((entropy_as_mask(loss, entropy_coeff=0.0), "erc_beta_low/erc_beta_high"),
                         (with_vocab_pass(loss), "policy_loss.vocab_pass"),
-                        (declare(loss, pack_as_update=True), "pack_old_log_prob_as_update")):
+                        (declare(loss, pack_old_log_prob_as_update=True), "pack_old_log_prob_as_update")):
         with pytest.raises(ValueError, match=rf"{keys}.*covers verl's FSDPEngineWithLMHead .*\['fsdp', 'fsdp2'\].*NotAnFSDPEngine"):
             seam.set_features(engine, request_of(asked))
         assert seam.features_of(engine) is None
@@ -401,7 +401,7 @@ def test_the_worker_refuses_before_installing_the_loss() -> None:
     def loss(**_: Any) -> None: ...
 
     with pytest.raises(ValueError, match="pack_old_log_prob_as_update.*NotAnFSDPEngine"):
-        TrainingWorker.set_loss_fn(worker, declare(loss, pack_as_update=True))
+        TrainingWorker.set_loss_fn(worker, declare(loss, pack_old_log_prob_as_update=True))
     assert worker.loss_fn is None  # refused before verl's set_loss_fn ran
     TrainingWorker.set_loss_fn(worker, loss)
     assert worker.loss_fn is loss

@@ -213,7 +213,7 @@ def assert_exactly_on_policy(result: dict[str, Any], mode: dict[str, Any], mini_
     if mode.get("kl_full_diagnostic"):
         for name in ("mode_only_frac", "full_only_frac"):
             assert all(v == 0.0 for v in first(f"actor/divclip/kl_full_diag/{name}")), m
-    assert set(m["actor/divclip/path/aligned_packing"]) == {1.0} and set(m["actor/divclip/path/seam"]) == {1.0}
+    assert set(m["actor/divclip/path/pack_old_log_prob_as_update"]) == {1.0} and set(m["actor/divclip/path/seam"]) == {1.0}
     assert set(m["actor/divclip/path/vocab_pass"]) == {1.0 if mode.get("vocab_pass") else 0.0}
     assert set(m["actor/divclip/path/entropy_fp32"]) == {1.0 if mode.get("vocab_pass") or "erc_beta_low" in mode else 0.0}
 
@@ -240,14 +240,14 @@ def test_every_mode_is_exactly_on_policy_in_every_packing(every_mode: list[dict[
 @pytest.mark.parametrize("packing", list(PACKINGS))
 def test_verls_own_packing_is_the_control(every_mode: list[dict[str, Any]], packing: str) -> None:
     """With ``pack_old_log_prob_as_update=false`` the old pass is packed by its own budget, so the passes'
-    micro-batches differ (what the code decides), and the path says the update found no aligned packing."""
+    micro-batches differ (what the code decides), and the path says the update found no packing of the old pass as the update."""
     for threads in THREADS:
         result = control_case(every_mode, packing, threads)
         old_sizes = sorted(len(micro) for call in result["old_calls"] for micro in call)
         new_sizes = sorted(len(micro) for call in result["new_calls"] for micro in call)
         assert old_sizes != new_sizes or len(result["old_calls"]) != len(result["new_calls"])
         m = result["metrics"]
-        assert math.isfinite(m[GAUGE + "log_ratio_abs_max"][0]) and set(m["actor/divclip/path/aligned_packing"]) == {0.0}
+        assert math.isfinite(m[GAUGE + "log_ratio_abs_max"][0]) and set(m["actor/divclip/path/pack_old_log_prob_as_update"]) == {0.0}
 
 
 def control_case(every_mode: list[dict[str, Any]], packing: str, threads: int) -> dict[str, Any]:
@@ -293,7 +293,7 @@ def job_observed_packing(rank: int, world_size: int, model_path: str) -> dict[st
                                        extra_info={UPDATE_FOLLOWS_OLD_PASS_KEY: follows}, **update)
         except PackingMismatchError as error:
             return str(error)
-        return sorted(set(float(v) for v in metrics["actor/divclip/path/aligned_packing"]))
+        return sorted(set(float(v) for v in metrics["actor/divclip/path/pack_old_log_prob_as_update"]))
 
     split = UpdatePacking(mini_batch_size=4, seed=11, shuffle=True)
     reversed_rows = tu_index(batch, list(reversed(range(len(PROMPT_LENS)))))
@@ -316,7 +316,7 @@ def tu_index(batch: Any, rows: list[int]) -> Any:
 
 def test_the_update_checks_its_packing_against_the_old_pass_record(confident_model: str) -> None:
     """The old pass records what it packed, per rank; the update compares its first-epoch mini-batches and
-    micro-batches with it and raises naming both on any difference; ``path/aligned_packing`` is 1 only when
+    micro-batches with it and raises naming both on any difference; ``path/pack_old_log_prob_as_update`` is 1 only when
     every first-epoch micro-batch matched -- not because the packing was asked for."""
     found = run_ranks(job_observed_packing, 1, confident_model)[0]
     assert found["matched"] == [1.0]

@@ -8,7 +8,7 @@ fixed micro-batches of different sizes), the old-log-prob pass packed as the upd
 mini-batch is on-policy:
 
 * every first-epoch update micro-batch is one the old pass computed (the recorded packings: what the code
-  guarantees), ``actor/divclip/path/aligned_packing`` is 1, and the gauge, ``ppo_kl``, the clip fraction
+  guarantees), ``actor/divclip/path/pack_old_log_prob_as_update`` is 1, and the gauge, ``ppo_kl``, the clip fraction
   and ERC's mask read exactly 0;
 * the control: the same packings with verl's own packing of the old pass
   (``pack_old_log_prob_as_update=false``): the passes' micro-batches differ, the path reads 0, and the
@@ -86,12 +86,12 @@ def test_the_padded_path_is_exactly_on_policy_with_the_aligned_packing(padded: l
     assert len(result["old_calls"]) == len(groups), (result["old_calls"], groups)
     update_groups = token_groups(result["new_calls"][: len(groups)], groups)
     assert update_groups and update_groups == token_groups(result["old_calls"], groups), result
-    assert_exactly_on_policy(result, MODES[mode], first_epoch_mini_batches_of(spec))  # gauge 0, path/aligned_packing 1
+    assert_exactly_on_policy(result, MODES[mode], first_epoch_mini_batches_of(spec))  # gauge 0, path/pack_old_log_prob_as_update 1
 
 
 def test_the_padded_paths_control_is_verls_packing_and_shows_the_noise(padded: list[dict[str, Any]]) -> None:
     """With ``pack_old_log_prob_as_update=false`` the padded path's passes pack differently, the update finds no
-    aligned packing, and the kernels' noise reaches the gauge in at least one packing; the aligned kl3 arm of the
+    pack_old_log_prob_as_update, and the kernels' noise reaches the gauge in at least one packing; the aligned kl3 arm of the
     same packings reads exactly 0 (the test above)."""
     noisy = {}
     for packing in PACKINGS:
@@ -100,7 +100,7 @@ def test_the_padded_paths_control_is_verls_packing_and_shows_the_noise(padded: l
         new_sizes = sorted(len(micro) for call in control["new_calls"] for micro in call)
         assert old_sizes != new_sizes or len(control["old_calls"]) != len(control["new_calls"]), control
         m = control["metrics"]
-        assert set(m["actor/divclip/path/aligned_packing"]) == {0.0}, m
+        assert set(m["actor/divclip/path/pack_old_log_prob_as_update"]) == {0.0}, m
         assert math.isfinite(m[GAUGE + "log_ratio_abs_max"][0])
         noisy[packing] = m[GAUGE + "log_ratio_abs_max"][0]
         assert case(padded, packing, "kl3")["metrics"][GAUGE + "log_ratio_abs_max"] == [0.0]

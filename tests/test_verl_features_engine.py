@@ -5,12 +5,12 @@ verl's own path.
 
 * **LoRA** (``actor_rollout_ref.model.lora_rank > 0``, the ATR paper's setting):
 
-  - the divclip actor loss in verl's ``vanilla`` mode without the aligned packing and verl's own
+  - the divclip actor loss in verl's ``vanilla`` mode without pack_old_log_prob_as_update and verl's own
     ``ppo_loss`` give bit-identical parameter updates over two steps (exact SGD, fp32, fixed micro-batches
     equal in both passes: both losses call the same verl functions on the same micro-batches), with only
     the adapter training;
-  - with the aligned packing (the default) under verl's default bf16 and dynamic batching at a 2:1 token
-    budget, the on-policy gauge reads exactly 0 and ``path/aligned_packing`` 1 in ``kl3`` and in ERC, on
+  - with pack_old_log_prob_as_update (the default) under verl's default bf16 and dynamic batching at a 2:1 token
+    budget, the on-policy gauge reads exactly 0 and ``path/pack_old_log_prob_as_update`` 1 in ``kl3`` and in ERC, on
     every step (the adapter at its initialisation and trained);
   - the control: the same steps with verl's own packing of the old pass (``pack_old_log_prob_as_update=false``)
     at 24/48, 24/72 and 40/80 tokens: the path reads 0 and the gauge > 0 on at least one (packing, step),
@@ -25,7 +25,7 @@ verl's own path.
 * **verl's fused kernels** (``actor_rollout_ref.model.use_fused_kernels=true``, torch backend): the
   entropy of both passes comes from verl's fused kernel (the kernel runs in both passes, the path
   records no fp32 entropy, ERC's on-policy ratio is exactly 1); the divclip ``vanilla`` loss matches
-  ``ppo_loss`` bit for bit; the gauge is 0 with the aligned packing in ERC and ``kl3``, and in its control
+  ``ppo_loss`` bit for bit; the gauge is 0 with pack_old_log_prob_as_update in ERC and ``kl3``, and in its control
   (verl's own packing of the old pass at 24/48 and 40/80 tokens) > 0 on at least one packing. verl's fused
   forward reads ``lm_head.weight`` inside the model's root FSDP2 unit, which holds the head only when the
   embeddings are tied (verl wraps an untied head as its own unit, and the kernel then fails on a sharded
@@ -178,7 +178,7 @@ def bf16_dynamic(budgets: tuple[int, int]) -> dict[str, Any]:
 
 def aligned_and_control(model_path: str, features: dict[str, Any], budgets: tuple[int, int], batch: Any,
                         steps: int) -> dict[str, list[dict[str, Any]]]:
-    """``steps`` kl3 steps of a fresh worker (``features`` at ``budgets``), once with the aligned packing and once
+    """``steps`` kl3 steps of a fresh worker (``features`` at ``budgets``), once with pack_old_log_prob_as_update and once
     with verl's own packing of the old pass (the control), from the same initialisation."""
     out = {}
     for arm, aligned in (("aligned", True), ("control", False)):
@@ -407,7 +407,7 @@ def assert_on_policy(step: dict[str, Any], erc: bool) -> None:
     assert metrics[GAUGE + "log_ratio_abs_max"] == [0.0] and metrics[GAUGE + "ratio_clipfrac"] == [0.0], metrics
     if erc:
         assert metrics[GAUGE + "erc_ratio_dev_max"] == [0.0] and metrics[GAUGE + "erc_masked_frac"] == [0.0], metrics
-    assert set(metrics[PATH + "aligned_packing"]) == {1.0} and set(metrics[PATH + "seam"]) == {1.0}, metrics
+    assert set(metrics[PATH + "pack_old_log_prob_as_update"]) == {1.0} and set(metrics[PATH + "seam"]) == {1.0}, metrics
 
 
 # --- LoRA ---------------------------------------------------------------------------------------
@@ -440,7 +440,7 @@ def assert_control_shows_the_noise(arms: dict[str, dict[str, list[dict[str, Any]
         for step, (aligned, control) in enumerate(zip(arm["aligned"], arm["control"])):
             assert_on_policy(aligned, erc=False)
             assert "mismatch" not in control, control["mismatch"]
-            assert set(control["metrics"][PATH + "aligned_packing"]) == {0.0}, control["metrics"]
+            assert set(control["metrics"][PATH + "pack_old_log_prob_as_update"]) == {0.0}, control["metrics"]
             noise[packing, step] = control["metrics"][GAUGE + "log_ratio_abs_max"][0]
             assert math.isfinite(noise[packing, step])
     assert max(noise.values()) > 0, noise
@@ -448,7 +448,7 @@ def assert_control_shows_the_noise(arms: dict[str, dict[str, list[dict[str, Any]
 
 
 def test_lora_control_verls_own_packing_shows_the_noise_the_alignment_removes(lora: dict[str, Any]) -> None:
-    """With ``pack_old_log_prob_as_update=false`` the update finds no aligned packing (path 0) and the gauge reads
+    """With ``pack_old_log_prob_as_update=false`` the update finds no packing of the old pass as the update (path 0) and the gauge reads
     > 0 on at least one of the packings and steps (24/48 with the ref pass on its third step, 24/72, 40/80), where
     the aligned kl3 arm reads exactly 0 on every one."""
     arms = {"24/48": {"aligned": lora["kl3"], "control": lora["control"]}, **lora["packings"]}

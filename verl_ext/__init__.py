@@ -8,7 +8,7 @@ The folders show the design:
   KL of ``kl_full`` (Eq. 4), the fp32 entropy, the vocabulary pass and the on-policy gauge.
 * :mod:`verl_ext.engine` -- the one guarded seam into verl's actor engine
   (:func:`verl_ext.engine.seam.install`): ERC's fp32 entropy in both passes, the vocabulary pass, pi_old's
-  top-k, the old-log-prob pass packed as the update, the on-policy mark, the per-step path record.
+  top-k, the old-log-prob pass packed as the update, the on-policy flag, the per-step path record.
 * :mod:`verl_ext.cpu` -- verl without a GPU (platform, Ray resource check, ``hf_cpu`` rollout); only
   ``plugin`` imports it, and only under ``VERL_PLATFORM=cpu``.
 

@@ -190,7 +190,7 @@ def step_path_metrics(data: TensorDict) -> dict[str, float]:
     """``actor/divclip/path/*`` of this micro-batch, as the worker's engine seam recorded them for its
     forward step (:data:`verl_ext.engine.request.STEP_PATH_KEY`): ``seam`` (1: the step went through the
     seam), ``entropy_fp32`` (1: the entropy of this pass came from the project's fp32 function),
-    ``vocab_pass`` and ``aligned_packing`` (1: the engine packs its old-log-prob pass as the update). A
+    ``vocab_pass`` and ``pack_old_log_prob_as_update`` (1: the engine packs its old-log-prob pass as the update). A
     micro-batch the seam never stepped reports ``seam = 0`` -- a measurement, not the driver's claim."""
     path = tu.get_non_tensor_data(data=data, key=STEP_PATH_KEY, default=None)
     if path is None:
@@ -334,7 +334,7 @@ def build_actor_loss(actor_config: ActorConfig) -> Callable[..., Any]:
     return declare(
         loss,
         vocab_pass=policy is not None and policy.vocab_pass,  # both passes of this engine: no logits tensor
-        pack_as_update=policy is None or policy.pack_old_log_prob_as_update,  # on-policy ratios exactly 1
+        pack_old_log_prob_as_update=policy is None or policy.pack_old_log_prob_as_update,  # on-policy ratios exactly 1
     )
 
 

@@ -21,7 +21,7 @@ remove-padding, gradient checkpointing, ``use_torch_compile`` on CUDA) in two fr
 
 Peaks are ``torch.cuda.max_memory_allocated`` per phase (reset before it). It writes ``acceptance.json``
 and ``acceptance.md`` into ``--out``: the targets (vocabulary pass: update peak <= 0.80x, time <= 1.05x;
-ERC on the logits: peak <= 1.00x, time <= 1.05x; ``kl_full``: peak <= 1.05x; aligned packing: old-pass
+ERC on the logits: peak <= 1.00x, time <= 1.05x; ``kl_full``: peak <= 1.05x; pack_old_log_prob_as_update: old-pass
 time <= 1.05x, peak <= 1.00x of verl's packing) each with its figure and pass / fail, and the on-policy
 gauge per strategy and loss.
 
@@ -85,8 +85,8 @@ TARGETS = (
     Target("ERC on the logits: update time", "divclip_erc", "update_time_vs_no_entropy", 1.05),
     Target("kl_full on the logits: update peak", "divclip_kl_full", "update_peak_vs_no_entropy", 1.05),
     Target("kl_full through the pass: update peak", "divclip_kl_full_vocab_pass", "update_peak_vs_no_entropy", 1.05),
-    Target("aligned packing: old-log-prob pass time", "aligned", "old_time_vs_own", 1.05),
-    Target("aligned packing: old-log-prob pass peak", "aligned", "old_peak_vs_own", 1.00),
+    Target("pack_old_log_prob_as_update: old-log-prob pass time", "aligned", "old_time_vs_own", 1.05),
+    Target("pack_old_log_prob_as_update: old-log-prob pass peak", "aligned", "old_peak_vs_own", 1.00),
 )
 
 
@@ -202,7 +202,7 @@ def run_packing(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     """Child: the configs' 2:1 dynamic packing, the old pass aligned and with verl's packing, alternating."""
     from recipe.bench.harness import WorkerOptions, build_actor_worker, compute_log_prob, make_rollout_batch, single_rank_env, update_actor
     from verl_ext.engine.packing import UpdatePacking
-    from verl_ext.engine.seam import set_pack_as_update
+    from verl_ext.engine.seam import set_pack_old_log_prob_as_update
 
     single_rank_env(device=args.device)
     cuda = args.device == "cuda"
@@ -220,7 +220,7 @@ def run_packing(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     gauges: dict[str, Any] = {}
     for round_ in range(args.warmup + args.repeats):
         for arm in PACKING_ARMS:
-            set_pack_as_update(worker.engine, arm == "aligned")
+            set_pack_old_log_prob_as_update(worker.engine, arm == "aligned")
             with _Clock(cuda) as clock:
                 old = compute_log_prob(worker, batch, packing=packing)
             if round_ >= args.warmup:

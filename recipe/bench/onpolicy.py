@@ -135,13 +135,13 @@ def _case(model_path: str, mode: str, update_budget: int, infer_budget: int, see
     )
     from verl_ext.core.entropy import entropy_fp32
     from verl_ext.core.erc import entropy_ratio, outside_band
-    from verl_ext.engine.seam import set_pack_as_update
+    from verl_ext.engine.seam import set_pack_old_log_prob_as_update
 
     options = WorkerOptions(mixed_precision=None, use_dynamic_bsz=True, max_token_len_per_gpu=update_budget,
                             infer_max_token_len_per_gpu=infer_budget, optimizer="SGD", lr=0.5, clip_grad=1e9)
     worker = build_actor_worker(model_path, options)
     worker.set_loss_fn(_loss(mode))
-    set_pack_as_update(worker.engine, aligned)
+    set_pack_old_log_prob_as_update(worker.engine, aligned)
     batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, 512, seed=seed)
     old_capture, new_capture = _HeadCapture(worker.engine), _HeadCapture(worker.engine)
     with old_capture:
@@ -230,7 +230,7 @@ def _run_cost(arm: str, mode: str, tokens: int, vocab: int, sequences: int, roun
         save_tiny_qwen3,
         single_rank_env,
     )
-    from verl_ext.engine.seam import set_pack_as_update
+    from verl_ext.engine.seam import set_pack_old_log_prob_as_update
 
     single_rank_env()
     shape = bench_micro_batch(tokens, sequences, vocab, hidden=COST_HIDDEN)
@@ -244,14 +244,14 @@ def _run_cost(arm: str, mode: str, tokens: int, vocab: int, sequences: int, roun
         batch = make_rollout_batch(shape.prompt_lens, shape.response_lens, vocab, seed=0)
         row: dict[str, Any] = {"arm": arm, "mode": mode, "tokens": tokens, "vocab_size": vocab, "threads": torch.get_num_threads()}
         if arm != "time":
-            set_pack_as_update(worker.engine, arm == "aligned")
+            set_pack_old_log_prob_as_update(worker.engine, arm == "aligned")
             compute_log_prob(worker, batch)
             row["peak_rss_gib"] = gib(peak_rss_bytes())
             return row
         seconds: dict[str, list[float]] = {"own": [], "aligned": []}
         for round_ in range(rounds + 1):
             for name in seconds:
-                set_pack_as_update(worker.engine, name == "aligned")
+                set_pack_old_log_prob_as_update(worker.engine, name == "aligned")
                 start = time.perf_counter()
                 compute_log_prob(worker, batch)
                 if round_:  # the first round warms up
@@ -268,7 +268,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts (one child each)")
     parser.add_argument("--seeds", default="4,5,6,7,8", help="comma-separated batch seeds")
     parser.add_argument("--modes", default="erc", help=f"comma-separated losses, of {', '.join(MODES)} (--cost: each measured)")
-    parser.add_argument("--cost", action="store_true", help="time the old-log-prob pass, own vs aligned packing")
+    parser.add_argument("--cost", action="store_true", help="time the old-log-prob pass, own vs pack_old_log_prob_as_update")
     parser.add_argument("--tokens", type=int, default=4096, help="--cost: tokens in the batch")
     parser.add_argument("--vocab", type=int, default=151_936, help="--cost: vocabulary size")
     parser.add_argument("--sequences", type=int, default=8, help="--cost: sequences in the batch")

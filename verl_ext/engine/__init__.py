@@ -2,7 +2,7 @@
 
 Everything verl-divclip changes inside verl's actor engine per step -- ERC's fp32 entropy in both passes,
 the vocabulary pass, pi_old's top-k for ``kl_full``, the old-log-prob pass packed as the update, the
-on-policy mark and the per-step path record -- is installed by :mod:`verl_ext.engine.seam`, which wraps
+on-policy flag and the per-step path record -- is installed by :mod:`verl_ext.engine.seam`, which wraps
 each verl symbol once after checking it (:mod:`verl_ext.engine.guard`). The modules below the seam are
 its features; they compute nothing themselves (the math is :mod:`verl_ext.core`)::
 
@@ -12,7 +12,7 @@ its features; they compute nothing themselves (the math is :mod:`verl_ext.core`)
     entropy_path     the fp32 entropy's swaps
     vocab_pass_step  the vocabulary pass's swaps (LM head, inputs, outputs)
     topk_capture     pi_old's top-k: stored by the old pass, evaluated in the update
-    packing          the old-log-prob pass packed as the update; the on-policy mark
+    packing          the old-log-prob pass packed as the update; the on-policy flag
     seam             install(): the wrappers, the engine's features, the order of a step
 
 Imports :mod:`verl_ext.core` and verl; never :mod:`verl_ext.registry` or the actor loss.

@@ -15,7 +15,7 @@ installed verl version and the supported one.
 * :data:`ENGINE_INSTANCE_ATTRIBUTES` -- the engine instance's attributes (and its configs') that the
   features read or swap (when the seam sets an engine's features; the features read them through
   :func:`engine_attribute`, never with a silent default).
-* :data:`INFER_BATCH_OUTPUT_KEYS` -- the layout of verl's ``infer_batch`` result that the aligned packing
+* :data:`INFER_BATCH_OUTPUT_KEYS` -- the layout of verl's ``infer_batch`` result that pack_old_log_prob_as_update
   reassembles (:func:`check_infer_batch_outputs`, at each call, before the first key is read).
 
 :func:`check_verl` runs the install-time checks; ``seam.install`` calls it first, so a mismatch stops the
@@ -84,8 +84,8 @@ SYMBOLS: tuple[Symbol, ...] = (
            why="replaced per step by the vocabulary pass; extended per step by pi_old's top-k"),
     Symbol(ENGINE_MODULE, "FSDPEngineWithLMHead._gather_and_unpad_packed", ("self", "tensor", "pad_size"),
            why="called by the vocabulary pass's outputs (Ulysses gather, pad removal)"),
-    Symbol(ENGINE_MODULE, "FSDPEngineWithLMHead.get_data_parallel_size", ("self",), why="the aligned packing's split"),
-    Symbol(ENGINE_MODULE, "FSDPEngineWithLMHead.get_data_parallel_rank", ("self",), why="the aligned packing's seed"),
+    Symbol(ENGINE_MODULE, "FSDPEngineWithLMHead.get_data_parallel_size", ("self",), why="pack_old_log_prob_as_update's split"),
+    Symbol(ENGINE_MODULE, "FSDPEngineWithLMHead.get_data_parallel_rank", ("self",), why="pack_old_log_prob_as_update's seed"),
     Symbol(ENGINE_MODULE, "logprobs_from_logits", ("logits", "labels", "inplace_backward"),
            why="swapped per step: pi_old's top-k sees the logits; in-place backward under the fp32 entropy"),
     Symbol("verl.utils.torch_functional", "entropy_from_logits", ("logits",),
@@ -98,11 +98,11 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol("verl.workers.config", "HFModelConfig", fields=("use_fused_kernels",),
            why="the vocabulary pass refuses verl's fused kernels"),
     Symbol(WORKER_MODULE, "TrainingWorker.set_loss_fn", ("self", "loss_fn"), why="wrapped: marks the engine's features"),
-    Symbol(WORKER_MODULE, "TrainingWorker.train_mini_batch", ("self", "data"), why="wrapped: the on-policy mark"),
-    Symbol(WORKER_MODULE, "TrainingWorker.train_batch", ("self", "data"), why="wrapped: the on-policy mark"),
+    Symbol(WORKER_MODULE, "TrainingWorker.train_mini_batch", ("self", "data"), why="wrapped: the on-policy flag"),
+    Symbol(WORKER_MODULE, "TrainingWorker.train_batch", ("self", "data"), why="wrapped: the on-policy flag"),
     Symbol("verl.utils.tensordict_utils", "make_iterator", ("tensordict", "mini_batch_size", "epochs", "seed", "dataloader_kwargs"),
            why="the update's mini-batch split, reproduced for the old-log-prob pass"),
-    Symbol("verl.utils.tensordict_utils", "index_select_tensor_dict", ("batch", "indices"), why="the aligned packing"),
+    Symbol("verl.utils.tensordict_utils", "index_select_tensor_dict", ("batch", "indices"), why="pack_old_log_prob_as_update"),
 )
 """Every verl symbol the seam replaces, wraps or calls privately (the engine instance's own attributes
 are checked per engine: :data:`ENGINE_INSTANCE_ATTRIBUTES`)."""
@@ -128,7 +128,7 @@ def check_verl_version(installed: Optional[str] = None, environ: Optional[Mappin
 
     Why refuse although every name is checked: the other checks see names, signatures and layouts, not
     behaviour -- a release that keeps them all and changes, say, how verl packs micro-batches would break
-    the aligned packing's bit-identity without any of them noticing."""
+    pack_old_log_prob_as_update's bit-identity without any of them noticing."""
     installed = installed or verl_version()
     if installed == SUPPORTED_VERL:
         return
@@ -200,8 +200,8 @@ ENGINE_INSTANCE_ATTRIBUTES: dict[str, str] = {
     "engine_config.entropy_checkpointing": "read: the fp32 entropy turns it off for its step",
     "engine_config.use_torch_compile": "read: the fp32 entropy is compiled where verl's is",
     "engine_config.use_fused_kernels": "read: with verl's fused kernels their entropy serves both passes",
-    "engine_config.max_token_len_per_gpu": "read: the aligned packing's token budget (the update's)",
-    "engine_config.micro_batch_size_per_gpu": "read: the aligned packing's micro-batch size (the update's)",
+    "engine_config.max_token_len_per_gpu": "read: pack_old_log_prob_as_update's token budget (the update's)",
+    "engine_config.micro_batch_size_per_gpu": "read: pack_old_log_prob_as_update's micro-batch size (the update's)",
     "model_config.use_fused_kernels": "read: the vocabulary pass refuses verl's fused kernels",
     "use_ulysses_sp": "read: pi_old's top-k refuses Ulysses sequence parallelism",
     "module": "its LM head's forward swapped per step by the vocabulary pass",
@@ -240,15 +240,15 @@ INFER_BATCH_OUTPUT_KEYS: dict[str, str] = {
     "loss": "concatenated over the update's mini-batches",
     "metrics": "merged over the update's mini-batches",
 }
-"""The keys of verl's ``infer_batch`` result that the aligned packing reassembles (and verl's
+"""The keys of verl's ``infer_batch`` result that pack_old_log_prob_as_update reassembles (and verl's
 ``TrainingWorker`` reads back)."""
 
 
 def check_infer_batch_outputs(outputs: Sequence[Any]) -> None:
     """Each of verl's ``infer_batch`` results (``None``: a rank without outputs) is a dict with every key of
-    :data:`INFER_BATCH_OUTPUT_KEYS`; the aligned packing checks them before it reads one."""
+    :data:`INFER_BATCH_OUTPUT_KEYS`; pack_old_log_prob_as_update checks them before it reads one."""
     symbol = Symbol(ENGINE_MODULE, "FSDPEngineWithLMHead.infer_batch",
-                    why=f"its result's {', '.join(INFER_BATCH_OUTPUT_KEYS)} reassembled by the aligned packing")
+                    why=f"its result's {', '.join(INFER_BATCH_OUTPUT_KEYS)} reassembled by pack_old_log_prob_as_update")
     for output in outputs:
         if output is None:
             continue

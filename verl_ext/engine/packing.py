@@ -11,7 +11,7 @@ clipped by ``clip``, ``kl3`` or GSPO's sequence band, and masked by ERC, because
 policy (verl#6280; measured in docs/benchmarks.md, "On-policy exactness").
 
 **Packed as the update.** :func:`infer_as_update` makes the invariant hold by construction, for every loss
-mode: the seam calls it for the old-log-prob pass of an engine whose loss asked for ``pack_as_update``
+mode: the seam calls it for the old-log-prob pass of an engine whose loss asked for ``pack_old_log_prob_as_update``
 (``policy_loss.pack_old_log_prob_as_update``, on by default). It splits the batch into the update's
 mini-batches of the *first epoch* -- with verl's own iterator (``tu.make_iterator``: same
 ``ppo_mini_batch_size``, ``data_loader_seed`` and ``shuffle``, seeded per data-parallel rank as
@@ -32,18 +32,18 @@ therefore records, per data-parallel rank, what it packed (:class:`PackingRecord
 and content checksum, and each first-epoch mini-batch's micro-batches as row ids with their token counts);
 the update compares its own first-epoch mini-batches and micro-batches with that record
 (:class:`UpdateObserver`) and raises :class:`PackingMismatchError`, naming both, on any difference.
-``actor/divclip/path/aligned_packing`` reports what the update found: 1 only for the micro-batches of an
+``actor/divclip/path/pack_old_log_prob_as_update`` reports what the update found: 1 only for the micro-batches of an
 update call whose first-epoch micro-batches matched the record. The trainer also tells the update that
 its batch comes from this rank's packed old pass (:data:`UPDATE_FOLLOWS_OLD_PASS_KEY`), so a missing
 record raises as well.
 
-**The on-policy mark.** :func:`marking_on_policy` / :func:`marking_first_mini_batch` (installed by the seam
-on ``TrainingWorker.train_mini_batch`` / ``train_batch``) give the first mini-batch of an update call --
-before any optimizer step of this training step -- :data:`ON_POLICY_KEY`; the actor loss then logs the
-on-policy gauge (:func:`verl_ext.core.gauge.on_policy_gauge`) from it. The trainer says when an update does
-*not* start from pi_old (:data:`STARTS_ON_POLICY_KEY` false: ``bypass_mode``, where pi_old is the behaviour
-policy, or a later update of verl's Decoupled-PPO cycle, whose pi_old is the cycle's first weights): such a
-call marks nothing.
+**The on-policy flag.** :data:`ON_POLICY_KEY` says whether data starts on-policy (pi_theta = pi_old). The
+trainer sets it on an update batch: false in ``bypass_mode``, where pi_old is the behaviour policy, and in a
+later update of verl's Decoupled-PPO cycle, whose pi_old is the cycle's first weights; absent, true.
+:func:`marking_on_policy` / :func:`marking_first_mini_batch` (installed by the seam on
+``TrainingWorker.train_mini_batch`` / ``train_batch``) pass it to the call's first mini-batch -- before any
+optimizer step of this training step -- and set it false on the others; the actor loss logs the on-policy
+gauge (:func:`verl_ext.core.gauge.on_policy_gauge`) where it is true.
 """
 
 from __future__ import annotations
@@ -63,20 +63,19 @@ UPDATE_PACKING_KEY = "divclip_update_packing"
 """Non-tensor key of the old-log-prob batch: the update's mini-batch settings (``UpdatePacking``)."""
 
 ON_POLICY_KEY = "divclip_on_policy"
-"""Non-tensor key set on the update mini-batch that runs before any optimizer step of the call."""
-
-STARTS_ON_POLICY_KEY = "divclip_update_starts_on_policy"
-"""Non-tensor key of an update batch: whether pi_theta equals pi_old when the call starts (absent: true)."""
+"""Non-tensor key: whether the data starts on-policy. On an update batch (set by the trainer; absent: true):
+pi_theta equals pi_old when the call starts. On a mini-batch (set by the seam): it runs before any optimizer
+step of the call."""
 
 UPDATE_FOLLOWS_OLD_PASS_KEY = "divclip_update_follows_old_pass"
 """Non-tensor key of an update batch: its pi_old came from this rank's packed old-log-prob pass (the trainer
-sets it), so with the aligned packing asked for a missing :class:`PackingRecord` is an error."""
+sets it), so with pack_old_log_prob_as_update asked for a missing :class:`PackingRecord` is an error."""
 
 ROW_KEY = "divclip_row"
 """Tensor field the seam adds to a batch it packs or trains: each row's position in the batch the worker
 received, so that every micro-batch says which rows it holds."""
 
-_NEXT_ON_POLICY = "_divclip_next_mini_batch_on_policy"
+_ON_POLICY_ATTR = "_divclip_on_policy"  # the worker's ON_POLICY_KEY for its call's next mini-batch
 _RECORD_ATTR = "_divclip_packing_record"
 _RECORDING_ATTR = "_divclip_recording"
 _OBSERVER_ATTR = "_divclip_update_observer"
@@ -348,7 +347,7 @@ def update_mini_batches_per_epoch(worker: Any, data: TensorDict) -> int:
     return len(data) // per_gpu if per_gpu > 0 else 0
 
 
-def observing_update(worker: Any, data: TensorDict, pack_as_update: bool) -> Optional[UpdateObserver]:
+def observing_update(worker: Any, data: TensorDict, pack_old_log_prob_as_update: bool) -> Optional[UpdateObserver]:
     """Before an update call: take the engine's record (each record serves one update) and, with the aligned
     packing asked for, start comparing; the rows get :data:`ROW_KEY`. Returns None when nothing is compared
     (the packing is off, or a direct caller without a packed old pass)."""
@@ -357,7 +356,7 @@ def observing_update(worker: Any, data: TensorDict, pack_as_update: bool) -> Opt
     engine = worker.engine
     record: Optional[PackingRecord] = getattr(engine, _RECORD_ATTR, None)
     setattr(engine, _RECORD_ATTR, None)
-    if not pack_as_update:
+    if not pack_old_log_prob_as_update:
         return None
     if record is None:
         if tu.get_non_tensor_data(data=data, key=UPDATE_FOLLOWS_OLD_PASS_KEY, default=False):
@@ -375,7 +374,7 @@ def observing_update(worker: Any, data: TensorDict, pack_as_update: bool) -> Opt
 
 def observed_packing(engine: Any, micro_batch: TensorDict, forward_only: bool) -> bool:
     """One forward step of ``engine``: record it (old pass) or compare it (update); whether the step's update
-    call was found packed as the old pass (``actor/divclip/path/aligned_packing``)."""
+    call was found packed as the old pass (``actor/divclip/path/pack_old_log_prob_as_update``)."""
     if forward_only:
         record_micro_batch(engine, micro_batch)
         return False
@@ -398,14 +397,14 @@ def is_on_policy(data: TensorDict) -> bool:
     return bool(tu.get_non_tensor_data(data=data, key=ON_POLICY_KEY, default=False))
 
 
-def marking_on_policy(train_mini_batch: Callable[..., Any], worker: Any, data: TensorDict, pack_as_update: bool) -> Any:
+def marking_on_policy(train_mini_batch: Callable[..., Any], worker: Any, data: TensorDict, pack_old_log_prob_as_update: bool) -> Any:
     """``TrainingWorker.train_mini_batch``, observed (:func:`observing_update`), its first mini-batch marked
     on-policy when the call starts from pi_old (see :func:`marking_first_mini_batch`)."""
     from verl.utils import tensordict_utils as tu
 
-    observer = observing_update(worker, data, pack_as_update)
-    starts_on_policy = bool(tu.get_non_tensor_data(data=data, key=STARTS_ON_POLICY_KEY, default=True))
-    setattr(worker, _NEXT_ON_POLICY, starts_on_policy)
+    observer = observing_update(worker, data, pack_old_log_prob_as_update)
+    starts_on_policy = bool(tu.get_non_tensor_data(data=data, key=ON_POLICY_KEY, default=True))
+    setattr(worker, _ON_POLICY_ATTR, starts_on_policy)
     setattr(worker.engine, _OBSERVER_ATTR, observer)
     try:
         output = train_mini_batch(worker, data)
@@ -413,7 +412,7 @@ def marking_on_policy(train_mini_batch: Callable[..., Any], worker: Any, data: T
             observer.finish()
         return output
     finally:
-        setattr(worker, _NEXT_ON_POLICY, None)
+        setattr(worker, _ON_POLICY_ATTR, None)
         setattr(worker.engine, _OBSERVER_ATTR, None)
 
 
@@ -425,8 +424,8 @@ def marking_first_mini_batch(train_batch: Callable[..., Any], worker: Any, data:
     observer: Optional[UpdateObserver] = getattr(worker.engine, _OBSERVER_ATTR, None)
     if observer is not None:
         observer.start_mini_batch()
-    on_policy = getattr(worker, _NEXT_ON_POLICY, None)
+    on_policy = getattr(worker, _ON_POLICY_ATTR, None)
     if on_policy is not None:  # inside a train_mini_batch call: only its first mini-batch can be on-policy
         tu.assign_non_tensor(data, **{ON_POLICY_KEY: on_policy})
-        setattr(worker, _NEXT_ON_POLICY, False)
+        setattr(worker, _ON_POLICY_ATTR, False)
     return train_batch(worker, data)

@@ -10,7 +10,7 @@ old-log-prob pass has no loss function of its own):
   compute it with the one float32, graph-free function (:func:`verl_ext.core.entropy.entropy_fp32`);
 * ``vocab_pass`` -- both passes compute log-probs and entropies with the chunked vocabulary pass
   (``policy_loss.vocab_pass``, :mod:`verl_ext.core.vocab_pass`), never the logits tensor;
-* ``pack_as_update`` -- the old-log-prob pass is packed as the update's first epoch, so that on-policy
+* ``pack_old_log_prob_as_update`` -- the old-log-prob pass is packed as the update's first epoch, so that on-policy
   every ratio is exactly 1 (``policy_loss.pack_old_log_prob_as_update``, :mod:`verl_ext.engine.packing`).
 
 A loss without the attribute (verl's own ``ppo_loss``) asks for nothing: the engine runs verl's code.
@@ -39,7 +39,7 @@ POLICY_LOSS_KEY = "actor_rollout_ref.actor.policy_loss"
 
 STEP_PATH_KEY = "divclip_step_path"
 """Non-tensor key the seam sets on every micro-batch it steps: which path computed its numbers
-(``{"seam", "entropy_fp32", "vocab_pass", "aligned_packing"}`` -> 1.0 / 0.0); the actor loss logs it as
+(``{"seam", "entropy_fp32", "vocab_pass", "pack_old_log_prob_as_update"}`` -> 1.0 / 0.0); the actor loss logs it as
 ``actor/divclip/path/*``. A micro-batch without it was not stepped by the seam."""
 
 
@@ -57,18 +57,18 @@ class EngineRequest:
 
     entropy_as_mask: bool = False
     vocab_pass: bool = False
-    pack_as_update: bool = False
+    pack_old_log_prob_as_update: bool = False
 
     @property
     def any(self) -> bool:
-        return self.entropy_as_mask or self.vocab_pass or self.pack_as_update
+        return self.entropy_as_mask or self.vocab_pass or self.pack_old_log_prob_as_update
 
     def keys(self) -> list[str]:
         """The config keys behind the features asked for (for an error naming them)."""
         named = {
             "entropy_as_mask": f"{POLICY_LOSS_KEY}.erc_beta_low/erc_beta_high (ERC's fp32 entropy)",
             "vocab_pass": f"{POLICY_LOSS_KEY}.vocab_pass",
-            "pack_as_update": f"{POLICY_LOSS_KEY}.pack_old_log_prob_as_update",
+            "pack_old_log_prob_as_update": f"{POLICY_LOSS_KEY}.pack_old_log_prob_as_update",
         }
         return [key for field, key in named.items() if getattr(self, field)]
 
@@ -116,7 +116,7 @@ def with_vocab_pass(loss_function: Callable[..., Any]) -> Callable[..., Any]:
 
 def packed_as_update(loss_function: Callable[..., Any], enabled: bool = True) -> Callable[..., Any]:
     """Declare that the engine running ``loss_function`` packs its old-log-prob pass as the update."""
-    return declare(loss_function, pack_as_update=enabled)
+    return declare(loss_function, pack_old_log_prob_as_update=enabled)
 
 
 def resolve_entropy_path(request: EngineRequest, *, use_fused_kernels: bool) -> EntropyPath:
@@ -140,7 +140,7 @@ def describe(request: EngineRequest, path: EntropyPath) -> str:
                 "inactive because use_fused_kernels=True"
             ),
         }[path]
-    packing = "old-log-prob pass packed as the update" if request.pack_as_update else "verl's packing of the old-log-prob pass"
+    packing = "old-log-prob pass packed as the update" if request.pack_old_log_prob_as_update else "verl's packing of the old-log-prob pass"
     return f"{numbers}; {packing}"
 
 

@@ -3,7 +3,7 @@
 Everything the project does inside verl's actor engine per step goes through this module: ERC's fp32
 entropy in both passes (:mod:`verl_ext.engine.entropy_path`), the vocabulary pass
 (:mod:`verl_ext.engine.vocab_pass_step`), pi_old's top-k for ``kl_full`` and its diagnostic
-(:mod:`verl_ext.engine.topk_capture`), the old-log-prob pass packed as the update and the on-policy mark
+(:mod:`verl_ext.engine.topk_capture`), the old-log-prob pass packed as the update and the on-policy flag
 (:mod:`verl_ext.engine.packing`), and the record of which path a step took (read by the actor loss and
 logged as ``actor/divclip/path/*``).
 
@@ -23,10 +23,10 @@ symbol, the installed and the supported verl version):
    ``FSDPEngineWithLMHead``: megatron, veomni, torchtitan, automodel, or a subclass that overrides a
    hooked method) is refused, naming the config keys and the supported strategies, instead of running
    without the features it was asked for.
-2. ``TrainingWorker.train_mini_batch`` / ``train_batch`` -- with ``pack_as_update`` the update call is
+2. ``TrainingWorker.train_mini_batch`` / ``train_batch`` -- with ``pack_old_log_prob_as_update`` the update call is
    compared with the old pass's record of what it packed; the first mini-batch of an update call that
    starts on-policy is marked (the gauge).
-3. ``FSDPEngineWithLMHead.infer_batch`` -- with ``pack_as_update`` the old-log-prob pass is run per
+3. ``FSDPEngineWithLMHead.infer_batch`` -- with ``pack_old_log_prob_as_update`` the old-log-prob pass is run per
    first-epoch update mini-batch with the update's micro-batch settings, and records what it packed.
 4. ``FSDPEngineWithLMHead.forward_step`` -- one step, in this order of decisions: the packing (the old
    pass records the micro-batch, the update compares it with the record); the step's top-k task
@@ -90,14 +90,14 @@ class EngineFeatures:
     entropy_path: EntropyPath
     entropy_fn: Optional[Callable[..., torch.Tensor]]  #: the fp32 entropy of both passes, or None (verl's)
 
-    def step_path(self, aligned_packing: bool) -> dict[str, float]:
+    def step_path(self, pack_old_log_prob_as_update: bool) -> dict[str, float]:
         """The ``actor/divclip/path/*`` record of a step of this engine (1.0 / 0.0 per feature);
-        ``aligned_packing``: what the update found (:func:`verl_ext.engine.packing.observed_packing`)."""
+        ``pack_old_log_prob_as_update``: what the update found (:func:`verl_ext.engine.packing.observed_packing`)."""
         return {
             "seam": 1.0,
             "entropy_fp32": float(self.request.vocab_pass or self.entropy_path is EntropyPath.DIVCLIP_FP32),
             "vocab_pass": float(self.request.vocab_pass),
-            "aligned_packing": float(aligned_packing),
+            "pack_old_log_prob_as_update": float(pack_old_log_prob_as_update),
         }
 
 
@@ -153,12 +153,12 @@ def set_features(engine: Any, request: EngineRequest) -> EngineFeatures:
     return features
 
 
-def set_pack_as_update(engine: Any, enabled: bool) -> None:
-    """Turn the aligned packing of ``engine`` on or off, keeping its other features: off is verl's own
+def set_pack_old_log_prob_as_update(engine: Any, enabled: bool) -> None:
+    """Turn pack_old_log_prob_as_update of ``engine`` on or off, keeping its other features: off is verl's own
     packing of the old-log-prob pass (``python -m recipe.bench onpolicy`` measures both arms)."""
     current = features_of(engine)
     request = current.request if current is not None else EngineRequest()
-    set_features(engine, dataclasses.replace(request, pack_as_update=bool(enabled)))
+    set_features(engine, dataclasses.replace(request, pack_old_log_prob_as_update=bool(enabled)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -240,7 +240,7 @@ def _set_loss_fn(original: Callable[..., Any]) -> Callable[..., Any]:
 def _train_mini_batch(original: Callable[..., Any]) -> Callable[..., Any]:
     def train_mini_batch(self: Any, data: Any) -> Any:
         features = features_of(self.engine)
-        return marking_on_policy(original, self, data, features is not None and features.request.pack_as_update)
+        return marking_on_policy(original, self, data, features is not None and features.request.pack_old_log_prob_as_update)
 
     return train_mini_batch
 
@@ -255,7 +255,7 @@ def _train_batch(original: Callable[..., Any]) -> Callable[..., Any]:
 def _infer_batch(original: Callable[..., Any]) -> Callable[..., Any]:
     def infer_batch(self: Any, data: Any, loss_function: Any = None) -> Any:
         features = features_of(self)
-        if features is None or not features.request.pack_as_update:
+        if features is None or not features.request.pack_old_log_prob_as_update:
             return original(self, data, loss_function)
         return infer_as_update(self, data, loss_function, original)
 
