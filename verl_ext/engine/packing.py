@@ -348,8 +348,8 @@ def update_mini_batches_per_epoch(worker: Any, data: TensorDict) -> int:
 
 
 def observing_update(worker: Any, data: TensorDict, pack_old_log_prob_as_update: bool) -> Optional[UpdateObserver]:
-    """Before an update call: take the engine's record (each record serves one update) and, with the aligned
-    packing asked for, start comparing; the rows get :data:`ROW_KEY`. Returns None when nothing is compared
+    """Before an update call: take the engine's record (each record serves one update) and, with
+    ``pack_old_log_prob_as_update`` asked for, start comparing; the rows get :data:`ROW_KEY`. Returns None when nothing is compared
     (the packing is off, or a direct caller without a packed old pass)."""
     from verl.utils import tensordict_utils as tu
 
