@@ -18,7 +18,6 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 import verl_ext.registry  # noqa: F401  (registers the divclip modes: CONSTRAINTS is filled)
 from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig
 from verl_ext.core.region import CONSTRAINTS
-from verl_ext.registry import DUAL_CLIP_MODES
 
 ACTOR = "actor_rollout_ref.actor"
 ROLLOUT = "actor_rollout_ref.rollout"
@@ -141,7 +140,7 @@ PACK_HINT = f"{PACK_KEY}=false gives verl's packing of the old-log-prob pass bac
 
 def check_clip_ratio_c(config: DictConfig) -> None:
     """``actor.clip_ratio_c`` is verl's dual-clip constant; a divclip mode's dual clip is
-    ``policy_loss.dual_clip_c`` alone, and on verl's ``vanilla`` a set ``dual_clip_c`` replaces it."""
+    ``policy_loss.dual_clip_c`` alone (verl's own modes read ``clip_ratio_c`` and refuse ``dual_clip_c``)."""
     key, replacing = f"{ACTOR}.clip_ratio_c", f"{POLICY}.dual_clip_c"
     mode, value, default = _loss_mode(config), _value(config, f"{ACTOR}.clip_ratio_c"), verl_default(f"{ACTOR}.clip_ratio_c")
     if value == default:
@@ -154,11 +153,6 @@ def check_clip_ratio_c(config: DictConfig) -> None:
             f"{key}={value} is not read by {POLICY}.loss_mode={mode!r} (a divclip mode): its dual clip comes from "
             f"{replacing} alone (null = off, got {dual_clip_c!r}). Set {replacing}={value} and leave {key} at verl's "
             f"default {default}"
-        )
-    if mode in DUAL_CLIP_MODES and dual_clip_c is not None:
-        raise ValueError(
-            f"{key}={value} is replaced by {replacing}={dual_clip_c} on verl's loss_mode={mode!r}: set one of them "
-            f"(leave {key} at verl's default {default}, or {replacing}=null for verl's own dual clip)"
         )
 
 

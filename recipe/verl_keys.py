@@ -286,10 +286,9 @@ RULES: tuple[KeyRule, ...] = (
     KeyRule(f"{ACTOR}.tau_neg", H, "verl's sapo mode reads it as in ppo_loss", evidence="`tests/test_ppo_loss_parity.py`"),
     KeyRule(f"{ACTOR}.clip_ratio_c", P,
             "verl's dual-clip constant: the divclip modes take their dual clip from policy_loss.dual_clip_c alone (null = "
-            "off), and on verl's vanilla a set dual_clip_c replaces it; verl's own modes read it as in ppo_loss",
+            "off); verl's own modes read it in ppo_loss (and refuse dual_clip_c)",
             replaced_by=f"{POLICY}.dual_clip_c",
-            refused_when="a value other than verl's default 3.0 or dual_clip_c's with a divclip loss_mode, or on vanilla "
-                         "with dual_clip_c set to another value",
+            refused_when="a value other than verl's default 3.0 or dual_clip_c's with a divclip loss_mode",
             check=check_clip_ratio_c),
     KeyRule(f"{ACTOR}.grad_clip", N, "verl's legacy actor key: the v1 engine clips with actor.optim.clip_grad"),
     KeyRule(f"{ACTOR}.use_kl_loss", H, "verl's kl_penalty and agg_loss, bit-identical for all 14 KL types",

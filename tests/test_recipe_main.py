@@ -60,7 +60,7 @@ def test_dry_run_prints_only_the_resolved_yaml():
          r"actor_rollout_ref\.actor\.policy_loss\._target_=verl_ext\.config\.DivClipPolicyLossConfig"),
         ([*ERC, "actor_rollout_ref.actor.calculate_entropy=true", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
           "actor_rollout_ref.actor.policy_loss.dual_clip_c=10"],
-         r"policy_loss\.dual_clip_c applies to the divclip modes and to verl's \['vanilla'\]"),
+         r"policy_loss\.dual_clip_c is the divclip modes' dual-clip cap; verl's loss_mode='gspo'"),
         (["actor_rollout_ref.actor.policy_loss.loss_mode=kl4"], r"policy_loss\.loss_mode='kl4' is not a registered"),
         (["actor_rollout_ref.actor.policy_loss.delta=0"], r"policy_loss\.delta must be"),
         (["actor_rollout_ref.actor.clip_ratio_low=1.5"], r"actor_rollout_ref\.actor\.clip_ratio_low must lie in"),

@@ -129,8 +129,6 @@ REFUSED = [
     # clip_ratio_c on a divclip mode: its dual clip is policy_loss.dual_clip_c alone
     ([f"{ACTOR}.clip_ratio_c=2.0"], [f"{ACTOR}.clip_ratio_c=2.0", f"{POLICY}.dual_clip_c"]),
     ([f"{ACTOR}.clip_ratio_c=2.0", f"{POLICY}.dual_clip_c=5.0"], [f"{ACTOR}.clip_ratio_c=2.0", f"{POLICY}.dual_clip_c"]),
-    ([f"{POLICY}.loss_mode=vanilla", f"{ACTOR}.clip_ratio_c=2.0", f"{POLICY}.dual_clip_c=5.0"],
-     [f"{ACTOR}.clip_ratio_c=2.0", f"{POLICY}.dual_clip_c=5.0"]),
     # rollout correction without the rollout's log-probs: verl skips it silently
     ([f"{CORRECTION}.rollout_is=token", f"{ROLLOUT}.calculate_log_probs=false"],
      [f"{CORRECTION}.rollout_is='token'", f"{ROLLOUT}.calculate_log_probs=false"]),

@@ -1,12 +1,12 @@
-"""ERC and dual-clip on verl's own policy losses (``verl_ext.verl_modes``).
+"""ERC on verl's own policy losses (``verl_ext.verl_modes``), and dual-clip left to verl there.
 
 Loss level, every verl mode, against verl's function itself:
 * a band too wide to trigger gives exactly verl's loss and gradient;
 * with entropies forced out of the band, the loss *value* is exactly verl's, those tokens' gradient
   is exactly 0 and every other token's gradient is exactly verl's (every verl mode qualifies: GSPO's
   and geo_mean's sequence terms and clip_cov/kl_cov's selections are functions of values);
-* ``dual_clip_c`` on ``vanilla`` equals verl's ``vanilla`` with that ``clip_ratio_c``; elsewhere it
-  is refused, naming the key.
+* ``dual_clip_c`` (the divclip modes' key) is refused on every verl mode, naming the key verl reads
+  (``actor.clip_ratio_c``).
 Engine level (verl's actor stack on CPU, verl's default bf16 mixed precision): for vanilla, gspo and
 sapo the wide band gives verl's update bit for bit, and the forced band gives the update of the same
 mode with those tokens' advantages set to 0 (no gradient from them), with ``erc/*`` metrics.
@@ -112,25 +112,12 @@ def test_out_of_band_tokens_lose_exactly_their_own_gradient(mode: str) -> None:
     assert metrics["actor/divclip/erc/ratio_min"] == pytest.approx(0.7, rel=1e-6)
 
 
-def test_dual_clip_on_vanilla_replaces_clip_ratio_c() -> None:
-    from verl.trainer.ppo.core_algos import get_policy_loss_fn
-
-    inputs = loss_inputs(seed=3)
-    inputs["new"] = inputs["old"] + 1.5 * torch.randn(inputs["old"].shape, generator=torch.Generator().manual_seed(1))
-    ours_loss, ours_grad, _ = run_loss("vanilla", inputs, {"dual_clip_c": 10.0})
-    cfg = make_actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0)
-    cfg.global_batch_info.update(dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None)
-    log_prob = inputs["new"].clone().requires_grad_(True)
-    ref_loss, _ = get_policy_loss_fn("vanilla")(inputs["old"], log_prob, inputs["adv"], inputs["mask"], "token-mean", cfg)
-    (ref_grad,) = torch.autograd.grad(ref_loss, log_prob)
-    default_loss, _, _ = run_loss("vanilla", inputs, {})  # verl's c = 3
-    assert torch.equal(ours_loss, ref_loss.detach()) and torch.equal(ours_grad, ref_grad)
-    assert not torch.equal(ours_loss, default_loss), "c = 10 must differ from verl's default c = 3 here"
-
-
-@pytest.mark.parametrize("mode", ["gspo", "sapo", "cispo"])
-def test_dual_clip_is_refused_where_verl_has_no_such_rule(mode: str) -> None:
-    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.policy_loss\.dual_clip_c .*loss_mode="):
+@pytest.mark.parametrize("mode", ["vanilla", "gspo", "sapo", "cispo"])
+def test_dual_clip_c_is_refused_on_verls_modes(mode: str) -> None:
+    """One name per mode family: verl's modes read verl's actor.clip_ratio_c (vanilla applies it), the divclip
+    modes policy_loss.dual_clip_c."""
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.policy_loss\.dual_clip_c is the divclip modes' "
+                                         r"dual-clip cap; verl's loss_mode=.*actor_rollout_ref\.actor\.clip_ratio_c"):
         policy_config(mode, dual_clip_c=10.0)
 
 

@@ -51,7 +51,6 @@ from verl_ext.engine.request import STEP_PATH_KEY, declare, entropy_as_mask, req
 from verl_ext.engine.topk_capture import NEW_TOPK_LOG_PROBS, OLD_TOPK_LOG_PROBS
 from verl_ext.registry import ERC_ON_VERL_MODE, ROLLOUT_IS_METRIC, LossInputs, resolve_policy_config, supplying
 from verl_ext.token_dump import TokenDumpWriter
-from verl_ext.verl_modes import with_clip_ratio_c
 
 
 def divclip_actor_loss(
@@ -127,8 +126,6 @@ def divclip_actor_loss(
     if mode not in CONSTRAINTS and erc:  # verl's own mode: ERC_ON_VERL_MODE gates its policy term
         inputs = dataclasses.replace(inputs, verl_mode=mode, verl_config=config)
         loss_config = _with_policy_loss(config, loss_mode=ERC_ON_VERL_MODE)
-    elif mode not in CONSTRAINTS and policy is not None and policy.dual_clip_c is not None:
-        loss_config = with_clip_ratio_c(config, policy.dual_clip_c)  # verl's vanilla with this c
     with supplying(inputs):
         policy_loss, metrics = ppo_loss(loss_config, model_output, data, dp_group)
     metrics = {name: _as_extreme(name, metric) for name, metric in metrics.items()}

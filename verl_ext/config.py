@@ -79,9 +79,9 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
         adaptive_delta_min: Lower bound of the adaptive delta (default 0.005).
         adaptive_delta_max: Upper bound of the adaptive delta (default 0.5).
         dual_clip_c: Dual-clip cap c (Ye et al. 2020): for A < 0 the ratio is capped at c.
-            ``None`` (default) disables it, so ``clip`` is exact PPO / DAPO. verl's
-            ``vanilla`` always applies ``actor.clip_ratio_c`` (3); set here, ``dual_clip_c``
-            replaces it. Other verl modes have no dual-clip rule and refuse the key.
+            ``None`` (default) disables it, so ``clip`` is exact PPO / DAPO. The divclip modes'
+            key only: verl's own modes read verl's ``actor.clip_ratio_c`` (``vanilla`` always applies
+            it, 3 by default) and refuse this one.
         gppo_beta_low: GPPO (Klear-Reasoner, general form) gradient scale beta_1 of tokens
             clipped at the lower bound (A < 0): their gradient is beta_1 * (1 - eps_low) * A.
         gppo_beta_high: GPPO scale beta_2 of tokens clipped at the upper bound (A > 0):

@@ -145,9 +145,6 @@ def resolve_policy_config(config: Any) -> DivClipPolicyLossConfig:
     )
 
 
-DUAL_CLIP_MODES = frozenset({"vanilla"})
-"""verl modes whose own dual-clip constant (``actor.clip_ratio_c``) ``dual_clip_c`` replaces."""
-
 NOT_COMPOSABLE = frozenset({"bypass_mode"})
 """verl modes ERC cannot stack on: bypass mode skips the old-log-prob pass that yields H(pi_old)."""
 
@@ -186,9 +183,9 @@ def check_policy_config(policy: DivClipPolicyLossConfig, prefix: str = POLICY_LO
 
 
 def check_verl_mode_options(policy: DivClipPolicyLossConfig, prefix: str = POLICY_LOSS_KEY) -> None:
-    """Raise ``ValueError`` naming the key if ``policy``'s ERC / dual-clip knobs cannot apply to its
-    verl ``loss_mode`` (``verl_ext.verl_modes`` composes them). Part of :func:`check_policy_config`,
-    for every non-divclip mode."""
+    """Raise ``ValueError`` naming the key if ``policy``'s ERC knobs cannot apply to its verl ``loss_mode``
+    (``verl_ext.verl_modes`` composes them), or ``dual_clip_c`` is set (verl's modes read ``actor.clip_ratio_c``).
+    Part of :func:`check_policy_config`, for every non-divclip mode."""
     mode = policy.loss_mode
     if mode not in POLICY_LOSS_REGISTRY:
         return  # check_policy_config reports unknown modes
@@ -197,11 +194,11 @@ def check_verl_mode_options(policy: DivClipPolicyLossConfig, prefix: str = POLIC
             f"{prefix}.erc_beta_low/erc_beta_high (ERC) cannot stack on loss_mode={mode!r}: it skips the "
             "old-log-prob pass that gives pi_old's entropy"
         )
-    if policy.dual_clip_c is not None and mode not in DUAL_CLIP_MODES:
+    if policy.dual_clip_c is not None:
         raise ValueError(
-            f"{prefix}.dual_clip_c applies to the divclip modes and to verl's {sorted(DUAL_CLIP_MODES)} "
-            f"(where it replaces actor.clip_ratio_c); verl's loss_mode={mode!r} has no dual-clip rule to "
-            "set: remove dual_clip_c"
+            f"{prefix}.dual_clip_c is the divclip modes' dual-clip cap; verl's loss_mode={mode!r} reads its own "
+            "(actor_rollout_ref.actor.clip_ratio_c, which verl's vanilla applies; the other verl modes have no "
+            "dual-clip rule): remove dual_clip_c"
         )
 
 

@@ -1,4 +1,4 @@
-"""ERC and dual-clip on verl's own policy losses (``vanilla``, ``gspo``, ``sapo``, ``clip_cov``, ...).
+"""ERC on verl's own policy losses (``vanilla``, ``gspo``, ``sapo``, ``clip_cov``, ...).
 
 The divclip modes apply ERC inside the unified operator (Eq. 5) as a *hard* violation. verl's own
 losses are separate functions in its registry; ERC composes with any of them the same way the ERC
@@ -16,15 +16,12 @@ gradients are unchanged; for GSPO the masked tokens drop out of the gradient of 
 but not out of its value; for clip_cov / kl_cov the covariance selection is computed from values,
 so it is unchanged. Per-mode readings: docs/losses.md.
 
-Dual-clip (``policy_loss.dual_clip_c``) makes sense for verl's ``vanilla`` only, which always applies
-dual-clip with ``actor.clip_ratio_c`` (default 3): ``dual_clip_c`` replaces that c for the call. For
-every other verl mode the config check (:func:`verl_ext.registry.check_verl_mode_options`, part of
-:func:`verl_ext.registry.check_policy_config`) raises, naming the key.
+Dual-clip on verl's modes is verl's own: ``vanilla`` applies ``actor.clip_ratio_c``; the divclip modes'
+``policy_loss.dual_clip_c`` is refused on every verl mode (:func:`verl_ext.registry.check_verl_mode_options`).
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Optional
 
 import torch
@@ -69,8 +66,6 @@ def verl_policy_loss(
         band = entropy_ratio_band(old_entropy, entropy, response_mask, policy, torch.float32)
         log_prob = gate_log_prob_gradient(log_prob, band)
         erc_metrics = _erc_metrics(band, response_mask)
-    if policy is not None and policy.dual_clip_c is not None:
-        config = with_clip_ratio_c(config, policy.dual_clip_c)
     pg_loss, pg_metrics = get_policy_loss_fn(mode)(
         old_log_prob=old_log_prob,
         log_prob=log_prob,
@@ -81,14 +76,6 @@ def verl_policy_loss(
         rollout_is_weights=rollout_is_weights,
     )
     return pg_loss, {**pg_metrics, **erc_metrics}
-
-
-def with_clip_ratio_c(config: Any, clip_ratio_c: float) -> Any:
-    """A shallow copy of the (frozen) actor config with another ``clip_ratio_c``. Shallow on
-    purpose: ``global_batch_info``, filled per micro-batch by the actor loss, stays shared."""
-    view = copy.copy(config)
-    object.__setattr__(view, "clip_ratio_c", float(clip_ratio_c))
-    return view
 
 
 def _erc_metrics(band: EntropyBand, response_mask: torch.Tensor) -> dict[str, float]:
