@@ -22,9 +22,15 @@
 #   PRECISION=fp32|bf16 (default fp32): the actor's FSDP mixed precision; bf16 is verl's default (bf16 parameters
 #   in compute, fp32 reduction), the precision GPU users run.
 #   DYNAMIC_BSZ=TOKENS: dynamic batching as the configs run it -- the update's micro-batches hold up to TOKENS
-#   tokens (actor.ppo_max_token_len_per_gpu), the old-log-prob pass's 2 x TOKENS, mini-batches shuffled
+#   tokens (actor.ppo_max_token_len_per_gpu), mini-batches shuffled; the old-log-prob pass is packed as the
+#   update (policy_loss.pack_old_log_prob_as_update, the default), or with PACK_OLD_LOG_PROB_AS_UPDATE=false
+#   by verl's own packing at its own budget, 2 x TOKENS (rollout.log_prob_max_token_len_per_gpu): the control
 #   (actor.shuffle=true); unset: fixed micro-batches of 64 sequences in both passes.
 #   HEAD_SCALE=S: the generated model's output head multiplied by S (larger logits, as a trained model's).
+#   ROLLOUT=hf_cpu|vllm (default hf_cpu): the rollout engine. vllm is verl's own vLLM server on vLLM's CPU build:
+#   it needs the second environment (bash launch/setup_vllm_venv.sh; PYTHON defaults to .venv-vllm/bin/python),
+#   generates the model with head_dim 32 (vLLM's CPU attention has no kernel for 16), rolls out in bf16 with no
+#   sleep/wake (free_cache_engine=False) and syncs the weights through verl's shared-memory path. docs/vllm_cpu.md.
 #   SMOKE_MODEL=DIR: start RL from this Hugging Face model instead of the generated random one (the
 #   SFT -> RL chain: the merged output of `python -m recipe.sft` on data/sft_train.parquet, which
 #   `python -m recipe.smoke.task --sft N` writes; tests/test_sft_chain_cpu.py).
@@ -35,9 +41,15 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+ROLLOUT="${ROLLOUT:-hf_cpu}"
 if [[ -z "${PYTHON:-}" ]]; then
-  bash "$ROOT/launch/setup_venv.sh"
-  PYTHON="$ROOT/.venv/bin/python"
+  if [[ "$ROLLOUT" == vllm ]]; then
+    bash "$ROOT/launch/setup_vllm_venv.sh"
+    PYTHON="$ROOT/.venv-vllm/bin/python"
+  else
+    bash "$ROOT/launch/setup_venv.sh"
+    PYTHON="$ROOT/.venv/bin/python"
+  fi
 fi
 LOSS="${LOSS:-erc_dapo}"
 STEPS="${STEPS:-40}"
@@ -65,6 +77,17 @@ case "$LOSS" in
                actor_rollout_ref.actor.policy_loss.kl_full_top_k=8 actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=True) ;;
   *) echo "run_smoke_cpu.sh: LOSS must be erc_dapo, kl3 or kl_full, got '$LOSS'" >&2; exit 2 ;;
 esac
+HEAD_DIM=16
+case "$ROLLOUT" in
+  hf_cpu) ROLLOUT_ARGS=(actor_rollout_ref.rollout.name=hf_cpu actor_rollout_ref.rollout.dtype=float32) ;;
+  vllm)   # verl's vLLMHttpServer on vLLM's CPU backend (docs/vllm_cpu.md)
+    HEAD_DIM=32
+    ROLLOUT_ARGS=(actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.dtype=bfloat16
+                  actor_rollout_ref.rollout.enforce_eager=True actor_rollout_ref.rollout.free_cache_engine=False
+                  +actor_rollout_ref.rollout.enable_sleep_mode=False)
+    export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" ;;
+  *) echo "run_smoke_cpu.sh: ROLLOUT must be hf_cpu or vllm, got '$ROLLOUT'" >&2; exit 2 ;;
+esac
 case "${PRECISION:-fp32}" in
   fp32) PACKING_ARGS=(+actor_rollout_ref.actor.fsdp_config.mixed_precision='{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}') ;;
   bf16) PACKING_ARGS=(+actor_rollout_ref.actor.fsdp_config.mixed_precision='{param_dtype:bf16,reduce_dtype:fp32,buffer_dtype:fp32}') ;;
@@ -74,9 +97,14 @@ if [[ -n "${DYNAMIC_BSZ:-}" ]]; then
   [[ "$DYNAMIC_BSZ" =~ ^[1-9][0-9]*$ ]] || { echo "run_smoke_cpu.sh: DYNAMIC_BSZ must be a token count, got '$DYNAMIC_BSZ'" >&2; exit 2; }
   PACKING_ARGS+=(actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True
                  actor_rollout_ref.actor.ppo_max_token_len_per_gpu="$DYNAMIC_BSZ"
-                 actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=$((2 * DYNAMIC_BSZ))
                  actor_rollout_ref.actor.shuffle=True)
 fi
+case "${PACK_OLD_LOG_PROB_AS_UPDATE:-true}" in
+  true) ;;
+  false) PACKING_ARGS+=(actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=false)
+         [[ -n "${DYNAMIC_BSZ:-}" ]] && PACKING_ARGS+=(actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=$((2 * DYNAMIC_BSZ))) ;;
+  *) echo "run_smoke_cpu.sh: PACK_OLD_LOG_PROB_AS_UPDATE must be true or false, got '$PACK_OLD_LOG_PROB_AS_UPDATE'" >&2; exit 2 ;;
+esac
 case "${VOCAB_PASS:-}" in
   "") ;;
   1 | true | TRUE | True) LOSS_ARGS+=(actor_rollout_ref.actor.policy_loss.vocab_pass=true) ;;
@@ -92,7 +120,7 @@ export VERL_FILE_LOGGER_PATH="$SMOKE_OUT/logs/attempt-$(date +%Y%m%d-%H%M%S)-$$.
 
 # 1. Task, model and tokenizer, generated locally.
 if [[ ! -f "$SMOKE_OUT/assets/model/config.json" || ! -f "$SMOKE_OUT/assets/data/train.parquet" ]]; then
-  "$PYTHON" -m recipe.smoke.task --out "$SMOKE_OUT/assets" --task "$TASK" --head-scale "${HEAD_SCALE:-1}"
+  "$PYTHON" -m recipe.smoke.task --out "$SMOKE_OUT/assets" --task "$TASK" --head-scale "${HEAD_SCALE:-1}" --head-dim "$HEAD_DIM"
 fi
 
 # A local Ray of our own unless we run inside a Ray job (then Ray owns the resources).
@@ -118,6 +146,9 @@ if [[ "$ROLLOUT_DEVICES" != 0 ]]; then
   ROLLOUT_POOL_ARGS=(actor_rollout_ref.rollout.nnodes="$NNODES" actor_rollout_ref.rollout.n_gpus_per_node="$ROLLOUT_DEVICES")
 fi
 if [[ -n "${DATA_TRACE:-}" ]]; then RAY_ARGS+=("divclip.data_trace=$DATA_TRACE"); fi
+if [[ "$ROLLOUT" == vllm ]]; then
+  RAY_ARGS+=("+ray_kwargs.ray_init.runtime_env.env_vars.VLLM_CPU_KVCACHE_SPACE='$VLLM_CPU_KVCACHE_SPACE'")
+fi
 
 # 2. verl's trainer through the recipe's entry point. Two PPO mini-batches a step make the second
 #    update off-policy, as in the papers, so ERC's entropy ratio and KL3's ratio leave 1.
@@ -144,10 +175,10 @@ if [[ -n "${DATA_TRACE:-}" ]]; then RAY_ARGS+=("divclip.data_trace=$DATA_TRACE")
   actor_rollout_ref.actor.loss_agg_mode=token-mean \
   actor_rollout_ref.actor.checkpoint.save_contents='[model,optimizer,extra]' \
   "${LOSS_ARGS[@]}" \
-  actor_rollout_ref.rollout.name=hf_cpu actor_rollout_ref.rollout.mode=async \
+  "${ROLLOUT_ARGS[@]}" actor_rollout_ref.rollout.mode=async \
   actor_rollout_ref.rollout.n="${ROLLOUT_N:-8}" actor_rollout_ref.rollout.temperature=1.0 \
-  actor_rollout_ref.rollout.tensor_model_parallel_size=1 actor_rollout_ref.rollout.dtype=float32 \
-  actor_rollout_ref.rollout.calculate_log_probs=True actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64 \
+  actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
+  actor_rollout_ref.rollout.calculate_log_probs=True \
   actor_rollout_ref.rollout.agent.num_workers=1 \
   actor_rollout_ref.rollout.val_kwargs.temperature=0 actor_rollout_ref.rollout.val_kwargs.do_sample=False \
   actor_rollout_ref.rollout.val_kwargs.n=1 \

@@ -58,14 +58,14 @@ def run_smoke(out: Path, loss: str, steps: int, *overrides: str, **env: str) -> 
 def assert_on_policy_exact(data: dict, erc: bool, vocab_pass: bool = False) -> None:
     """The step's on-policy gauge reads exactly 0 (every mode packs its old-log-prob pass as the update) and
     the workers' path record says how each micro-batch was computed (a measurement, not the driver's claim:
-    ``aligned_packing`` is 1 only where the update found its micro-batches packed as the old pass recorded)."""
+    ``pack_old_log_prob_as_update`` is 1 only where the update found its micro-batches packed as the old pass recorded)."""
     gauge = "actor/divclip/onpolicy/"
     assert data[gauge + "log_ratio_abs_max"] == 0.0 and data[gauge + "ratio_clipfrac"] == 0.0, data
     assert (gauge + "erc_masked_frac" in data) == erc
     if erc:
         assert data[gauge + "erc_masked_frac"] == 0.0 and data[gauge + "erc_ratio_dev_max"] == 0.0
     path = "actor/divclip/path/"
-    assert data[path + "seam"] == 1.0 and data[path + "aligned_packing"] == 1.0
+    assert data[path + "seam"] == 1.0 and data[path + "pack_old_log_prob_as_update"] == 1.0
     assert data[path + "vocab_pass"] == float(vocab_pass) and data[path + "entropy_fp32"] == float(erc or vocab_pass)
 
 
@@ -136,8 +136,7 @@ def erc_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def erc_control(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The erc_run's training, with verl's own packing of the old-log-prob pass."""
     out = tmp_path_factory.mktemp("smoke_erc_control")
-    run_smoke(out, "erc_dapo", 3, "trainer.val_before_train=False",
-              "actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=false",
+    run_smoke(out, "erc_dapo", 3, "trainer.val_before_train=False", PACK_OLD_LOG_PROB_AS_UPDATE="false",
               SAVE_FREQ="-1", TEST_FREQ="-1", RESPONSE_LEN=str(TRAIN_LENGTH))
     return out
 
@@ -150,7 +149,7 @@ def test_verls_packing_of_the_old_pass_shows_the_noise_the_alignment_removes(erc
     gauge = "actor/divclip/onpolicy/log_ratio_abs_max"
     assert {1, 2, 3} <= set(control)
     assert max(control[step][gauge] for step in (1, 2, 3)) > 0, [control[step][gauge] for step in (1, 2, 3)]
-    assert all(control[step]["actor/divclip/path/aligned_packing"] == 0.0 for step in (1, 2, 3))
+    assert all(control[step]["actor/divclip/path/pack_old_log_prob_as_update"] == 0.0 for step in (1, 2, 3))
     aligned = step_metrics(erc_run)
     assert all(aligned[step][gauge] == 0.0 for step in (1, 2))
 

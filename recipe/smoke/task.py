@@ -47,7 +47,7 @@ import json
 import os
 import random
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -335,10 +335,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--head-scale", type=float, default=1.0,
                         help="multiply the model's output head (larger logits, as a trained model's)")
+    parser.add_argument("--head-dim", type=int, default=SmokeModelSpec.head_dim,
+                        help="attention head size (32 for vLLM's CPU attention, which has no kernel for 16)")
     parser.add_argument("--sft", type=int, default=0, metavar="N",
                         help="also write data/sft_train.parquet with N answered prompts (SFT -> RL chain)")
     args = parser.parse_args(argv)
-    assets = build_smoke_assets(args.out, args.task, args.train, args.val, args.seed, head_scale=args.head_scale)
+    spec = replace(SmokeModelSpec(), head_dim=args.head_dim)
+    assets = build_smoke_assets(args.out, args.task, args.train, args.val, args.seed, spec=spec, head_scale=args.head_scale)
     report = asdict(assets)
     if args.sft:
         report["sft_file"] = write_smoke_sft_data(Path(args.out) / "data", args.task, args.sft, args.seed)

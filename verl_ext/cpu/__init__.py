@@ -17,6 +17,8 @@ What lives here:
 * :mod:`verl_ext.cpu.sampling` -- the server's batched sampling (torch only: vLLM's semantics).
 * :mod:`verl_ext.cpu.checkpoint_engine` -- the ``cpu_gloo`` checkpoint engine: weights from the actor
   ranks to a standalone rollout pool over gloo (``separate_async``).
+* :mod:`verl_ext.cpu.vllm_rollout` -- verl's own ``vllm`` rollout on vLLM's CPU build (the replica's
+  device query answered for CPU; refusals for what vLLM's CPU backend lacks). docs/vllm_cpu.md.
 * :mod:`verl_ext.cpu.patch` -- how the two modules above replace a verl function: checked, once.
 
 Who may import it: :mod:`verl_ext.plugin` (lazily, under ``VERL_PLATFORM=cpu``), CPU-only tools and
@@ -78,6 +80,9 @@ def setup_cpu_process() -> None:
     # half-initialised module here would fail.
     enable_cpu_ray()
     register_cpu_rollout()
+    from verl_ext.cpu.vllm_rollout import register_cpu_vllm_rollout
+
+    register_cpu_vllm_rollout()  # verl's `vllm` rollout on vLLM's CPU build (imports no vLLM until used)
     if "verl_ext.cpu.checkpoint_engine" not in sys.modules:
         # registers cpu_gloo in CheckpointEngineRegistry as it is imported (as verl's own engines do); a
         # module found already there is being imported, or was, and registers (or registered) itself

@@ -1,0 +1,91 @@
+"""verl's ``vLLMReplica``/``vLLMHttpServer`` on the cpu platform: the two hooks they need on vLLM's CPU build.
+
+Imported only when verl resolves the ``vllm`` rollout on the cpu platform (:mod:`verl_ext.cpu.vllm_rollout`
+registers the loader); importing it imports verl's vLLM server, hence vLLM. See docs/vllm_cpu.md.
+
+* :class:`CpuVLLMReplica` (verl's ``vLLMReplica``): ``launch_servers`` is verl's, except for its one query of each
+  rollout worker, ``ray.get_runtime_context().get_accelerator_ids()[get_resource_name()][0]`` (the worker's CUDA
+  device id). On the cpu platform the device resource is the custom Ray resource ``cpu_device``, which Ray does
+  not hand out as instance ids, so verl's query raises ``KeyError: 'cpu_device'``. While verl's method runs, the
+  replica's worker handles answer that query with the worker's node id and node-local rank (which becomes
+  ``VERL_CPU_VISIBLE_DEVICES`` in the server, a variable nothing reads); the servers get the real handles.
+  Unsupported settings are refused before anything starts (:func:`verl_ext.cpu.vllm_checks.check_cpu_vllm_config`).
+* :class:`CpuVLLMHttpServer` (verl's ``vLLMHttpServer``): only ``_get_worker_extension_cls`` -- one of the
+  server's documented hooks -- changes, to :class:`verl_ext.cpu.vllm_worker.CpuVLLMWorkerExtension` (verl's
+  ``vLLMColocateWorkerExtension`` plus the fix that lets vLLM's CPU linear layers take new weights).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
+
+from verl_ext.cpu.vllm_checks import check_cpu_vllm_config
+
+WORKER_EXTENSION_FQN = "verl_ext.cpu.vllm_worker.CpuVLLMWorkerExtension"
+
+
+class CpuVLLMHttpServer(vLLMHttpServer):
+    """verl's vLLM server with the CPU worker extension (module docstring)."""
+
+    def _get_worker_extension_cls(self) -> str:
+        return WORKER_EXTENSION_FQN
+
+
+def _node_and_slot(worker: Any) -> tuple[str, str]:
+    """Runs inside a rollout worker (``__ray_call__``): its node id and node-local rank (its "device id")."""
+    return ray.get_runtime_context().get_node_id(), str(os.environ.get("RAY_LOCAL_RANK", os.environ.get("LOCAL_RANK", "0")))
+
+
+class _RayCall:
+    """``handle.__ray_call__`` of a :class:`_DeviceQueryHandle`: ``remote(fn)`` runs :func:`_node_and_slot`.
+
+    ``vLLMReplica.launch_servers`` makes exactly one ``__ray_call__`` per worker, the node/device query."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    def remote(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._handle.__ray_call__.remote(_node_and_slot)
+
+
+def _same(handle: Any) -> Any:
+    return handle
+
+
+class _DeviceQueryHandle:
+    """A rollout worker's actor handle whose ``__ray_call__`` answers the device query for the cpu platform;
+    everything else is the real handle's, and pickling it (into the server actor's arguments) sends the real one."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self.__ray_call__ = _RayCall(handle)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
+
+    def __reduce__(self) -> Any:
+        return (_same, (self._handle,))
+
+
+class CpuVLLMReplica(vLLMReplica):
+    """verl's ``vLLMReplica`` on the cpu platform (module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        check_cpu_vllm_config(self.config)
+        self.server_class = ray.remote(CpuVLLMHttpServer)
+
+    async def launch_servers(self) -> None:
+        workers = self.workers
+        self.workers = [_DeviceQueryHandle(worker) for worker in workers]
+        try:
+            await super().launch_servers()
+        finally:
+            self.workers = workers
+
+
+__all__ = ["CpuVLLMHttpServer", "CpuVLLMReplica", "WORKER_EXTENSION_FQN"]
