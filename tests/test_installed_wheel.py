@@ -26,6 +26,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ("verl_ext", "recipe", "data_prep")  # [tool.setuptools.packages.find] include
+#: Modules of the vLLM-on-CPU seams (docs/vllm_cpu.md): they subclass verl's vLLM server and worker extension, so
+#: they import only where vLLM is installed (.venv-vllm); elsewhere verl's own import of vLLM refuses them.
+NEEDS_VLLM = {"verl_ext.cpu.vllm_server", "verl_ext.cpu.vllm_worker"}
 # The CPU-sized probe at its smallest shape: the baseline and one ERC variant (tests/test_bench_gpu_probe_cpu.py).
 PROBE_ARGS = ["--device", "cpu", "--tokens", "128", "--sequences", "4", "--vocab", "2048", "--layers", "1",
               "--hidden", "64", "--head-scale", "300", "--repeats", "1", "--variants", "divclip_erc_eager"]  # fmt: skip
@@ -107,7 +110,10 @@ print(json.dumps({{
 }}))
 """))
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["failed"] == {}
+    failed = result["failed"]
+    # without vLLM, exactly the modules that subclass verl's vLLM classes fail, and for that reason alone
+    assert set(failed) == NEEDS_VLLM, failed
+    assert all("vllm version None not supported" in error for error in failed.values()), failed
     assert {"recipe.bench.harness", "recipe.bench.gpu", "recipe.bench.entropy_memory", "data_prep.sft_tokens", "verl_ext.plugin"} <= set(result["names"])
     assert all(Path(file).is_relative_to(installed["site"]) for file in result["files"].values()), result["files"]
     # the running environment's site-packages may sit inside the checkout (CI's .venv at the repo root):
