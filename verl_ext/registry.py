@@ -38,6 +38,7 @@ from verl_ext.core.constraints import KL_FULL_NEEDS_TOPK
 from verl_ext.core.region import CONSTRAINTS
 from verl_ext.core.surrogate import constrained_policy_loss
 
+
 @dataclass(frozen=True)
 class LossInputs:
     """What verl's policy-loss signature lacks, for one call of verl's ``ppo_loss`` made by the actor loss.
@@ -107,25 +108,20 @@ def is_verl_mode(mode: str) -> bool:
 
 
 def register_modes() -> None:
-    """Register every defined constraint with verl's ``POLICY_LOSS_REGISTRY`` (idempotent). Raises
-    ``RuntimeError`` instead of replacing an entry that is not the project's own."""
+    """Register every defined constraint, and :data:`ERC_ON_VERL_MODE`, with verl's ``POLICY_LOSS_REGISTRY``
+    (idempotent). Raises ``RuntimeError`` instead of replacing an entry that is not the project's own."""
     import verl
 
-    for mode in CONSTRAINTS:
+    for mode in (*CONSTRAINTS, ERC_ON_VERL_MODE):
         existing = POLICY_LOSS_REGISTRY.get(mode)
         if existing is not None and not is_own_mode(mode):
             raise RuntimeError(
                 f"verl {verl.__version__} already registers a policy loss named {mode!r} "
                 f"({getattr(existing, '__module__', '?')}.{getattr(existing, '__qualname__', existing)}); the divclip "
-                f"constraint {mode!r} would shadow it. verl-divclip supports verl 0.9.1: rename the constraint or pin verl"
+                f"entry {mode!r} would shadow it. verl-divclip supports verl 0.9.1: rename the entry or pin verl"
             )
         if existing is None:
-            POLICY_LOSS_REGISTRY[mode] = _make_registry_loss(mode)
-    existing = POLICY_LOSS_REGISTRY.get(ERC_ON_VERL_MODE)
-    if existing is None:
-        POLICY_LOSS_REGISTRY[ERC_ON_VERL_MODE] = _erc_on_verl_mode
-    elif existing is not _erc_on_verl_mode and not is_own_mode(ERC_ON_VERL_MODE):
-        raise RuntimeError(f"verl {verl.__version__} already registers a policy loss named {ERC_ON_VERL_MODE!r}")
+            POLICY_LOSS_REGISTRY[mode] = _erc_on_verl_mode if mode == ERC_ON_VERL_MODE else _make_registry_loss(mode)
 
 
 def resolve_policy_config(config: Any) -> DivClipPolicyLossConfig:
