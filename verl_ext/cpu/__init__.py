@@ -19,7 +19,7 @@ What lives here:
   ranks to a standalone rollout pool over gloo (``separate_async``).
 * :mod:`verl_ext.cpu.vllm_rollout` -- verl's own ``vllm`` rollout on vLLM's CPU build (the replica's
   device query answered for CPU; refusals for what vLLM's CPU backend lacks). docs/vllm_cpu.md.
-* :mod:`verl_ext.cpu.patch` -- how the two modules above replace a verl function: checked, once.
+* :mod:`verl_ext.cpu.patch` -- how the CPU layer replaces a verl (or vLLM) function: checked, once.
 
 Who may import it: :mod:`verl_ext.plugin` (lazily, under ``VERL_PLATFORM=cpu``), CPU-only tools and
 tests. The method core (:mod:`verl_ext.core`), the engine seam, the registry and the actor loss

@@ -1,9 +1,10 @@
-"""One way for the CPU layer to replace a verl function: checked against verl 0.9.1's signature, once.
+"""One way for the CPU layer to replace a function of verl (or of vLLM): checked against its signature, once.
 
 The CPU platform changes two of verl's functions for the process (``ray_resources``: the Ray resource check;
-``platform``: the FSDP2 save that must copy on CPU). :func:`patch_verl` does it for both: it refuses a verl
-whose function no longer takes the parameters the replacement was written for, naming it, and marks the
-replacement so that a second call changes nothing.
+``platform``: the FSDP2 save that must copy on CPU) and one of vLLM's CPU build (``vllm_worker``: its linear
+layers keep their weights for the next weight sync). :func:`patch_checked` does it for all three: it refuses a
+release whose function no longer takes the parameters the replacement was written for, naming it, and marks
+the replacement so that a second call changes nothing.
 """
 
 from __future__ import annotations
@@ -15,17 +16,18 @@ from typing import Any, Callable
 PATCHED_ATTR = "__verl_ext_cpu__"
 
 
-def patch_verl(owner: Any, name: str, params: list[str], where: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+def patch_checked(owner: Any, name: str, params: list[str], where: str, make: Callable[[Callable[..., Any]], Callable[..., Any]],
+                  written_for: str = "verl 0.9.1") -> None:
     """Replace ``owner.name`` by ``make(original)`` (wrapped with ``functools.wraps``) unless it already is the
-    CPU layer's. ``params``: the parameter names verl 0.9.1's function has; ``where``: its dotted name, for the
-    error a different verl gets."""
+    CPU layer's. ``params``: the parameter names the function has in ``written_for`` (the release the replacement
+    was written against); ``where``: its dotted name, for the error a different release gets."""
     original = getattr(owner, name)
     if getattr(original, PATCHED_ATTR, False):
         return
     found = list(inspect.signature(original).parameters)
     if found != params:
         raise RuntimeError(
-            f"verl_ext.cpu: {where} has parameters {found}, expected {params} as in verl 0.9.1; the CPU layer's "
+            f"verl_ext.cpu: {where} has parameters {found}, expected {params} as in {written_for}; the CPU layer's "
             "replacement of it needs updating."
         )
     replacement = functools.wraps(original)(make(original))

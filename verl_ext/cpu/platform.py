@@ -54,7 +54,7 @@ import torch
 from verl.plugin.platform import PlatformBase, PlatformRegistry
 
 from verl_ext.cpu import DEVICE_RESOURCE, PLATFORM_NAME  # PLATFORM_NAME: the VERL_PLATFORM value that selects this platform
-from verl_ext.cpu.patch import patch_verl
+from verl_ext.cpu.patch import patch_checked
 
 logger = logging.getLogger(__name__)
 
@@ -291,7 +291,7 @@ def _patch_fsdp2_save_to_cpu() -> None:
 
         return fsdp2_sharded_save_to_cpu
 
-    patch_verl(fsdp_utils, "fsdp2_sharded_save_to_cpu", ["model"], "verl.utils.fsdp_utils.fsdp2_sharded_save_to_cpu", make)
+    patch_checked(fsdp_utils, "fsdp2_sharded_save_to_cpu", ["model"], "verl.utils.fsdp_utils.fsdp2_sharded_save_to_cpu", make)
 
 
 def _fsdp1_guard(base: type) -> type:

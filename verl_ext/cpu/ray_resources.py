@@ -41,7 +41,7 @@ import threading
 from typing import Any, Callable
 
 from verl_ext.cpu import DEVICE_RESOURCE, cpu_platform_selected
-from verl_ext.cpu.patch import patch_verl
+from verl_ext.cpu.patch import patch_checked
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def _patch_resource_check() -> None:
 
         return _check_resource_available
 
-    patch_verl(ResourcePoolManager, "_check_resource_available", ["self"],
+    patch_checked(ResourcePoolManager, "_check_resource_available", ["self"],
                "verl.single_controller.ray.base.ResourcePoolManager._check_resource_available", make)
 
 

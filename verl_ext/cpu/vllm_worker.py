@@ -17,13 +17,11 @@ parameter and the packed copy).
 
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Any, Callable
 
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
-_PATCHED = "__verl_ext_cpu_keep_weight__"
+from verl_ext.cpu.patch import patch_checked
 
 
 def keep_cpu_linear_weights() -> None:
@@ -31,22 +29,14 @@ def keep_cpu_linear_weights() -> None:
     vLLM's function no longer has the parameters ``(layer, remove_weight)`` of vLLM 0.24.0."""
     from vllm.model_executor.layers import utils as layer_utils
 
-    original: Callable[..., Any] = layer_utils.dispatch_cpu_unquantized_gemm
-    if getattr(original, _PATCHED, False):
-        return
-    params = list(inspect.signature(original).parameters)
-    if params != ["layer", "remove_weight"]:
-        raise RuntimeError(
-            "verl_ext.cpu.vllm_worker: vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm has parameters "
-            f"{params}, expected ['layer', 'remove_weight'] as in vLLM 0.24.0; the weight-keeping fix needs updating."
-        )
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def dispatch_cpu_unquantized_gemm(layer: Any, remove_weight: bool) -> None:
+            return original(layer, remove_weight=False)
 
-    @functools.wraps(original)
-    def dispatch_cpu_unquantized_gemm(layer: Any, remove_weight: bool) -> None:
-        return original(layer, remove_weight=False)
+        return dispatch_cpu_unquantized_gemm
 
-    setattr(dispatch_cpu_unquantized_gemm, _PATCHED, True)
-    layer_utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+    patch_checked(layer_utils, "dispatch_cpu_unquantized_gemm", ["layer", "remove_weight"],
+                  "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm", make, written_for="vLLM 0.24.0")
 
 
 class CpuVLLMWorkerExtension(vLLMColocateWorkerExtension):
