@@ -33,14 +33,14 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from omegaconf import DictConfig
 from verl.workers.config import PolicyLossConfig
 
 from verl_ext.config import DivClipPolicyLossConfig
 
-from recipe.verl_key_checks import (  # noqa: F401  (the schema helpers are part of this module's API)
+from recipe.verl_key_checks import (
     ACTOR,
     CORRECTION,
     ENTROPY_KEYS,
@@ -57,9 +57,6 @@ from recipe.verl_key_checks import (  # noqa: F401  (the schema helpers are part
     check_rollout_correction_needs_log_probs,
     compose_verl_schema,
     leaf_keys,
-    verl_config_dir,
-    verl_default,
-    verl_schema,
 )
 DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "verl_features.md"
 

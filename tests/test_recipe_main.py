@@ -375,7 +375,7 @@ def test_only_the_task_runner_and_what_it_starts_build_the_divclip_trainers() ->
     """On a local Ray: an actor started with the runner's options (as run_ppo starts verl's TaskRunnerV1) finds the
     divclip classes in verl's registry, keeps the job's own env_vars (Ray merges them) and hands the variable to an
     actor it starts; a plain worker of the same job keeps verl's classes."""
-    code = f"""
+    code = """
 import json, ray
 from tests.test_recipe_main import compose_config
 from recipe.main import DivClipTaskRunnerV1
@@ -385,17 +385,17 @@ class Probe:
     def trainers(self, child=False):
         import os
         from verl.trainer.ppo.v1 import get_trainer_cls
-        found = {{"classes": [get_trainer_cls(m).__name__ for m in ("sync", "colocate_async", "separate_async")],
-                 "job": os.environ.get("PROBE_JOB")}}
+        found = {"classes": [get_trainer_cls(m).__name__ for m in ("sync", "colocate_async", "separate_async")],
+                 "job": os.environ.get("PROBE_JOB")}
         if child:
-            found["child"] = ray.get(Probe.options(runtime_env={{"env_vars": {{"PROBE_CHILD": "1"}}}}).remote().trainers.remote())
+            found["child"] = ray.get(Probe.options(runtime_env={"env_vars": {"PROBE_CHILD": "1"}}).remote().trainers.remote())
         return found
 
 ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-         runtime_env={{"env_vars": {{"PROBE_JOB": "job"}}}})
+         runtime_env={"env_vars": {"PROBE_JOB": "job"}})
 runner = DivClipTaskRunnerV1(compose_config())
-print(json.dumps({{"runner": ray.get(Probe.options(**runner.actor_options()).remote().trainers.remote(child=True)),
-                  "plain": ray.get(Probe.remote().trainers.remote())}}))
+print(json.dumps({"runner": ray.get(Probe.options(**runner.actor_options()).remote().trainers.remote(child=True)),
+                  "plain": ray.get(Probe.remote().trainers.remote())}))
 """
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("RAY_ADDRESS", None)

@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 
 from recipe import verl_keys
 from recipe.config_checks import ConfigError, validate_divclip_config
-from recipe.verl_keys import KeyClass, classify, compose_verl_schema, leaf_keys, verl_config_dir, verl_leaf_keys
+from recipe.verl_key_checks import compose_verl_schema, leaf_keys, verl_config_dir, verl_default, verl_schema
+from recipe.verl_keys import KeyClass, classify, verl_leaf_keys
 from tests.test_recipe_main import ERC, KL_FULL, PACK_OFF, SEPARATE, compose_config
 
 ACTOR = "actor_rollout_ref.actor"
@@ -70,12 +71,12 @@ def test_a_rule_naming_a_key_verl_lacks_fails_the_check(verl_schema_leaves: set[
     missing = "actor_rollout_ref.actor.clip_ratio_d"
     assert not any(leaf == missing or leaf.startswith(missing + ".") for leaf in verl_schema_leaves)
     with pytest.raises(KeyError, match=r"clip_ratio_d is not a key of verl's ppo_trainer schema"):
-        verl_keys.verl_default(missing)
+        verl_default(missing)
 
 
 def test_the_flattened_schema_the_checks_read_is_verls_composed_config() -> None:
     composed = OmegaConf.to_container(compose_verl_schema(), resolve=False)
-    flattened = OmegaConf.to_container(verl_keys.verl_schema(), resolve=False)
+    flattened = OmegaConf.to_container(verl_schema(), resolve=False)
     composed.pop("model_engine")  # the one key verl's generator leaves out (a defaults-list choice)
     assert composed == flattened
 

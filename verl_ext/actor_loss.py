@@ -40,7 +40,7 @@ from verl.workers.config import ActorConfig
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
-from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig, actor_clip_ratios
+from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig
 from verl_ext.core.coarsened_kl import TopKLogMasses
 from verl_ext.core.erc import entropy_ratio, outside_band
 from verl_ext.core.gauge import on_policy_gauge
@@ -49,7 +49,7 @@ from verl_ext.engine import seam
 from verl_ext.engine.packing import is_on_policy
 from verl_ext.engine.request import STEP_PATH_KEY, declare, entropy_as_mask, request_of
 from verl_ext.engine.topk_capture import NEW_TOPK_LOG_PROBS, OLD_TOPK_LOG_PROBS
-from verl_ext.registry import ERC_ON_VERL_MODE, ROLLOUT_IS_METRIC, LossInputs, resolve_policy_config, supplying
+from verl_ext.registry import ERC_ON_VERL_MODE, LossInputs, resolve_policy_config, supplying
 from verl_ext.token_dump import TokenDumpWriter
 
 

@@ -87,9 +87,10 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol(ENGINE_MODULE, "FSDPEngineWithLMHead.get_data_parallel_size", ("self",), why="pack_old_log_prob_as_update's split"),
     Symbol(ENGINE_MODULE, "FSDPEngineWithLMHead.get_data_parallel_rank", ("self",), why="pack_old_log_prob_as_update's seed"),
     Symbol(ENGINE_MODULE, "logprobs_from_logits", ("logits", "labels", "inplace_backward"),
-           why="swapped per step: pi_old's top-k sees the logits; in-place backward under the fp32 entropy"),
+           why="dispatched per step (a dispatcher installed once): pi_old's top-k sees the logits; in-place backward "
+               "under the fp32 entropy"),
     Symbol("verl.utils.torch_functional", "entropy_from_logits", ("logits",),
-           why="swapped per step: the padded path's entropy call site"),
+           why="dispatched per step (a dispatcher installed once): the padded path's entropy call site"),
     Symbol("verl.workers.config", "FSDPEngineConfig",
            fields=("entropy_checkpointing", "entropy_from_logits_with_chunking", "entropy_from_logits_chunk_size",
                    "use_torch_compile", "use_fused_kernels", "use_dynamic_bsz", "max_token_len_per_gpu",

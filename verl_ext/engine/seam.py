@@ -274,8 +274,9 @@ def install(modules: Optional[Mapping[str, Any]] = None) -> None:
 
     ``modules`` maps verl module names to stand-ins (tests install into altered copies of verl's classes);
     by default verl's own modules. verl is checked first (:func:`verl_ext.engine.guard.check_verl`: an
-    unsupported release is refused unless ``DIVCLIP_ALLOW_UNSUPPORTED_VERL=1``; every symbol, and every key
-    the seam relies on in verl's source), so a mismatch raises before anything is wrapped."""
+    unsupported release is refused unless ``DIVCLIP_ALLOW_UNSUPPORTED_VERL=1``; every symbol it wraps or calls,
+    with its parameters), so a mismatch raises before anything is wrapped. Then verl's two module globals the steps
+    override get their dispatchers (:func:`verl_ext.engine.swap.install_dispatch`)."""
     import importlib
 
     check_verl(modules)
