@@ -77,6 +77,7 @@ UPDATES_PER_STEP = 2
 # the machine, and the job API then has no agent ("No available agent to submit job").
 CLUSTER = """
 import json, sys
+import ray
 from ray.cluster_utils import Cluster
 
 gcs_port, dashboard_port, temp_dir, agent_port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
@@ -86,6 +87,9 @@ cluster = Cluster(initialize_head=True, head_node_args=dict(
     dashboard_agent_listen_port=agent_port, temp_dir=temp_dir, **common))
 second = cluster.add_node(num_cpus=6, **common)
 cluster.wait_for_nodes()
+# Where a job's supervisor looks up its cluster's address (temp_dir/ray_current_cluster; Cluster writes it under
+# RAY_TMPDIR/ray instead): without it, with another Ray running on the machine, a job's driver may join that one.
+ray._private.utils.write_ray_address(cluster.head_node.gcs_address, temp_dir)
 print(json.dumps({"head": cluster.head_node.node_id, "second": second.node_id}), flush=True)
 sys.stdin.read()
 cluster.shutdown()
