@@ -236,7 +236,7 @@ def _requests(path: Path) -> list[dict]:
     requests = []
     for r in records:
         if r["event"] == "request":
-            answer = answers[r["id"]].pop(0)  # a resumed request reuses its id: answers come in order
+            answer = answers[r["id"]].pop(0)
             requests.append({**r, "finish_reason": answer["finish_reason"], "token_ids": answer["token_ids"]})
     assert not any(answers.values()), "an answer without its request"
     return requests
