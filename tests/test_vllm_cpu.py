@@ -291,16 +291,22 @@ def erc_run(tmp_path_factory: pytest.TempPathFactory) -> VllmRun:
     return _vllm_smoke(out, "erc_dapo", 2, *validation_length_args(out), RESPONSE_LEN=str(TRAIN_LENGTH))
 
 
+#: The colocate_async run's steps: 4, so that the batches queued ahead are used up and step 3 starts with
+#: vLLM still generating prompts added after step 1 -- whose abort step 3's update then resumes.
+ASYNC_STEPS = (1, 2, 3, 4)
+
+
 @pytest.fixture(scope="module")
 def colocate_async_run(tmp_path_factory: pytest.TempPathFactory) -> VllmRun:
-    """kl3 in colocate_async: 16-token responses, two sequences at a time in vLLM and three batches queued ahead of
-    the step's own (verl's default is one), so vLLM is still generating when step 1's batch is complete, and verl's
-    abort cuts the (two) running requests short -- the queued ones stay queued. With one batch ahead, a trainer
-    slowed by a loaded machine found everything generated; with one running sequence, the one aborted could be
-    in its prefill, with no token to resume from."""
-    return _vllm_smoke(tmp_path_factory.mktemp("vllm_colocate_async"), "kl3", 2, "trainer.v1.trainer_mode=colocate_async",
-                       "trainer.v1.colocate_async.num_warmup_batches=3", "actor_rollout_ref.rollout.max_num_seqs=2",
-                       RESPONSE_LEN="16")
+    """kl3 in colocate_async for 4 steps: 16-token responses, two sequences at a time in vLLM, three batches queued
+    ahead of the step's own (verl's default is one). verl's abort at a step's sample end cuts the (two) running
+    requests short -- queued ones stay queued -- but only where vLLM is still generating then: on a loaded machine
+    the trainer came late to steps 1 and 2 and found everything generated (no abort in 2 steps, seen in CI runs),
+    while generating a batch (128 x 16 tokens, two at a time) outlasts a step's update, so later steps find vLLM
+    busy. Two running sequences: one alone could be in its prefill, with no token to resume from."""
+    return _vllm_smoke(tmp_path_factory.mktemp("vllm_colocate_async"), "kl3", len(ASYNC_STEPS),
+                       "trainer.v1.trainer_mode=colocate_async", "trainer.v1.colocate_async.num_warmup_batches=3",
+                       "actor_rollout_ref.rollout.max_num_seqs=2", RESPONSE_LEN="16")
 
 
 def _assert_served_by_vllm(run: VllmRun) -> None:
@@ -389,12 +395,12 @@ def test_colocate_async_aborts_and_resumes_on_vllm(colocate_async_run: VllmRun) 
     resumes them on the new weights: each resuming request asks vLLM to continue from the prompt plus the tokens
     the aborted one produced, for the tokens left of the 16. verl trains the two parts as one response, never the
     aborted part alone. (The aborted request belongs to one of the batches queued ahead, so whether it is trained
-    within the run's 2 steps depends on the machine; where it is, verl counts it across two weight versions.)"""
+    within the run's 4 steps depends on the machine; where it is, verl counts it across two weight versions.)"""
     run = colocate_async_run
     _assert_served_by_vllm(run)
     aborted = [r for r in run.requests if r["finish_reason"] == "abort" and r["token_ids"]]
     assert aborted, "no request was aborted with a partial response"
-    trained = [(row["input"], row["output"]) for step in (1, 2)
+    trained = [(row["input"], row["output"]) for step in ASYNC_STEPS
                for row in map(json.loads, (run.out / "rollouts" / f"{step}.jsonl").read_text().splitlines())]
     resumed, merged_trained = 0, 0
     for part in aborted:
@@ -409,11 +415,11 @@ def test_colocate_async_aborts_and_resumes_on_vllm(colocate_async_run: VllmRun) 
         resumed += 1
         merged_trained += (prompt, run.decode(part["token_ids"] + rest["token_ids"])) in trained
     assert resumed, "no aborted request was resumed"
-    spans = max(run.metrics[step]["training/off_policy/trajectory_spans/max"] for step in (1, 2))
+    spans = max(run.metrics[step]["training/off_policy/trajectory_spans/max"] for step in ASYNC_STEPS)
     assert spans == (2 if merged_trained else 1), (spans, merged_trained)
-    for step in (1, 2):
+    for step in ASYNC_STEPS:
         assert_on_policy_exact(run.metrics[step], erc=False)
-        # mu against pi_old: > 0 (step 2 trains samples generated with the weights before step 1's update)
+        # mu against pi_old: > 0 (later steps train samples generated with the weights of earlier steps)
         assert 0 < run.metrics[step]["actor/divclip/staleness/behaviour_kl3_mean"] < 1
 
 
