@@ -13,7 +13,7 @@ import verl  # noqa: F401  (runs the verl.plugins entry points)
 #: order only affects how the two workers share the suite, not what any test checks.
 LONGEST_FIRST = (
     "test_onpolicy.py",
-    "test_vllm_cpu.py",  # with .venv-vllm (about 5 minutes alone); skipped in a moment without it
+    "test_vllm_cpu.py",  # with .venv-vllm (about 9 minutes in the suite); skipped in a moment without it
     "test_two_nodes_ray.py",
     "test_launch.py",
     "test_smoke_cpu.py",
