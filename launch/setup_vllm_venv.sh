@@ -22,6 +22,17 @@ py="$venv/bin/python"
 stamp="$venv/.divclip-vllm-installed"
 want="$(cat "$root/pyproject.toml" "$root/launch/setup_vllm_venv.sh" | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+    # A fresh build peaks at 7.5 GB on the venv's disk (measured 2026-11-27; 7.2 GB stay). Refuse up front with
+    # the numbers rather than fail minutes later inside pip with "[Errno 28] No space left on device".
+    need_mb=8192
+    for dir in "$venv" "${TMPDIR:-/tmp}"; do
+        free_mb="$(df -P -B1M "$dir" | awk 'NR == 2 { print $4 }')"
+        if [ "$free_mb" -lt "$need_mb" ]; then
+            echo "setup_vllm_venv.sh: building $venv needs ${need_mb} MB free on the disk of $dir;" \
+                 "it has ${free_mb} MB" >&2
+            exit 1
+        fi
+    done
     pins="$venv/divclip-vllm-constraints.txt"
     cat > "$pins" <<'EOF'
 torch==2.11.0

@@ -657,3 +657,31 @@ def test_sft_bad_config_is_a_clear_error():
     assert proc.returncode == 2 and "data.max_length must be a positive integer" in proc.stderr and proc.stdout == ""
     proc = run_script("run_sft_openmath_qwen3_1.7b.sh", "--dry-run", env={"GPUS_PER_NODE": "x"})
     assert proc.returncode == 2 and "GPUS_PER_NODE must be a positive integer" in proc.stderr
+
+
+def test_vllm_venv_setup_refuses_a_full_disk_before_installing(tmp_path: Path) -> None:
+    """launch/setup_vllm_venv.sh checks free space before pip: a disk with less than a build's peak is refused
+    up front, naming the folder and the numbers, instead of pip's "[Errno 28] No space left on device" minutes
+    in. A `df` shim on PATH reports 8191 MB (one under the need) for the TMPDIR folder and plenty elsewhere."""
+    root = tmp_path / "repo"
+    (root / "launch").mkdir(parents=True)
+    (root / "launch" / "setup_vllm_venv.sh").write_text((LAUNCH / "setup_vllm_venv.sh").read_text())
+    (root / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "df").write_text(
+        "#!/usr/bin/env bash\n"
+        f'case "${{@: -1}}" in {scratch}*) free=8191 ;; *) free=999999 ;; esac\n'
+        'printf "Filesystem 1M-blocks Used Available Capacity Mounted on\\nfake 999999 0 %s 0%% /\\n" "$free"\n')
+    (shims / "df").chmod(0o755)
+    env = {**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "TMPDIR": str(scratch)}
+    done = subprocess.run(["bash", str(root / "launch" / "setup_vllm_venv.sh")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip() == (f"setup_vllm_venv.sh: building {root}/.venv-vllm needs 8192 MB free on the disk "
+                                   f"of {scratch}; it has 8191 MB")
+    venv = root / ".venv-vllm"
+    assert not (venv / "divclip-vllm-constraints.txt").exists() and not (venv / ".divclip-vllm-installed").exists()
+    assert not list((venv / "lib").glob("python3*/site-packages/torch"))
