@@ -393,25 +393,24 @@ def test_colocate_async_aborts_and_resumes_on_vllm(colocate_async_run: VllmRun) 
     within the run's 4 steps depends on the machine; where it is, verl counts it across two weight versions.)"""
     run = colocate_async_run
     _assert_served_by_vllm(run)
-    aborted = [r for r in run.requests if r["finish_reason"] == "abort" and r["token_ids"]]
+    aborted = [(index, r) for index, r in enumerate(run.requests) if r["finish_reason"] == "abort" and r["token_ids"]]
     assert aborted, "no request was aborted with a partial response"
     trained = [(row["input"], row["output"]) for step in ASYNC_STEPS for row in run.dump("rollouts", step)]
     resumed, merged_trained = 0, 0
-    for part in aborted:
+    for index, part in aborted:
         prompt, partial = run.decode(part["prompt_ids"]), run.decode(part["token_ids"])
-        later = run.requests[run.requests.index(part) + 1:]
-        continuations = [r for r in later if r["prompt_ids"] == part["prompt_ids"] + part["token_ids"]]
+        resumed_by = [r for r in run.requests[index + 1:] if r["prompt_ids"] == part["prompt_ids"] + part["token_ids"]]
+        assert len(resumed_by) <= 1, resumed_by
+        merged = None  # stays None where the part was aborted at the run's end: nothing left to resume it
+        for rest in resumed_by:
+            assert rest["max_tokens"] == part["max_tokens"] - len(part["token_ids"]), (part, rest)
+            merged = run.decode(part["token_ids"] + rest["token_ids"])
+            resumed += 1
+            merged_trained += (prompt, merged) in trained
         # verl's dumps hold decoded text without special tokens: where the rest is only a stop token (seen: [2],
         # <|im_end|>), the merged response reads exactly as the partial one, and its text cannot tell them apart
-        merged = run.decode(part["token_ids"] + continuations[0]["token_ids"]) if continuations else None
         if merged != partial:
             assert (prompt, partial) not in trained, "an aborted partial response was trained as it was"
-        if not continuations:  # aborted at the run's end: nothing left to resume it
-            continue
-        (rest,) = continuations
-        assert rest["max_tokens"] == part["max_tokens"] - len(part["token_ids"]), (part, rest)
-        resumed += 1
-        merged_trained += (prompt, merged) in trained
     assert resumed, "no aborted request was resumed"
     spans = max(run.metrics[step]["training/off_policy/trajectory_spans/max"] for step in ASYNC_STEPS)
     assert spans == (2 if merged_trained else 1), (spans, merged_trained)
