@@ -100,7 +100,8 @@ def test_acceptance_runs_at_cpu_size_and_its_report_lists_every_target(tmp_path:
     reason, FSDP2's measured, every new figure computed (checked below against its definition), and the
     on-policy check holding for every divclip loss and the aligned packing. Without the flag the same report
     exits non-zero, naming every unmeasured target."""
-    from recipe.bench.acceptance import EXIT_FAILED, EXIT_MET, LOSSES, TARGETS, verdict
+    from recipe.bench.acceptance import LOSSES
+    from recipe.bench.acceptance_report import EXIT_FAILED, EXIT_MET, TARGETS, verdict
 
     out = tmp_path / "acceptance"
     proc = subprocess.run([sys.executable, "-m", "recipe.bench", *ACCEPTANCE_CPU, "--allow-unmeasured", "--out", str(out)],
@@ -144,7 +145,8 @@ def test_acceptance_runs_at_cpu_size_and_its_report_lists_every_target(tmp_path:
 
 def check_new_figures(report: dict[str, Any]) -> None:
     """The acceptance's figures of the CPU-sized run, each against its definition."""
-    from recipe.bench.acceptance import LOSSES, SEARCH_LOSSES, TARGETS
+    from recipe.bench.acceptance import LOSSES, SEARCH_LOSSES
+    from recipe.bench.acceptance_report import TARGETS
     from recipe.bench.gpu_workload import response_lengths
 
     repeats, seq_len, sequences, budget = 2, 32, 4, 8 * 2**20
@@ -218,7 +220,7 @@ def test_acceptance_exits_3_on_cpu_unless_unmeasured_targets_are_allowed(tmp_pat
     to miss its target (ERC's update at twice the baseline's)."""
     import recipe.bench.acceptance as acceptance
     from recipe.bench.__main__ import main
-    from recipe.bench.acceptance import EXIT_FAILED, EXIT_MET, EXIT_UNMEASURED, TARGETS
+    from recipe.bench.acceptance_report import EXIT_FAILED, EXIT_MET, EXIT_UNMEASURED, TARGETS
     from recipe.bench.child import ChildRun
 
     real = acceptance.run_child
@@ -269,7 +271,7 @@ def test_acceptance_exits_3_on_cpu_unless_unmeasured_targets_are_allowed(tmp_pat
 def _report(statuses: dict[str, str], holds: bool | None = True, errors: dict[str, str] | None = None) -> dict[str, Any]:
     """A minimal acceptance report: one strategy's targets with the given statuses (target name -> status;
     the others pass) and one divclip loss's on-policy gauge."""
-    from recipe.bench.acceptance import TARGETS
+    from recipe.bench.acceptance_report import TARGETS
 
     rows = []
     for target in TARGETS:
@@ -286,7 +288,7 @@ def test_the_acceptance_verdict_fails_an_unmeasured_target_unless_allowed_and_a_
     """The exit-code decision on report dicts (no run): unmeasured -> 3 unless ``--allow-unmeasured``;
     a missed target, a failed run or a broken on-policy check -> 1 either way; all met -> 0. The own
     packing arm's gauge (verl's packing, a finding) never fails it."""
-    from recipe.bench.acceptance import EXIT_FAILED, EXIT_MET, EXIT_UNMEASURED, TARGETS, verdict
+    from recipe.bench.acceptance_report import EXIT_FAILED, EXIT_MET, EXIT_UNMEASURED, TARGETS, verdict
 
     peak, time_target = TARGETS[0].name, TARGETS[1].name
     assert verdict(_report({})).exit_code == EXIT_MET and verdict(_report({}), allow_unmeasured=True).exit_code == EXIT_MET
@@ -327,7 +329,7 @@ def test_the_acceptance_judges_each_figure_against_its_target() -> None:
     and median time against the baseline's, the time's per-round ratios as its spread, a floor target
     (the longest micro-batch) passing at or above its limit; a search that stopped on its time bound leaves
     the target unmeasured, saying why, unless its lower bound already meets the floor."""
-    from recipe.bench.acceptance import judge, ratios
+    from recipe.bench.acceptance_report import judge, ratios
 
     def rows(**longest: dict[str, Any]) -> dict[str, dict[str, Any]]:
         return {row["name"]: row for row in judge(ratios(*_figures(**longest)), "unused")}
@@ -348,6 +350,26 @@ def test_the_acceptance_judges_each_figure_against_its_target() -> None:
     base = rows(no_entropy={"tokens": 1000, "stopped": "time"}, divclip_erc_vocab_pass=resolved(4000))[floor["name"]]
     assert base["status"] == "unmeasured" and "baseline's search stopped on its time bound" in base["why"]
     assert rows()[floor["name"]]["why"] == "not searched (--search-losses)"
+    broken = rows(no_entropy=resolved(1000), divclip_erc_vocab_pass={"broken": "the worker failed after ..."})
+    assert broken[floor["name"]]["status"] == "unmeasured" and broken[floor["name"]]["why"] == "the worker failed after ..."
+
+
+def test_the_search_counts_only_running_out_of_memory_as_not_fitting() -> None:
+    """What the GPU search catches as "does not fit": torch's out-of-memory error, also when a compiled graph or
+    verl raised another error from it, or a ``RuntimeError`` saying so; nothing else."""
+    from recipe.bench.acceptance import _out_of_memory
+
+    def raised(error: BaseException, cause: BaseException | None = None) -> BaseException:
+        try:
+            raise error from cause
+        except BaseException as caught:  # noqa: BLE001
+            return caught
+
+    assert _out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert _out_of_memory(raised(AssertionError("compiled graph failed"), torch.OutOfMemoryError("x")))
+    assert _out_of_memory(RuntimeError("CUDA error: out of memory"))
+    assert not _out_of_memory(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not _out_of_memory(raised(ValueError("bad shape"), KeyError("k")))
 
 
 def test_gpu_acceptance_is_routed_to_its_module_by_the_dispatcher() -> None:

@@ -42,7 +42,8 @@ term ``6 * sum(s_i**2) * heads * head_dim * layers``) over the median time, agai
 peak from verl's table (``get_device_flops``: 989 TFLOP/s for H100 and H200, NVIDIA's dense figure; ``CPU``
 448 GFLOP/s) as MFU.
 
-It writes ``acceptance.json`` and ``acceptance.md`` into ``--out``: the targets (:data:`TARGETS`:
+It writes ``acceptance.json`` and ``acceptance.md`` into ``--out``
+(:mod:`recipe.bench.acceptance_report`): the targets (``TARGETS``:
 vocabulary pass: loss-phase peak <= 0.50x, longest micro-batch >= 1.5x, update time <= 1.05x; ERC on the
 logits: loss-phase peak <= 1.00x, update time <= 1.05x with its spread; ``kl_full``: loss-phase peak <=
 1.05x; pack_old_log_prob_as_update: old-pass time <= 1.05x, peak <= 1.00x of verl's packing) each with its
@@ -52,7 +53,7 @@ figure and pass / fail, every loss's figures, and the on-policy gauge per strate
 with ``--allow-unmeasured`` and a declared ``--search-budget-mib``); FSDP1 (CUDA only) then reads
 "unmeasured", as do the targets of a strategy left out of ``--strategies``.
 
-Exit codes (:func:`verdict`, which also names every target behind a non-zero code):
+Exit codes (``acceptance_report.verdict``, which also names every target behind a non-zero code):
 
 * 0: every target measured and met, every on-policy check holding; with ``--allow-unmeasured``, every
   *measured* target met (the unmeasured ones are reported as such);
@@ -72,10 +73,10 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from recipe.bench.acceptance_report import GAUGE, TARGETS, judge, markdown, ratios, verdict
 from recipe.bench.child import LIVE_RSS_ENV, run_child
 from recipe.bench.gpu_workload import (
     R1_DISTILL_QWEN_1_5B,
@@ -101,32 +102,7 @@ searches every loss, at about 30 s each on one H200)."""
 PACKING_ARMS = ("aligned", "own")
 PACKING_RESPONSES_PER_SEQUENCE = 2
 """The packing run's batch: this many responses per ``--sequences``, about ``--tokens`` tokens in all."""
-GAUGE = "actor/divclip/onpolicy/"
-EXIT_MET, EXIT_FAILED, EXIT_BAD_OPTIONS, EXIT_UNMEASURED = 0, 1, 2, 3
-"""The exit codes (the module docstring says when each is returned)."""
 
-
-@dataclass(frozen=True)
-class Target:
-    name: str
-    variant: str  #: a loss of LOSSES, or "aligned" (the packing run)
-    figure: str  #: a key of that variant's ratios
-    limit: float
-    at_least: bool = False  #: the figure must be >= limit (else <= limit)
-
-
-TARGETS = (
-    Target("vocabulary pass (ERC): loss-phase peak", "divclip_erc_vocab_pass", "loss_peak_vs_no_entropy", 0.50),
-    Target("vocabulary pass (ERC): update time", "divclip_erc_vocab_pass", "update_time_vs_no_entropy", 1.05),
-    Target("vocabulary pass (ERC): longest micro-batch", "divclip_erc_vocab_pass", "longest_vs_no_entropy", 1.5,
-           at_least=True),
-    Target("ERC on the logits: loss-phase peak", "divclip_erc", "loss_peak_vs_no_entropy", 1.00),
-    Target("ERC on the logits: update time", "divclip_erc", "update_time_vs_no_entropy", 1.05),
-    Target("kl_full on the logits: loss-phase peak", "divclip_kl_full", "loss_peak_vs_no_entropy", 1.05),
-    Target("kl_full through the pass: loss-phase peak", "divclip_kl_full_vocab_pass", "loss_peak_vs_no_entropy", 1.05),
-    Target("pack_old_log_prob_as_update: old-log-prob pass time", "aligned", "old_time_vs_own", 1.05),
-    Target("pack_old_log_prob_as_update: old-log-prob pass peak", "aligned", "old_peak_vs_own", 1.00),
-)
 
 TIMED_LOSSES = ("no_entropy", *dict.fromkeys(t.variant for t in TARGETS if t.figure == "update_time_vs_no_entropy"))
 """The losses timed in every round: the baseline and each loss with a time target. The others run in the
@@ -200,25 +176,42 @@ def _with_old(batch: Any, old: dict[str, Any]) -> Any:
     return data
 
 
-def _out_of_memory(error: BaseException) -> bool:
+def _out_of_memory(error: Optional[BaseException]) -> bool:
+    """Whether ``error``, or one it was raised from (a compiled graph or verl may wrap it), is the device
+    running out of memory: ``torch.OutOfMemoryError``, or a ``RuntimeError`` saying "out of memory"."""
     import torch
 
-    return isinstance(error, torch.OutOfMemoryError)
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, torch.OutOfMemoryError):
+            return True
+        if isinstance(error, RuntimeError) and "out of memory" in str(error):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+class _WorkerBroken(RuntimeError):
+    """A try failed for another reason than memory after an earlier try had run out of memory: verl's engine
+    may not have recovered from that exception, so the searches stop there (reported, not a figure)."""
 
 
 def search_longest(worker: Any, phases: UpdatePhases, meter: MemoryMeter, name: str, args: argparse.Namespace,
-                   seconds: float) -> dict[str, Any]:
+                   seconds: float, state: dict[str, bool]) -> dict[str, Any]:
     """The longest micro-batch (tokens) that one update of loss ``name`` fits, at the configs' sequence
     length: :func:`longest_fitting` over the number of sequences in one micro-batch (``--sequences`` fitted
     in the timed rounds), an update not fitting when it raises ``torch.OutOfMemoryError`` (its memory then
     freed: the exception dropped, the gradients zeroed, :meth:`MemoryMeter.release`) or, with
-    ``--search-budget-mib``, when its loss-phase or optimizer-step peak exceeds that budget."""
+    ``--search-budget-mib``, when its loss-phase or optimizer-step peak exceeds that budget. ``state`` is
+    shared by the searches of one worker: once a try has run out of memory, a later failure of another kind
+    means the engine did not recover, and this search (and those after it) return ``{"broken": why}``."""
     from recipe.bench.harness import compute_log_prob, make_rollout_batch, update_actor
 
     seq_len = args.tokens // args.sequences
     prompt_len = max(1, seq_len // 8)
     budget = None if args.search_budget_mib is None else args.search_budget_mib * 2**20
     peaks: dict[int, int] = {}
+    broken: list[str] = []
 
     def fits(n: int) -> bool:
         worker.set_loss_fn(_loss(name, n, args.k))
@@ -232,7 +225,11 @@ def search_longest(worker: Any, phases: UpdatePhases, meter: MemoryMeter, name: 
                          extra_info={"micro_batch_size_per_gpu": n, "max_token_len_per_gpu": n * seq_len})
         except Exception as error:  # noqa: BLE001 - only running out of memory means "does not fit"
             if not _out_of_memory(error):
-                raise
+                if not (state["out_of_memory"] or broken):
+                    raise
+                broken.append(f"{type(error).__name__}: {str(error)[:300]}")
+                raise _WorkerBroken(broken[-1]) from error
+            state["out_of_memory"] = True
             fitted = False
         else:
             memory = update_memory([p for p in phases.since(mark) if p.name != "forward"])
@@ -243,8 +240,12 @@ def search_longest(worker: Any, phases: UpdatePhases, meter: MemoryMeter, name: 
         return fitted
 
     started = time.monotonic()
-    found = longest_fitting(fits, 2 * args.sequences, limit=max(args.sequences, args.search_max_tokens // seq_len),
-                            resolution=args.search_resolution, deadline=started + seconds, known_fit=args.sequences)
+    limit = max(args.sequences, args.search_max_tokens // seq_len)
+    try:
+        found = longest_fitting(fits, min(2 * args.sequences, limit), limit=limit, resolution=args.search_resolution,
+                                deadline=started + seconds, known_fit=args.sequences)
+    except _WorkerBroken as error:
+        return {"broken": f"the worker failed after running out of memory: {error}"}
     worker.set_loss_fn(_loss(name, args.sequences, args.k))
     return {"tokens": found.fits * seq_len, "fails_at_tokens": None if found.fails is None else found.fails * seq_len,
             "stopped": found.stopped, "tries": [[n * seq_len, ok] for n, ok in found.tries],
@@ -321,10 +322,14 @@ def run_losses(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
         }
     stages["rounds"] = time.perf_counter()
     search_losses = [n for n in LOSSES if n in args.search_losses]
+    searches = {"out_of_memory": False}
     for name in search_losses:  # last: an out-of-memory try cannot touch the figures above
+        if any("broken" in figures[n].get("longest", {}) for n in search_losses):
+            figures[name]["longest"] = {"broken": "not searched: the worker failed after an earlier try ran out of memory"}
+            continue
         try:
             figures[name]["longest"] = search_longest(worker, phases, meter, name, args,
-                                                      args.search_seconds / len(search_losses))
+                                                      args.search_seconds / len(search_losses), searches)
         except Exception as error:  # noqa: BLE001 - reported as a failed run by the parent, the figures kept
             figures[name]["longest"] = {"error": f"{type(error).__name__}: {str(error)[:400]}"}
     stages["search"] = time.perf_counter()
@@ -387,185 +392,6 @@ def run_packing(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     stages["rounds"] = time.perf_counter()
     return {"strategy": args.strategy, "run": "packing", "figures": figures, "response_lengths": lengths,
             "stage_seconds": _stages(stages)}
-
-
-def _ratio(value: Optional[float], base: Optional[float]) -> Optional[float]:
-    return None if value is None or not base else round(value / base, 3)
-
-
-def _longest_ratio(candidate: Optional[dict[str, Any]], base: Optional[dict[str, Any]]) -> tuple[Optional[float], str]:
-    """The longest micro-batch against the baseline's, and why not when the searches cannot say.
-
-    Conclusive when the baseline's search bracketed its longest (``stopped`` is ``"resolved"``) and the
-    candidate's did too, or stopped with a ratio already at least the limit of its target (a lower bound
-    that passes is a pass; one that does not is unmeasured)."""
-    if candidate is None or base is None:
-        return None, "not searched (--search-losses)"
-    if "error" in candidate or "error" in base:
-        return None, f"the search failed: {candidate.get('error') or base.get('error')}"
-    if base["stopped"] != "resolved" or not base["tokens"]:
-        return None, f"the baseline's search stopped on its {base['stopped']} bound at {base['tokens']} tokens"
-    value = round(candidate["tokens"] / base["tokens"], 3)
-    if candidate["stopped"] != "resolved" and value < _target("longest_vs_no_entropy").limit:
-        return None, f"a lower bound ({value:.3f}x): the search stopped on its {candidate['stopped']} bound"
-    return value, ""
-
-
-def _target(figure: str) -> Target:
-    return next(target for target in TARGETS if target.figure == figure)
-
-
-def ratios(losses: dict[str, Any], packing: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Each variant's figures against its baseline in the same run (no_entropy; verl's packing); a figure
-    that is None has its reason under ``why``."""
-    base = losses["no_entropy"]
-    out: dict[str, dict[str, Any]] = {}
-    for name, f in losses.items():
-        rounds = [_ratio(t, b) for t, b in zip(f["update_seconds"], base["update_seconds"])]
-        longest, why = _longest_ratio(f.get("longest"), base.get("longest"))
-        out[name] = {
-            "update_time_vs_no_entropy": _ratio(f["update_seconds_median"], base["update_seconds_median"]),
-            "update_time_vs_no_entropy_per_round": rounds,
-            "loss_peak_vs_no_entropy": _ratio(f["loss_peak_bytes"], base["loss_peak_bytes"]),
-            "optimizer_peak_vs_no_entropy": _ratio(f["optimizer_peak_bytes"], base["optimizer_peak_bytes"]),
-            "update_peak_vs_no_entropy": _ratio(f["update_peak_bytes"], base["update_peak_bytes"]),
-            "old_time_vs_no_entropy": _ratio(f["old_seconds"], base["old_seconds"]),
-            "old_peak_vs_no_entropy": _ratio(f["old_peak_bytes"], base["old_peak_bytes"]),
-            "longest_vs_no_entropy": longest,
-            "why": {"longest_vs_no_entropy": why} if longest is None else {},
-        }
-    own, aligned = packing["own"], packing["aligned"]
-    out["aligned"] = {"old_time_vs_own": _ratio(aligned["old_seconds_median"], own["old_seconds_median"]),
-                      "old_peak_vs_own": _ratio(aligned["old_peak_bytes"], own["old_peak_bytes"]), "why": {}}
-    return out
-
-
-def judge(strategy_ratios: Optional[dict[str, dict[str, Any]]], why_unmeasured: str) -> list[dict[str, Any]]:
-    """Each target of :data:`TARGETS` with its figure and status (``pass``, ``fail`` or ``unmeasured``,
-    then with ``why``: ``why_unmeasured``, or the figure's own reason from :func:`ratios`); a time
-    target also carries the per-round ratios' min and max (``spread``)."""
-    rows = []
-    for target in TARGETS:
-        variant = None if strategy_ratios is None else strategy_ratios.get(target.variant, {})
-        figure = None if variant is None else variant.get(target.figure)
-        met = figure is not None and (figure >= target.limit if target.at_least else figure <= target.limit)
-        status = "unmeasured" if figure is None else ("pass" if met else "fail")
-        row = {**asdict(target), "value": figure, "status": status}
-        if status == "unmeasured":
-            row["why"] = (variant or {}).get("why", {}).get(target.figure) or why_unmeasured
-        per_round = [r for r in (variant or {}).get(f"{target.figure}_per_round", []) if r is not None]
-        if per_round:
-            row["spread"] = [min(per_round), max(per_round)]
-        rows.append(row)
-    return rows
-
-
-def _gib(n: Optional[int]) -> str:
-    return "-" if n is None else f"{n / 2**30:.3f}" if abs(n) >= 2**26 else f"{n / 2**20:.1f} MiB"
-
-
-def markdown(report: dict[str, Any]) -> str:
-    lines = [f"# GPU acceptance ({report['date']}, {report['device_name']})", "",
-             f"`{report['command']}`: {report['shape']}; {report['timing']}; wall time {report['wall_seconds']:.0f} s.",
-             "", f"MFU against {report['peak_flops']}.", ""]
-    for strategy, rows in report["targets"].items():
-        lines += [f"## {strategy}", "", "| target | figure | limit | status |", "| --- | --- | --- | --- |"]
-        for row in rows:
-            value = "-" if row["value"] is None else f"{row['value']:.3f}x"
-            if "spread" in row:
-                value += f" (rounds {row['spread'][0]:.3f}-{row['spread'][1]:.3f}x)"
-            status = row["status"] + (f" ({row['why']})" if "why" in row else "")
-            bound = ">=" if row["at_least"] else "<="
-            lines.append(f"| {row['name']} | {value} | {bound} {row['limit']:.2f}x | {status} |")
-        losses = report["figures"].get(strategy, {}).get("losses", {})
-        if losses:
-            lines += ["", "| loss | update s: median [min-max] | held GiB | loss-phase peak GiB | optimizer-step peak GiB "
-                      "| update peak GiB | TFLOP/s | MFU | longest micro-batch (tokens) |",
-                      "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-            for name, f in losses.items():
-                longest = f.get("longest")
-                reach = "-" if longest is None else longest.get("error") or (
-                    f"{longest['tokens']} ({longest['stopped']}" + (f", fails at {longest['fails_at_tokens']}"
-                                                                    if longest["fails_at_tokens"] else "") + ")")
-                mfu = "-" if f["mfu"] is None else f"{100 * f['mfu']:.1f} %"
-                lines.append(f"| {name} | {f['update_seconds_median']:.3f} [{f['update_seconds_min']:.3f}-"
-                             f"{f['update_seconds_max']:.3f}] | {_gib(f['held_bytes'])} | {_gib(f['loss_peak_bytes'])} "
-                             f"| {_gib(f['optimizer_peak_bytes'])} | {_gib(f['update_peak_bytes'])} "
-                             f"| {f['update_flops_per_second'] / 1e12:.3g} | {mfu} | {reach} |")
-        gauge = report["on_policy"].get(strategy, {})
-        if gauge:
-            lines += ["", "| on-policy (first update) | holds | max \\|log w\\| | ratio clip | ERC masked | tensor cores |",
-                      "| --- | --- | --- | --- | --- | --- |"]
-            for name, g in gauge.items():
-                first = g.get("first_update", {})
-                pick = lambda key: "-" if key not in first else f"{max(first[key]):.3g}"  # noqa: E731
-                lines.append(f"| {name} | {g['holds']} | {pick(GAUGE + 'log_ratio_abs_max')} | {pick(GAUGE + 'ratio_clipfrac')} "
-                             f"| {pick(GAUGE + 'erc_masked_frac')} | {g.get('tensor_cores', '-')} |")
-            own = gauge.get("divclip_erc_dynamic (own)")
-            if own is not None:
-                lines += ["", f"verl's own packing (responses of {report['packing_lengths'].get(strategy, '?')}): "
-                          + ("**shows its noise**: the first update is not exactly on-policy." if own["holds"] is False
-                             else "shows **no** noise here: the first update is exactly on-policy.")]
-        lines.append("")
-    return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What an acceptance report amounts to: its exit code and what is behind it.
-
-    Attributes:
-        exit_code: :data:`EXIT_MET`, :data:`EXIT_FAILED` or :data:`EXIT_UNMEASURED`.
-        failed: Every missed target (``"fsdp2: <target> (1.2x > 1.05x)"``), failed run and broken
-            on-policy check.
-        unmeasured: Every target without a figure (``"fsdp: <target> (FSDP1 needs CUDA)"``).
-        allow_unmeasured: Whether unmeasured targets were accepted (``--allow-unmeasured``).
-    """
-
-    exit_code: int
-    failed: list[str] = field(default_factory=list)
-    unmeasured: list[str] = field(default_factory=list)
-    allow_unmeasured: bool = False
-
-    def summary(self) -> str:
-        """One paragraph naming what the exit code stands for, every target behind it included."""
-        lines = [f"exit code {self.exit_code}: " + {
-            EXIT_MET: "every target met" + (" that was measured" if self.unmeasured else ""),
-            EXIT_FAILED: "failed",
-            EXIT_UNMEASURED: "targets unmeasured (--allow-unmeasured accepts them)",
-        }[self.exit_code]]
-        lines += [f"  failed: {item}" for item in self.failed]
-        lines += [f"  unmeasured{' (allowed)' if self.allow_unmeasured else ''}: {item}" for item in self.unmeasured]
-        return "\n".join(lines)
-
-
-def verdict(report: dict[str, Any], allow_unmeasured: bool = False) -> Verdict:
-    """The exit code of an acceptance report (as written to ``acceptance.json``).
-
-    Args:
-        report: The report: its ``targets`` (strategy -> rows of :func:`judge`), ``on_policy``
-            (strategy -> loss -> gauge) and ``errors`` (run -> why it failed).
-        allow_unmeasured: Accept targets without a figure (``--allow-unmeasured``).
-
-    Returns:
-        :data:`EXIT_FAILED` if a target was missed, a run failed or an on-policy check broke (the
-        ``(own)`` packing arm measures verl's packing: its gauge is a finding, not a check); else
-        :data:`EXIT_UNMEASURED` if a target has no figure and ``allow_unmeasured`` is false; else
-        :data:`EXIT_MET`. The verdict lists every failure and every unmeasured target either way.
-    """
-    failed = [f"run {run}: {why}" for run, why in report["errors"].items()]
-    unmeasured: list[str] = []
-    for strategy, rows in report["targets"].items():
-        for row in rows:
-            if row["status"] == "fail":
-                failed.append(f"{strategy}: {row['name']} ({row['value']:.3f}x {'<' if row.get('at_least') else '>'} "
-                              f"{row['limit']:.2f}x)")
-            elif row["status"] == "unmeasured":
-                unmeasured.append(f"{strategy}: {row['name']} ({row.get('why') or 'no figure'})")
-    failed += [f"on-policy check: {strategy}/{name}" for strategy, gauges in report["on_policy"].items()
-               for name, gauge in gauges.items() if gauge["holds"] is False and "(own)" not in name]
-    code = EXIT_FAILED if failed else EXIT_UNMEASURED if unmeasured and not allow_unmeasured else EXIT_MET
-    return Verdict(code, failed, unmeasured, allow_unmeasured)
 
 
 def _parser() -> argparse.ArgumentParser:
