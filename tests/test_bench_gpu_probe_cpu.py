@@ -380,3 +380,16 @@ def test_gpu_acceptance_is_routed_to_its_module_by_the_dispatcher() -> None:
     assert routed == ("recipe.bench.acceptance", ["--device", "cpu", "--tokens", "8"])
     assert route(["gpu", "--device", "cpu"]) == ("recipe.bench.gpu", ["--device", "cpu"])
     assert route(["losses", "--acceptance"]) == ("recipe.bench.losses", ["--acceptance"])  # the flag is gpu's alone
+
+
+def test_a_report_written_before_a_strategy_ran_says_so() -> None:
+    """The report is written after each strategy, so that a command stopped later (a time limit) keeps what it
+    measured: a strategy not yet run reads unmeasured, saying why, beside one not requested."""
+    from recipe.bench.acceptance import _parser, _report
+
+    args = _parser().parse_args(["--device", "cpu", "--search-seconds", "0"])
+    args.search_losses = []
+    report = _report(args, [], ["fsdp2"], [], {}, {}, {}, {})
+    assert {row["why"] for row in report["targets"]["fsdp2"]} == {
+        "not run yet: a partial report, written before this strategy ran"}
+    assert {row["why"] for row in report["targets"]["fsdp"]} == {"FSDP1 needs CUDA"}

@@ -439,59 +439,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str]) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.tokens % args.sequences or args.tokens // args.sequences < 4:
-        parser.error(f"--tokens ({args.tokens}) must split into --sequences ({args.sequences}) sequences of >= 4 tokens")
-    if args.warmup < 1 or args.repeats < 1:
-        parser.error("--warmup and --repeats must be >= 1 (the first update is the on-policy check)")
-    chosen = [n for n in (LOSSES if args.search_losses == "all" else args.search_losses.split(",")) if n]
-    if sorted(set(chosen) - set(LOSSES)):
-        parser.error(f"unknown --search-losses {sorted(set(chosen) - set(LOSSES))}; choose from {list(LOSSES)} or 'all'")
-    args.search_losses = chosen if args.search_seconds > 0 else []
-    if args.search_losses and "no_entropy" not in args.search_losses:
-        parser.error("--search-losses must include no_entropy: the longest micro-batch is a ratio against it")
-    if args.device == "cpu" and args.search_losses and args.search_budget_mib is None:
-        parser.error("--device cpu searches against a declared budget: give --search-budget-mib "
-                     "(or --search-seconds 0 for no search); running out of host memory would end the run")
-    strategies = chosen_strategies(parser, args)
-    if args._child is not None:
-        run, args.strategy = args._child.split(":")
-        print(json.dumps((run_losses if run == "losses" else run_packing)(args._model, args)))
-        return 0
+def _report(args: argparse.Namespace, child_argv: list[str], strategies: list[str], finished: list[str],
+            results: dict[str, dict[str, Any]], errors: dict[str, str], extras: dict[str, dict[str, Any]],
+            stage_seconds: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """The report of the strategies run so far (``finished``): figures, ratios, targets, gauges, errors."""
     import torch
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("no CUDA device: the acceptance run needs one GPU (--device cpu runs the code at a small shape)")
-    started = time.perf_counter()
-    out = args.out or Path("outputs") / "gpu_acceptance" / _dt.date.today().isoformat()
-    out.mkdir(parents=True, exist_ok=True)
-    child_argv = [a for a in argv if a != "--acceptance"]
-    child_argv = [a for i, a in enumerate(child_argv) if not (a in ("--out", "--strategies") or
-                  (i and child_argv[i - 1] in ("--out", "--strategies")) or a.startswith(("--out=", "--strategies=")))]
-    results: dict[str, dict[str, Any]] = {}
-    errors: dict[str, str] = {}
-    extras: dict[str, dict[str, Any]] = {}
-    stage_seconds: dict[str, dict[str, float]] = {}
-    with tempfile.TemporaryDirectory(prefix="divclip_acceptance_") as tmp:
-        build_model(Path(tmp), args)
-        for strategy in strategies:
-            for run in ("losses", "packing"):
-                run_started = time.perf_counter()
-                child = run_child("recipe.bench.acceptance", [*child_argv, "--_child", f"{run}:{strategy}", "--_model", tmp],
-                                  env=dict(LIVE_RSS_ENV) if args.device == "cpu" else None)  # RSS tracks live memory
-                if child.ok:
-                    results.setdefault(strategy, {})[run] = child.result["figures"]
-                    extras.setdefault(strategy, {}).update({k: v for k, v in child.result.items()
-                                                            if k not in ("figures", "stage_seconds")})
-                    stage_seconds[f"{strategy}/{run}"] = {**child.result.get("stage_seconds", {}),
-                                                          "process": round(time.perf_counter() - run_started, 1)}
-                    errors.update({f"{strategy}/search {name}": f["longest"]["error"]
-                                   for name, f in child.result["figures"].items() if "error" in f.get("longest", {})})
-                else:
-                    sys.stderr.write(child.stderr[-6000:])
-                    errors[f"{strategy}/{run}"] = f"exit code {child.returncode}: {child.last_error_line()}"
     report: dict[str, Any] = {
         "date": _dt.date.today().isoformat(),
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "CPU platform",
@@ -527,11 +480,73 @@ def main(argv: list[str]) -> int:
                                                 for arm, f in got["packing"].items()}}
         else:
             why = ("FSDP1 needs CUDA" if strategy == "fsdp" and args.device == "cpu" else
-                   "not requested" if strategy not in strategies else f"the run failed: {errors}")
+                   "not requested" if strategy not in strategies else
+                   "not run yet: a partial report, written before this strategy ran" if strategy not in finished else
+                   f"the run failed: {errors}")
             report["targets"][strategy] = judge(None, why)
-    report["wall_seconds"] = time.perf_counter() - started
-    (out / "acceptance.json").write_text(json.dumps(report, indent=1))
-    (out / "acceptance.md").write_text(markdown(report))
+    return report
+
+
+def main(argv: list[str]) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.tokens % args.sequences or args.tokens // args.sequences < 4:
+        parser.error(f"--tokens ({args.tokens}) must split into --sequences ({args.sequences}) sequences of >= 4 tokens")
+    if args.warmup < 1 or args.repeats < 1:
+        parser.error("--warmup and --repeats must be >= 1 (the first update is the on-policy check)")
+    chosen = [n for n in (LOSSES if args.search_losses == "all" else args.search_losses.split(",")) if n]
+    if sorted(set(chosen) - set(LOSSES)):
+        parser.error(f"unknown --search-losses {sorted(set(chosen) - set(LOSSES))}; choose from {list(LOSSES)} or 'all'")
+    args.search_losses = chosen if args.search_seconds > 0 else []
+    if args.search_losses and "no_entropy" not in args.search_losses:
+        parser.error("--search-losses must include no_entropy: the longest micro-batch is a ratio against it")
+    if args.device == "cpu" and args.search_losses and args.search_budget_mib is None:
+        parser.error("--device cpu searches against a declared budget: give --search-budget-mib "
+                     "(or --search-seconds 0 for no search); running out of host memory would end the run")
+    strategies = chosen_strategies(parser, args)
+    if args._child is not None:
+        run, args.strategy = args._child.split(":")
+        print(json.dumps((run_losses if run == "losses" else run_packing)(args._model, args)))
+        return 0
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device: the acceptance run needs one GPU (--device cpu runs the code at a small shape)")
+    started = time.perf_counter()
+    out = args.out or Path("outputs") / "gpu_acceptance" / _dt.date.today().isoformat()
+    out.mkdir(parents=True, exist_ok=True)
+    child_argv = [a for a in argv if a != "--acceptance"]
+    child_argv = [a for i, a in enumerate(child_argv) if not (a in ("--out", "--strategies") or
+                  (i and child_argv[i - 1] in ("--out", "--strategies")) or a.startswith(("--out=", "--strategies=")))]
+    results: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str] = {}
+    extras: dict[str, dict[str, Any]] = {}
+    stage_seconds: dict[str, dict[str, float]] = {}
+    finished: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="divclip_acceptance_") as tmp:
+        build_model(Path(tmp), args)
+        for strategy in strategies:
+            for run in ("losses", "packing"):
+                run_started = time.perf_counter()
+                child = run_child("recipe.bench.acceptance", [*child_argv, "--_child", f"{run}:{strategy}", "--_model", tmp],
+                                  env=dict(LIVE_RSS_ENV) if args.device == "cpu" else None)  # RSS tracks live memory
+                if child.ok:
+                    results.setdefault(strategy, {})[run] = child.result["figures"]
+                    extras.setdefault(strategy, {}).update({k: v for k, v in child.result.items()
+                                                            if k not in ("figures", "stage_seconds")})
+                    stage_seconds[f"{strategy}/{run}"] = {**child.result.get("stage_seconds", {}),
+                                                          "process": round(time.perf_counter() - run_started, 1)}
+                    errors.update({f"{strategy}/search {name}": f["longest"]["error"]
+                                   for name, f in child.result["figures"].items() if "error" in f.get("longest", {})})
+                else:
+                    sys.stderr.write(child.stderr[-6000:])
+                    errors[f"{strategy}/{run}"] = f"exit code {child.returncode}: {child.last_error_line()}"
+            finished.append(strategy)
+            # written after each strategy: a command stopped later (a time limit) keeps what it measured
+            report = _report(args, child_argv, strategies, finished, results, errors, extras, stage_seconds)
+            report["wall_seconds"] = time.perf_counter() - started
+            (out / "acceptance.json").write_text(json.dumps(report, indent=1))
+            (out / "acceptance.md").write_text(markdown(report))
     print((out / "acceptance.md").read_text())
     outcome = verdict(report, allow_unmeasured=args.allow_unmeasured)
     print(outcome.summary())
