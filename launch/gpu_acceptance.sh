@@ -8,7 +8,7 @@
 #   mkdir -p .gpu && cp /work/shared/gpu-node/* .gpu/ && pip wheel --no-deps -w .gpu .
 # then on the GPU node (Python 3.12, CUDA torch 2.11), in the repo root:
 #   bash launch/gpu_acceptance.sh [more acceptance options, e.g. --repeats 7 --search-seconds 90]
-# Environment: OUT=outputs   SITE=/tmp/site
+# Environment: OUT=outputs   SITE=/tmp/site (verl's wheels are installed there once; the project's each time)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-outputs}"
@@ -16,7 +16,7 @@ SITE="${SITE:-/tmp/site}"
 fail() { echo "gpu_acceptance.sh: $*" >&2; exit 2; }
 [[ -f .gpu/install.sh ]] || fail ".gpu/install.sh is missing: copy /work/shared/gpu-node/* into .gpu/ (see the header)"
 compgen -G ".gpu/verl_divclip-*.whl" >/dev/null || fail "no project wheel in .gpu/: run 'pip wheel --no-deps -w .gpu .'"
-bash .gpu/install.sh "$SITE"
+[[ -d "$SITE/verl" ]] || bash .gpu/install.sh "$SITE"   # once per machine (a warm one keeps $SITE)
 python3 -m pip install -q --no-deps --upgrade --target "$SITE" .gpu/verl_divclip-*.whl
 export PYTHONPATH="$SITE:$PWD"
 python3 -m recipe.bench gpu --acceptance --strategies fsdp2,fsdp --out "$OUT/gpu_acceptance" "$@"

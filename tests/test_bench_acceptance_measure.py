@@ -150,3 +150,21 @@ def test_update_phases_records_each_phase_of_the_engine_instance_and_passes_its_
     assert 94 * MIB <= memory["optimizer_peak_bytes"] < 112 * MIB
     assert memory["gradient_bytes"] == 256 * 256 * 4 == gradient_bytes(engine.module)
     assert "forward_backward_batch" not in vars(_Engine()) and "forward_backward_batch" in vars(engine)  # instance only
+
+
+def test_update_flops_is_six_n_t_plus_the_attention_term_counted_from_the_model(tmp_path: Any) -> None:
+    """verl's model-FLOPs estimate of one update, against the count done here from the saved model itself:
+    ``6 x (every 2-D weight: embedding, head, projections) x tokens + 6 x sum(s_i^2) x heads x head_dim x
+    layers``, over sequences of unequal lengths."""
+    import argparse
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from recipe.bench.gpu_workload import build_model, update_flops
+
+    build_model(tmp_path, argparse.Namespace(layers=2, hidden=256, vocab=1024, head_scale=1.0, device="cpu"))
+    config = AutoConfig.from_pretrained(tmp_path)
+    weights = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tmp_path).parameters() if p.dim() == 2)
+    lengths = [32, 32, 7, 300]
+    attention = 6 * sum(s * s for s in lengths) * config.num_attention_heads * (256 // config.num_attention_heads) * 2
+    assert update_flops(str(tmp_path), lengths) == pytest.approx(6 * weights * sum(lengths) + attention, rel=1e-9)

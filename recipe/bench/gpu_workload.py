@@ -368,18 +368,22 @@ def response_lengths(count: int, mean: float, max_len: int, seed: int, sigma: fl
 def update_flops(model_path: str, sequence_lengths: Sequence[int]) -> float:
     """Model FLOPs of one training update (forward + backward) over sequences of these lengths.
 
-    verl's own estimate (``verl.utils.flops_counter.FlopsCounter``, what verl logs as ``perf/mfu``):
+    verl's own estimate (``verl.utils.flops_counter``'s function for the model type, what
+    ``FlopsCounter`` and so verl's ``perf/mfu`` use):
     for a dense decoder ``6 * N * tokens`` with ``N`` the layers' linear weights plus the embedding and
     the output head, plus the attention scores and values ``6 * sum(s_i**2) * heads * head_dim *
     layers`` over each sequence's length ``s_i``. Gradient checkpointing's recomputed forward is not
     counted (model FLOPs, not hardware FLOPs).
     """
     from transformers import AutoConfig
-    from verl.utils.flops_counter import FlopsCounter
+    from verl.utils.flops_counter import ESTIMATE_FUNC
 
-    achieved_tflops, _ = FlopsCounter(AutoConfig.from_pretrained(model_path)).estimate_flops(
-        list(sequence_lengths), delta_time=1.0)
-    return float(achieved_tflops) * 1e12  # TFLOP/s over one second: the update's FLOPs
+    config = AutoConfig.from_pretrained(model_path)
+    if config.model_type not in ESTIMATE_FUNC:
+        raise ValueError(f"verl's FlopsCounter has no estimate for model_type {config.model_type!r} ({model_path})")
+    lengths = list(sequence_lengths)
+    # FlopsCounter.estimate_flops without its device lookup: TFLOP/s over one second, the update's FLOPs
+    return float(ESTIMATE_FUNC[config.model_type](config, sum(lengths), lengths, 1.0)) * 1e12
 
 
 def device_peak_flops(device: str) -> tuple[Optional[float], str]:
