@@ -113,16 +113,23 @@ def test_the_vocabulary_pass_on_tensor_cores_matches_its_float32_path() -> None:
 
 def test_acceptance_on_policy_invariant_through_the_tensor_core_pass(tmp_path: Path) -> None:
     """The acceptance run at a small shape: through the vocabulary pass on tensor cores ERC masks nothing
-    and every ratio is exactly 1 before the first optimizer step, under FSDP1 and FSDP2."""
+    and every ratio is exactly 1 before the first optimizer step, under FSDP1 and FSDP2; the CUDA allocator's
+    figures per phase, the MFU against the device's peak and the searched longest micro-batch are reported."""
     out = tmp_path / "acceptance"
     proc = subprocess.run(
         [sys.executable, "-m", "recipe.bench", "gpu", "--acceptance", "--tokens", "4096", "--sequences", "4",
-         "--layers", "2", "--out", str(out)],
+         "--layers", "2", "--search-seconds", "30", "--allow-unmeasured", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=1800,
     )
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: a target missed, reported
     report = json.loads((out / "acceptance.json").read_text())
+    assert report["errors"] == {}, report["errors"]
     for strategy in ("fsdp", "fsdp2"):
         gauge = report["on_policy"][strategy]
         assert gauge["divclip_erc_vocab_pass"]["holds"] is True, gauge
         assert gauge["divclip_erc_vocab_pass"]["tensor_cores"] is True, gauge
+        for name, f in report["figures"][strategy]["losses"].items():
+            assert f["held_bytes"] > 0 and f["loss_peak_bytes"] > 0 and f["optimizer_peak_bytes"] > 0, (name, f)
+            assert 0 < f["mfu"] < 1, (name, f["mfu"])
+            if "longest" in f:
+                assert f["longest"]["tokens"] >= 4096, (name, f["longest"])

@@ -1,43 +1,67 @@
-"""GPU acceptance: every GPU figure the project states, in one call, each beside its target.
+"""GPU acceptance: what each loss changes in verl's actor update, measured as users feel it, beside its target.
 
-``python -m recipe.bench gpu --acceptance [--out DIR] [--strategies fsdp,fsdp2] [--tokens 16384] ...``
+``python -m recipe.bench gpu --acceptance [--out DIR] [--strategies fsdp,fsdp2] [--tokens 16384] [--repeats 5] ...``
 
 Builds R1-Distill-Qwen-1.5B's shape locally from a config (random weights, a scaled head so that most
 tokens are confident; nothing is downloaded), then per strategy (FSDP1 ``fsdp`` and FSDP2 ``fsdp2``) runs
 verl 0.9.1's real actor stack (``TrainingWorker``, one rank, verl's default bf16 mixed precision,
 remove-padding, gradient checkpointing, ``use_torch_compile`` on CUDA) in two fresh processes:
 
-* **one micro-batch of ``--tokens``** (the update and the old-log-prob pass each one micro-batch), on one
-  worker, one loss after the other: verl's ``ppo_loss`` without the entropy (``no_entropy``, the
-  baseline: every ratio below is against it, measured in the same process), ERC-DAPO on verl's
-  materialised logits (``divclip_erc``), ERC-DAPO through the vocabulary pass (``divclip_erc_vocab_pass``,
-  TF32 tensor cores for the bf16 head), ``kl3``, and ``kl_full`` on the logits and through the pass. Per
-  loss: the old-log-prob pass's peak and time, then ``--warmup`` updates (the first one before any
-  optimizer step of its batch: the on-policy gauge) and ``--repeats`` timed ones, the updates' peak.
-  A baseline update runs before everything, so AdamW's state exists for every loss alike.
+* **the losses at one micro-batch of ``--tokens``** on one worker: verl's ``ppo_loss`` without the
+  entropy (``no_entropy``, the baseline: every ratio is against it, measured in the same process), ERC-DAPO
+  on verl's materialised logits (``divclip_erc``), ERC-DAPO through the vocabulary pass
+  (``divclip_erc_vocab_pass``, TF32 tensor cores for the bf16 head), ``kl3``, and ``kl_full`` on the logits
+  and through the pass. A warm-up compiles every path: per loss its old-log-prob pass then ``--warmup``
+  updates (the first one before any optimizer step of its batch: the on-policy gauge). Then
+  ``--repeats`` rounds, the losses **interleaved** (each round runs each loss once, the order rotated by
+  one per round; the first round runs every loss and times its old-log-prob pass, the later ones the
+  baseline and the losses with a time target, :data:`TIMED_LOSSES`): the update time is the median
+  over the rounds, with its min / max and quartiles, and the time ratio's spread is the per-round ratios
+  against the baseline of the same round. Last, the **longest micro-batch** of ``--search-losses``: the
+  configs' sequences (``--tokens / --sequences`` tokens each), more of them per micro-batch, doubling from
+  twice ``--sequences`` then bisecting (:func:`recipe.bench.gpu_workload.longest_fitting`), an update that
+  raises ``torch.OutOfMemoryError`` (or, with ``--search-budget-mib``, peaks above that budget) not
+  fitting; bounded by ``--search-seconds`` per strategy and ``--search-max-tokens``.
 * **the configs' packing** (dynamic batching, the update at ``--tokens / 2`` per micro-batch, the
-  old-log-prob pass at ``--tokens``): ERC-DAPO with the old pass packed as the update (``aligned``, the
-  default) and with verl's packing (``own``), alternating; the aligned pass's time and peak against own.
+  old-log-prob pass at ``--tokens``) over ``2 * --sequences`` responses of **varied, long-tailed lengths**
+  (log-normal, seeded, about ``--tokens`` tokens in all: :func:`recipe.bench.gpu_workload.response_lengths`):
+  ERC-DAPO with the old pass packed as the update (``aligned``, the default) and with verl's packing
+  (``own``), alternating; the aligned pass's time and peak against own, and each arm's on-policy gauge
+  (own's is verl's packing noise: a finding, reported, not a check).
 
-Peaks are ``torch.cuda.max_memory_allocated`` per phase (reset before it). It writes ``acceptance.json``
-and ``acceptance.md`` into ``--out``: the targets (vocabulary pass: update peak <= 0.80x, time <= 1.05x;
-ERC on the logits: peak <= 1.00x, time <= 1.05x; ``kl_full``: peak <= 1.05x; pack_old_log_prob_as_update: old-pass
-time <= 1.05x, peak <= 1.00x of verl's packing) each with its figure and pass / fail, and the on-policy
-gauge per strategy and loss.
+Memory per phase (:class:`recipe.bench.gpu_workload.UpdatePhases`): verl's ``train_batch`` frees the
+gradients, runs the forward/backward, then the optimizer step; the **loss-phase peak** is the
+forward/backward's peak above the memory held before it (parameters, optimizer state), the **optimizer
+step's peak** is reported apart, above the same memory. CUDA reads the allocator
+(``reset_peak_memory_stats`` / ``max_memory_allocated``); the CPU platform reads the process's resident set
+and its high-water mark reset through ``/proc/self/clear_refs`` (children run with
+:data:`recipe.bench.child.LIVE_RSS_ENV`), so the CPU-sized run computes every figure with the same code.
+
+**Model FLOP/s** of each update: verl's own estimate (``FlopsCounter``: ``6 * N * tokens`` plus the attention
+term ``6 * sum(s_i**2) * heads * head_dim * layers``) over the median time, against the device's dense bf16
+peak from verl's table (``get_device_flops``: 989 TFLOP/s for H100 and H200, NVIDIA's dense figure; ``CPU``
+448 GFLOP/s) as MFU.
+
+It writes ``acceptance.json`` and ``acceptance.md`` into ``--out``
+(:mod:`recipe.bench.acceptance_report`): the targets (``TARGETS``:
+vocabulary pass: loss-phase peak <= 0.50x, longest micro-batch >= 1.5x, update time <= 1.05x; ERC on the
+logits: loss-phase peak <= 1.00x, update time <= 1.05x with its spread; ``kl_full``: loss-phase peak <=
+1.05x; pack_old_log_prob_as_update: old-pass time <= 1.05x, peak <= 1.00x of verl's packing) each with its
+figure and pass / fail, every loss's figures, and the on-policy gauge per strategy and loss.
 
 ``--device cpu`` runs the same code on the CPU platform at a small shape (FSDP2 only; the suite runs it
-with ``--allow-unmeasured``): peak memory is then not measured per phase (a process's RSS maximum cannot
-be reset), so the memory targets read "unmeasured", as does FSDP1 (CUDA only); so do the targets of a
-strategy left out of ``--strategies``.
+with ``--allow-unmeasured`` and a declared ``--search-budget-mib``); FSDP1 (CUDA only) then reads
+"unmeasured", as do the targets of a strategy left out of ``--strategies``.
 
-Exit codes (:func:`verdict`, which also names every target behind a non-zero code):
+Exit codes (``acceptance_report.verdict``, which also names every target behind a non-zero code):
 
 * 0: every target measured and met, every on-policy check holding; with ``--allow-unmeasured``, every
   *measured* target met (the unmeasured ones are reported as such);
 * 1: a target missed, a run failed or an on-policy check broken, with or without ``--allow-unmeasured``;
 * 2: bad options, or no CUDA device without ``--device cpu``;
 * 3: nothing failed, but a target went unmeasured and ``--allow-unmeasured`` was not given: an
-  acceptance run that cannot measure a target has not met it.
+  acceptance run that cannot measure a target has not met it (a longest-micro-batch search that stopped
+  on its time bound below the limit leaves its target unmeasured).
 """
 
 from __future__ import annotations
@@ -49,45 +73,40 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from recipe.bench.child import run_child
+from recipe.bench.acceptance_report import GAUGE, TARGETS, judge, markdown, ratios, verdict
+from recipe.bench.child import LIVE_RSS_ENV, run_child
 from recipe.bench.gpu_workload import (
     R1_DISTILL_QWEN_1_5B,
     STRATEGIES,
+    MemoryMeter,
+    UpdatePhases,
     build_model,
     chosen_strategies,
+    device_peak_flops,
     divclip_actor_config,
     erc_actor_config,
+    longest_fitting,
+    pass_memory,
+    response_lengths,
+    update_flops,
+    update_memory,
 )
 
 LOSSES = ("no_entropy", "divclip_erc", "divclip_erc_vocab_pass", "divclip_kl3", "divclip_kl_full", "divclip_kl_full_vocab_pass")
+SEARCH_LOSSES = ("no_entropy", "divclip_erc_vocab_pass")
+"""The losses whose longest micro-batch is searched by default: the target's pair (``--search-losses all``
+searches every loss, at about 30 s each on one H200)."""
 PACKING_ARMS = ("aligned", "own")
-GAUGE = "actor/divclip/onpolicy/"
-EXIT_MET, EXIT_FAILED, EXIT_BAD_OPTIONS, EXIT_UNMEASURED = 0, 1, 2, 3
-"""The exit codes (the module docstring says when each is returned)."""
+PACKING_RESPONSES_PER_SEQUENCE = 2
+"""The packing run's batch: this many responses per ``--sequences``, about ``--tokens`` tokens in all."""
 
 
-@dataclass(frozen=True)
-class Target:
-    name: str
-    variant: str  #: a loss of LOSSES, or "aligned" (the packing run)
-    figure: str  #: a key of that variant's figures
-    limit: float
-
-
-TARGETS = (
-    Target("vocabulary pass (ERC): update peak", "divclip_erc_vocab_pass", "update_peak_vs_no_entropy", 0.80),
-    Target("vocabulary pass (ERC): update time", "divclip_erc_vocab_pass", "update_time_vs_no_entropy", 1.05),
-    Target("ERC on the logits: update peak", "divclip_erc", "update_peak_vs_no_entropy", 1.00),
-    Target("ERC on the logits: update time", "divclip_erc", "update_time_vs_no_entropy", 1.05),
-    Target("kl_full on the logits: update peak", "divclip_kl_full", "update_peak_vs_no_entropy", 1.05),
-    Target("kl_full through the pass: update peak", "divclip_kl_full_vocab_pass", "update_peak_vs_no_entropy", 1.05),
-    Target("pack_old_log_prob_as_update: old-log-prob pass time", "aligned", "old_time_vs_own", 1.05),
-    Target("pack_old_log_prob_as_update: old-log-prob pass peak", "aligned", "old_peak_vs_own", 1.00),
-)
+TIMED_LOSSES = ("no_entropy", *dict.fromkeys(t.variant for t in TARGETS if t.figure == "update_time_vs_no_entropy"))
+"""The losses timed in every round: the baseline and each loss with a time target. The others run in the
+first round only (their memory, and one time without a target); ``--time-every-loss`` times all."""
 
 
 def _loss(name: str, sequences: int, k: int) -> Any:
@@ -103,27 +122,25 @@ def _loss(name: str, sequences: int, k: int) -> Any:
 
 
 class _Clock:
-    """Seconds and (CUDA) peak bytes of one phase."""
+    """Seconds of one phase, the device's queued work included (``meter.sync()`` on both ends)."""
 
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
+    def __init__(self, meter: MemoryMeter) -> None:
+        self.meter = meter
 
     def __enter__(self) -> "_Clock":
-        import torch
-
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+        self.meter.sync()
         self.start = time.perf_counter()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        import torch
-
-        if self.cuda:
-            torch.cuda.synchronize()
+        self.meter.sync()
         self.seconds = time.perf_counter() - self.start
-        self.peak: Optional[int] = torch.cuda.max_memory_allocated() if self.cuda else None
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, min, max and quartiles (inclusive method; one value: all equal) of repeated timings."""
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "q1": q1, "q3": q3}
 
 
 def _gauge(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -152,197 +169,229 @@ def _recording_tensor_cores() -> list[bool]:
     return seen
 
 
+def _with_old(batch: Any, old: dict[str, Any]) -> Any:
+    data = batch.clone()
+    for key, value in old.items():  # old_log_probs, entropy (and pi_old's top-k for kl_full)
+        data[key] = value
+    return data
+
+
+def _out_of_memory(error: Optional[BaseException]) -> bool:
+    """Whether ``error``, or one it was raised from (a compiled graph or verl may wrap it), is the device
+    running out of memory: ``torch.OutOfMemoryError``, or a ``RuntimeError`` saying "out of memory"."""
+    import torch
+
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, torch.OutOfMemoryError):
+            return True
+        if isinstance(error, RuntimeError) and "out of memory" in str(error):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+class _WorkerBroken(RuntimeError):
+    """A try failed for another reason than memory after an earlier try had run out of memory: verl's engine
+    may not have recovered from that exception, so the searches stop there (reported, not a figure)."""
+
+
+def search_longest(worker: Any, phases: UpdatePhases, meter: MemoryMeter, name: str, args: argparse.Namespace,
+                   seconds: float, state: dict[str, bool]) -> dict[str, Any]:
+    """The longest micro-batch (tokens) that one update of loss ``name`` fits, at the configs' sequence
+    length: :func:`longest_fitting` over the number of sequences in one micro-batch (``--sequences`` fitted
+    in the timed rounds), an update not fitting when it raises ``torch.OutOfMemoryError`` (its memory then
+    freed: the exception dropped, the gradients zeroed, :meth:`MemoryMeter.release`) or, with
+    ``--search-budget-mib``, when its loss-phase or optimizer-step peak exceeds that budget. ``state`` is
+    shared by the searches of one worker: once a try has run out of memory, a later failure of another kind
+    means the engine did not recover, and this search (and those after it) return ``{"broken": why}``."""
+    from recipe.bench.harness import compute_log_prob, make_rollout_batch, update_actor
+
+    seq_len = args.tokens // args.sequences
+    prompt_len = max(1, seq_len // 8)
+    budget = None if args.search_budget_mib is None else args.search_budget_mib * 2**20
+    peaks: dict[int, int] = {}
+    broken: list[str] = []
+
+    def fits(n: int) -> bool:
+        worker.set_loss_fn(_loss(name, n, args.k))
+        meter.release()
+        mark = phases.mark()
+        try:
+            batch = make_rollout_batch([prompt_len] * n, [seq_len - prompt_len] * n, args.vocab, seed=n)
+            if "kl_full" in name:  # the update reads pi_old's top-k from the pass
+                batch = _with_old(batch, compute_log_prob(worker, batch, old_topk=args.k))
+            update_actor(worker, batch, calculate_entropy=name.startswith("divclip_erc"),
+                         extra_info={"micro_batch_size_per_gpu": n, "max_token_len_per_gpu": n * seq_len})
+        except Exception as error:  # noqa: BLE001 - only running out of memory means "does not fit"
+            if not _out_of_memory(error):
+                if not (state["out_of_memory"] or broken):
+                    raise
+                broken.append(f"{type(error).__name__}: {str(error)[:300]}")
+                raise _WorkerBroken(broken[-1]) from error
+            state["out_of_memory"] = True
+            fitted = False
+        else:
+            memory = update_memory([p for p in phases.since(mark) if p.name != "forward"])
+            peaks[n] = max(memory["loss_peak_bytes"], memory["optimizer_peak_bytes"])
+            fitted = budget is None or peaks[n] <= budget
+        worker.engine.optimizer_zero_grad()
+        meter.release()
+        return fitted
+
+    started = time.monotonic()
+    limit = max(args.sequences, args.search_max_tokens // seq_len)
+    try:
+        found = longest_fitting(fits, min(2 * args.sequences, limit), limit=limit, resolution=args.search_resolution,
+                                deadline=started + seconds, known_fit=args.sequences)
+    except _WorkerBroken as error:
+        return {"broken": f"the worker failed after running out of memory: {error}"}
+    worker.set_loss_fn(_loss(name, args.sequences, args.k))
+    return {"tokens": found.fits * seq_len, "fails_at_tokens": None if found.fails is None else found.fails * seq_len,
+            "stopped": found.stopped, "tries": [[n * seq_len, ok] for n, ok in found.tries],
+            "peak_bytes_by_tokens": {str(n * seq_len): b for n, b in sorted(peaks.items())},
+            "budget_bytes": budget, "seconds": round(time.monotonic() - started, 2)}
+
+
 def run_losses(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Child: every loss of :data:`LOSSES` on one worker at one micro-batch of ``--tokens``."""
+    """Child: every loss of :data:`LOSSES` on one worker at one micro-batch of ``--tokens``: warm-up, the
+    interleaved timed rounds, then the longest-micro-batch search of ``--search-losses``."""
     from recipe.bench.harness import WorkerOptions, build_actor_worker, compute_log_prob, make_rollout_batch, single_rank_env, update_actor
 
     single_rank_env(device=args.device)
     cuda = args.device == "cuda"
+    meter = MemoryMeter(args.device)
+    stages = {"start": time.perf_counter()}
     tensor_core_calls = _recording_tensor_cores()
     seq_len = args.tokens // args.sequences
     prompt_len = max(1, seq_len // 8)
     worker = build_actor_worker(model_path, WorkerOptions(
         device=args.device, strategy=args.strategy, mixed_precision=None, micro_batch_size_per_gpu=args.sequences,
         max_token_len_per_gpu=args.tokens, enable_gradient_checkpointing=True, use_torch_compile=cuda, lr=1e-6))
+    phases = UpdatePhases(worker.engine, meter)
     batch = make_rollout_batch([prompt_len] * args.sequences, [seq_len - prompt_len] * args.sequences, args.vocab, seed=0)
-    worker.set_loss_fn(_loss("no_entropy", args.sequences, args.k))
+    losses = {name: _loss(name, args.sequences, args.k) for name in LOSSES}
+    worker.set_loss_fn(losses["no_entropy"])
     update_actor(worker, batch, calculate_entropy=False)  # AdamW's state exists before anything is measured
+    data: dict[str, Any] = {}
+    gauges: dict[str, dict[str, Any]] = {}
+    tensor_cores: dict[str, Optional[bool]] = {}
+    stages["build"] = time.perf_counter()
+    for name in LOSSES:  # the warm-up: every path compiled, the first update of each loss its on-policy gauge
+        worker.set_loss_fn(losses[name])
+        calls_before = len(tensor_core_calls)
+        data[name] = _with_old(batch, compute_log_prob(worker, batch, old_topk=args.k if "kl_full" in name else 0))
+        for step in range(args.warmup):
+            metrics = update_actor(worker, data[name], calculate_entropy=name.startswith("divclip_erc"))
+            if step == 0:
+                gauges[name] = _gauge(metrics)
+        tensor_cores[name] = any(tensor_core_calls[calls_before:]) if "vocab_pass" in name else None
+    seconds: dict[str, list[float]] = {name: [] for name in LOSSES}
+    memory: dict[str, list[dict[str, int]]] = {name: [] for name in LOSSES}
+    old: dict[str, dict[str, float]] = {}
+    stages["warm-up"] = time.perf_counter()
+    timed = LOSSES if args.time_every_loss else tuple(n for n in LOSSES if n in TIMED_LOSSES)
+    rounds = [rotated(LOSSES if r == 0 else timed, r) for r in range(args.repeats)]
+    for round_, order in enumerate(rounds):  # interleaved: each loss once per round, the order rotated by one
+        for name in order:
+            worker.set_loss_fn(losses[name])
+            if round_ == 0:  # each loss's old-log-prob pass, timed once, compiled in the warm-up
+                mark = phases.mark()
+                with _Clock(meter) as clock:
+                    top_k = args.k if "kl_full" in name else 0
+                    data[name] = _with_old(batch, compute_log_prob(worker, batch, old_topk=top_k))
+                old[name] = {"seconds": clock.seconds, "peak_bytes": pass_memory(phases.since(mark))}
+            mark = phases.mark()
+            with _Clock(meter) as clock:
+                update_actor(worker, data[name], calculate_entropy=name.startswith("divclip_erc"))
+            seconds[name].append(clock.seconds)
+            memory[name].append(update_memory(phases.since(mark)))
+    flops = update_flops(model_path, [seq_len] * args.sequences)
+    peak_flops, device_name = device_peak_flops(args.device)
     figures: dict[str, Any] = {}
     for name in LOSSES:
-        worker.set_loss_fn(_loss(name, args.sequences, args.k))
-        top_k = args.k if "kl_full" in name else 0
-        calls_before = len(tensor_core_calls)
-        with _Clock(cuda) as old_clock:
-            old = compute_log_prob(worker, batch, old_topk=top_k)
-        data = batch.clone()
-        for key, value in old.items():
-            data[key] = value
-        entropy = name.startswith("divclip_erc")
-        gauge: dict[str, Any] = {}
-        seconds, peaks = [], []
-        for step in range(args.warmup + args.repeats):
-            with _Clock(cuda) as clock:
-                metrics = update_actor(worker, data, calculate_entropy=entropy)
-            if step == 0:
-                gauge = _gauge(metrics)
-            if step >= args.warmup:
-                seconds.append(clock.seconds)
-            peaks.append(clock.peak)
+        times = spread(seconds[name])
         figures[name] = {
-            "old_seconds": round(old_clock.seconds, 4), "old_peak_bytes": old_clock.peak,
-            "update_seconds": [round(s, 4) for s in seconds], "update_seconds_median": statistics.median(seconds),
-            "update_peak_bytes": max(peaks) if cuda else None,
-            "tensor_cores": any(tensor_core_calls[calls_before:]) if "vocab_pass" in name else None,
-            **gauge,
+            "update_seconds": seconds[name],
+            **{f"update_seconds_{key}": value for key, value in times.items()},
+            **{key: max(m[key] for m in memory[name]) for key in memory[name][0]},
+            "old_seconds": round(old[name]["seconds"], 4), "old_peak_bytes": old[name]["peak_bytes"],
+            "update_flops": flops, "update_flops_per_second": flops / times["median"],
+            "mfu": None if peak_flops is None else flops / times["median"] / peak_flops,
+            "tensor_cores": tensor_cores[name], **gauges[name],
         }
-    return {"strategy": args.strategy, "run": "losses", "figures": figures}
+    stages["rounds"] = time.perf_counter()
+    search_losses = [n for n in LOSSES if n in args.search_losses]
+    searches = {"out_of_memory": False}
+    for name in search_losses:  # last: an out-of-memory try cannot touch the figures above
+        if any("broken" in figures[n].get("longest", {}) for n in search_losses):
+            figures[name]["longest"] = {"broken": "not searched: the worker failed after an earlier try ran out of memory"}
+            continue
+        try:
+            figures[name]["longest"] = search_longest(worker, phases, meter, name, args,
+                                                      args.search_seconds / len(search_losses), searches)
+        except Exception as error:  # noqa: BLE001 - reported as a failed run by the parent, the figures kept
+            figures[name]["longest"] = {"error": f"{type(error).__name__}: {str(error)[:400]}"}
+    stages["search"] = time.perf_counter()
+    return {"strategy": args.strategy, "run": "losses", "figures": figures, "rounds": rounds,
+            "stage_seconds": _stages(stages), "peak_flops": peak_flops, "peak_flops_device": device_name}
+
+
+def rotated(names: tuple[str, ...], by: int) -> list[str]:
+    """``names`` rotated left by ``by`` (a round's order: each loss starts one round)."""
+    return list(names[by % len(names):] + names[:by % len(names)])
+
+
+def _stages(marks: dict[str, float]) -> dict[str, float]:
+    """Seconds of each stage from the times its end was marked (the first mark is the start)."""
+    names, times = list(marks), list(marks.values())
+    return {names[i]: round(times[i] - times[i - 1], 1) for i in range(1, len(names))}
 
 
 def run_packing(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Child: the configs' 2:1 dynamic packing, the old pass aligned and with verl's packing, alternating."""
+    """Child: the configs' 2:1 dynamic packing over responses of varied, long-tailed lengths, the old pass
+    aligned and with verl's packing, alternating."""
     from recipe.bench.harness import WorkerOptions, build_actor_worker, compute_log_prob, make_rollout_batch, single_rank_env, update_actor
     from verl_ext.engine.packing import UpdatePacking
     from verl_ext.engine.seam import set_pack_old_log_prob_as_update
 
     single_rank_env(device=args.device)
     cuda = args.device == "cuda"
-    seq_len = args.tokens // args.sequences
-    prompt_len = max(1, seq_len // 8)
+    meter = MemoryMeter(args.device)
+    stages = {"start": time.perf_counter()}
+    prompt_len = max(1, args.tokens // args.sequences // 8)
+    count = PACKING_RESPONSES_PER_SEQUENCE * args.sequences
+    lengths = response_lengths(count, mean=args.tokens / count - prompt_len, max_len=args.tokens // 2 - prompt_len,
+                               seed=args.seed)
     worker = build_actor_worker(model_path, WorkerOptions(
         device=args.device, strategy=args.strategy, mixed_precision=None, use_dynamic_bsz=True,
         max_token_len_per_gpu=args.tokens // 2, infer_max_token_len_per_gpu=args.tokens,
         enable_gradient_checkpointing=True, use_torch_compile=cuda, lr=1e-6))
-    batch = make_rollout_batch([prompt_len] * args.sequences, [seq_len - prompt_len] * args.sequences, args.vocab, seed=0)
-    worker.set_loss_fn(_loss("divclip_erc", args.sequences, args.k))
-    packing = UpdatePacking(mini_batch_size=args.sequences, seed=0, shuffle=False)
+    phases = UpdatePhases(worker.engine, meter)
+    batch = make_rollout_batch([prompt_len] * count, lengths, args.vocab, seed=0)
+    worker.set_loss_fn(_loss("divclip_erc", count, args.k))
+    packing = UpdatePacking(mini_batch_size=count, seed=0, shuffle=False)
     seconds: dict[str, list[float]] = {arm: [] for arm in PACKING_ARMS}
-    peaks: dict[str, list[Optional[int]]] = {arm: [] for arm in PACKING_ARMS}
+    peaks: dict[str, list[int]] = {arm: [] for arm in PACKING_ARMS}
     gauges: dict[str, Any] = {}
+    stages["build"] = time.perf_counter()
     for round_ in range(args.warmup + args.repeats):
         for arm in PACKING_ARMS:
             set_pack_old_log_prob_as_update(worker.engine, arm == "aligned")
-            with _Clock(cuda) as clock:
+            mark = phases.mark()
+            with _Clock(meter) as clock:
                 old = compute_log_prob(worker, batch, packing=packing)
             if round_ >= args.warmup:
                 seconds[arm].append(clock.seconds)
-                peaks[arm].append(clock.peak)
+                peaks[arm].append(pass_memory(phases.since(mark)))
             if arm not in gauges:
-                data = batch.clone()
-                data["old_log_probs"], data["entropy"] = old["old_log_probs"], old["entropy"]
-                gauges[arm] = _gauge(update_actor(worker, data, calculate_entropy=True, mini_batch_size=args.sequences))
-    figures = {arm: {"old_seconds_median": statistics.median(seconds[arm]),
-                     "old_peak_bytes": max(peaks[arm]) if cuda else None, **gauges[arm]} for arm in PACKING_ARMS}
-    return {"strategy": args.strategy, "run": "packing", "figures": figures}
-
-
-def _ratio(value: Optional[float], base: Optional[float]) -> Optional[float]:
-    return None if value is None or not base else round(value / base, 3)
-
-
-def ratios(losses: dict[str, Any], packing: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Each variant's figures against its baseline in the same run (no_entropy; verl's packing)."""
-    base = losses["no_entropy"]
-    out: dict[str, dict[str, Any]] = {}
-    for name, f in losses.items():
-        out[name] = {
-            "update_time_vs_no_entropy": _ratio(f["update_seconds_median"], base["update_seconds_median"]),
-            "update_peak_vs_no_entropy": _ratio(f["update_peak_bytes"], base["update_peak_bytes"]),
-            "old_time_vs_no_entropy": _ratio(f["old_seconds"], base["old_seconds"]),
-            "old_peak_vs_no_entropy": _ratio(f["old_peak_bytes"], base["old_peak_bytes"]),
-        }
-    own, aligned = packing["own"], packing["aligned"]
-    out["aligned"] = {"old_time_vs_own": _ratio(aligned["old_seconds_median"], own["old_seconds_median"]),
-                      "old_peak_vs_own": _ratio(aligned["old_peak_bytes"], own["old_peak_bytes"])}
-    return out
-
-
-def judge(strategy_ratios: Optional[dict[str, dict[str, Any]]], why_unmeasured: str) -> list[dict[str, Any]]:
-    rows = []
-    for target in TARGETS:
-        figure = None if strategy_ratios is None else strategy_ratios.get(target.variant, {}).get(target.figure)
-        status = "unmeasured" if figure is None else ("pass" if figure <= target.limit else "fail")
-        rows.append({**asdict(target), "value": figure, "status": status,
-                     **({"why": why_unmeasured} if status == "unmeasured" else {})})
-    return rows
-
-
-def markdown(report: dict[str, Any]) -> str:
-    lines = [f"# GPU acceptance ({report['date']}, {report['device_name']})", "",
-             f"`{report['command']}`: {report['shape']}; wall time {report['wall_seconds']:.0f} s.", ""]
-    for strategy, rows in report["targets"].items():
-        lines += [f"## {strategy}", "", "| target | figure | limit | status |", "| --- | --- | --- | --- |"]
-        for row in rows:
-            value = "-" if row["value"] is None else f"{row['value']:.3f}x"
-            status = row["status"] + (f" ({row['why']})" if "why" in row else "")
-            lines.append(f"| {row['name']} | {value} | <= {row['limit']:.2f}x | {status} |")
-        gauge = report["on_policy"].get(strategy, {})
-        if gauge:
-            lines += ["", "| on-policy (first update) | holds | max \\|log w\\| | ratio clip | ERC masked | tensor cores |",
-                      "| --- | --- | --- | --- | --- | --- |"]
-            for name, g in gauge.items():
-                first = g.get("first_update", {})
-                pick = lambda key: "-" if key not in first else f"{max(first[key]):.3g}"  # noqa: E731
-                lines.append(f"| {name} | {g['holds']} | {pick(GAUGE + 'log_ratio_abs_max')} | {pick(GAUGE + 'ratio_clipfrac')} "
-                             f"| {pick(GAUGE + 'erc_masked_frac')} | {g.get('tensor_cores', '-')} |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What an acceptance report amounts to: its exit code and what is behind it.
-
-    Attributes:
-        exit_code: :data:`EXIT_MET`, :data:`EXIT_FAILED` or :data:`EXIT_UNMEASURED`.
-        failed: Every missed target (``"fsdp2: <target> (1.2x > 1.05x)"``), failed run and broken
-            on-policy check.
-        unmeasured: Every target without a figure (``"fsdp: <target> (FSDP1 needs CUDA)"``).
-        allow_unmeasured: Whether unmeasured targets were accepted (``--allow-unmeasured``).
-    """
-
-    exit_code: int
-    failed: list[str] = field(default_factory=list)
-    unmeasured: list[str] = field(default_factory=list)
-    allow_unmeasured: bool = False
-
-    def summary(self) -> str:
-        """One paragraph naming what the exit code stands for, every target behind it included."""
-        lines = [f"exit code {self.exit_code}: " + {
-            EXIT_MET: "every target met" + (" that was measured" if self.unmeasured else ""),
-            EXIT_FAILED: "failed",
-            EXIT_UNMEASURED: "targets unmeasured (--allow-unmeasured accepts them)",
-        }[self.exit_code]]
-        lines += [f"  failed: {item}" for item in self.failed]
-        lines += [f"  unmeasured{' (allowed)' if self.allow_unmeasured else ''}: {item}" for item in self.unmeasured]
-        return "\n".join(lines)
-
-
-def verdict(report: dict[str, Any], allow_unmeasured: bool = False) -> Verdict:
-    """The exit code of an acceptance report (as written to ``acceptance.json``).
-
-    Args:
-        report: The report: its ``targets`` (strategy -> rows of :func:`judge`), ``on_policy``
-            (strategy -> loss -> gauge) and ``errors`` (run -> why it failed).
-        allow_unmeasured: Accept targets without a figure (``--allow-unmeasured``).
-
-    Returns:
-        :data:`EXIT_FAILED` if a target was missed, a run failed or an on-policy check broke (the
-        ``(own)`` packing arm measures verl's packing: its gauge is a finding, not a check); else
-        :data:`EXIT_UNMEASURED` if a target has no figure and ``allow_unmeasured`` is false; else
-        :data:`EXIT_MET`. The verdict lists every failure and every unmeasured target either way.
-    """
-    failed = [f"run {run}: {why}" for run, why in report["errors"].items()]
-    unmeasured: list[str] = []
-    for strategy, rows in report["targets"].items():
-        for row in rows:
-            if row["status"] == "fail":
-                failed.append(f"{strategy}: {row['name']} ({row['value']:.3f}x > {row['limit']:.2f}x)")
-            elif row["status"] == "unmeasured":
-                unmeasured.append(f"{strategy}: {row['name']} ({row.get('why') or 'no figure'})")
-    failed += [f"on-policy check: {strategy}/{name}" for strategy, gauges in report["on_policy"].items()
-               for name, gauge in gauges.items() if gauge["holds"] is False and "(own)" not in name]
-    code = EXIT_FAILED if failed else EXIT_UNMEASURED if unmeasured and not allow_unmeasured else EXIT_MET
-    return Verdict(code, failed, unmeasured, allow_unmeasured)
+                data = _with_old(batch, {"old_log_probs": old["old_log_probs"], "entropy": old["entropy"]})
+                gauges[arm] = _gauge(update_actor(worker, data, calculate_entropy=True, mini_batch_size=count))
+    figures = {arm: {**{f"old_seconds_{key}": value for key, value in spread(seconds[arm]).items()},
+                     "old_peak_bytes": max(peaks[arm]), **gauges[arm]} for arm in PACKING_ARMS}
+    stages["rounds"] = time.perf_counter()
+    return {"strategy": args.strategy, "run": "packing", "figures": figures, "response_lengths": lengths,
+            "stage_seconds": _stages(stages)}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -362,16 +411,80 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=None, help="override the model's hidden size (small runs)")
     p.add_argument("--head-scale", type=float, default=50.0)
     p.add_argument("--k", type=int, default=32, help="kl_full_top_k")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1, help="untimed updates per loss after its old pass (the first: the gauge)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed rounds, every loss once per round, interleaved (>= 5 for the acceptance: the median)")
+    p.add_argument("--time-every-loss", action="store_true",
+                   help="time every loss in every round (default: the baseline and the losses with a time target; "
+                        "the others in the first round only)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the packing run's response lengths")
+    p.add_argument("--search-losses", default=",".join(SEARCH_LOSSES),
+                   help=f"losses whose longest micro-batch is searched: a subset of {list(LOSSES)}, 'all' or '' (none)")
+    p.add_argument("--search-seconds", type=float, default=60.0,
+                   help="time bound of the longest-micro-batch search per strategy, split evenly over the losses "
+                        "(no try starts after it; 0: no search)")
+    p.add_argument("--search-max-tokens", type=int, default=262_144, help="the largest micro-batch the search tries")
+    p.add_argument("--search-resolution", type=float, default=0.25,
+                   help="bisection stops once the smallest failure is within this share of the largest fit")
+    p.add_argument("--search-budget-mib", type=float, default=None,
+                   help="a declared memory budget: an update whose loss-phase or optimizer-step peak exceeds it does "
+                        "not fit (default on cuda: only running out of device memory; --device cpu needs it)")
     p.add_argument("--allow-unmeasured", action="store_true",
-                   help="accept targets this run cannot measure (--device cpu: the memory targets and FSDP1; a "
-                        "--strategies subset: the other strategy's): they are reported as unmeasured and the exit "
+                   help="accept targets this run cannot measure (--device cpu: FSDP1; a --strategies subset: the other "
+                        "strategy's; a search stopped by its time bound): they are reported as unmeasured and the exit "
                         "code is 0 when every measured target is met. Without it an unmeasured target exits 3. "
                         "A missed target, a failed run or a broken on-policy check exits 1 either way")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_model", default=None, help=argparse.SUPPRESS)
     return p
+
+
+def _report(args: argparse.Namespace, child_argv: list[str], strategies: list[str], finished: list[str],
+            results: dict[str, dict[str, Any]], errors: dict[str, str], extras: dict[str, dict[str, Any]],
+            stage_seconds: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """The report of the strategies run so far (``finished``): figures, ratios, targets, gauges, errors."""
+    import torch
+
+    report: dict[str, Any] = {
+        "date": _dt.date.today().isoformat(),
+        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "CPU platform",
+        "command": "python -m recipe.bench gpu --acceptance " + " ".join(child_argv),
+        "shape": (f"{args.layers or R1_DISTILL_QWEN_1_5B['num_hidden_layers']} layers, hidden "
+                  f"{args.hidden or R1_DISTILL_QWEN_1_5B['hidden_size']}, vocabulary {args.vocab}, {args.tokens} tokens "
+                  f"per micro-batch in {args.sequences} sequences, k = {args.k}"),
+        "timing": (f"{args.warmup} warm-up update(s) per loss, then {args.repeats} rounds with the losses interleaved; "
+                   f"longest micro-batch of {', '.join(args.search_losses) or 'no loss'} searched in at most "
+                   f"{args.search_seconds:.0f} s per strategy up to {args.search_max_tokens} tokens"
+                   + (f" within {args.search_budget_mib:g} MiB" if args.search_budget_mib is not None else "")),
+        "peak_flops": "; ".join(sorted({f"{e['peak_flops_device']}: " + ("unknown to verl's table" if e["peak_flops"] is None
+                                                                          else f"{e['peak_flops'] / 1e12:g} TFLOP/s")
+                                        for e in extras.values() if "peak_flops_device" in e}))
+        + " (dense bf16, verl.utils.flops_counter.get_device_flops; NVIDIA's H100/H200 datasheets: 1,979 TFLOP/s "
+          "with sparsity, half of it dense)",
+        "packing_lengths": {s_: f"{len(e['response_lengths'])} lengths, median {statistics.median(e['response_lengths']):g}, "
+                                f"min {min(e['response_lengths'])}, max {max(e['response_lengths'])}"
+                            for s_, e in extras.items() if "response_lengths" in e},
+        "response_lengths": {s_: e["response_lengths"] for s_, e in extras.items() if "response_lengths" in e},
+        "rounds": {s_: e["rounds"] for s_, e in extras.items() if "rounds" in e},
+        "stage_seconds": stage_seconds,
+        "figures": results, "ratios": {}, "targets": {}, "on_policy": {}, "errors": errors,
+    }
+    for strategy in STRATEGIES:
+        got = results.get(strategy, {})
+        if "losses" in got and "packing" in got:
+            report["ratios"][strategy] = ratios(got["losses"], got["packing"])
+            report["targets"][strategy] = judge(report["ratios"][strategy], "the run reported no figure")
+            report["on_policy"][strategy] = {**{n: {k: f[k] for k in ("holds", "first_update", "tensor_cores")}
+                                                for n, f in got["losses"].items()},
+                                             **{f"divclip_erc_dynamic ({arm})": {k: f[k] for k in ("holds", "first_update")}
+                                                for arm, f in got["packing"].items()}}
+        else:
+            why = ("FSDP1 needs CUDA" if strategy == "fsdp" and args.device == "cpu" else
+                   "not requested" if strategy not in strategies else
+                   "not run yet: a partial report, written before this strategy ran" if strategy not in finished else
+                   f"the run failed: {errors}")
+            report["targets"][strategy] = judge(None, why)
+    return report
 
 
 def main(argv: list[str]) -> int:
@@ -381,6 +494,15 @@ def main(argv: list[str]) -> int:
         parser.error(f"--tokens ({args.tokens}) must split into --sequences ({args.sequences}) sequences of >= 4 tokens")
     if args.warmup < 1 or args.repeats < 1:
         parser.error("--warmup and --repeats must be >= 1 (the first update is the on-policy check)")
+    chosen = [n for n in (LOSSES if args.search_losses == "all" else args.search_losses.split(",")) if n]
+    if sorted(set(chosen) - set(LOSSES)):
+        parser.error(f"unknown --search-losses {sorted(set(chosen) - set(LOSSES))}; choose from {list(LOSSES)} or 'all'")
+    args.search_losses = chosen if args.search_seconds > 0 else []
+    if args.search_losses and "no_entropy" not in args.search_losses:
+        parser.error("--search-losses must include no_entropy: the longest micro-batch is a ratio against it")
+    if args.device == "cpu" and args.search_losses and args.search_budget_mib is None:
+        parser.error("--device cpu searches against a declared budget: give --search-budget-mib "
+                     "(or --search-seconds 0 for no search); running out of host memory would end the run")
     strategies = chosen_strategies(parser, args)
     if args._child is not None:
         run, args.strategy = args._child.split(":")
@@ -398,42 +520,33 @@ def main(argv: list[str]) -> int:
                   (i and child_argv[i - 1] in ("--out", "--strategies")) or a.startswith(("--out=", "--strategies=")))]
     results: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
+    extras: dict[str, dict[str, Any]] = {}
+    stage_seconds: dict[str, dict[str, float]] = {}
+    finished: list[str] = []
     with tempfile.TemporaryDirectory(prefix="divclip_acceptance_") as tmp:
         build_model(Path(tmp), args)
         for strategy in strategies:
             for run in ("losses", "packing"):
-                child = run_child("recipe.bench.acceptance", [*child_argv, "--_child", f"{run}:{strategy}", "--_model", tmp])
+                run_started = time.perf_counter()
+                child = run_child("recipe.bench.acceptance", [*child_argv, "--_child", f"{run}:{strategy}", "--_model", tmp],
+                                  env=dict(LIVE_RSS_ENV) if args.device == "cpu" else None)  # RSS tracks live memory
                 if child.ok:
                     results.setdefault(strategy, {})[run] = child.result["figures"]
+                    extras.setdefault(strategy, {}).update({k: v for k, v in child.result.items()
+                                                            if k not in ("figures", "stage_seconds")})
+                    stage_seconds[f"{strategy}/{run}"] = {**child.result.get("stage_seconds", {}),
+                                                          "process": round(time.perf_counter() - run_started, 1)}
+                    errors.update({f"{strategy}/search {name}": f["longest"]["error"]
+                                   for name, f in child.result["figures"].items() if "error" in f.get("longest", {})})
                 else:
                     sys.stderr.write(child.stderr[-6000:])
                     errors[f"{strategy}/{run}"] = f"exit code {child.returncode}: {child.last_error_line()}"
-    report: dict[str, Any] = {
-        "date": _dt.date.today().isoformat(),
-        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "CPU platform",
-        "command": "python -m recipe.bench gpu --acceptance " + " ".join(child_argv),
-        "shape": (f"{args.layers or R1_DISTILL_QWEN_1_5B['num_hidden_layers']} layers, hidden "
-                  f"{args.hidden or R1_DISTILL_QWEN_1_5B['hidden_size']}, vocabulary {args.vocab}, {args.tokens} tokens "
-                  f"per micro-batch in {args.sequences} sequences, k = {args.k}"),
-        "figures": results, "ratios": {}, "targets": {}, "on_policy": {}, "errors": errors,
-    }
-    for strategy in STRATEGIES:
-        got = results.get(strategy, {})
-        if "losses" in got and "packing" in got:
-            report["ratios"][strategy] = ratios(got["losses"], got["packing"])
-            why = "peak memory per phase needs CUDA" if args.device == "cpu" else "the run reported no figure"
-            report["targets"][strategy] = judge(report["ratios"][strategy], why)
-            report["on_policy"][strategy] = {**{n: {k: f[k] for k in ("holds", "first_update", "tensor_cores")}
-                                                for n, f in got["losses"].items()},
-                                             **{f"divclip_erc_dynamic ({arm})": {k: f[k] for k in ("holds", "first_update")}
-                                                for arm, f in got["packing"].items()}}
-        else:
-            why = ("FSDP1 needs CUDA" if strategy == "fsdp" and args.device == "cpu" else
-                   "not requested" if strategy not in strategies else f"the run failed: {errors}")
-            report["targets"][strategy] = judge(None, why)
-    report["wall_seconds"] = time.perf_counter() - started
-    (out / "acceptance.json").write_text(json.dumps(report, indent=1))
-    (out / "acceptance.md").write_text(markdown(report))
+            finished.append(strategy)
+            # written after each strategy: a command stopped later (a time limit) keeps what it measured
+            report = _report(args, child_argv, strategies, finished, results, errors, extras, stage_seconds)
+            report["wall_seconds"] = time.perf_counter() - started
+            (out / "acceptance.json").write_text(json.dumps(report, indent=1))
+            (out / "acceptance.md").write_text(markdown(report))
     print((out / "acceptance.md").read_text())
     outcome = verdict(report, allow_unmeasured=args.allow_unmeasured)
     print(outcome.summary())

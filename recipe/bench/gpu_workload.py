@@ -11,8 +11,14 @@ acceptance run through ``recipe.bench.__main__``.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
+import math
+import random
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional, Sequence
 
 STRATEGIES = ("fsdp", "fsdp2")
 """``actor.strategy``: verl 0.9.1 builds ``fsdp`` (what the launch scripts resolve to) as FSDP1 and
@@ -102,3 +108,296 @@ def divclip_actor_config(mode: str, sequences: int, k: int, vocab_pass: bool) ->
 
     policy = DivClipPolicyLossConfig(loss_mode=mode, delta=0.07, kl_full_top_k=k, vocab_pass=vocab_pass)
     return make_actor_config(policy_loss=policy, ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences)
+
+
+# ------------------------------------------------------------------------------------------------
+# What the acceptance measures on any device: memory per phase, the longest micro-batch, FLOPs, lengths
+# ------------------------------------------------------------------------------------------------
+
+PROC_STATUS = Path("/proc/self/status")
+CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+class MemoryMeter:
+    """Memory in use now and the peak since the last :meth:`reset_peak`, on the device the update runs on.
+
+    ``cuda``: the caching allocator's counters (``torch.cuda.memory_allocated``,
+    ``reset_peak_memory_stats``, ``max_memory_allocated``): bytes held by live tensors, exact.
+    ``cpu``: the process's resident set (``VmRSS``) and its high-water mark (``VmHWM``), which writing
+    ``5`` to ``/proc/self/clear_refs`` resets to the current RSS (Linux >= 4.0). The process must run
+    with :data:`recipe.bench.child.LIVE_RSS_ENV` so that freed blocks leave the resident set and its peak
+    tracks live memory (the acceptance runs its CPU children so).
+    """
+
+    def __init__(self, device: str) -> None:
+        if device not in ("cuda", "cpu"):
+            raise ValueError(f"MemoryMeter: device must be 'cuda' or 'cpu', got {device!r}")
+        self.device = device
+
+    def sync(self) -> None:
+        """Wait for the device's queued work, so that the counters and a clock see it done."""
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+
+    def now(self) -> int:
+        """Bytes in use now."""
+        if self.device == "cuda":
+            import torch
+
+            return int(torch.cuda.memory_allocated())
+        return self._status_kib("VmRSS") * 1024
+
+    def reset_peak(self) -> None:
+        """Start a new peak at the memory in use now."""
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            CLEAR_REFS.write_text("5")
+
+    def peak(self) -> int:
+        """The most bytes in use since the last :meth:`reset_peak`."""
+        if self.device == "cuda":
+            import torch
+
+            return int(torch.cuda.max_memory_allocated())
+        return self._status_kib("VmHWM") * 1024
+
+    def release(self) -> None:
+        """Hand freed memory back (collect garbage; CUDA: empty the allocator's cache; CPU: ``malloc_trim``),
+        so that what a failed or finished try left behind is not counted as held by the next one."""
+        gc.collect()
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+        else:
+            ctypes.CDLL(None).malloc_trim(0)
+
+    @staticmethod
+    def _status_kib(key: str) -> int:
+        for line in PROC_STATUS.read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1])
+        raise RuntimeError(f"{PROC_STATUS} has no {key} line: the CPU memory meter needs Linux")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of verl's engine as :class:`UpdatePhases` saw it.
+
+    Attributes:
+        name: ``"forward_backward"`` (an update's forward and backward over its micro-batches),
+            ``"forward"`` (a log-prob pass) or ``"optimizer_step"``.
+        held_bytes: Memory in use when the phase began.
+        peak_bytes: The most memory in use during the phase (absolute, not above ``held_bytes``).
+        gradient_bytes: Bytes of the module's gradients when the phase ended (this rank's shards).
+    """
+
+    name: str
+    held_bytes: int
+    peak_bytes: int
+    gradient_bytes: int
+
+
+def gradient_bytes(module: Any) -> int:
+    """Bytes of ``module``'s gradients on this rank (an FSDP2 ``DTensor`` counts its local shard)."""
+    total = 0
+    for param in module.parameters():
+        grad = param.grad
+        if grad is not None:
+            grad = grad.to_local() if hasattr(grad, "to_local") else grad
+            total += grad.numel() * grad.element_size()
+    return total
+
+
+class UpdatePhases:
+    """Records memory per phase of verl's engine by wrapping two methods of one engine instance.
+
+    verl 0.9.1's ``BaseEngine.train_batch`` runs ``self.optimizer_zero_grad()``, then
+    ``self.forward_backward_batch(...)``, then ``self.optimizer_step()``, and ``infer_batch`` runs
+    ``self.forward_backward_batch(..., forward_only=True)``: wrapping those two attributes of the
+    instance (verl's own methods run unchanged inside) gives each phase's memory before it began and its
+    peak, without touching the engine's class. A measuring instrument of the benchmark, not a hook of the
+    product (``verl_ext/engine`` owns those).
+    """
+
+    def __init__(self, engine: Any, meter: MemoryMeter) -> None:
+        self.records: list[Phase] = []
+        forward_backward, optimizer_step = engine.forward_backward_batch, engine.optimizer_step
+
+        def measured(name: str, run: Callable[[], Any]) -> Any:
+            meter.sync()
+            held = meter.now()
+            meter.reset_peak()
+            out = run()
+            meter.sync()
+            self.records.append(Phase(name, held, meter.peak(), gradient_bytes(engine.module)))
+            return out
+
+        def forward_backward_batch(data: Any, loss_function: Any, forward_only: bool = False) -> Any:
+            return measured("forward" if forward_only else "forward_backward",
+                            lambda: forward_backward(data, loss_function, forward_only=forward_only))
+
+        engine.forward_backward_batch = forward_backward_batch
+        engine.optimizer_step = lambda: measured("optimizer_step", optimizer_step)
+
+    def mark(self) -> int:
+        """A position in :attr:`records`; :meth:`since` gives the phases recorded after it."""
+        return len(self.records)
+
+    def since(self, mark: int) -> list[Phase]:
+        return self.records[mark:]
+
+
+def update_memory(phases: Sequence[Phase]) -> dict[str, int]:
+    """Memory figures of one update (one mini-batch) from its phases.
+
+    Returns:
+        ``held_bytes``: memory in use before the forward (parameters, optimizer state, whatever verl
+        holds: its ``optimizer_zero_grad`` frees the gradients, so they are not part of it);
+        ``loss_peak_bytes``: the forward/backward peak above ``held_bytes`` (activations, logits, the
+        loss's own tensors and the gradients the backward allocates: the part a loss can change);
+        ``optimizer_peak_bytes``: the optimizer step's peak above the same ``held_bytes``;
+        ``update_peak_bytes``: the update's absolute peak (what the first H200 run reported);
+        ``gradient_bytes``: the gradients after the backward (the same for every loss).
+    """
+    forward = [p for p in phases if p.name == "forward_backward"]
+    step = [p for p in phases if p.name == "optimizer_step"]
+    if len(forward) != 1 or len(step) != 1:
+        raise ValueError(f"one update must have one forward/backward and one optimizer step, got {[p.name for p in phases]}")
+    held = forward[0].held_bytes
+    return {"held_bytes": held, "loss_peak_bytes": forward[0].peak_bytes - held,
+            "optimizer_peak_bytes": step[0].peak_bytes - held,
+            "update_peak_bytes": max(forward[0].peak_bytes, step[0].peak_bytes),
+            "gradient_bytes": forward[0].gradient_bytes}
+
+
+def pass_memory(phases: Sequence[Phase]) -> int:
+    """A log-prob pass's peak above the memory in use before it (one ``forward`` phase)."""
+    forward = [p for p in phases if p.name == "forward"]
+    if len(forward) != 1:
+        raise ValueError(f"one log-prob pass must have one forward phase, got {[p.name for p in phases]}")
+    return forward[0].peak_bytes - forward[0].held_bytes
+
+
+@dataclass
+class Search:
+    """The longest micro-batch that fits, as :func:`longest_fitting` found it (in the search's unit).
+
+    Attributes:
+        fits: The largest size that fitted (0: not even the smallest tried).
+        fails: The smallest size that did not fit (None: none failed).
+        tries: Every size tried, with whether it fitted, in order.
+        stopped: ``"resolved"`` (``fails <= fits * (1 + resolution)`` or ``fails == fits + 1``),
+            ``"limit"`` (``fits`` reached the search's limit) or ``"time"`` (the deadline came first:
+            ``fits`` is a lower bound, ``fails`` an upper bound if any).
+    """
+
+    fits: int = 0
+    fails: Optional[int] = None
+    tries: list[tuple[int, bool]] = field(default_factory=list)
+    stopped: str = "time"
+
+
+def longest_fitting(fits: Callable[[int], bool], start: int, *, limit: int, resolution: float, deadline: float,
+                    known_fit: int = 0, clock: Callable[[], float] = time.monotonic) -> Search:
+    """The largest ``n`` in ``[1, limit]`` with ``fits(n)``, by doubling from ``start`` then bisection.
+
+    Assumes ``fits`` is monotone (a size fits when a larger one does). Doubling tries ``start``,
+    ``2 * start``, ... (capped at ``limit``) until one fails; bisection then halves the bracket until the
+    smallest failure is within ``resolution`` of the largest fit (or one apart). No try starts once
+    ``clock()`` has passed ``deadline``: the result then says ``stopped="time"``.
+
+    Args:
+        fits: Tries one size; True if it fitted.
+        start: The first size to try (>= 1).
+        limit: The largest size to try.
+        resolution: Relative width at which bisection stops (0.25: within 25 %).
+        deadline: A ``clock()`` value after which no try starts.
+        known_fit: A size already known to fit (0: none); the search does not try it or anything below.
+        clock: The clock ``deadline`` refers to.
+    """
+    if start < 1 or limit < start:
+        raise ValueError(f"longest_fitting: need 1 <= start <= limit, got start={start}, limit={limit}")
+    found = Search(fits=known_fit)
+
+    def attempt(n: int) -> Optional[bool]:
+        if clock() >= deadline:
+            return None
+        ok = bool(fits(n))
+        found.tries.append((n, ok))
+        if ok:
+            found.fits = n
+        else:
+            found.fails = n
+        return ok
+
+    n = start
+    while found.fails is None:
+        if found.fits >= limit:
+            found.stopped = "limit"
+            return found
+        if n > found.fits and attempt(n) is None:
+            return found
+        n = min(2 * max(n, found.fits), limit)
+    while found.fails > found.fits + 1 and found.fails > found.fits * (1 + resolution):
+        if attempt((found.fits + found.fails) // 2) is None:
+            return found
+    found.stopped = "resolved"
+    return found
+
+
+def response_lengths(count: int, mean: float, max_len: int, seed: int, sigma: float = 1.0) -> list[int]:
+    """Response lengths drawn as an RL batch's are: varied and long-tailed (log-normal), seeded.
+
+    Log-normal with shape ``sigma`` and mean ``mean`` before clipping (``mu = ln(mean) - sigma**2 / 2``),
+    each rounded and clipped to ``[1, max_len]`` (a response cut at the rollout's maximum length). At
+    ``sigma = 1`` the longest of a few dozen is several times the median, as reasoning models' are.
+    """
+    if count < 1 or max_len < 1 or mean <= 0:
+        raise ValueError(f"response_lengths: need count >= 1, max_len >= 1, mean > 0; got {count}, {max_len}, {mean}")
+    draw = random.Random(seed)
+    mu = math.log(mean) - sigma**2 / 2
+    return [min(max_len, max(1, round(draw.lognormvariate(mu, sigma)))) for _ in range(count)]
+
+
+def update_flops(model_path: str, sequence_lengths: Sequence[int]) -> float:
+    """Model FLOPs of one training update (forward + backward) over sequences of these lengths.
+
+    verl's own estimate (``verl.utils.flops_counter``'s function for the model type, what
+    ``FlopsCounter`` and so verl's ``perf/mfu`` use):
+    for a dense decoder ``6 * N * tokens`` with ``N`` the layers' linear weights plus the embedding and
+    the output head, plus the attention scores and values ``6 * sum(s_i**2) * heads * head_dim *
+    layers`` over each sequence's length ``s_i``. Gradient checkpointing's recomputed forward is not
+    counted (model FLOPs, not hardware FLOPs).
+    """
+    from transformers import AutoConfig
+    from verl.utils.flops_counter import ESTIMATE_FUNC
+
+    config = AutoConfig.from_pretrained(model_path)
+    if config.model_type not in ESTIMATE_FUNC:
+        raise ValueError(f"verl's FlopsCounter has no estimate for model_type {config.model_type!r} ({model_path})")
+    lengths = list(sequence_lengths)
+    # FlopsCounter.estimate_flops without its device lookup: TFLOP/s over one second, the update's FLOPs
+    return float(ESTIMATE_FUNC[config.model_type](config, sum(lengths), lengths, 1.0)) * 1e12
+
+
+def device_peak_flops(device: str) -> tuple[Optional[float], str]:
+    """The device's dense bf16 peak in FLOP/s and its name, from verl's table
+    (``verl.utils.flops_counter.get_device_flops``: H100 and H200 989e12, NVIDIA's dense bf16 tensor-core
+    figure, half the datasheets' 1,979 TFLOP/s "with sparsity"; ``CPU`` 448e9). None for a device the
+    table does not know."""
+    from verl.utils.flops_counter import get_device_flops
+
+    if device == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name()
+    else:
+        name = "CPU"
+    peak = float(get_device_flops(unit="T", device_name=name)) * 1e12
+    return (peak if math.isfinite(peak) and peak > 0 else None), name
