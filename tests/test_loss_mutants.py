@@ -149,3 +149,20 @@ def test_the_gauge_reads_erc_eps_from_the_band_and_needs_both_entropies() -> Non
     for one in ((None, entropy), (old_entropy, None)):
         assert set(on_policy_gauge(zeros, zeros, mask, 0.2, 0.2, *one)) == {"onpolicy/log_ratio_abs_max",
                                                                            "onpolicy/ratio_clipfrac"}
+
+
+def test_entropy_ratio_of_fp64_entropies_is_computed_in_the_requested_fp32() -> None:
+    """fp64 entropies with ``dtype`` float32 (the band the verl modes compute): both entropies are cast to
+    float32 first, so rho is float32 and equals the float32 formula bit for bit (an fp64 intermediate would
+    round differently somewhere among these values)."""
+    from verl_ext.core.erc import entropy_ratio
+
+    gen = torch.Generator().manual_seed(0)
+    old = 0.1 + 3 * torch.rand(4, 256, generator=gen, dtype=torch.float64)
+    new = 0.1 + 3 * torch.rand(4, 256, generator=gen, dtype=torch.float64)
+    mask = torch.ones(4, 256, dtype=torch.bool)
+    rho = entropy_ratio(old, new, mask, 1e-3, torch.float32)
+    assert rho.dtype == torch.float32
+    eps = torch.tensor(1e-3, dtype=torch.float32)
+    assert torch.equal(rho, (new.float() + eps) / (old.float() + eps))
+    assert not torch.equal(rho, ((new + 1e-3) / (old + 1e-3)).float())
