@@ -80,7 +80,8 @@ def with_entropy_ratios(data: Any, values: dict[str, torch.Tensor], ratios: tupl
 def divclip_config(mode: str, case: ParityCase, **policy: Any) -> Any:
     from verl_ext.config import DivClipPolicyLossConfig
 
-    return make_actor_config(policy_loss=DivClipPolicyLossConfig(loss_mode=mode, **policy), **{**CLIP_RATIOS, **case.actor})
+    policy_loss = DivClipPolicyLossConfig(loss_mode=mode, **policy)
+    return make_actor_config(policy_loss=policy_loss, **{**CLIP_RATIOS, **case.actor})
 
 
 def run_erc_loss(loss_fn: Any, config: Any, data: Any, values: dict[str, torch.Tensor]) -> LossRun:
@@ -146,6 +147,12 @@ def test_erc_on_verl_mode_keeps_the_kl_loss_gradient_on_every_token(monkeypatch:
 # ------------------------------------------------------------------------------------------------
 
 
+def padded(nested: torch.Tensor) -> torch.Tensor:
+    """``(batch, max response length)`` of a nested per-response field, zeros beyond each row."""
+    width = max(RESPONSE_LENS)
+    return torch.stack([torch.cat([row, row.new_zeros(width - len(row))]) for row in nested.unbind()])
+
+
 def padded_from_flat(flat: torch.Tensor) -> torch.Tensor:
     """``(batch, max response length)`` of the response values in a flat engine output (0 beyond a row)."""
     width = max(RESPONSE_LENS)
@@ -160,15 +167,14 @@ def test_loss_scale_factor_scales_kl3_under_seq_mean_token_sum_norm(loss_scale_f
     the factor verl's ``agg_loss`` documents (the response length when unset) -- value and gradient."""
     from verl_ext.actor_loss import divclip_actor_loss
 
-    case = ParityCase("kl3_seq_norm", actor=dict(loss_scale_factor=loss_scale_factor, loss_agg_mode="seq-mean-token-sum-norm"))
+    actor = dict(loss_scale_factor=loss_scale_factor, loss_agg_mode="seq-mean-token-sum-norm")
+    case = ParityCase("kl3_seq_norm", actor=actor)
     data = make_micro_batch(case)
     values = model_output_values(data)
     ours = run_loss(divclip_actor_loss, divclip_config("kl3", case), data, values, with_entropy=False)
 
     leaf = values["log_probs"].clone().requires_grad_(True)
-    mask = torch.stack([torch.cat([m, m.new_zeros(max(RESPONSE_LENS) - len(m))]) for m in data["response_mask"].unbind()])
-    old = torch.stack([torch.cat([o, o.new_zeros(max(RESPONSE_LENS) - len(o))]) for o in data["old_log_probs"].unbind()])
-    adv = torch.stack([torch.cat([a, a.new_zeros(max(RESPONSE_LENS) - len(a))]) for a in data["advantages"].unbind()])
+    mask, old, adv = (padded(data[name]) for name in ("response_mask", "old_log_probs", "advantages"))
     surrogate = reference_surrogate_matrix(old, padded_from_flat(leaf), adv, mask,
                                            RefKnobs(mode="kl3", eps_low=0.2, eps_high=0.28, delta=0.07))
     factor = loss_scale_factor if loss_scale_factor is not None else mask.shape[-1]
@@ -221,7 +227,8 @@ def test_every_kl_mode_reads_a_non_default_delta(mode: str, delta: float) -> Non
     torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
     default_loss, default_grad = reference(0.07)
-    assert not (torch.allclose(default_loss, ref_loss) and torch.allclose(default_grad, ref_grad)), "delta does not bind"
+    binds = not (torch.allclose(default_loss, ref_loss) and torch.allclose(default_grad, ref_grad))
+    assert binds, "the reference at the default delta is the same on this batch"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -245,7 +252,8 @@ def test_an_asymmetric_erc_band_reaches_the_loss_the_gauge_and_the_dump(mode: st
     data = make_micro_batch(case)
     values = model_output_values(data)
     rhos = with_entropy_ratios(data, values, RATIOS)
-    valid_rhos = [rho for row, mask in zip(rhos, data["response_mask"].unbind()) for rho, m in zip(row, mask.tolist()) if m]
+    masks = data["response_mask"].unbind()
+    valid_rhos = [rho for row, mask in zip(rhos, masks) for rho, m in zip(row, mask.tolist()) if m]
     n_low, n_high = valid_rhos.count(0.75), valid_rhos.count(1.3)
     assert 0 < n_low < n_high  # the two sides count differently: a swap changes every fraction
     dump = tmp_path / "dump.jsonl"

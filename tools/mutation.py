@@ -146,7 +146,8 @@ def prepare(work: Path, tests_from: str | None, mutated: list[str], tests: list[
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, target)
     if tests_from is not None:
-        archive = subprocess.run(["git", "archive", tests_from, "tests"], cwd=ROOT, check=True, capture_output=True).stdout
+        archive = subprocess.run(["git", "archive", tests_from, "tests"], cwd=ROOT, check=True,
+                                 capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(work)], input=archive, check=True)
     missing = [test for test in tests if not (work / test.split("::")[0]).exists()]
     if missing:
