@@ -3,14 +3,17 @@
 Each constraint is evaluated from its *definition* (the divergence against delta, the
 DCPO/clip formulas in plain ``math``), never from the closed-form ratio bounds the
 implementation uses, and Eq. 5's pessimistic min is taken with an explicit comparison.
-Token-mean aggregation only. ``seq_kl3`` is built sequence by sequence
+Token-mean aggregation (:func:`reference_loss`), or the per-token matrix for any other
+(:func:`reference_surrogate_matrix`). ``seq_kl3`` is built sequence by sequence
 (:func:`reference_sequence_loss`): GSPO's s_i from the mean log-ratio of the row's valid
 tokens, KL3(s_i) = s_i - 1 - log s_i against delta.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -98,16 +101,49 @@ def reference_loss(
     entropy: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Token-mean loss built token by token (log_prob may require grad)."""
-    if knobs.mode == "seq_kl3":
-        return reference_sequence_loss(old_log_prob, log_prob, advantages, mask, knobs, old_entropy, entropy)
     total = log_prob.new_zeros(())
     count = 0
+    for _, surrogate in reference_terms(old_log_prob, log_prob, advantages, mask, knobs, old_entropy, entropy):
+        count += 1
+        total = total - surrogate
+    return total / max(count, 1)
+
+
+def reference_surrogate_matrix(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    knobs: RefKnobs,
+    old_entropy: Optional[torch.Tensor] = None,
+    entropy: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The per-token surrogate of Eq. 5 (before the sign and the aggregation) as a ``log_prob``-shaped
+    matrix, 0 on masked tokens: for any aggregation (verl's ``agg_loss``) of the reference."""
+    terms = dict(reference_terms(old_log_prob, log_prob, advantages, mask, knobs, old_entropy, entropy))
+    zero = log_prob.new_zeros(())
+    rows, cols = log_prob.shape
+    return torch.stack([torch.stack([terms.get((i, j), zero) for j in range(cols)]) for i in range(rows)])
+
+
+def reference_terms(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    knobs: RefKnobs,
+    old_entropy: Optional[torch.Tensor] = None,
+    entropy: Optional[torch.Tensor] = None,
+) -> Iterator[tuple[tuple[int, int], torch.Tensor]]:
+    """``((i, j), surrogate)`` of every valid token, row by row: Eq. 5's term w A or its replacement."""
+    if knobs.mode == "seq_kl3":
+        yield from reference_sequence_terms(old_log_prob, log_prob, advantages, mask, knobs, old_entropy, entropy)
+        return
     rows, cols = log_prob.shape
     for i in range(rows):
         for j in range(cols):
             if not bool(mask[i, j]):
                 continue
-            count += 1
             old = float(old_log_prob[i, j])
             adv = float(advantages[i, j])
             x = torch.clamp(log_prob[i, j] - old, -20.0, 20.0)
@@ -123,8 +159,7 @@ def reference_loss(
             else:
                 # Eq. 5: min(w A, 1 * A) with the replacement a constant.
                 surrogate = w * adv if wv * adv <= adv else w.new_tensor(adv)
-            total = total - _dual_clip_and_erc(surrogate, wv, adv, knobs, old_entropy, entropy, (i, j))
-    return total / max(count, 1)
+            yield (i, j), _dual_clip_and_erc(surrogate, wv, adv, knobs, old_entropy, entropy, (i, j))
 
 
 def reference_sequence_loss(
@@ -136,15 +171,27 @@ def reference_sequence_loss(
     old_entropy: Optional[torch.Tensor] = None,
     entropy: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Sequence-level KL3 (ATR-GRPO Sec. 6.5), token-mean, one sequence at a time.
+    """Sequence-level KL3 (ATR-GRPO Sec. 6.5), token-mean (:func:`reference_sequence_terms`)."""
+    knobs = dataclasses.replace(knobs, mode="seq_kl3")
+    return reference_loss(old_log_prob, log_prob, advantages, mask, knobs, old_entropy, entropy)
+
+
+def reference_sequence_terms(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    knobs: RefKnobs,
+    old_entropy: Optional[torch.Tensor] = None,
+    entropy: Optional[torch.Tensor] = None,
+) -> Iterator[tuple[tuple[int, int], torch.Tensor]]:
+    """Sequence-level KL3 (ATR-GRPO Sec. 6.5), one sequence at a time.
 
     Every valid token of row i uses the ratio s_i = exp(mean of its row's clamped log-ratios)
     in GSPO-token form: value s_i, derivative s_i with respect to the token's own log-prob.
     A row whose KL3(s_i) exceeds delta has its ratio replaced by the constant 1 inside
     min(s A, 1 A), decided per token by the sign of A_t.
     """
-    total = log_prob.new_zeros(())
-    count = 0
     rows, cols = log_prob.shape
     for i in range(rows):
         valid = [j for j in range(cols) if bool(mask[i, j])]
@@ -155,12 +202,10 @@ def reference_sequence_loss(
         s = math.exp(log_s)
         inside = s - 1 - log_s <= knobs.delta
         for j in valid:
-            count += 1
             adv = float(advantages[i, j])
             ratio = s * torch.exp(xs[j] - xs[j].item())  # value s, d/dlog pi_t = s
             if inside or s * adv <= adv:
                 surrogate = ratio * adv
             else:
                 surrogate = ratio.new_tensor(adv)  # min(s A, 1 A) = 1 A, a constant
-            total = total - _dual_clip_and_erc(surrogate, s, adv, knobs, old_entropy, entropy, (i, j))
-    return total / max(count, 1)
+            yield (i, j), _dual_clip_and_erc(surrogate, s, adv, knobs, old_entropy, entropy, (i, j))

@@ -11,8 +11,9 @@ hands them to the loss:
   on the same micro-batch with the same ``ActorConfig`` -- once with verl's ``PolicyLossConfig``, once with
   ``DivClipPolicyLossConfig`` with no divclip knob set -- and give the same total loss, the same gradient
   with respect to the model's ``log_probs`` and ``entropy`` and the same metric values, bit for bit; the
-  divclip modes likewise (:func:`test_divclip_modes_run_inside_ppo_loss`), where ``ppo_loss`` reaches the
-  divclip operator through the registry;
+  divclip modes against verl's ``ppo_loss`` with the paper's formula as its policy term
+  (:func:`test_divclip_modes_run_inside_ppo_loss`: Eq. 5 from each constraint's definition, aggregated by
+  verl's ``agg_loss``), to float32 rounding;
 * **one divergence found and fixed** (:func:`test_the_gauge_measures_verls_clip_range_without_refusing_it`):
   the on-policy gauge validated the clip epsilons as the divclip modes need them and raised on verl
   modes with epsilons verl accepts (``clip_ratio_low >= 1``);
@@ -329,29 +330,69 @@ def test_divclip_loss_is_ppo_loss(mode: str, case: ParityCase) -> None:
 
 #: the divclip modes ``ppo_loss`` can run from its own inputs (``kl_full`` needs pi_old's top-k from the engine)
 DIVCLIP_PARITY_MODES = ("clip", "kl3", "kl1", "kl2", "is_kl3", "trgppo", "dcpo", "gppo", "seq_kl3")
-#: the cases where the divclip registry entry itself differs from verl's vanilla (weights, global batch, KL, bonus)
-DIVCLIP_PARITY_CASES = ("baseline", "rollout_is_weights", "everything", "entropy_bonus", "on_policy_mark")
+#: the cases whose inputs reach the divclip registry entry itself (weights, aggregation, global batch, the scale
+#: factor), or verl's terms beside it (KL, bonus)
+DIVCLIP_PARITY_CASES = ("baseline", "entropy_bonus", "loss_scale_factor/seq-mean-token-sum-norm", "rollout_is_weights",
+                        "global_batch/global_batch_size_only", "everything", "on_policy_mark")
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.name in DIVCLIP_PARITY_CASES], ids=DIVCLIP_PARITY_CASES)
+def paper_formula_entry(mode: str) -> Callable[..., tuple[torch.Tensor, dict[str, Any]]]:
+    """A policy-loss registry entry computing divclip ``mode`` from the paper's formula: Eq. 5 token by token
+    (:func:`tests.loss_reference.reference_surrogate_matrix`, each constraint from its definition), times the
+    rollout-correction weights, aggregated by verl's own ``agg_loss`` with the global batch info ``ppo_loss``
+    fills in (``loss_scale_factor`` included). No divclip code runs in it."""
+    from tests.loss_reference import RefKnobs, reference_surrogate_matrix
+
+    def policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                    rollout_is_weights=None):
+        knobs = RefKnobs(mode=mode, eps_low=config.clip_ratio_low, eps_high=config.clip_ratio_high)
+        surrogate = reference_surrogate_matrix(old_log_prob, log_prob, advantages, response_mask, knobs)
+        if rollout_is_weights is not None:
+            surrogate = surrogate * rollout_is_weights
+        loss = -core_algos.agg_loss(loss_mat=surrogate, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
+                                    **config.global_batch_info)
+        return loss, {}
+
+    return policy_loss
+
+
+DIVCLIP_CASES = [c for c in CASES if c.name in DIVCLIP_PARITY_CASES]
+
+
+@pytest.mark.parametrize("case", DIVCLIP_CASES, ids=[c.name for c in DIVCLIP_CASES])
 @pytest.mark.parametrize("mode", DIVCLIP_PARITY_MODES)
-def test_divclip_modes_run_inside_ppo_loss(mode: str, case: ParityCase) -> None:
-    """A divclip mode through the installed loss is verl's ``ppo_loss`` with the divclip registry entry: the
-    same loss, gradients and metrics, bit for bit, as verl's ``ppo_loss`` called directly on the same config
-    (which looks the mode up in the registry); the metrics the registered function adds are there in both."""
+def test_divclip_modes_run_inside_ppo_loss(mode: str, case: ParityCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A divclip mode through the installed loss is verl's ``ppo_loss`` with the paper's formula as its policy
+    term: the same loss and gradients (to float32 rounding) as verl's ``ppo_loss`` called with a registry entry
+    that computes Eq. 5 from each constraint's definition and aggregates with verl's ``agg_loss``
+    (:func:`paper_formula_entry`); verl's own terms (KL loss, entropy bonus) report the same values; the
+    metrics the registered function adds are there."""
     from verl_ext.actor_loss import divclip_actor_loss
     from verl_ext.config import DivClipPolicyLossConfig
     from verl_ext.core.region import CONSTRAINTS
 
     assert set(DIVCLIP_PARITY_MODES) == set(CONSTRAINTS) - {"kl_full"}
+    reference_mode = f"test_paper_formula_{mode}"
+    monkeypatch.setitem(core_algos.POLICY_LOSS_REGISTRY, reference_mode, paper_formula_entry(mode))
     data = make_micro_batch(case)
     values = model_output_values(data)
     config = make_actor_config(policy_loss=DivClipPolicyLossConfig(loss_mode=mode), **{**CLIP_RATIOS, **case.actor})
-    verl_run = run_loss(verl_losses.ppo_loss, config, data, values, case.entropy)
+    reference_config = make_actor_config(policy_loss=PolicyLossConfig(loss_mode=reference_mode),
+                                         **{**CLIP_RATIOS, **case.actor})
+    reference = run_loss(verl_losses.ppo_loss, reference_config, data, values, case.entropy)
     ours = run_loss(divclip_actor_loss, config, data, values, case.entropy)
-    assert torch.isfinite(verl_run.loss) and "actor/divclip/kl3_mean" in verl_run.metrics
-    assert_same_run(verl_run, ours, case)
-    assert ("actor/divclip/rollout_is_weight_mean" in verl_run.metrics) == case.rollout_is_weights
+    assert torch.isfinite(reference.loss) and "actor/divclip/kl3_mean" in ours.metrics
+    torch.testing.assert_close(ours.loss, reference.loss, rtol=1e-5, atol=1e-7)
+    assert ours.grads.keys() == reference.grads.keys()
+    for name, grad in reference.grads.items():
+        torch.testing.assert_close(ours.grads[name], grad, rtol=1e-5, atol=1e-8, msg=f"d loss / d {name}")
+    assert (ours.grads["log_probs"] != 0).any()
+    assert ours.metrics["actor/pg_loss"].values == pytest.approx(reference.metrics["actor/pg_loss"].values, rel=1e-5)
+    for name in ("actor/entropy_loss", "kl_loss"):
+        assert (name in ours.metrics) == (name in reference.metrics)
+        if name in ours.metrics:
+            assert ours.metrics[name].values == reference.metrics[name].values, name
+    assert ("actor/divclip/rollout_is_weight_mean" in ours.metrics) == case.rollout_is_weights
 
 
 def test_the_options_change_the_loss() -> None:

@@ -1,0 +1,252 @@
+"""Mutation score of the loss path (issue 41): mutmut over the loss modules, against the tests that cover them.
+
+    .venv/bin/python tools/mutation.py                       # run (or resume), then print the table
+    .venv/bin/python tools/mutation.py --report              # the table of the last run, nothing run
+    .venv/bin/python tools/mutation.py --tests-from 3934510  # the same modules, another revision's tests
+
+Each label (``--label``, default ``current``, or the ``--tests-from`` revision) runs in its own scratch copy,
+``.mutation/<label>/``: the checkout's tracked and untracked files (``tests/`` replaced by the revision's with
+``--tests-from``). mutmut 3 does not mutate decorated functions; in the copy every decorated function of the
+mutated modules is rewritten ``def f ...; f = d(f)`` (the same object, bound after the definition), so the
+registered constraints, ``check_policy_config`` and the ``torch.no_grad`` kernels are mutated too.
+
+One process (``--max-children 1``; the machine is shared), forked from mutmut's fork server (torch is not
+fork-safe from a pytest process). mutmut keeps every mutant's verdict in the copy, so ``--budget-s`` stops a
+run (SIGINT) and the next invocation goes on where it stopped; ``--fresh`` starts over. The table counts, per
+module: killed, survived, timed out, not covered (no selected test runs the function), other (segfault,
+suspicious) -- and the score killed / (all - equivalent), the equivalent mutants being those listed in
+:data:`EQUIVALENT` (docs/benchmarks.md says why for each).
+
+Needs the ``dev`` extra (``pip install -e .[dev]``: mutmut). A tool, not product code: nothing imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: the modules whose mutants are scored: the loss path and the config checks
+MUTATED = [
+    "verl_ext/core/*.py",
+    "verl_ext/registry.py",
+    "verl_ext/actor_loss.py",
+    "verl_ext/verl_modes.py",
+    "verl_ext/adaptive_delta.py",
+    "verl_ext/config.py",
+    "recipe/config_checks.py",
+]
+
+#: the tests run against them (mutmut runs, for each mutant, the selected tests that call the mutated function,
+#: fastest first, stopping at the first failure). Engine runs (Ray, a model) are left out: minutes each.
+TESTS = [
+    "tests/test_losses.py",
+    "tests/test_full_kl.py",
+    "tests/test_loss_breaks.py",
+    "tests/test_loss_mutants.py",
+    "tests/test_verl_modes.py",
+    "tests/test_adaptive_delta.py",
+    "tests/test_plugin_config.py",
+    "tests/test_rollout_correction.py",
+    "tests/test_correct_nll.py",
+    "tests/test_ppo_loss_parity.py",
+    "tests/test_recipe_main.py",
+    "tests/test_losses_properties.py",
+]
+#: tests of those files that start engines or subprocesses (deselected: their fixtures take minutes)
+DESELECT = "not engine and not subprocess"
+
+#: mutants that cannot change behaviour, by mutmut name, with the reason (docs/benchmarks.md, "Mutation score")
+_EXTRA_REDUCTION = "only adds the reduction over valid tokens, whose result equals the value already there"
+EQUIVALENT: dict[str, str] = {
+    "verl_ext.core.erc.x_entropy_ratio__mutmut_11": "mask.to(None): a 0/1 mask (bool or int) multiplies exactly; "
+    "the float entropy sets the result dtype",
+    "verl_ext.core.erc.x_gate_log_prob_gradient__mutmut_3": "converting keep to the dtype it already has is a no-op",
+    "verl_ext.core.erc.x_finish_entropy_band_metrics__mutmut_7": _EXTRA_REDUCTION,
+    "verl_ext.core.erc.x_finish_entropy_band_metrics__mutmut_17": _EXTRA_REDUCTION,
+    "verl_ext.core.erc.x_finish_entropy_band_metrics__mutmut_20": _EXTRA_REDUCTION,
+    "verl_ext.core.erc.x_finish_entropy_band_metrics__mutmut_32": _EXTRA_REDUCTION,
+    "verl_ext.core.erc.x_finish_entropy_band_metrics__mutmut_35": _EXTRA_REDUCTION,
+    "verl_ext.core.erc.x_finish_entropy_band_metrics__mutmut_36": _EXTRA_REDUCTION,
+}
+
+#: mutmut's verdicts (``mutmut.stats.status_by_exit_code``) as the table groups them
+GROUP = {"killed": "killed", "caught by type check": "killed", "survived": "survived", "timeout": "timeout",
+         "no tests": "no_tests", "not checked": "not_run", "check was interrupted by user": "not_run"}
+COLUMNS = ("killed", "survived", "timeout", "no_tests", "other", "not_run")
+
+
+def source_files() -> list[str]:
+    """The checkout's files: tracked and untracked, less what git ignores."""
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
+                         check=True, capture_output=True, text=True).stdout
+    return [name for name in out.split("\0") if name and (ROOT / name).is_file()]
+
+
+def undecorate(source: str) -> str:
+    """``@d1 @d2 def f`` as ``def f ...`` followed by ``f = d1(d2(f))``, for the module's and its classes'
+    functions (``staticmethod`` / ``classmethod`` alone stay: mutmut handles those)."""
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    edits = []  # (first decorator line, def line, end line, indent, assignment), 1-based
+    bodies = [tree.body] + [node.body for node in tree.body if isinstance(node, ast.ClassDef)]
+    for body in bodies:
+        for node in body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not node.decorator_list:
+                continue
+            names = [ast.unparse(d) for d in node.decorator_list]
+            if names in (["staticmethod"], ["classmethod"]):
+                continue
+            applied = node.name
+            for name in reversed(names):
+                applied = f"({name})({applied})"
+            indent = " " * node.col_offset
+            edits.append((node.decorator_list[0].lineno, node.lineno, node.end_lineno, indent,
+                          f"{indent}{node.name} = {applied}\n"))
+    for first, def_line, end, _, assignment in sorted(edits, reverse=True):
+        lines[end:end] = [assignment]
+        del lines[first - 1 : def_line - 1]
+    return "".join(lines)
+
+
+def mutmut_config(mutated: list[str], tests: list[str]) -> str:
+    quoted = lambda items: "[" + ", ".join(json.dumps(item) for item in items) + "]"  # noqa: E731
+    return (
+        "\n[tool.mutmut]\n"
+        f'source_paths = ["verl_ext", "recipe"]\n'
+        f"only_mutate = {quoted(mutated)}\n"
+        f"pytest_add_cli_args_test_selection = {quoted([*tests, '-k', DESELECT])}\n"
+        f'pytest_add_cli_args = ["-p", "no:xdist", "-p", "no:cacheprovider"]\n'
+        'process_isolation = "forkserver"\n'
+        "use_git_change_detection = false\n"
+    )
+
+
+def prepare(work: Path, tests_from: str | None, mutated: list[str], tests: list[str]) -> None:
+    """The scratch copy: the checkout (tests from ``tests_from`` when given), decorated functions unwrapped,
+    mutmut's config appended to its pyproject.toml."""
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    for name in source_files():
+        if tests_from is not None and name.startswith("tests/"):
+            continue
+        target = work / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, target)
+    if tests_from is not None:
+        archive = subprocess.run(["git", "archive", tests_from, "tests"], cwd=ROOT, check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(work)], input=archive, check=True)
+    missing = [test for test in tests if not (work / test.split("::")[0]).exists()]
+    if missing:
+        print(f"not in the copy's tests, left out of the selection: {missing}")
+        tests = [test for test in tests if test not in missing]
+    for pattern in mutated:
+        for path in work.glob(pattern):
+            path.write_text(undecorate(path.read_text()))
+    with open(work / "pyproject.toml", "a", encoding="utf-8") as handle:
+        handle.write(mutmut_config(mutated, tests))
+
+
+def run_mutmut(work: Path, budget_s: float, log: Path) -> float:
+    """``mutmut run --max-children 1`` in ``work``, stopped with SIGINT after ``budget_s``; the wall seconds."""
+    start = time.monotonic()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    with open(log, "a", encoding="utf-8") as out:
+        process = subprocess.Popen([sys.executable, "-m", "mutmut", "run", "--max-children", "1"], cwd=work,
+                                   stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            process.wait(timeout=budget_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGINT)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    return time.monotonic() - start
+
+
+def verdicts(work: Path) -> dict[str, dict[str, str]]:
+    """Per mutated module, each mutant's verdict (``not_run`` when it has none yet)."""
+    from mutmut.stats import status_by_exit_code
+
+    out: dict[str, dict[str, str]] = {}
+    for meta in sorted((work / "mutants").rglob("*.py.meta")):
+        module = str(meta.relative_to(work / "mutants"))[: -len(".meta")]
+        data = json.loads(meta.read_text())
+        out[module] = {name: GROUP.get(status_by_exit_code[code], "other")
+                       for name, code in data.get("exit_code_by_key", {}).items()}
+    return out
+
+
+def table(found: dict[str, dict[str, str]]) -> str:
+    rows = [f"| module | {' | '.join(COLUMNS)} | equivalent | score |", "|" + " --- |" * (len(COLUMNS) + 3)]
+    total: Counter[str] = Counter()
+    for module, by_name in found.items():
+        counts = Counter(by_name.values())
+        equivalent = sum(1 for name, verdict in by_name.items() if name in EQUIVALENT and verdict == "survived")
+        counts["equivalent"] = equivalent
+        total.update(counts)
+        rows.append(_row(module, counts))
+    rows.append(_row("**all**", total))
+    return "\n".join(rows)
+
+
+def _row(name: str, counts: Counter[str]) -> str:
+    scored = sum(counts[c] for c in COLUMNS) - counts["equivalent"] - counts["not_run"]
+    score = f"{100 * counts['killed'] / scored:.1f} %" if scored else "-"
+    return f"| {name} | {' | '.join(str(counts[c]) for c in COLUMNS)} | {counts['equivalent']} | {score} |"
+
+
+def survivors(found: dict[str, dict[str, str]]) -> list[str]:
+    return [name for by_name in found.values() for name, verdict in by_name.items()
+            if verdict in ("survived", "no_tests") and name not in EQUIVALENT]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tests-from", help="run the tests of this git revision instead of the checkout's")
+    parser.add_argument("--label", help="scratch copy .mutation/<label> (default: current, or the revision)")
+    parser.add_argument("--budget-s", type=float, default=1e9, help="stop mutmut after this many seconds (resumable)")
+    parser.add_argument("--fresh", action="store_true", help="rebuild the scratch copy, dropping earlier verdicts")
+    parser.add_argument("--only", nargs="+", default=MUTATED, help="mutate these globs only (default: MUTATED)")
+    parser.add_argument("--tests", nargs="+", default=TESTS, help="the test selection (default: TESTS)")
+    parser.add_argument("--report", action="store_true", help="print the table of the last run, run nothing")
+    parser.add_argument("--survivors", action="store_true", help="list the surviving mutants' names too")
+    args = parser.parse_args(argv)
+    label = args.label or (re.sub(r"\W", "_", args.tests_from) if args.tests_from else "current")
+    work = ROOT / ".mutation" / label
+    wall = 0.0
+    if not args.report:
+        if args.fresh or not (work / "mutants").exists():
+            prepare(work, args.tests_from, args.only, args.tests)
+        wall = run_mutmut(work, args.budget_s, work / "mutmut.log")
+    found = verdicts(work)
+    if not found:
+        print(f"no mutmut results in {work}; see {work / 'mutmut.log'}")
+        return 1
+    tests = "" if args.report else f" (tests {'from ' + args.tests_from if args.tests_from else 'of the checkout'})"
+    print(f"mutation score, {label}{tests}")
+    print(table(found))
+    if wall:
+        print(f"wall time of this run: {wall:.0f} s")
+    if args.survivors:
+        print("\n".join(["survivors (not equivalent):", *survivors(found)]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
