@@ -18,7 +18,7 @@ import sys
 import tempfile
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from verl_ext.core.key_reads import RECORD_ENV, read_records
 
@@ -31,6 +31,7 @@ COMMAND = "python -m recipe.verl_key_reads"
 #: the top-k and the vocabulary pass), and the config checks over every mode and refusal.
 RECORD_TESTS = (
     "tests/test_recipe_main.py",
+    "tests/test_validation_length.py",
     "tests/test_verl_keys.py",
     "tests/test_actor_loss_engine.py",
     "tests/test_full_kl_engine.py",
@@ -41,6 +42,10 @@ RECORD_TESTS = (
 )
 
 
+#: The name the tests that compare a recorded run with the committed record share (left out while recording).
+RECORD_CHECKS = "reads_only_recorded_keys"
+
+
 def record(tests: tuple[str, ...] = RECORD_TESTS, folder: Optional[Path] = None) -> dict[str, list[str]]:
     """Run ``tests`` with the recorder on (records under ``folder``, a fresh one by default): ``key -> the
     product modules that read it``, verl keys and the project's alike. Raises if the tests fail."""
@@ -48,8 +53,9 @@ def record(tests: tuple[str, ...] = RECORD_TESTS, folder: Optional[Path] = None)
         where = Path(folder or scratch)
         env = {**os.environ, RECORD_ENV: str(where)}
         env.pop("RAY_ADDRESS", None)
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", *tests],
-                              cwd=ROOT, env=env)
+        # the tests comparing a run's reads with the committed record are left out: that record is being made
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+                               "-k", f"not {RECORD_CHECKS}", *tests], cwd=ROOT, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"the recorded tests failed (pytest exit {proc.returncode}): nothing written")
         return {key: sorted(modules) for key, modules in sorted(read_records(where).items())}
@@ -62,22 +68,52 @@ def read_keys() -> dict[str, tuple[str, ...]]:
     return {key: tuple(modules) for key, modules in data["keys"].items()}
 
 
+def known_reads() -> frozenset[str]:
+    """Every key of the committed record: the verl keys and the read fields outside verl's schema."""
+    data = json.loads(READ_KEYS_PATH.read_text())
+    return frozenset(data["keys"]) | frozenset(data["not_verl_schema_keys"])
+
+
+def is_verl_key(key: str) -> bool:
+    """Whether ``key`` is a leaf of verl's ``ppo_trainer`` schema or a key a row reads from verl's code
+    (``read_in``); a recorded field that is neither (``ActorConfig.global_batch_info``, which verl fills per
+    micro-batch) is no config key."""
+    from recipe.verl_key_checks import compose_verl_schema, leaf_keys
+    from recipe.verl_keys import RULES
+
+    return key in _schema_leaves(compose_verl_schema, leaf_keys) or key in {r.key for r in RULES if r.read_in}
+
+
+@lru_cache(maxsize=1)
+def _schema_leaves(compose: Any, leaves: Any) -> frozenset[str]:
+    return frozenset(leaves(compose()))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m recipe.verl_key_reads [tests...]``: record and write :data:`READ_KEYS_PATH`."""
     from recipe.verl_keys import is_divclip_key
 
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
     parser.add_argument("tests", nargs="*", default=list(RECORD_TESTS), help="test files to run (default: RECORD_TESTS)")
+    parser.add_argument("--from-dir", type=Path, default=None,
+                        help="write what an earlier run recorded in this folder (with DIVCLIP_RECORD_KEYS=<folder>) "
+                             "instead of running the tests")
     args = parser.parse_args(argv)
-    recorded = record(tuple(args.tests))
-    keys = {key: modules for key, modules in recorded.items() if not is_divclip_key(key)}
+    if args.from_dir is not None:
+        recorded = {key: sorted(modules) for key, modules in sorted(read_records(args.from_dir).items())}
+    else:
+        recorded = record(tuple(args.tests))
+    keys = {key: modules for key, modules in recorded.items() if not is_divclip_key(key) and is_verl_key(key)}
+    outside = sorted(key for key in recorded if not is_divclip_key(key) and key not in keys)
     READ_KEYS_PATH.write_text(json.dumps({
         "command": COMMAND,
         "date": datetime.date.today().isoformat(),
         "tests": list(args.tests),
         "keys": keys,
+        "not_verl_schema_keys": outside,
     }, indent=1) + "\n")
-    print(f"{len(keys)} verl keys read by the product ({len(recorded) - len(keys)} of the project's own left out): "
+    print(f"{len(keys)} verl keys read by the product, {len(outside)} read fields outside verl's schema "
+          f"({', '.join(outside) or 'none'}), {len(recorded) - len(keys) - len(outside)} of the project's own keys: "
           f"{READ_KEYS_PATH}")
     return 0
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import json
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -40,6 +41,8 @@ from verl.workers.config import PolicyLossConfig
 
 from verl_ext.config import DivClipPolicyLossConfig
 
+from recipe.verl_key_reads import COMMAND as RECORD_COMMAND
+from recipe.verl_key_reads import READ_KEYS_PATH, read_keys
 from recipe.verl_key_checks import (
     ACTOR,
     CORRECTION,
@@ -59,6 +62,7 @@ from recipe.verl_key_checks import (
     leaf_keys,
 )
 DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "verl_features.md"
+READ_KEYS_FILE = READ_KEYS_PATH.relative_to(DOC_PATH.parents[1]).as_posix()
 
 
 class KeyClass(str, enum.Enum):
@@ -139,8 +143,7 @@ def verl_leaf_keys(config: DictConfig) -> Iterator[str]:
     return (key for key in leaf_keys(config) if not is_divclip_key(key))
 
 
-VERL_ALONE = ("verl reads it; the product's code never does (no run recorded a read: "
-              "`python -m recipe.verl_keys --record`)")
+VERL_ALONE = "verl reads it; the product's code never does (no recorded run read it)"
 
 
 def row_of(key: str) -> Optional[KeyRule]:
@@ -198,7 +201,7 @@ RULES: tuple[KeyRule, ...] = (
     KeyRule("trainer.v1.colocate_async.parameter_sync_step", F,
             "as trainer.v1.sync.parameter_sync_step, for colocate_async",
             refused_when="a value other than 1", check=check_parameter_sync_step, read_in="trainer/ppo/v1/trainer_base.py"),
-    KeyRule("trainer.v1.separate_async.hybrid_rollout.enable_switch", R,
+    KeyRule("trainer.v1.separate_async.hybrid_rollout.enable_switch", F,
             "verl's hybrid rollout switch of separate_async",
             refused_when="with actor_rollout_ref.rollout.disaggregation.enabled=true (verl asserts it after Ray starts)",
             check="validate_trainer_mode"),
@@ -226,10 +229,10 @@ RULES: tuple[KeyRule, ...] = (
     KeyRule(f"{ROLLOUT}.checkpoint_engine.backend", H, "separate_async's weight transfer (cpu_gloo on the cpu platform)",
             evidence=f"`{RECIPE_MAIN_TEST}`; `tests/test_cpu_checkpoint_engine.py`; `tests/test_trainer_modes_cpu.py`",
             refused_when="naive in separate_async (or not cpu_gloo on the cpu platform)", check="validate_trainer_mode"),
-    KeyRule("reward.reward_model.enable_resource_pool", R, "verl's reward-model placement",
+    KeyRule("reward.reward_model.enable_resource_pool", F, "verl's reward-model placement",
             refused_when="false with reward.reward_model.enable=true in separate_async (the standalone rollout never "
                          "pauses to free memory for a colocated reward model)", check="validate_trainer_mode"),
-    KeyRule("actor_rollout_ref.hybrid_engine", R, "verl's hybrid engine",
+    KeyRule("actor_rollout_ref.hybrid_engine", F, "verl's hybrid engine",
             refused_when="false in separate_async (fails inside verl 0.9.1)", check="validate_trainer_mode"),
     KeyRule(f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", P,
             "with pack_old_log_prob_as_update the old-log-prob pass is packed as the update (its first epoch's micro-batches)",
@@ -330,6 +333,49 @@ RULES: tuple[KeyRule, ...] = (
               refused_when="a value other than verl's default (false) with ERC or the vocabulary pass",
               check=check_entropy_keys)
       for name in ENTROPY_KEYS for prefix in (ACTOR, f"{ACTOR}.fsdp_config")),
+    KeyRule(f"{ACTOR}.fsdp_config.use_torch_compile", H,
+            "the seam's fp32 entropy (ERC, the vocabulary pass) is compiled where verl's engine compiles (on CUDA)",
+            evidence="`tests/test_verl_key_reads.py::test_the_fp32_entropy_is_compiled_where_the_engine_compiles`"),
+    KeyRule(f"{ROLLOUT}.temperature", H,
+            "verl hands the rollout temperature to every micro-batch; the vocabulary pass (and pi_old's top-k under it) "
+            "divides the logits by it as verl's materialised path does",
+            evidence="`tests/test_vocab_pass_engine.py` (`fp32/temperature`: the vocabulary pass equals verl's path at "
+                     "temperature 0.7)"),
+    KeyRule(f"{ROLLOUT}.n", H, "the old-log-prob pass is packed with the update's split: ppo_mini_batch_size x rollout.n "
+                               "sequences a mini-batch (as verl's _update_actor)",
+            evidence="`tests/test_smoke_cpu.py` (rollout.n=8; the update checks its packing against the old pass's "
+                     "record, and every step is exactly on-policy)"),
+    KeyRule("trainer.default_local_dir", H, "incomplete checkpoints are set aside before verl resumes; the adaptive-delta "
+                                            "state is saved in verl's step folder",
+            evidence="`tests/test_adaptive_delta.py`; resume: `tests/test_trainer_modes_cpu.py`"),
+    # --- per-benchmark validation lengths (recipe.validation.length) ------------------------------------------------
+    *(KeyRule(f"{ROLLOUT}.{name}", H, f"verl's training {what}; per-benchmark validation (rollout.custom.validation) "
+                                      "takes it for every validation set it does not name",
+              evidence="`tests/test_validation_length.py::test_fields_left_out_take_the_defaults`")
+      for name, what in (("response_length", "response length"), ("val_kwargs.n", "validation sample count"))),
+    KeyRule(f"{ROLLOUT}.multi_turn.enable", F, "per-benchmark validation runs single-turn validation only",
+            refused_when="true with rollout.custom.validation set", check="validate_validation_length"),
+    KeyRule(f"{ROLLOUT}.agent.default_agent_loop", F, "per-benchmark validation replaces verl's single_turn_agent on "
+                                                      "validation rows",
+            refused_when="another agent loop with rollout.custom.validation set", check="validate_validation_length"),
+    KeyRule(f"{ROLLOUT}.agent.agent_loop_manager_class", F, "per-benchmark validation brings its own agent-loop manager",
+            refused_when="set with rollout.custom.validation set", check="validate_validation_length",
+            read_in="trainer/ppo/ray_trainer.py"),
+    KeyRule(f"{ROLLOUT}.name", F, "verl's rollout server; per-benchmark validation needs one that honours a request's "
+                                  "max_tokens (hf_cpu, vllm, sglang)",
+            refused_when="another server with rollout.custom.validation set", check="validate_validation_length"),
+    *(KeyRule(f"{ROLLOUT}.{name}", F, "verl's context and prompt lengths, against which the validation lengths are checked",
+              refused_when="prompt_length + a validation length (+ 1 on SGLang) > max_model_len with "
+                           "rollout.custom.validation set", check="validate_validation_length")
+      for name in ("max_model_len", "prompt_length")),
+    *(KeyRule(f"actor_rollout_ref.model.{name}", H, "with rollout.max_model_len null, the model config's "
+                                                    "max_position_embeddings is the context the validation lengths are "
+                                                    "checked against (read with the model's path and trust_remote_code)",
+              evidence="`tests/test_validation_length.py::test_refused_before_ray_naming_the_key` (max_model_len=null)")
+      for name in ("path", "trust_remote_code")),
+    KeyRule("data.val_files", F, "verl's validation files; each benchmark rollout.custom.validation names must be in one",
+            refused_when="a benchmark of rollout.custom.validation.benchmarks in none of the files",
+            check="validate_validation_length"),
     # --- the model -------------------------------------------------------------------------------------------------
     KeyRule("actor_rollout_ref.model.use_remove_padding", H, "the padded path of every feature (false)",
             evidence="`tests/test_entropy_numerics.py` (`bf16/padded`), `tests/test_full_kl_engine.py`, "
@@ -417,7 +463,7 @@ CLASS_TITLE = {
     KeyClass.REPLACED: "replaced: the divclip path uses another key; a value it would not use is refused before Ray",
     KeyClass.REFUSED: "refused before Ray starts (the condition)",
     KeyClass.NO_EFFECT: "no effect on this path",
-    KeyClass.VERL_READS: "verl reads it; the divclip path does not touch it",
+    KeyClass.VERL_READS: "verl reads it, the product's code never does",
 }
 
 
@@ -433,15 +479,21 @@ def render_doc() -> str:
     """docs/verl_features.md: the table, grouped by class, with the count of verl's leaf keys per class."""
     counts = _leaf_counts()
     total = sum(counts.values())
+    reads, reads_date = read_keys(), json.loads(READ_KEYS_PATH.read_text())["date"]
     lines = [
         "# verl 0.9.1's config keys against the divclip path",
         "",
         "<!-- generated by `python -m recipe.verl_keys --write-doc` from recipe/verl_keys.py; tests/test_verl_keys.py "
         "checks it -->",
         "",
-        f"Each of the {total} leaf keys of verl 0.9.1's `ppo_trainer` schema falls under one row below (the row naming "
-        "its longest prefix); the divclip keys themselves (`divclip.*`, the divclip `policy_loss` knobs, "
-        "`rollout.custom.validation`) are the project's ([losses](losses.md)). Leaf keys of verl's schema per class:",
+        f"Each of the {total} leaf keys of verl 0.9.1's `ppo_trainer` schema falls under the row below naming its longest "
+        "prefix, or under none: then verl reads it and the product's code never does. Which keys the product reads is "
+        f"recorded, not listed by hand: `{RECORD_COMMAND}` runs the suite's trainer and engine runs and the config "
+        "checks with the recorder of `verl_ext/core/key_reads.py` on, and writes what the product's code read "
+        f"(`{READ_KEYS_FILE}`, {len(reads)} verl keys, {reads_date}); every one of them has an honoured, replaced or "
+        "refused row (`tests/test_verl_key_reads.py`). The divclip keys themselves (`divclip.*`, the divclip "
+        "`policy_loss` knobs, `rollout.custom.validation`) are the project's ([losses](losses.md)). Leaf keys of "
+        "verl's schema per class:",
         "",
         "| class | leaf keys | rows |",
         "| --- | --- | --- |",
@@ -458,6 +510,9 @@ def render_doc() -> str:
     for cls in CLASS_ORDER:
         rows = sorted((r for r in RULES if r.key_class is cls), key=lambda r: r.key)
         lines += [f"## `{cls.value}` -- {CLASS_TITLE[cls]}", ""]
+        if cls is KeyClass.VERL_READS:
+            lines += [f"Every key no row above covers ({counts.get(cls, 0)} leaf keys of verl's schema): {VERL_ALONE}.", ""]
+            continue
         if cls is KeyClass.HONOURED:
             lines += ["| verl key (or prefix) | on the divclip path | refused when | evidence |", "| --- | --- | --- | --- |"]
             lines += [f"| `{r.key}` | {_cell(r.reason)} | {_cell(r.refused_when or '')} | {r.evidence} |" for r in rows]
@@ -471,6 +526,15 @@ def render_doc() -> str:
             lines += ["| verl key (or prefix) | why | refused when |", "| --- | --- | --- |"]
             lines += [f"| `{r.key}` | {_cell(r.reason)} | {_cell(r.refused_when or '')} |" for r in rows]
         lines.append("")
+    lines += [
+        f"## What the product reads ({len(reads)} verl keys, `{RECORD_COMMAND}`, {reads_date})",
+        "",
+        "| verl key | its row | class | read by |",
+        "| --- | --- | --- | --- |",
+        *(f"| `{key}` | `{row.key if row else '-'}` | `{row.key_class.value if row else KeyClass.VERL_READS.value}` | "
+          f"{', '.join(f'`{m}`' for m in modules)} |" for key, modules in reads.items() for row in (row_of(key),)),
+        "",
+    ]
     lines += [
         "The guard of the engine seam checks, at install, the verl symbols, keys and attributes this table relies on "
         "inside the engine ([engine](engine.md)), and refuses a verl other than 0.9.1 unless "
