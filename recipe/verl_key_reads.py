@@ -18,8 +18,9 @@ import sys
 import tempfile
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
+from recipe.verl_key_checks import is_divclip_key
 from verl_ext.core.key_reads import RECORD_ENV, read_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,30 +70,12 @@ def read_keys() -> dict[str, tuple[str, ...]]:
 
 
 def known_reads() -> frozenset[str]:
-    """Every key of the committed record: the verl keys and the read fields outside verl's schema."""
-    data = json.loads(READ_KEYS_PATH.read_text())
-    return frozenset(data["keys"]) | frozenset(data["not_verl_schema_keys"])
-
-
-def is_verl_key(key: str) -> bool:
-    """Whether ``key`` is a leaf of verl's ``ppo_trainer`` schema or a key a row reads from verl's code
-    (``read_in``); a recorded field that is neither (``ActorConfig.global_batch_info``, which verl fills per
-    micro-batch) is no config key."""
-    from recipe.verl_key_checks import compose_verl_schema, leaf_keys
-    from recipe.verl_keys import RULES
-
-    return key in _schema_leaves(compose_verl_schema, leaf_keys) or key in {r.key for r in RULES if r.read_in}
-
-
-@lru_cache(maxsize=1)
-def _schema_leaves(compose: Any, leaves: Any) -> frozenset[str]:
-    return frozenset(leaves(compose()))
+    """Every key of the committed record."""
+    return frozenset(read_keys())
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m recipe.verl_key_reads [tests...]``: record and write :data:`READ_KEYS_PATH`."""
-    from recipe.verl_keys import is_divclip_key
-
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
     parser.add_argument("tests", nargs="*", default=list(RECORD_TESTS), help="test files to run (default: RECORD_TESTS)")
     parser.add_argument("--from-dir", type=Path, default=None,
@@ -103,17 +86,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         recorded = {key: sorted(modules) for key, modules in sorted(read_records(args.from_dir).items())}
     else:
         recorded = record(tuple(args.tests))
-    keys = {key: modules for key, modules in recorded.items() if not is_divclip_key(key) and is_verl_key(key)}
-    outside = sorted(key for key in recorded if not is_divclip_key(key) and key not in keys)
+    keys = {key: modules for key, modules in recorded.items() if not is_divclip_key(key)}
     READ_KEYS_PATH.write_text(json.dumps({
         "command": COMMAND,
         "date": datetime.date.today().isoformat(),
         "tests": list(args.tests),
         "keys": keys,
-        "not_verl_schema_keys": outside,
     }, indent=1) + "\n")
-    print(f"{len(keys)} verl keys read by the product, {len(outside)} read fields outside verl's schema "
-          f"({', '.join(outside) or 'none'}), {len(recorded) - len(keys) - len(outside)} of the project's own keys: "
+    print(f"{len(keys)} verl keys read by the product ({len(recorded) - len(keys)} of the project's own left out): "
           f"{READ_KEYS_PATH}")
     return 0
 

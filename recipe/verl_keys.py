@@ -26,7 +26,6 @@ dataclasses: :func:`is_divclip_key` tells them apart, and only verl's keys need 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import enum
 import json
 import sys
@@ -37,15 +36,12 @@ from pathlib import Path
 from typing import Optional
 
 from omegaconf import DictConfig
-from verl.workers.config import PolicyLossConfig
 
-from verl_ext.config import DivClipPolicyLossConfig
-
-from recipe.verl_key_reads import COMMAND as RECORD_COMMAND
-from recipe.verl_key_reads import READ_KEYS_PATH, read_keys
 from recipe.verl_key_checks import (
     ACTOR,
     CORRECTION,
+    DIVCLIP_POLICY_KNOBS,
+    DIVCLIP_PREFIXES,
     ENTROPY_KEYS,
     PACK_KEY,
     POLICY,
@@ -59,8 +55,12 @@ from recipe.verl_key_checks import (
     check_parameter_sync_step,
     check_rollout_correction_needs_log_probs,
     compose_verl_schema,
+    is_divclip_key,
+    key_under,
     leaf_keys,
 )
+from recipe.verl_key_reads import COMMAND as RECORD_COMMAND
+from recipe.verl_key_reads import READ_KEYS_PATH, read_keys
 DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "verl_features.md"
 READ_KEYS_FILE = READ_KEYS_PATH.relative_to(DOC_PATH.parents[1]).as_posix()
 
@@ -120,28 +120,17 @@ class KeyRule:
             raise ValueError(f"{where}: refused_when and check go together")
 
 
-def _under(key: str, prefix: str) -> bool:
-    return key == prefix or key.startswith(prefix + ".")
-
-
-#: The divclip policy-loss knobs: DivClipPolicyLossConfig's fields that verl's PolicyLossConfig lacks.
-DIVCLIP_POLICY_KNOBS = tuple(
-    sorted({f.name for f in dataclasses.fields(DivClipPolicyLossConfig)}
-           - {f.name for f in dataclasses.fields(PolicyLossConfig)})
-)
-#: The project's own keys (configs/divclip_trainer.yaml): not verl's, so not in the table.
-DIVCLIP_PREFIXES = ("divclip", f"{ROLLOUT}.custom.validation", *(f"{POLICY}.{knob}" for knob in DIVCLIP_POLICY_KNOBS))
-
-
-def is_divclip_key(key: str) -> bool:
-    """Whether ``key`` is one of the project's own keys rather than verl's."""
-    return any(_under(key, prefix) for prefix in DIVCLIP_PREFIXES)
-
-
 def verl_leaf_keys(config: DictConfig) -> Iterator[str]:
     """:func:`leaf_keys` of ``config`` without the project's own keys: the keys the table must cover."""
     return (key for key in leaf_keys(config) if not is_divclip_key(key))
 
+
+#: Fields the product reads on verl's config objects that are no key of verl's schema (the recorder sees them
+#: as keys): why each is none.
+NOT_CONFIG_KEYS = {
+    f"{ACTOR}.global_batch_info": "verl's ppo_loss fills it per micro-batch (global batch size, dp size, "
+                                  "loss_scale_factor) for agg_loss; the divclip losses pass it to agg_loss too",
+}
 
 VERL_ALONE = "verl reads it; the product's code never does (no recorded run read it)"
 
@@ -150,7 +139,7 @@ def row_of(key: str) -> Optional[KeyRule]:
     """The row whose key is ``key``'s longest dotted prefix, or ``None`` when no row covers it."""
     best: Optional[KeyRule] = None
     for rule in RULES:
-        if _under(key, rule.key) and (best is None or len(rule.key) > len(best.key)):
+        if key_under(key, rule.key) and (best is None or len(rule.key) > len(best.key)):
             best = rule
     return best
 
@@ -531,7 +520,8 @@ def render_doc() -> str:
         "",
         "| verl key | its row | class | read by |",
         "| --- | --- | --- | --- |",
-        *(f"| `{key}` | `{row.key if row else '-'}` | `{row.key_class.value if row else KeyClass.VERL_READS.value}` | "
+        *(f"| `{key}` | {f'`{row.key}`' if row else NOT_CONFIG_KEYS.get(key, '-')} | "
+          f"{f'`{row.key_class.value}`' if row else '(no config key)' if key in NOT_CONFIG_KEYS else '`verl_reads`'} | "
           f"{', '.join(f'`{m}`' for m in modules)} |" for key, modules in reads.items() for row in (row_of(key),)),
         "",
     ]

@@ -18,7 +18,11 @@ import verl_ext.registry  # noqa: F401  (registers the modes with verl's POLICY_
 from verl_ext.core import key_reads
 
 # With DIVCLIP_RECORD_KEYS=<dir>: record the verl keys the product reads, in every process (off otherwise).
-key_reads.install()
+if key_reads.record_dir() is not None:
+    from omegaconf import DictConfig, OmegaConf
+    from verl.base_config import BaseConfig
+
+    key_reads.install(DictConfig, OmegaConf, BaseConfig)
 
 # With VERL_PLATFORM=cpu: the `cpu` platform and FSDP2 engine, Ray's CPU resource check and the
 # `hf_cpu` rollout, in every process that imports verl (driver, TaskRunner, workers). The test is

@@ -90,17 +90,15 @@ def bind(config: Any, key: str) -> Any:
     return config
 
 
-def install() -> None:
-    """Wrap verl's config readers (module docstring) when :data:`RECORD_ENV` is set; once per process."""
+def install(dict_config: type, omegaconf: type, base_config: type) -> None:
+    """Wrap the readers of ``dict_config`` (OmegaConf's ``DictConfig``), ``omegaconf.select`` and
+    ``base_config`` (verl's ``BaseConfig``) as the module docstring says, when :data:`RECORD_ENV` is set; once
+    per process. The plugin hands the classes in (this package imports neither OmegaConf nor verl's configs)."""
     if record_dir() is None or _installed[0]:
         return
     _installed[0] = True
-    from omegaconf import DictConfig, OmegaConf
-
-    _wrap_dictconfig(DictConfig, OmegaConf)
-    from verl.base_config import BaseConfig
-
-    _wrap_base_config(BaseConfig)
+    _wrap_dictconfig(dict_config, omegaconf)
+    _wrap_base_config(base_config)
 
 
 def _is_leaf(value: Any, dict_type: type) -> bool:
