@@ -375,6 +375,10 @@ RULES: tuple[KeyRule, ...] = (
                                                     "under bf16; the reference pass (adapter off) keeps the packing record",
             evidence="`tests/test_verl_features_engine.py`",
             refused_when="an lm_head adapter with the vocabulary pass", check="validate_vocab_pass"),
+    *(KeyRule(f"actor_rollout_ref.model.{name}", F, "verl's LoRA adapter (as model.lora_rank); the vocabulary pass reads "
+                                                    "the LM head's own weight",
+              refused_when="an adapter on lm_head (target_modules) with the vocabulary pass", check="validate_vocab_pass")
+      for name in ("lora_adapter_path", "target_modules")),
     KeyRule("actor_rollout_ref.model.use_fused_kernels", H,
             "verl's fused entropy serves both passes (bit-identical to ppo_loss, exactly on-policy); verl's own fused "
             "path fails under FSDP2 with an untied output head (outside the divclip path)",

@@ -81,3 +81,14 @@ def test_the_fp32_entropy_is_compiled_where_the_engine_compiles(compile_on: bool
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     engine = types.SimpleNamespace(engine_config=types.SimpleNamespace(use_torch_compile=compile_on))
     assert entropy_fn_for(engine) is (entropy_fp32_compiled if compile_on else entropy_fp32)
+
+
+def test_every_engine_attribute_the_guard_reads_names_the_verl_keys_it_carries() -> None:
+    from verl_ext.engine.guard import ENGINE_ATTRIBUTE_KEYS, ENGINE_INSTANCE_ATTRIBUTES
+
+    assert ENGINE_ATTRIBUTE_KEYS.keys() == ENGINE_INSTANCE_ATTRIBUTES.keys()
+    schema = set(leaf_keys(compose_verl_schema()))
+    carried = {key for keys in ENGINE_ATTRIBUTE_KEYS.values() for key in keys}
+    assert carried and carried <= schema, carried - schema
+    for path, keys in ENGINE_ATTRIBUTE_KEYS.items():
+        assert bool(keys) == ENGINE_INSTANCE_ATTRIBUTES[path].startswith("read"), path  # what is read names its key
