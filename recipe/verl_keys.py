@@ -223,6 +223,23 @@ RULES: tuple[KeyRule, ...] = (
                          "pauses to free memory for a colocated reward model)", check="validate_trainer_mode"),
     KeyRule("actor_rollout_ref.hybrid_engine", F, "verl's hybrid engine",
             refused_when="false in separate_async (fails inside verl 0.9.1)", check="validate_trainer_mode"),
+    KeyRule("data.train_batch_size", F, "verl's prompts a step, against which the adaptive-delta controller and "
+                                        "separate_async's split are checked",
+            refused_when="with adaptive_delta_target, ppo_mini_batch_size >= it and one epoch (every update on-policy: "
+                         "the controller measures nothing); in separate_async, != parameter_sync_step x "
+                         "ppo_mini_batch_size", check="validate_divclip_config"),
+    KeyRule("reward.reward_model.enable", F, "verl's reward model",
+            refused_when="true with reward.reward_model.enable_resource_pool=false in separate_async",
+            check="validate_trainer_mode"),
+    KeyRule("trainer.device", F, "verl's device; on the cpu platform separate_async moves weights with cpu_gloo",
+            refused_when="cpu with a checkpoint engine other than cpu_gloo in separate_async", check="validate_trainer_mode"),
+    *(KeyRule(f"trainer.{name}", F, "verl's trainer pool: the data-parallel ranks a separate_async update is split over",
+              refused_when="in separate_async without dynamic batching, an update whose samples do not split evenly "
+                           "into the ranks' micro-batches", check="validate_trainer_mode")
+      for name in ("nnodes", "n_gpus_per_node")),
+    KeyRule(f"{ROLLOUT}.disaggregation.enabled", F, "verl's disaggregated rollout",
+            refused_when="true with trainer.v1.separate_async.hybrid_rollout.enable_switch=true",
+            check="validate_trainer_mode"),
     KeyRule(f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", P,
             "with pack_old_log_prob_as_update the old-log-prob pass is packed as the update (its first epoch's micro-batches)",
             replaced_by=f"{ACTOR}.ppo_micro_batch_size_per_gpu",
