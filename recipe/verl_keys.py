@@ -1,10 +1,14 @@
 """Every verl config key against the divclip path: a rule table, the checks it implies, and the doc it generates.
 
 ``python -m recipe.main`` composes ``configs/divclip_trainer.yaml`` -- verl 0.9.1's ``ppo_trainer`` plus the
-divclip keys -- so every key of verl's schema reaches the run. :data:`RULES` says, for each of them (a key or
-a key prefix; the longest matching prefix wins, :func:`classify`), what happens to it on the divclip path:
+divclip keys -- so every key of verl's schema reaches the run. :data:`RULES` says, for the keys the divclip
+path touches (a key or a key prefix; the longest matching prefix wins, :func:`classify`), what happens to it:
 
-* ``verl_reads`` -- verl's own code reads it; the divclip path does not touch it;
+* ``verl_reads`` -- no row: verl's own code reads it, the product's never does. Which keys the product reads
+  is recorded, not listed: ``python -m recipe.verl_key_reads`` runs the trainer and engine tests with the
+  recorder of :mod:`verl_ext.core.key_reads` on and writes ``recipe/verl_keys_read.json``; every key there
+  needs an honoured, replaced or refused row (``tests/test_verl_key_reads.py``), or is a field of verl's
+  config objects that no schema declares (:data:`NOT_CONFIG_KEYS`);
 * ``honoured`` -- the divclip path touches the feature and the named test shows verl's effect;
 * ``replaced`` -- the divclip path replaces what the key does: allowed while the key keeps the value the
   replacement uses (verl's default, or the replacing key's value); anything else is refused before Ray
