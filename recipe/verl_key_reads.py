@@ -77,7 +77,8 @@ def known_reads() -> frozenset[str]:
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m recipe.verl_key_reads [tests...]``: record and write :data:`READ_KEYS_PATH`."""
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
-    parser.add_argument("tests", nargs="*", default=list(RECORD_TESTS), help="test files to run (default: RECORD_TESTS)")
+    parser.add_argument("tests", nargs="*", default=list(RECORD_TESTS),
+                        help="test files to run (default: RECORD_TESTS)")
     parser.add_argument("--from-dir", type=Path, default=None,
                         help="write what an earlier run recorded in this folder (with DIVCLIP_RECORD_KEYS=<folder>) "
                              "instead of running the tests")

@@ -204,9 +204,11 @@ RULES: tuple[KeyRule, ...] = (
     KeyRule("trainer.resume_from_path", H, "as trainer.resume_mode",
             evidence="`tests/test_two_nodes_ray.py`, `tests/test_trainer_modes_cpu.py`"),
     KeyRule("ray_kwargs.ray_init.runtime_env.env_vars", H,
-            "the job's environment for every Ray process: recipe.main adds the trainer module to VERL_USE_EXTERNAL_MODULES "
-            "on top of the value the job gives it (verl merges the rest into its runtime_env)",
-            evidence=f"`{RECIPE_MAIN_TEST}::test_the_task_runner_adds_the_trainer_module_to_the_runtime_env_it_is_asked_for`",
+            "the job's environment for every Ray process: recipe.main adds the trainer module to "
+            "VERL_USE_EXTERNAL_MODULES on top of the value the job gives it (verl merges the rest into its "
+            "runtime_env)",
+            evidence=f"`{RECIPE_MAIN_TEST}::test_the_task_runner_adds_the_trainer_module_to_the_runtime_env_it_is_"
+                     "asked_for`",
             read_in="trainer/constants_ppo.py"),
     KeyRule("distillation", N, "read only with distillation.enabled, which is refused"),
     KeyRule("distillation.enabled", F, "verl's worker would train with distillation_ppo_loss, which the divclip actor "
@@ -241,8 +243,10 @@ RULES: tuple[KeyRule, ...] = (
             refused_when="true with reward.reward_model.enable_resource_pool=false in separate_async",
             check="validate_trainer_mode"),
     KeyRule("trainer.device", F, "verl's device; on the cpu platform separate_async moves weights with cpu_gloo",
-            refused_when="cpu with a checkpoint engine other than cpu_gloo in separate_async", check="validate_trainer_mode"),
-    *(KeyRule(f"trainer.{name}", F, "verl's trainer pool: the data-parallel ranks a separate_async update is split over",
+            refused_when="cpu with a checkpoint engine other than cpu_gloo in separate_async",
+            check="validate_trainer_mode"),
+    *(KeyRule(f"trainer.{name}", F, "verl's trainer pool: the data-parallel ranks a separate_async update is split "
+                                    "over",
               refused_when="in separate_async without dynamic batching, an update whose samples do not split evenly "
                            "into the ranks' micro-batches", check="validate_trainer_mode")
       for name in ("nnodes", "n_gpus_per_node")),
@@ -352,16 +356,16 @@ RULES: tuple[KeyRule, ...] = (
             "the seam's fp32 entropy (ERC, the vocabulary pass) is compiled where verl's engine compiles (on CUDA)",
             evidence="`tests/test_verl_key_reads.py::test_the_fp32_entropy_is_compiled_where_the_engine_compiles`"),
     KeyRule(f"{ROLLOUT}.temperature", H,
-            "verl hands the rollout temperature to every micro-batch; the vocabulary pass (and pi_old's top-k under it) "
-            "divides the logits by it as verl's materialised path does",
+            "verl hands the rollout temperature to every micro-batch; the vocabulary pass (and pi_old's top-k under "
+            "it) divides the logits by it as verl's materialised path does",
             evidence="`tests/test_vocab_pass_engine.py` (`fp32/temperature`: the vocabulary pass equals verl's path at "
                      "temperature 0.7)"),
-    KeyRule(f"{ROLLOUT}.n", H, "the old-log-prob pass is packed with the update's split: ppo_mini_batch_size x rollout.n "
-                               "sequences a mini-batch (as verl's _update_actor)",
+    KeyRule(f"{ROLLOUT}.n", H, "the old-log-prob pass is packed with the update's split: ppo_mini_batch_size x "
+                               "rollout.n sequences a mini-batch (as verl's _update_actor)",
             evidence="`tests/test_smoke_cpu.py` (rollout.n=8; the update checks its packing against the old pass's "
                      "record, and every step is exactly on-policy)"),
-    KeyRule("trainer.default_local_dir", H, "incomplete checkpoints are set aside before verl resumes; the adaptive-delta "
-                                            "state is saved in verl's step folder",
+    KeyRule("trainer.default_local_dir", H, "incomplete checkpoints are set aside before verl resumes; the "
+                                            "adaptive-delta state is saved in verl's step folder",
             evidence="`tests/test_adaptive_delta.py`; resume: `tests/test_trainer_modes_cpu.py`"),
     # --- per-benchmark validation lengths (recipe.validation.length) ------------------------------------------------
     *(KeyRule(f"{ROLLOUT}.{name}", H, f"verl's training {what}; per-benchmark validation (rollout.custom.validation) "
@@ -373,22 +377,26 @@ RULES: tuple[KeyRule, ...] = (
     KeyRule(f"{ROLLOUT}.agent.default_agent_loop", F, "per-benchmark validation replaces verl's single_turn_agent on "
                                                       "validation rows",
             refused_when="another agent loop with rollout.custom.validation set", check="validate_validation_length"),
-    KeyRule(f"{ROLLOUT}.agent.agent_loop_manager_class", F, "per-benchmark validation brings its own agent-loop manager",
+    KeyRule(f"{ROLLOUT}.agent.agent_loop_manager_class", F,
+            "per-benchmark validation brings its own agent-loop manager",
             refused_when="set with rollout.custom.validation set", check="validate_validation_length",
             read_in="trainer/ppo/ray_trainer.py"),
     KeyRule(f"{ROLLOUT}.name", F, "verl's rollout server; per-benchmark validation needs one that honours a request's "
                                   "max_tokens (hf_cpu, vllm, sglang)",
             refused_when="another server with rollout.custom.validation set", check="validate_validation_length"),
-    *(KeyRule(f"{ROLLOUT}.{name}", F, "verl's context and prompt lengths, against which the validation lengths are checked",
+    *(KeyRule(f"{ROLLOUT}.{name}", F, "verl's context and prompt lengths, against which the validation lengths are "
+                                      "checked",
               refused_when="prompt_length + a validation length (+ 1 on SGLang) > max_model_len with "
                            "rollout.custom.validation set", check="validate_validation_length")
       for name in ("max_model_len", "prompt_length")),
     *(KeyRule(f"actor_rollout_ref.model.{name}", H, "with rollout.max_model_len null, the model config's "
-                                                    "max_position_embeddings is the context the validation lengths are "
-                                                    "checked against (read with the model's path and trust_remote_code)",
+                                                    "max_position_embeddings is the context the validation lengths "
+                                                    "are checked against (read with the model's path and "
+                                                    "trust_remote_code)",
               evidence="`tests/test_validation_length.py::test_refused_before_ray_naming_the_key` (max_model_len=null)")
       for name in ("path", "trust_remote_code")),
-    KeyRule("data.val_files", F, "verl's validation files; each benchmark rollout.custom.validation names must be in one",
+    KeyRule("data.val_files", F, "verl's validation files; each benchmark rollout.custom.validation names must be in "
+                                 "one",
             refused_when="a benchmark of rollout.custom.validation.benchmarks in none of the files",
             check="validate_validation_length"),
     # --- the model -------------------------------------------------------------------------------------------------
@@ -401,9 +409,10 @@ RULES: tuple[KeyRule, ...] = (
                                                     "under bf16; the reference pass (adapter off) keeps the packing record",
             evidence="`tests/test_verl_features_engine.py`",
             refused_when="an lm_head adapter with the vocabulary pass", check="validate_vocab_pass"),
-    *(KeyRule(f"actor_rollout_ref.model.{name}", F, "verl's LoRA adapter (as model.lora_rank); the vocabulary pass reads "
-                                                    "the LM head's own weight",
-              refused_when="an adapter on lm_head (target_modules) with the vocabulary pass", check="validate_vocab_pass")
+    *(KeyRule(f"actor_rollout_ref.model.{name}", F, "verl's LoRA adapter (as model.lora_rank); the vocabulary pass "
+                                                    "reads the LM head's own weight",
+              refused_when="an adapter on lm_head (target_modules) with the vocabulary pass",
+              check="validate_vocab_pass")
       for name in ("lora_adapter_path", "target_modules")),
     KeyRule("actor_rollout_ref.model.use_fused_kernels", H,
             "verl's fused entropy serves both passes (bit-identical to ppo_loss, exactly on-policy); verl's own fused "
@@ -505,8 +514,9 @@ def render_doc() -> str:
         "<!-- generated by `python -m recipe.verl_keys --write-doc` from recipe/verl_keys.py; tests/test_verl_keys.py "
         "checks it -->",
         "",
-        f"Each of the {total} leaf keys of verl 0.9.1's `ppo_trainer` schema falls under the row below naming its longest "
-        "prefix, or under none: then verl reads it and the product's code never does. Which keys the product reads is "
+        f"Each of the {total} leaf keys of verl 0.9.1's `ppo_trainer` schema falls under the row below naming its "
+        "longest prefix, or under none: then verl reads it and the product's code never does. Which keys the product "
+        "reads is "
         f"recorded, not listed by hand: `{RECORD_COMMAND}` runs the suite's trainer and engine runs and the config "
         "checks with the recorder of `verl_ext/core/key_reads.py` on, and writes what the product's code read "
         f"(`{READ_KEYS_FILE}`, {len(reads)} verl keys, {reads_date}); every one of them has an honoured, replaced or "
@@ -530,7 +540,8 @@ def render_doc() -> str:
         rows = sorted((r for r in RULES if r.key_class is cls), key=lambda r: r.key)
         lines += [f"## `{cls.value}` -- {CLASS_TITLE[cls]}", ""]
         if cls is KeyClass.VERL_READS:
-            lines += [f"Every key no row above covers ({counts.get(cls, 0)} leaf keys of verl's schema): {VERL_ALONE}.", ""]
+            lines += [f"Every key no row above covers ({counts.get(cls, 0)} leaf keys of verl's schema): {VERL_ALONE}.",
+                      ""]
             continue
         if cls is KeyClass.HONOURED:
             lines += ["| verl key (or prefix) | on the divclip path | refused when | evidence |", "| --- | --- | --- | --- |"]

@@ -237,4 +237,5 @@ def test_the_run_reads_only_recorded_keys_and_the_core_set(single: dict[str, Any
     recorded = {key for key in read_records(key_reads_dir) if not is_divclip_key(key)}
     assert ENGINE_RUN_CORE <= recorded, ENGINE_RUN_CORE - recorded
     unknown = recorded - known_reads()
-    assert not unknown, f"read by the product, not in recipe/verl_keys_read.json: {unknown} (python -m recipe.verl_key_reads)"
+    assert not unknown, f"read by the product, not in recipe/verl_keys_read.json: {unknown} (python -m " \
+                        "recipe.verl_key_reads)"

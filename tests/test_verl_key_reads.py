@@ -71,7 +71,8 @@ def test_nothing_is_recorded_without_the_variable(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("compile_on", [True, False])
-def test_the_fp32_entropy_is_compiled_where_the_engine_compiles(compile_on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_fp32_entropy_is_compiled_where_the_engine_compiles(compile_on: bool,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """actor.fsdp_config.use_torch_compile (honoured): the seam reads it to choose the fp32 entropy."""
     import torch
 
