@@ -33,7 +33,6 @@ COMMAND = "python -m recipe.verl_key_reads"
 RECORD_TESTS = (
     "tests/test_recipe_main.py",
     "tests/test_validation_length.py",
-    "tests/test_verl_keys.py",
     "tests/test_actor_loss_engine.py",
     "tests/test_full_kl_engine.py",
     "tests/test_vocab_pass_engine.py",
