@@ -24,6 +24,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import PolicyLossConfig
 
 from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig, actor_clip_ratios
+from verl_ext.core import key_reads
 from verl_ext.core.coarsened_kl import check_top_k
 from verl_ext.core.region import CONSTRAINTS
 from verl_ext.engine.request import SUPPORTED_STRATEGIES, requested_features
@@ -51,7 +52,7 @@ class ConfigError(ValueError):
 def build_actor_config(config: DictConfig) -> Any:
     """verl's actor dataclass (with our ``DivClipPolicyLossConfig`` inside), or a ConfigError."""
     try:
-        return omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+        return key_reads.bind(omega_conf_to_dataclass(config.actor_rollout_ref.actor), ACTOR)
     except Exception as error:  # hydra wraps the dataclass' ValueError in InstantiationException
         raise ConfigError(f"{ACTOR}: {_root_message(error)}") from error
 

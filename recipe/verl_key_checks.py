@@ -16,6 +16,8 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 import verl_ext.registry  # noqa: F401  (registers the divclip modes: CONSTRAINTS is filled)
+from verl.workers.config import PolicyLossConfig
+
 from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig
 from verl_ext.core.region import CONSTRAINTS
 
@@ -25,6 +27,26 @@ REF = "actor_rollout_ref.ref"
 POLICY = f"{ACTOR}.policy_loss"
 CORRECTION = "algorithm.rollout_correction"
 TRAINER_MODE = "trainer.v1.trainer_mode"
+
+
+def key_under(key: str, prefix: str) -> bool:
+    """Whether ``key`` is ``prefix`` or below it (dotted)."""
+    return key == prefix or key.startswith(prefix + ".")
+
+
+#: The divclip policy-loss knobs: DivClipPolicyLossConfig's fields that verl's PolicyLossConfig lacks.
+DIVCLIP_POLICY_KNOBS = tuple(
+    sorted({f.name for f in dataclasses.fields(DivClipPolicyLossConfig)}
+           - {f.name for f in dataclasses.fields(PolicyLossConfig)})
+)
+#: The project's own keys (configs/divclip_trainer.yaml): not verl's, so not in the table
+#: of recipe.verl_keys.
+DIVCLIP_PREFIXES = ("divclip", f"{ROLLOUT}.custom.validation", *(f"{POLICY}.{knob}" for knob in DIVCLIP_POLICY_KNOBS))
+
+
+def is_divclip_key(key: str) -> bool:
+    """Whether ``key`` is one of the project's own keys rather than verl's."""
+    return any(key_under(key, prefix) for prefix in DIVCLIP_PREFIXES)
 
 
 # ------------------------------------------------------------------------------------------------

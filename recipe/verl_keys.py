@@ -1,10 +1,14 @@
 """Every verl config key against the divclip path: a rule table, the checks it implies, and the doc it generates.
 
 ``python -m recipe.main`` composes ``configs/divclip_trainer.yaml`` -- verl 0.9.1's ``ppo_trainer`` plus the
-divclip keys -- so every key of verl's schema reaches the run. :data:`RULES` says, for each of them (a key or
-a key prefix; the longest matching prefix wins, :func:`classify`), what happens to it on the divclip path:
+divclip keys -- so every key of verl's schema reaches the run. :data:`RULES` says, for the keys the divclip
+path touches (a key or a key prefix; the longest matching prefix wins, :func:`classify`), what happens to it:
 
-* ``verl_reads`` -- verl's own code reads it; the divclip path does not touch it;
+* ``verl_reads`` -- no row: verl's own code reads it, the product's never does. Which keys the product reads
+  is recorded, not listed: ``python -m recipe.verl_key_reads`` runs the trainer and engine tests with the
+  recorder of :mod:`verl_ext.core.key_reads` on and writes ``recipe/verl_keys_read.json``; every key there
+  needs an honoured, replaced or refused row (``tests/test_verl_key_reads.py``), or is a field of verl's
+  config objects that no schema declares (:data:`NOT_CONFIG_KEYS`);
 * ``honoured`` -- the divclip path touches the feature and the named test shows verl's effect;
 * ``replaced`` -- the divclip path replaces what the key does: allowed while the key keeps the value the
   replacement uses (verl's default, or the replacing key's value); anything else is refused before Ray
@@ -26,8 +30,8 @@ dataclasses: :func:`is_divclip_key` tells them apart, and only verl's keys need 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import enum
+import json
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -36,13 +40,12 @@ from pathlib import Path
 from typing import Optional
 
 from omegaconf import DictConfig
-from verl.workers.config import PolicyLossConfig
-
-from verl_ext.config import DivClipPolicyLossConfig
 
 from recipe.verl_key_checks import (
     ACTOR,
     CORRECTION,
+    DIVCLIP_POLICY_KNOBS,
+    DIVCLIP_PREFIXES,
     ENTROPY_KEYS,
     PACK_KEY,
     POLICY,
@@ -56,9 +59,14 @@ from recipe.verl_key_checks import (
     check_parameter_sync_step,
     check_rollout_correction_needs_log_probs,
     compose_verl_schema,
+    is_divclip_key,
+    key_under,
     leaf_keys,
 )
+from recipe.verl_key_reads import COMMAND as RECORD_COMMAND
+from recipe.verl_key_reads import READ_KEYS_PATH, read_keys
 DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "verl_features.md"
+READ_KEYS_FILE = READ_KEYS_PATH.relative_to(DOC_PATH.parents[1]).as_posix()
 
 
 class KeyClass(str, enum.Enum):
@@ -116,39 +124,34 @@ class KeyRule:
             raise ValueError(f"{where}: refused_when and check go together")
 
 
-def _under(key: str, prefix: str) -> bool:
-    return key == prefix or key.startswith(prefix + ".")
-
-
-#: The divclip policy-loss knobs: DivClipPolicyLossConfig's fields that verl's PolicyLossConfig lacks.
-DIVCLIP_POLICY_KNOBS = tuple(
-    sorted({f.name for f in dataclasses.fields(DivClipPolicyLossConfig)}
-           - {f.name for f in dataclasses.fields(PolicyLossConfig)})
-)
-#: The project's own keys (configs/divclip_trainer.yaml): not verl's, so not in the table.
-DIVCLIP_PREFIXES = ("divclip", f"{ROLLOUT}.custom.validation", *(f"{POLICY}.{knob}" for knob in DIVCLIP_POLICY_KNOBS))
-
-
-def is_divclip_key(key: str) -> bool:
-    """Whether ``key`` is one of the project's own keys rather than verl's."""
-    return any(_under(key, prefix) for prefix in DIVCLIP_PREFIXES)
-
-
 def verl_leaf_keys(config: DictConfig) -> Iterator[str]:
     """:func:`leaf_keys` of ``config`` without the project's own keys: the keys the table must cover."""
     return (key for key in leaf_keys(config) if not is_divclip_key(key))
 
 
-def classify(key: str) -> KeyRule:
-    """The rule of ``key``: the row whose key is its longest dotted prefix. Raises ``KeyError`` naming the
-    key when no row covers it (the table's test makes sure every key of verl's schema is covered)."""
+#: Fields the product reads on verl's config objects that are no key of verl's schema (the recorder sees them
+#: as keys): why each is none.
+NOT_CONFIG_KEYS = {
+    f"{ACTOR}.global_batch_info": "verl's ppo_loss fills it per micro-batch (global batch size, dp size, "
+                                  "loss_scale_factor) for agg_loss; the divclip losses pass it to agg_loss too",
+}
+
+VERL_ALONE = "verl reads it; the product's code never does (no recorded run read it)"
+
+
+def row_of(key: str) -> Optional[KeyRule]:
+    """The row whose key is ``key``'s longest dotted prefix, or ``None`` when no row covers it."""
     best: Optional[KeyRule] = None
     for rule in RULES:
-        if _under(key, rule.key) and (best is None or len(rule.key) > len(best.key)):
+        if key_under(key, rule.key) and (best is None or len(rule.key) > len(best.key)):
             best = rule
-    if best is None:
-        raise KeyError(f"{key}: no row of recipe.verl_keys.RULES covers this verl key")
     return best
+
+
+def classify(key: str) -> KeyRule:
+    """The rule of ``key``: the row whose key is its longest dotted prefix; a key no row covers is verl's
+    alone (``verl_reads``: the tests check that no key the product reads is left there)."""
+    return row_of(key) or KeyRule(key, KeyClass.VERL_READS, VERL_ALONE)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -162,27 +165,7 @@ PACKING_EVIDENCE = ("`tests/test_onpolicy.py`; `tests/test_smoke_cpu.py::test_ve
                     "noise_the_alignment_removes`; refusals: `tests/test_verl_keys.py`")
 
 RULES: tuple[KeyRule, ...] = (
-    # --- verl's own, untouched: broad prefixes -------------------------------------------------------
-    KeyRule("data", R, "verl's dataset, dataloader and sampler (the divclip path only traces the prompts it gets)"),
-    KeyRule("reward", R, "verl's reward loop, reward model and reward function (recipe/reward plugs in as verl's custom function)"),
-    KeyRule("reward_model", R, "verl's legacy reward-model keys, mapped by verl onto reward.*"),
-    KeyRule("custom_reward_function", R, "verl's legacy reward-function keys, mapped by verl onto reward.*"),
-    KeyRule("sandbox_fusion", R, "verl's legacy sandbox keys, mapped by verl onto reward.*"),
-    KeyRule("algorithm", R, "verl's advantage, KL-in-reward and PF-PPO settings, computed on the driver by verl"),
-    KeyRule("transfer_queue", R, "verl's TransferQueue storage (the async trainers' data plane)"),
-    KeyRule("trainer", R, "verl's trainer loop: logging, checkpoint cadence, devices, validation cadence"),
-    KeyRule("trainer.v1", R, "verl's v1 trainer options (warm-up batches, the sampler, the hybrid rollout switch)"),
-    KeyRule("trainer.v1.sync", R, "the sync trainer's options: verl 0.9.1 declares none (see parameter_sync_step)"),
-    KeyRule("skip", R, "verl's rollout dump / replay for debugging"),
-    KeyRule("ray_kwargs", R, "verl's Ray initialisation and timeline"),
-    KeyRule("global_profiler", R, "verl's profiler"),
-    KeyRule("actor_rollout_ref", R, "verl's worker settings the divclip path leaves alone"),
-    KeyRule("actor_rollout_ref.actor", R, "verl's actor worker and engine settings the seam leaves alone (optimizer, "
-                                          "checkpoint, FSDP sharding and offload, profiler, QAT, ...)"),
-    KeyRule("actor_rollout_ref.rollout", R, "verl's rollout servers and sampling (vLLM, SGLang, hf_cpu on the cpu platform)"),
-    KeyRule("actor_rollout_ref.ref", R, "verl's reference worker (its own engine, which the seam does not touch; "
-                                        "with LoRA verl runs no reference worker and these keys go unread by verl itself)"),
-    KeyRule("actor_rollout_ref.model", R, "verl's model loading (path, dtype overrides, gradient checkpointing, ...)"),
+    # --- the reference worker: no entropy asked for -----------------------------------------------------
     KeyRule(f"{REF}.entropy_checkpointing", N, "the reference pass asks for no entropy (verl's _compute_ref_log_prob)"),
     KeyRule(f"{REF}.entropy_from_logits_with_chunking", N, "the reference pass asks for no entropy (verl's _compute_ref_log_prob)"),
     KeyRule(f"{REF}.fsdp_config.entropy_checkpointing", N, "the reference pass asks for no entropy (verl's _compute_ref_log_prob)"),
@@ -211,7 +194,7 @@ RULES: tuple[KeyRule, ...] = (
     KeyRule("trainer.v1.colocate_async.parameter_sync_step", F,
             "as trainer.v1.sync.parameter_sync_step, for colocate_async",
             refused_when="a value other than 1", check=check_parameter_sync_step, read_in="trainer/ppo/v1/trainer_base.py"),
-    KeyRule("trainer.v1.separate_async.hybrid_rollout.enable_switch", R,
+    KeyRule("trainer.v1.separate_async.hybrid_rollout.enable_switch", F,
             "verl's hybrid rollout switch of separate_async",
             refused_when="with actor_rollout_ref.rollout.disaggregation.enabled=true (verl asserts it after Ray starts)",
             check="validate_trainer_mode"),
@@ -220,6 +203,13 @@ RULES: tuple[KeyRule, ...] = (
             evidence="`tests/test_two_nodes_ray.py`, `tests/test_trainer_modes_cpu.py`"),
     KeyRule("trainer.resume_from_path", H, "as trainer.resume_mode",
             evidence="`tests/test_two_nodes_ray.py`, `tests/test_trainer_modes_cpu.py`"),
+    KeyRule("ray_kwargs.ray_init.runtime_env.env_vars", H,
+            "the job's environment for every Ray process: recipe.main adds the trainer module to "
+            "VERL_USE_EXTERNAL_MODULES on top of the value the job gives it (verl merges the rest into its "
+            "runtime_env)",
+            evidence=f"`{RECIPE_MAIN_TEST}::test_the_task_runner_adds_the_trainer_module_to_the_runtime_env_it_is_"
+                     "asked_for`",
+            read_in="trainer/constants_ppo.py"),
     KeyRule("distillation", N, "read only with distillation.enabled, which is refused"),
     KeyRule("distillation.enabled", F, "verl's worker would train with distillation_ppo_loss, which the divclip actor "
                                        "loss replaces (set_loss_fn), dropping the distillation term",
@@ -239,11 +229,30 @@ RULES: tuple[KeyRule, ...] = (
     KeyRule(f"{ROLLOUT}.checkpoint_engine.backend", H, "separate_async's weight transfer (cpu_gloo on the cpu platform)",
             evidence=f"`{RECIPE_MAIN_TEST}`; `tests/test_cpu_checkpoint_engine.py`; `tests/test_trainer_modes_cpu.py`",
             refused_when="naive in separate_async (or not cpu_gloo on the cpu platform)", check="validate_trainer_mode"),
-    KeyRule("reward.reward_model.enable_resource_pool", R, "verl's reward-model placement",
+    KeyRule("reward.reward_model.enable_resource_pool", F, "verl's reward-model placement",
             refused_when="false with reward.reward_model.enable=true in separate_async (the standalone rollout never "
                          "pauses to free memory for a colocated reward model)", check="validate_trainer_mode"),
-    KeyRule("actor_rollout_ref.hybrid_engine", R, "verl's hybrid engine",
+    KeyRule("actor_rollout_ref.hybrid_engine", F, "verl's hybrid engine",
             refused_when="false in separate_async (fails inside verl 0.9.1)", check="validate_trainer_mode"),
+    KeyRule("data.train_batch_size", F, "verl's prompts a step, against which the adaptive-delta controller and "
+                                        "separate_async's split are checked",
+            refused_when="with adaptive_delta_target, ppo_mini_batch_size >= it and one epoch (every update on-policy: "
+                         "the controller measures nothing); in separate_async, != parameter_sync_step x "
+                         "ppo_mini_batch_size", check="validate_divclip_config"),
+    KeyRule("reward.reward_model.enable", F, "verl's reward model",
+            refused_when="true with reward.reward_model.enable_resource_pool=false in separate_async",
+            check="validate_trainer_mode"),
+    KeyRule("trainer.device", F, "verl's device; on the cpu platform separate_async moves weights with cpu_gloo",
+            refused_when="cpu with a checkpoint engine other than cpu_gloo in separate_async",
+            check="validate_trainer_mode"),
+    *(KeyRule(f"trainer.{name}", F, "verl's trainer pool: the data-parallel ranks a separate_async update is split "
+                                    "over",
+              refused_when="in separate_async without dynamic batching, an update whose samples do not split evenly "
+                           "into the ranks' micro-batches", check="validate_trainer_mode")
+      for name in ("nnodes", "n_gpus_per_node")),
+    KeyRule(f"{ROLLOUT}.disaggregation.enabled", F, "verl's disaggregated rollout",
+            refused_when="true with trainer.v1.separate_async.hybrid_rollout.enable_switch=true",
+            check="validate_trainer_mode"),
     KeyRule(f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", P,
             "with pack_old_log_prob_as_update the old-log-prob pass is packed as the update (its first epoch's micro-batches)",
             replaced_by=f"{ACTOR}.ppo_micro_batch_size_per_gpu",
@@ -343,6 +352,53 @@ RULES: tuple[KeyRule, ...] = (
               refused_when="a value other than verl's default (false) with ERC or the vocabulary pass",
               check=check_entropy_keys)
       for name in ENTROPY_KEYS for prefix in (ACTOR, f"{ACTOR}.fsdp_config")),
+    KeyRule(f"{ACTOR}.fsdp_config.use_torch_compile", H,
+            "the seam's fp32 entropy (ERC, the vocabulary pass) is compiled where verl's engine compiles (on CUDA)",
+            evidence="`tests/test_verl_key_reads.py::test_the_fp32_entropy_is_compiled_where_the_engine_compiles`"),
+    KeyRule(f"{ROLLOUT}.temperature", H,
+            "verl hands the rollout temperature to every micro-batch; the vocabulary pass (and pi_old's top-k under "
+            "it) divides the logits by it as verl's materialised path does",
+            evidence="`tests/test_vocab_pass_engine.py` (`fp32/temperature`: the vocabulary pass equals verl's path at "
+                     "temperature 0.7)"),
+    KeyRule(f"{ROLLOUT}.n", H, "the old-log-prob pass is packed with the update's split: ppo_mini_batch_size x "
+                               "rollout.n sequences a mini-batch (as verl's _update_actor)",
+            evidence="`tests/test_smoke_cpu.py` (rollout.n=8; the update checks its packing against the old pass's "
+                     "record, and every step is exactly on-policy)"),
+    KeyRule("trainer.default_local_dir", H, "incomplete checkpoints are set aside before verl resumes; the "
+                                            "adaptive-delta state is saved in verl's step folder",
+            evidence="`tests/test_adaptive_delta.py`; resume: `tests/test_trainer_modes_cpu.py`"),
+    # --- per-benchmark validation lengths (recipe.validation.length) ------------------------------------------------
+    *(KeyRule(f"{ROLLOUT}.{name}", H, f"verl's training {what}; per-benchmark validation (rollout.custom.validation) "
+                                      "takes it for every validation set it does not name",
+              evidence="`tests/test_validation_length.py::test_fields_left_out_take_the_defaults`")
+      for name, what in (("response_length", "response length"), ("val_kwargs.n", "validation sample count"))),
+    KeyRule(f"{ROLLOUT}.multi_turn.enable", F, "per-benchmark validation runs single-turn validation only",
+            refused_when="true with rollout.custom.validation set", check="validate_validation_length"),
+    KeyRule(f"{ROLLOUT}.agent.default_agent_loop", F, "per-benchmark validation replaces verl's single_turn_agent on "
+                                                      "validation rows",
+            refused_when="another agent loop with rollout.custom.validation set", check="validate_validation_length"),
+    KeyRule(f"{ROLLOUT}.agent.agent_loop_manager_class", F,
+            "per-benchmark validation brings its own agent-loop manager",
+            refused_when="set with rollout.custom.validation set", check="validate_validation_length",
+            read_in="trainer/ppo/ray_trainer.py"),
+    KeyRule(f"{ROLLOUT}.name", F, "verl's rollout server; per-benchmark validation needs one that honours a request's "
+                                  "max_tokens (hf_cpu, vllm, sglang)",
+            refused_when="another server with rollout.custom.validation set", check="validate_validation_length"),
+    *(KeyRule(f"{ROLLOUT}.{name}", F, "verl's context and prompt lengths, against which the validation lengths are "
+                                      "checked",
+              refused_when="prompt_length + a validation length (+ 1 on SGLang) > max_model_len with "
+                           "rollout.custom.validation set", check="validate_validation_length")
+      for name in ("max_model_len", "prompt_length")),
+    *(KeyRule(f"actor_rollout_ref.model.{name}", H, "with rollout.max_model_len null, the model config's "
+                                                    "max_position_embeddings is the context the validation lengths "
+                                                    "are checked against (read with the model's path and "
+                                                    "trust_remote_code)",
+              evidence="`tests/test_validation_length.py::test_refused_before_ray_naming_the_key` (max_model_len=null)")
+      for name in ("path", "trust_remote_code")),
+    KeyRule("data.val_files", F, "verl's validation files; each benchmark rollout.custom.validation names must be in "
+                                 "one",
+            refused_when="a benchmark of rollout.custom.validation.benchmarks in none of the files",
+            check="validate_validation_length"),
     # --- the model -------------------------------------------------------------------------------------------------
     KeyRule("actor_rollout_ref.model.use_remove_padding", H, "the padded path of every feature (false)",
             evidence="`tests/test_entropy_numerics.py` (`bf16/padded`), `tests/test_full_kl_engine.py`, "
@@ -353,6 +409,11 @@ RULES: tuple[KeyRule, ...] = (
                                                     "under bf16; the reference pass (adapter off) keeps the packing record",
             evidence="`tests/test_verl_features_engine.py`",
             refused_when="an lm_head adapter with the vocabulary pass", check="validate_vocab_pass"),
+    *(KeyRule(f"actor_rollout_ref.model.{name}", F, "verl's LoRA adapter (as model.lora_rank); the vocabulary pass "
+                                                    "reads the LM head's own weight",
+              refused_when="an adapter on lm_head (target_modules) with the vocabulary pass",
+              check="validate_vocab_pass")
+      for name in ("lora_adapter_path", "target_modules")),
     KeyRule("actor_rollout_ref.model.use_fused_kernels", H,
             "verl's fused entropy serves both passes (bit-identical to ppo_loss, exactly on-policy); verl's own fused "
             "path fails under FSDP2 with an untied output head (outside the divclip path)",
@@ -430,7 +491,7 @@ CLASS_TITLE = {
     KeyClass.REPLACED: "replaced: the divclip path uses another key; a value it would not use is refused before Ray",
     KeyClass.REFUSED: "refused before Ray starts (the condition)",
     KeyClass.NO_EFFECT: "no effect on this path",
-    KeyClass.VERL_READS: "verl reads it; the divclip path does not touch it",
+    KeyClass.VERL_READS: "verl reads it, the product's code never does",
 }
 
 
@@ -446,15 +507,22 @@ def render_doc() -> str:
     """docs/verl_features.md: the table, grouped by class, with the count of verl's leaf keys per class."""
     counts = _leaf_counts()
     total = sum(counts.values())
+    reads, reads_date = read_keys(), json.loads(READ_KEYS_PATH.read_text())["date"]
     lines = [
         "# verl 0.9.1's config keys against the divclip path",
         "",
         "<!-- generated by `python -m recipe.verl_keys --write-doc` from recipe/verl_keys.py; tests/test_verl_keys.py "
         "checks it -->",
         "",
-        f"Each of the {total} leaf keys of verl 0.9.1's `ppo_trainer` schema falls under one row below (the row naming "
-        "its longest prefix); the divclip keys themselves (`divclip.*`, the divclip `policy_loss` knobs, "
-        "`rollout.custom.validation`) are the project's ([losses](losses.md)). Leaf keys of verl's schema per class:",
+        f"Each of the {total} leaf keys of verl 0.9.1's `ppo_trainer` schema falls under the row below naming its "
+        "longest prefix, or under none: then verl reads it and the product's code never does. Which keys the product "
+        "reads is "
+        f"recorded, not listed by hand: `{RECORD_COMMAND}` runs the suite's trainer and engine runs and the config "
+        "checks with the recorder of `verl_ext/core/key_reads.py` on, and writes what the product's code read "
+        f"(`{READ_KEYS_FILE}`, {len(reads)} verl keys, {reads_date}); every one of them has an honoured, replaced or "
+        "refused row (`tests/test_verl_key_reads.py`). The divclip keys themselves (`divclip.*`, the divclip "
+        "`policy_loss` knobs, `rollout.custom.validation`) are the project's ([losses](losses.md)). Leaf keys of "
+        "verl's schema per class:",
         "",
         "| class | leaf keys | rows |",
         "| --- | --- | --- |",
@@ -471,6 +539,10 @@ def render_doc() -> str:
     for cls in CLASS_ORDER:
         rows = sorted((r for r in RULES if r.key_class is cls), key=lambda r: r.key)
         lines += [f"## `{cls.value}` -- {CLASS_TITLE[cls]}", ""]
+        if cls is KeyClass.VERL_READS:
+            lines += [f"Every key no row above covers ({counts.get(cls, 0)} leaf keys of verl's schema): {VERL_ALONE}.",
+                      ""]
+            continue
         if cls is KeyClass.HONOURED:
             lines += ["| verl key (or prefix) | on the divclip path | refused when | evidence |", "| --- | --- | --- | --- |"]
             lines += [f"| `{r.key}` | {_cell(r.reason)} | {_cell(r.refused_when or '')} | {r.evidence} |" for r in rows]
@@ -484,6 +556,16 @@ def render_doc() -> str:
             lines += ["| verl key (or prefix) | why | refused when |", "| --- | --- | --- |"]
             lines += [f"| `{r.key}` | {_cell(r.reason)} | {_cell(r.refused_when or '')} |" for r in rows]
         lines.append("")
+    lines += [
+        f"## What the product reads ({len(reads)} verl keys, `{RECORD_COMMAND}`, {reads_date})",
+        "",
+        "| verl key | its row | class | read by |",
+        "| --- | --- | --- | --- |",
+        *(f"| `{key}` | {f'`{row.key}`' if row else NOT_CONFIG_KEYS.get(key, '-')} | "
+          f"{f'`{row.key_class.value}`' if row else '(no config key)' if key in NOT_CONFIG_KEYS else '`verl_reads`'} | "
+          f"{', '.join(f'`{m}`' for m in modules)} |" for key, modules in reads.items() for row in (row_of(key),)),
+        "",
+    ]
     lines += [
         "The guard of the engine seam checks, at install, the verl symbols, keys and attributes this table relies on "
         "inside the engine ([engine](engine.md)), and refuses a verl other than 0.9.1 unless "

@@ -126,8 +126,26 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def single(model_path: str) -> dict[str, Any]:
+def key_reads_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the ``single`` run records the verl keys the product reads (a run of ``python -m
+    recipe.verl_key_reads`` keeps its own folder)."""
+    from verl_ext.core.key_reads import record_dir
+
+    return record_dir() or tmp_path_factory.mktemp("key_reads")
+
+
+@pytest.fixture(scope="module")
+def single(model_path: str, key_reads_dir: Path, monkeypatch_module: pytest.MonkeyPatch) -> dict[str, Any]:
+    from verl_ext.core.key_reads import RECORD_ENV
+
+    monkeypatch_module.setenv(RECORD_ENV, str(key_reads_dir))  # the spawned rank inherits it
     return run_ranks(job_single_rank, 1, model_path)[0]
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Any:
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
 
 
 def assert_same_delta(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-7) -> None:
@@ -198,3 +216,26 @@ def test_token_dump_writes_the_erc_scatter_rows(single: dict[str, Any]) -> None:
         assert r["clipped"] == (r["entropy_ratio"] <= 0.95 or r["entropy_ratio"] >= 1.05)
         assert 0.0 < r["prob"] <= 1.0
     assert_same_delta(single["dump/kl3"]["delta"], single["erc/kl3"]["delta"], atol=0.0)  # dumping changes nothing
+
+
+#: What the ``single`` run must read through the product: the loss mode and clip range (every mode), the entropy
+#: bonus (ERC's check), and the engine settings the fp32 entropy of ERC reads through the guard.
+ENGINE_RUN_CORE = {
+    "actor_rollout_ref.actor.policy_loss.loss_mode", "actor_rollout_ref.actor.clip_ratio_low",
+    "actor_rollout_ref.actor.clip_ratio_high", "actor_rollout_ref.actor.entropy_coeff",
+    "actor_rollout_ref.actor.fsdp_config.use_torch_compile", "actor_rollout_ref.model.use_fused_kernels",
+}
+
+
+def test_the_run_reads_only_recorded_keys_and_the_core_set(single: dict[str, Any], key_reads_dir: Path) -> None:
+    """The engine run above, recorded (verl_ext.core.key_reads): every verl key the product read is in the
+    committed record (recipe/verl_keys_read.json), whose rows the key table gives."""
+    from recipe.verl_key_reads import known_reads
+    from recipe.verl_keys import is_divclip_key
+    from verl_ext.core.key_reads import read_records
+
+    recorded = {key for key in read_records(key_reads_dir) if not is_divclip_key(key)}
+    assert ENGINE_RUN_CORE <= recorded, ENGINE_RUN_CORE - recorded
+    unknown = recorded - known_reads()
+    assert not unknown, f"read by the product, not in recipe/verl_keys_read.json: {unknown} (python -m " \
+                        "recipe.verl_key_reads)"

@@ -41,6 +41,7 @@ from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
 from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig
+from verl_ext.core import key_reads
 from verl_ext.core.coarsened_kl import TopKLogMasses
 from verl_ext.core.erc import entropy_ratio, outside_band
 from verl_ext.core.gauge import on_policy_gauge
@@ -51,6 +52,9 @@ from verl_ext.engine.request import STEP_PATH_KEY, declare, entropy_as_mask, req
 from verl_ext.engine.topk_capture import NEW_TOPK_LOG_PROBS, OLD_TOPK_LOG_PROBS
 from verl_ext.registry import ERC_ON_VERL_MODE, LossInputs, resolve_policy_config, supplying
 from verl_ext.token_dump import TokenDumpWriter
+
+#: The key verl builds the actor config from (the recorder of verl keys read: verl_ext.core.key_reads).
+ACTOR_KEY = "actor_rollout_ref.actor"
 
 
 def divclip_actor_loss(
@@ -72,6 +76,7 @@ def divclip_actor_loss(
         data: the micro-batch: ``old_log_probs``, ``advantages``, ``response_mask``, the global batch
             sizes, and ``entropy`` (pi_old) when ERC is on.
     """
+    key_reads.bind(config, ACTOR_KEY)
     mode = config.policy_loss.get("loss_mode", "vanilla")
     policy = divclip_policy_config(config)
     erc = policy is not None and policy.erc_enabled
@@ -324,6 +329,7 @@ def build_actor_loss(actor_config: ActorConfig) -> Callable[..., Any]:
     pass; ``policy_loss.pack_old_log_prob_as_update`` (default true; always with verl's plain policy-loss
     config) packs the old-log-prob pass as the update.
     """
+    key_reads.bind(actor_config, ACTOR_KEY)
     loss = functools.partial(divclip_actor_loss, config=actor_config)
     policy = divclip_policy_config(actor_config)
     if policy is not None and policy.erc_enabled:

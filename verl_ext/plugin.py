@@ -1,7 +1,8 @@
 """verl plugin: imported by ``import verl`` through the ``verl.plugins`` entry point.
 
 Registers the divclip policy-loss modes in every process that imports verl, Ray workers
-included, so configs can say ``policy_loss.loss_mode=kl3`` anywhere; with ``VERL_PLATFORM=cpu``
+included (and, with ``DIVCLIP_RECORD_KEYS`` set, installs the recorder of the verl keys the product reads:
+:mod:`verl_ext.core.key_reads`), so configs can say ``policy_loss.loss_mode=kl3`` anywhere; with ``VERL_PLATFORM=cpu``
 it also sets the process up for CPU (:func:`verl_ext.cpu.setup_cpu_process`). Without that
 variable :mod:`verl_ext.cpu` is never imported, so a GPU node loads none of the CPU support.
 
@@ -14,6 +15,14 @@ from __future__ import annotations
 import os
 
 import verl_ext.registry  # noqa: F401  (registers the modes with verl's POLICY_LOSS_REGISTRY)
+from verl_ext.core import key_reads
+
+# With DIVCLIP_RECORD_KEYS=<dir>: record the verl keys the product reads, in every process (off otherwise).
+if key_reads.record_dir() is not None:
+    from omegaconf import DictConfig, OmegaConf
+    from verl.base_config import BaseConfig
+
+    key_reads.install(DictConfig, OmegaConf, BaseConfig)
 
 # With VERL_PLATFORM=cpu: the `cpu` platform and FSDP2 engine, Ray's CPU resource check and the
 # `hf_cpu` rollout, in every process that imports verl (driver, TaskRunner, workers). The test is

@@ -35,6 +35,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from verl_ext.core import key_reads
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_VERL = "0.9.1"
@@ -213,11 +215,37 @@ ENGINE_INSTANCE_ATTRIBUTES: dict[str, str] = {
 """The attributes of an engine *instance* (set in verl's ``__init__``) and of its configs that the seam's
 features read or swap: dotted path -> why."""
 
+_ACTOR = "actor_rollout_ref.actor"
+ENGINE_ATTRIBUTE_KEYS: dict[str, tuple[str, ...]] = {
+    "engine_config": (),
+    "engine_config.entropy_checkpointing": (f"{_ACTOR}.fsdp_config.entropy_checkpointing",),
+    "engine_config.use_torch_compile": (f"{_ACTOR}.fsdp_config.use_torch_compile",),
+    "engine_config.use_fused_kernels": ("actor_rollout_ref.model.use_fused_kernels",),
+    "engine_config.max_token_len_per_gpu": (f"{_ACTOR}.ppo_max_token_len_per_gpu",),
+    "engine_config.micro_batch_size_per_gpu": (f"{_ACTOR}.ppo_micro_batch_size_per_gpu",),
+    "model_config.use_fused_kernels": ("actor_rollout_ref.model.use_fused_kernels",),
+    "use_ulysses_sp": (f"{_ACTOR}.fsdp_config.ulysses_sequence_parallel_size",),
+    "module": (),
+    "compute_entropy_from_logits": (),
+    "prepare_model_inputs": (),
+    "prepare_model_outputs": (),
+}
+"""The verl config key each row of :data:`ENGINE_INSTANCE_ATTRIBUTES` carries into the actor engine (verl
+0.9.1's ``ActorRolloutRefWorker`` builds ``engine_config`` from ``actor.fsdp_config`` and sets its batch sizes
+from ``actor.ppo_*`` and its fused kernels from ``model``); ``()`` for what is swapped, not read.
+:func:`engine_attribute` records them (:mod:`verl_ext.core.key_reads`) as read by the feature that asked."""
+
 
 def engine_attribute(engine: Any, path: str) -> Any:
     """``engine``'s attribute at the dotted ``path``, a row of :data:`ENGINE_INSTANCE_ATTRIBUTES`. The
     features read the engine through this, not ``getattr(..., default)``: an attribute verl renamed raises,
     naming it, instead of reading as the default and turning a feature or a refusal off."""
+    value = _attribute(engine, path)
+    key_reads.record(*ENGINE_ATTRIBUTE_KEYS[path], depth=1)
+    return value
+
+
+def _attribute(engine: Any, path: str) -> Any:
     if path not in ENGINE_INSTANCE_ATTRIBUTES:
         raise KeyError(f"{path!r} is not a row of guard.ENGINE_INSTANCE_ATTRIBUTES: add it (and why the seam reads it)")
     owner, parts = engine, path.split(".")
@@ -233,7 +261,7 @@ def engine_attribute(engine: Any, path: str) -> Any:
 def check_engine_instance(engine: Any) -> None:
     """Every row of :data:`ENGINE_INSTANCE_ATTRIBUTES` on ``engine`` (when the seam sets its features)."""
     for path in ENGINE_INSTANCE_ATTRIBUTES:
-        engine_attribute(engine, path)
+        _attribute(engine, path)  # a check, not a read of the key: not recorded
 
 
 INFER_BATCH_OUTPUT_KEYS: dict[str, str] = {

@@ -55,7 +55,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from tensordict import TensorDict
 
-from verl_ext.engine.guard import check_infer_batch_outputs
+from verl_ext.engine.guard import check_infer_batch_outputs, engine_attribute
 
 logger = logging.getLogger(__name__)
 
@@ -203,13 +203,14 @@ def infer_as_update(engine: Any, data: TensorDict, loss_function: Any, infer: Ca
             size, int(packing["mini_batch_size"]) // dp_size, int(packing["seed"]) + dp_rank, bool(packing["shuffle"])
         )
     record = PackingRecord(row_fingerprints(data)) if packing is not None else None
-    config = engine.engine_config
+    max_token_len, micro_batch_size = (engine_attribute(engine, f"engine_config.{name}")
+                                       for name in ("max_token_len_per_gpu", "micro_batch_size_per_gpu"))
     outputs = []
     for rows in groups:
         part = tu.index_select_tensor_dict(data, rows)
         part[ROW_KEY] = rows.clone()
         tu.assign_non_tensor(
-            part, max_token_len_per_gpu=config.max_token_len_per_gpu, micro_batch_size_per_gpu=config.micro_batch_size_per_gpu
+            part, max_token_len_per_gpu=max_token_len, micro_batch_size_per_gpu=micro_batch_size
         )
         recorded: list[PackedMicroBatch] = []
         setattr(engine, _RECORDING_ATTR, recorded)

@@ -40,10 +40,14 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
+from verl_ext.core import key_reads
 from verl_ext.core.vocab_pass import vocab_pass
 from verl_ext.engine.guard import engine_attribute
 from verl_ext.engine.request import POLICY_LOSS_KEY, request_of
 from verl_ext.engine.swap import Swap
+
+#: The config key verl's temperatures carry into the micro-batch (the trainer puts the rollout's there).
+ROLLOUT_TEMPERATURE = "actor_rollout_ref.rollout.temperature"
 
 VOCAB_PASS_KEY = f"{POLICY_LOSS_KEY}.vocab_pass"
 
@@ -134,6 +138,7 @@ def _capture_inputs(prepare: Callable[..., Any], state: _StepState) -> Callable[
         if "input_ids_rmpad_rolled" not in output_args:
             raise ValueError(f"{VOCAB_PASS_KEY}=true: verl's inputs carry no rolled labels (pad_mode?)")
         state.labels = output_args["input_ids_rmpad_rolled"].reshape(-1)
+        key_reads.record(ROLLOUT_TEMPERATURE)  # verl's per-token temperatures: the rollout's, divided out here
         if "temperature_rmpad" in output_args:  # remove-padding (and Ulysses) path: one per row
             state.temperature = output_args["temperature_rmpad"].reshape(-1)
             state.valid = None

@@ -1,0 +1,95 @@
+"""The key table from what the product reads (recipe/verl_key_reads.py, verl_ext/core/key_reads.py): every
+verl key the recorder saw the product read has its row -- honoured, replaced or refused, never verl_reads --
+and a short run with the recorder on reads only keys of the committed record, the core set among them."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+
+from recipe import verl_keys
+from recipe.verl_key_checks import compose_verl_schema, key_under, leaf_keys
+from recipe.verl_key_reads import READ_KEYS_PATH, known_reads, read_keys
+from recipe.verl_keys import KeyClass, row_of
+from tests.test_recipe_main import ERC, dry_run
+from verl_ext.core.key_reads import RECORD_ENV, read_records
+
+ACTOR = "actor_rollout_ref.actor"
+READ_CLASSES = (KeyClass.HONOURED, KeyClass.REPLACED, KeyClass.REFUSED)
+
+
+def test_every_recorded_key_has_its_row_and_none_is_verl_reads() -> None:
+    keys = read_keys()
+    assert len(keys) > 50, f"{READ_KEYS_PATH} records {len(keys)} keys: rerun python -m recipe.verl_key_reads"
+    unrowed = {key: modules for key, modules in keys.items() if key not in verl_keys.NOT_CONFIG_KEYS
+               and (row_of(key) is None or row_of(key).key_class not in READ_CLASSES)}
+    assert not unrowed, (
+        "the product reads these verl keys, yet their row says verl reads them alone (or no row covers them): "
+        f"give each an honoured / replaced / refused row in recipe/verl_keys.py: {unrowed}"
+    )
+
+
+def test_every_recorded_key_is_a_key_of_verls_schema() -> None:
+    schema = set(leaf_keys(compose_verl_schema()))
+    read_in = {rule.key for rule in verl_keys.RULES if rule.read_in is not None}
+    for key in read_keys():
+        assert not verl_keys.is_divclip_key(key), key
+        assert key in schema or any(key_under(key, r) for r in read_in) or key in verl_keys.NOT_CONFIG_KEYS, (
+            f"{key}: recorded, but no leaf of verl's ppo_trainer schema (a row with read_in, or NOT_CONFIG_KEYS)")
+
+
+def test_no_row_says_verl_reads_what_the_product_never_reads_is_verls_alone() -> None:
+    assert not [rule.key for rule in verl_keys.RULES if rule.key_class is KeyClass.VERL_READS]
+    assert verl_keys.classify("data.train_files").key_class is KeyClass.VERL_READS
+    assert "data.train_files" not in read_keys()
+
+
+#: What a dry run of the default config with ERC must read (recipe.config_checks and the checks of the key
+#: table, on the driver): the trainer mode and v1 switch, the strategy, the loss, the clip range, the entropy.
+DRY_RUN_CORE = {
+    "trainer.use_v1", "trainer.v1.trainer_mode", f"{ACTOR}.strategy", f"{ACTOR}.policy_loss.loss_mode",
+    f"{ACTOR}.clip_ratio_low", f"{ACTOR}.clip_ratio_high", f"{ACTOR}.calculate_entropy", f"{ACTOR}.entropy_coeff",
+    f"{ACTOR}.fsdp_config.entropy_checkpointing", "algorithm.rollout_correction.bypass_mode",
+}
+
+
+def test_a_dry_run_reads_only_recorded_keys_and_the_core_set(tmp_path: Path) -> None:
+    proc = dry_run(*ERC, f"{ACTOR}.calculate_entropy=true", env={RECORD_ENV: str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    recorded = {key for key in read_records(tmp_path) if not verl_keys.is_divclip_key(key)}
+    assert DRY_RUN_CORE <= recorded, DRY_RUN_CORE - recorded
+    unknown = recorded - known_reads()
+    assert not unknown, f"read by the product but not in {READ_KEYS_PATH}: {unknown} (python -m recipe.verl_key_reads)"
+
+
+def test_nothing_is_recorded_without_the_variable(tmp_path: Path) -> None:
+    proc = dry_run(*ERC, f"{ACTOR}.calculate_entropy=true", env={RECORD_ENV: ""})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("compile_on", [True, False])
+def test_the_fp32_entropy_is_compiled_where_the_engine_compiles(compile_on: bool,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """actor.fsdp_config.use_torch_compile (honoured): the seam reads it to choose the fp32 entropy."""
+    import torch
+
+    from verl_ext.core.entropy import entropy_fp32, entropy_fp32_compiled
+    from verl_ext.engine.entropy_path import entropy_fn_for
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    engine = types.SimpleNamespace(engine_config=types.SimpleNamespace(use_torch_compile=compile_on))
+    assert entropy_fn_for(engine) is (entropy_fp32_compiled if compile_on else entropy_fp32)
+
+
+def test_every_engine_attribute_the_guard_reads_names_the_verl_keys_it_carries() -> None:
+    from verl_ext.engine.guard import ENGINE_ATTRIBUTE_KEYS, ENGINE_INSTANCE_ATTRIBUTES
+
+    assert ENGINE_ATTRIBUTE_KEYS.keys() == ENGINE_INSTANCE_ATTRIBUTES.keys()
+    schema = set(leaf_keys(compose_verl_schema()))
+    carried = {key for keys in ENGINE_ATTRIBUTE_KEYS.values() for key in keys}
+    assert carried and carried <= schema, carried - schema
+    for path, keys in ENGINE_ATTRIBUTE_KEYS.items():
+        assert bool(keys) == ENGINE_INSTANCE_ATTRIBUTES[path].startswith("read"), path  # what is read names its key

@@ -1,0 +1,168 @@
+"""Which of verl's config keys the product's code reads: an opt-in recorder, off unless asked for.
+
+``recipe.verl_keys`` classifies every key of verl's schema; its rows for the keys the product reads come
+from this recorder, not from a hand list. With ``DIVCLIP_RECORD_KEYS=<dir>`` in the environment,
+:func:`install` (called by ``verl_ext.plugin``, so in every process that imports verl: the driver, the
+TaskRunner and the Ray workers, which inherit the variable) wraps verl's config readers so that every read
+*from a module of the product* (``recipe``, ``verl_ext``; not verl's own reads, not the tests') appends the
+dotted key and the reading module to ``<dir>/keys-<pid>.tsv``:
+
+* ``DictConfig`` attribute, item and ``get`` reads and ``OmegaConf.select`` (OmegaConf keeps each node's full
+  key): leaves only (a read of a subtree is navigation; what is read below it is recorded);
+* the fields of verl's dataclass configs (``verl.base_config.BaseConfig``) once :func:`bind` has told the
+  recorder which key the instance was built from (the product's entry points bind the actor config); nested
+  configs inherit the binding;
+* the engine attributes the seam reads through ``verl_ext.engine.guard.engine_attribute`` and the batch
+  fields that carry a config key (the rollout temperature), which call :func:`record` with the keys they
+  carry.
+
+Without the variable nothing is wrapped, and :func:`bind` / :func:`record` return at once.
+``python -m recipe.verl_keys --record`` runs the suite's trainer and engine tests with it set and writes the
+recorded keys to ``recipe/verl_keys_read.json``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+RECORD_ENV = "DIVCLIP_RECORD_KEYS"
+"""Set to a folder to record the verl keys the product reads (one ``keys-<pid>.tsv`` per process)."""
+
+PRODUCT_PACKAGES = ("recipe", "verl_ext")
+"""The product: a read from a module of these packages is recorded."""
+
+ROOT_ATTR = "_divclip_config_key"
+"""The attribute :func:`bind` sets on a verl dataclass config: the dotted key it was built from."""
+
+FIELD_ALIASES = {"engine": "fsdp_config"}
+"""verl's ``ActorConfig.engine`` is the same object as its ``fsdp_config`` (the key in verl's schema)."""
+
+_seen: set[tuple[str, str]] = set()
+_installed = [False]
+
+
+def record_dir() -> Optional[Path]:
+    """The folder named by :data:`RECORD_ENV`, or ``None`` when recording is off."""
+    raw = os.environ.get(RECORD_ENV, "").strip()
+    return Path(raw) if raw else None
+
+
+def _reader(depth: int) -> Optional[str]:
+    """The module of the frame ``depth`` levels above the caller, skipping verl's ``BaseConfig.get`` and
+    ``__getitem__`` (they read through ``getattr``), if it is a module of the product; else ``None``."""
+    frame = sys._getframe(depth + 1)
+    while frame is not None and frame.f_globals.get("__name__") in ("verl.base_config", __name__):
+        frame = frame.f_back
+    module = frame.f_globals.get("__name__", "") if frame is not None else ""
+    return module if module.split(".")[0] in PRODUCT_PACKAGES else None
+
+
+def _write(key: str, module: str) -> None:
+    folder = record_dir()
+    if folder is None or (key, module) in _seen:
+        return
+    _seen.add((key, module))
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"keys-{os.getpid()}.tsv", "a", encoding="utf-8") as out:
+        out.write(f"{key}\t{module}\n")
+
+
+def record(*keys: str, depth: int = 0) -> None:
+    """Record ``keys`` as read by the module ``depth`` frames above the caller (0: the caller itself), when
+    recording is on and that module is the product's. For reads the wrapped readers cannot see: engine
+    attributes and batch fields that carry a config key."""
+    if record_dir() is None:
+        return
+    module = _reader(depth + 1)
+    if module is not None:
+        for key in keys:
+            _write(key, module)
+
+
+def bind(config: Any, key: str) -> Any:
+    """Tell the recorder that the verl dataclass ``config`` was built from the config at ``key`` (its
+    fields' reads are then recorded as ``key.<field>``); returns ``config``. A no-op when recording is off."""
+    if record_dir() is not None and config is not None and hasattr(config, "__dataclass_fields__"):
+        object.__setattr__(config, ROOT_ATTR, key)
+    return config
+
+
+def install(dict_config: type, omegaconf: type, base_config: type) -> None:
+    """Wrap the readers of ``dict_config`` (OmegaConf's ``DictConfig``), ``omegaconf.select`` and
+    ``base_config`` (verl's ``BaseConfig``) as the module docstring says, when :data:`RECORD_ENV` is set; once
+    per process. The plugin hands the classes in (this package imports neither OmegaConf nor verl's configs)."""
+    if record_dir() is None or _installed[0]:
+        return
+    _installed[0] = True
+    _wrap_dictconfig(dict_config, omegaconf)
+    _wrap_base_config(base_config)
+
+
+def _is_leaf(value: Any, dict_type: type) -> bool:
+    return not isinstance(value, dict_type) or len(value) == 0
+
+
+def _wrap_dictconfig(dict_type: Any, omegaconf: Any) -> None:
+    def reader(original: Any) -> Any:
+        def read(self: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
+            value = original(self, key, *args, **kwargs)
+            if isinstance(key, str) and _is_leaf(value, dict_type):
+                module = _reader(1)
+                if module is not None:
+                    _write(self._get_full_key(key), module)
+            return value
+
+        read.__wrapped__ = original
+        return read
+
+    for name in ("__getattr__", "__getitem__", "get"):
+        setattr(dict_type, name, reader(getattr(dict_type, name)))
+    select = omegaconf.select
+
+    def recorded_select(cfg: Any, key: str, **kwargs: Any) -> Any:
+        value = select(cfg, key, **kwargs)
+        module = _reader(1) if _is_leaf(value, dict_type) else None
+        if module is not None and isinstance(cfg, dict_type):
+            root = cfg._get_full_key("")
+            _write(f"{root}.{key}" if root else key, module)
+        return value
+
+    recorded_select.__wrapped__ = select
+    omegaconf.select = staticmethod(recorded_select)
+
+
+def _wrap_base_config(base: Any) -> None:
+    original = base.__getattribute__
+
+    def __getattribute__(self: Any, name: str) -> Any:
+        value = original(self, name)
+        if name.startswith("_"):
+            return value
+        root = original(self, "__dict__").get(ROOT_ATTR)
+        if root is None or name not in type(self).__dataclass_fields__:
+            return value
+        key = f"{root}.{FIELD_ALIASES.get(name, name)}"
+        if isinstance(value, base):
+            if ROOT_ATTR not in original(value, "__dict__"):
+                object.__setattr__(value, ROOT_ATTR, key)
+            return value
+        module = _reader(1)
+        if module is not None:
+            _write(key, module)
+        return value
+
+    base.__getattribute__ = __getattribute__
+
+
+def read_records(folder: Path) -> dict[str, set[str]]:
+    """``key -> the product modules that read it`` from every ``keys-*.tsv`` under ``folder``."""
+    keys: dict[str, set[str]] = {}
+    for path in sorted(folder.glob("**/keys-*.tsv")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                key, _, module = line.partition("\t")
+                keys.setdefault(key, set()).add(module)
+    return keys
