@@ -42,6 +42,9 @@ SHAPES: dict[str, dict[str, Any]] = {
 def _run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from recipe.bench.harness import single_rank_env
+
+    single_rank_env(device=args.device)  # before verl picks its platform (the imports below)
     from recipe.bench.harness import (
         WorkerOptions,
         bench_micro_batch,
@@ -50,7 +53,6 @@ def _run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
         make_actor_config,
         make_rollout_batch,
         save_tiny_qwen3,
-        single_rank_env,
         update_actor,
     )
     from verl_ext.actor_loss import build_actor_loss
@@ -59,7 +61,6 @@ def _run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
     from verl_ext.engine.packing import UpdatePacking
 
     shape = SHAPES[shape_name]
-    single_rank_env(device=args.device)
     micro = bench_micro_batch(args.tokens, args.sequences, args.vocab, hidden=args.hidden)
     if args.sequences % shape["mini_batches"]:
         raise ValueError(f"--sequences ({args.sequences}) must split into the {shape_name} shape's {shape['mini_batches']} mini-batches")
@@ -159,3 +160,7 @@ def main(argv: list[str]) -> int:
               f"({row['old_pass_rows_with']:.0f} rows); update {row['update_s_without']:.3f} s -> "
               f"{row['update_s_with']:.3f} s (with the collect); {row['device']}, {row['threads']} threads, {date}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
