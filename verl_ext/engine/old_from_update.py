@@ -117,13 +117,12 @@ optimizer step. (tests/test_old_pass_skip.py's control sets 1 -- a mini-batch af
 watches the step change.)"""
 
 
-def skipped_mini_batch(engine: Any, data: TensorDict, groups: list[torch.Tensor]) -> Optional[int]:
+def skipped_mini_batch(engine: Any, data: TensorDict, groups: list[torch.Tensor],
+                       fingerprints: list[tuple[int, int]]) -> Optional[int]:
     """In the old pass: the first-epoch mini-batch whose forward the pass leaves to the update (None: it runs
     every one). With :data:`OLD_FROM_UPDATE_KEY` and an exact engine, :data:`SUPPLYING_MINI_BATCH`; sets up the
     engine's pending state whenever the key is there (the collect then returns the pass's own values)."""
     from verl.utils import tensordict_utils as tu
-
-    from verl_ext.engine.packing import row_fingerprints
 
     setattr(engine, _STATE_ATTR, None)
     if not tu.get_non_tensor_data(data=data, key=OLD_FROM_UPDATE_KEY, default=False):
@@ -137,16 +136,15 @@ def skipped_mini_batch(engine: Any, data: TensorDict, groups: list[torch.Tensor]
     index = None if reason is not None or len(groups) <= SUPPLYING_MINI_BATCH else SUPPLYING_MINI_BATCH
     skipped = frozenset() if index is None else frozenset(int(r) for r in groups[index].tolist())
     values: dict[str, list[Optional[torch.Tensor]]] = {name: [None] * len(data) for name in FIELDS}
-    state = OldFromUpdate(row_fingerprints(data), skipped, values, forwards=len(data) - len(skipped))
+    state = OldFromUpdate(fingerprints, skipped, values, forwards=len(data) - len(skipped))
     state.mini_batch = -1 if index is None else index
     setattr(engine, _STATE_ATTR, state)
     return index
 
 
-def keep_pass_outputs(engine: Any, data: TensorDict, groups: list[torch.Tensor], outputs: list[Any]) -> None:
-    """The pass's outputs, per row, into the pending state (the rows it skipped get NaN placeholders)."""
-    from verl_ext.engine.packing import row_token_counts
-
+def keep_pass_outputs(engine: Any, tokens: list[int], groups: list[torch.Tensor], outputs: list[Any]) -> None:
+    """The pass's outputs, per row, into the pending state (the rows it skipped get NaN placeholders of each
+    row's ``tokens``)."""
     state: Optional[OldFromUpdate] = getattr(engine, _STATE_ATTR, None)
     if state is None:
         return
@@ -156,7 +154,6 @@ def keep_pass_outputs(engine: Any, data: TensorDict, groups: list[torch.Tensor],
                 raise OldFromUpdateError(f"{POLICY_KEY}: the old-log-prob pass returned no {name!r} (calculate_entropy)")
             for row, value in zip(rows.tolist(), out["model_output"][name].unbind()):
                 state.values[name][row] = value
-    tokens = row_token_counts(data)
     for name in FIELDS:
         computed = next((v for v in state.values[name] if v is not None), None)
         dtype = computed.dtype if computed is not None else torch.float32
@@ -198,17 +195,14 @@ def check_update_batch(engine: Any, fingerprints: list[tuple[int, int]], starts_
         )
 
 
-def substituting_loss(engine: Any, micro_batch: TensorDict, loss_function: Callable[..., Any],
+def substituting_loss(engine: Any, rows: list[int], loss_function: Callable[..., Any],
                       first_mini_batch: bool, loss_wants_entropy: bool) -> Callable[..., Any]:
     """The update micro-batch's loss, given pi_old for the rows the old pass skipped (module docstring)."""
     from verl.workers.utils.padding import response_from_nested
 
     state = pending(engine)
-    from verl_ext.engine.packing import ROW_KEY
-
     if state is None or loss_function is None:
         return loss_function
-    rows = [int(r) for r in micro_batch[ROW_KEY].tolist()]
     if first_mini_batch and set(rows) - state.from_update:  # "first": the one that supplies (state.mini_batch)
         raise OldFromUpdateError(
             f"{POLICY_KEY}: the update's mini-batch {state.mini_batch} holds rows {sorted(set(rows) - state.from_update)} that the "
@@ -248,19 +242,18 @@ def finish_update(engine: Any) -> None:
         raise OldFromUpdateError(f"{POLICY_KEY}: the update's first mini-batch never computed rows {missing}")
 
 
-def collect(engine: Any, data: TensorDict) -> dict[str, Any]:
-    """The trainer's call after the update: the pass's values for every row, then the state is dropped."""
-    from verl_ext.engine.packing import row_fingerprints
-
+def collect(engine: Any, fingerprints: list[tuple[int, int]]) -> dict[str, Any]:
+    """The trainer's call after the update (its batch's ``fingerprints``): the pass's values for every row, then
+    the state is dropped."""
     state: Optional[OldFromUpdate] = getattr(engine, _STATE_ATTR, None)
     setattr(engine, _STATE_ATTR, None)
     if state is None:
         raise OldFromUpdateError(f"{POLICY_KEY}: collected, but this rank ran no old-log-prob pass with the key")
-    if row_fingerprints(data) != state.fingerprints:
+    if fingerprints != state.fingerprints:
         raise OldFromUpdateError(f"{POLICY_KEY}: the collected batch is not the one whose old-log-prob pass ran")
     if state.captured != set(state.from_update):
         raise OldFromUpdateError(f"{POLICY_KEY}: collected before the update supplied every skipped row")
-    size = len(data)
+    size = len(fingerprints)
     return {
         "model_output": {
             name: torch.nested.as_nested_tensor([state.values[name][r] for r in range(size)], layout=torch.jagged)

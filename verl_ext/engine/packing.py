@@ -218,7 +218,7 @@ def infer_as_update(engine: Any, data: TensorDict, loss_function: Any, infer: Ca
         )
     record = PackingRecord(row_fingerprints(data)) if packing is not None else None
     # old_log_prob_from_update: the mini-batch whose pi_old its own update forward supplies is not run here
-    skip = skipped_mini_batch(engine, data, groups) if packing is not None else None
+    skip = skipped_mini_batch(engine, data, groups, row_fingerprints(data)) if packing is not None else None
     run = [rows for index, rows in enumerate(groups) if index != skip]
     config = engine.engine_config
     outputs = []
@@ -244,7 +244,7 @@ def infer_as_update(engine: Any, data: TensorDict, loss_function: Any, infer: Ca
         setattr(engine, _RECORD_ATTR, record)
     check_infer_batch_outputs(outputs)  # verl's result layout, before any key of it is read
     if old_from_update_state(engine) is not None:
-        keep_pass_outputs(engine, data, run, outputs)
+        keep_pass_outputs(engine, row_token_counts(data), run, outputs)
         return placeholder_output(engine, size)
     if len(outputs) == 1 and packing is None:
         return outputs[0]

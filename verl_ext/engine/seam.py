@@ -66,10 +66,12 @@ from verl_ext.engine.guard import ENGINE_MODULE, WORKER_MODULE, check_engine_ins
 from verl_ext.engine.old_from_update import COLLECT_KEY, collect, substituting_loss
 from verl_ext.engine.old_from_update import pending as pending_old
 from verl_ext.engine.packing import (
+    ROW_KEY,
     infer_as_update,
     marking_first_mini_batch,
     marking_on_policy,
     observed_packing,
+    row_fingerprints,
     update_mini_batch_index,
 )
 from verl_ext.engine.request import (
@@ -226,7 +228,8 @@ def _forward_step(original: Callable[..., Any], engine: Any, micro_batch: Any, l
     state = None if forward_only else pending_old(engine)
     if state is not None:  # old_log_prob_from_update: the update supplies pi_old of the rows the old pass skipped
         first = update_mini_batch_index(engine) == state.mini_batch
-        loss = substituting_loss(engine, micro_batch, loss_function, first, state.loss_wants_entropy)
+        rows = [int(r) for r in micro_batch[ROW_KEY].tolist()]
+        loss = substituting_loss(engine, rows, loss_function, first, state.loss_wants_entropy)
     with swapped(step_swaps(engine, features, micro_batch, loss_function)):
         return original(engine, micro_batch, loss_function=loss, forward_only=forward_only)
 
@@ -273,7 +276,7 @@ def _train_batch(original: Callable[..., Any]) -> Callable[..., Any]:
 def _infer_batch(original: Callable[..., Any]) -> Callable[..., Any]:
     def infer_batch(self: Any, data: Any, loss_function: Any = None) -> Any:
         if tu_flag(data, COLLECT_KEY):  # old_log_prob_from_update: the pass's values, completed by the update
-            return collect(self, data)
+            return collect(self, row_fingerprints(data))
         features = features_of(self)
         if features is None or not features.request.pack_old_log_prob_as_update:
             return original(self, data, loss_function)
