@@ -132,6 +132,7 @@ def validate_divclip_config(config: DictConfig) -> Any:
                 "algorithm.rollout_correction.bypass_mode=True skips it. Set it to False or turn ERC off."
             )
     validate_bypass_mode(config, actor)
+    validate_old_log_prob_from_update(config)
     validate_verl_keys(config)
     return actor
 
@@ -315,6 +316,70 @@ def validate_bypass_mode(config: DictConfig, actor: Any) -> None:
             f"{ACTOR}.policy_loss.pack_old_log_prob_as_update=true has no pass to pack as the update: set it false "
             f"(a key of {ACTOR}.policy_loss._target_={CONFIG_TARGET})"
         )
+
+
+OLD_FROM_UPDATE_KEY = f"{ACTOR}.policy_loss.old_log_prob_from_update"
+#: advantage estimators that read old_log_probs before the update (verl's compute_advantage)
+_ESTIMATORS_READING_PI_OLD = ("optimal_token_baseline", "tir_optimal_token_baseline")
+
+
+def old_log_prob_from_update_blocker(config: DictConfig) -> str | None:
+    """Why the update's first forward is not pi_old, or verl needs pi_old before the update, for this config
+    (None: ``policy_loss.old_log_prob_from_update`` is exact; :mod:`verl_ext.engine.old_from_update`). Every read
+    of ``old_log_probs`` / ``entropy`` in verl 0.9.1's v1 trainer before ``_update_actor``: ``_compute_old_log_prob``
+    (metrics, recomputed after the update), ``_compute_advantage`` (KL in the reward, rollout-correction weights and
+    rejection, the optimal-token-baseline estimators); the worker checks its model for dropout itself."""
+    actor = config.actor_rollout_ref.actor
+    policy = actor.policy_loss
+    rollout_correction = config.algorithm.get("rollout_correction", None) or {}
+    trainer_mode = OmegaConf.select(config, TRAINER_MODE, default="sync")
+    if not bool(policy.get("pack_old_log_prob_as_update", True)):
+        return f"{ACTOR}.policy_loss.pack_old_log_prob_as_update=false (the pass is not packed as the update)"
+    if rollout_correction.get("bypass_mode", False):
+        return "algorithm.rollout_correction.bypass_mode=true (there is no old-log-prob pass)"
+    if config.algorithm.get("use_kl_in_reward", False):
+        return "algorithm.use_kl_in_reward=true (verl's apply_kl_penalty reads pi_old before the update)"
+    if config.actor_rollout_ref.rollout.get("calculate_log_probs", False) and (
+        rollout_correction.get("rollout_is", None) is not None or rollout_correction.get("rollout_rs", None) is not None
+    ):
+        return "algorithm.rollout_correction.rollout_is / rollout_rs (their weights and rejection read pi_old before the update)"
+    if config.algorithm.get("adv_estimator", None) in _ESTIMATORS_READING_PI_OLD:
+        return f"algorithm.adv_estimator={config.algorithm.adv_estimator} (the estimator reads pi_old)"
+    if trainer_mode == "separate_async":
+        return f"{TRAINER_MODE}=separate_async (a Decoupled-PPO cycle's pi_old is its first weights, not the update's)"
+    if policy.get("loss_mode", None) == "kl_full" or policy.get("kl_full_diagnostic", False):
+        return f"{ACTOR}.policy_loss.loss_mode=kl_full / kl_full_diagnostic (pi_old's top-k from the update: not built)"
+    if _ulysses_size(actor) > 1:
+        return f"{ACTOR}.ulysses_sequence_parallel_size > 1 (one rank returns the group's outputs)"
+    dropout = _local_dropout(config.actor_rollout_ref.model.get("path", None))
+    if dropout is not None:
+        return f"the model's {dropout} (a train-mode forward is not the eval-mode pass)"
+    return None
+
+
+def validate_old_log_prob_from_update(config: DictConfig) -> None:
+    """``policy_loss.old_log_prob_from_update=true`` where it is not exact is refused, naming the reason."""
+    if config.actor_rollout_ref.actor.policy_loss.get("old_log_prob_from_update", None) is not True:
+        return
+    blocker = old_log_prob_from_update_blocker(config)
+    if blocker is not None:
+        raise ConfigError(
+            f"{OLD_FROM_UPDATE_KEY}=true, but the update's first forward is not pi_old here: {blocker}. "
+            "Leave it null (taken only where exact) or set it false"
+        )
+
+
+def _local_dropout(model_path: Any) -> str | None:
+    """``key=value`` of a positive dropout in a local Hugging Face checkpoint's config.json, or None."""
+    import json
+
+    config_file = Path(str(model_path)).expanduser() / "config.json" if model_path else None
+    if config_file is None or not config_file.is_file():
+        return None
+    for key, value in json.loads(config_file.read_text()).items():
+        if "dropout" in key and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return f"{key}={value}"
+    return None
 
 
 def validate_vocab_pass(config: DictConfig, actor: Any) -> None:

@@ -16,6 +16,10 @@ keeps verl's classes. What the divclip piece adds:
 * the update's packing handed to the old-log-prob pass (:mod:`verl_ext.engine.packing`), and, for the update,
   whether it follows that pass and whether it starts on-policy (not in ``bypass_mode``, nor in the later
   updates of a Decoupled-PPO cycle, whose pi_old is the cycle's first weights);
+* pi_old of the first update mini-batch taken from that mini-batch's own forward where it is pi_old bit for bit
+  (``policy_loss.old_log_prob_from_update``, :mod:`verl_ext.engine.old_from_update`): the pass runs for the
+  later mini-batches only, and verl's ``_compute_old_log_prob`` runs again after the update to write and log
+  the completed values;
 * pi_old's top-k stored by the old-log-prob pass for ``loss_mode=kl_full`` / ``kl_full_diagnostic``
   (:func:`verl_ext.engine.topk_capture.capturing_old_topk`);
 * how far the behaviour policy mu is from pi_old on each trained batch (:mod:`verl_ext.core.staleness`),
@@ -48,6 +52,8 @@ from verl_ext.actor_loss import build_actor_loss
 from verl_ext.adaptive_delta import AdaptiveDelta
 from verl_ext.core.region import CONSTRAINTS
 from verl_ext.core.staleness import behaviour_divergence
+from verl_ext.engine.old_from_update import COLLECT_KEY, OLD_FROM_UPDATE_KEY
+from verl_ext.engine.old_from_update import POLICY_KEY as OLD_FROM_UPDATE_CONFIG
 from verl_ext.engine.packing import (
     ON_POLICY_KEY,
     UPDATE_FOLLOWS_OLD_PASS_KEY,
@@ -59,6 +65,7 @@ from verl_ext.engine.topk_capture import capturing_old_topk, old_topk_request
 from verl_ext.plugin import require_registered
 
 from recipe.checkpoints import set_aside_incomplete_checkpoints
+from recipe.config_checks import old_log_prob_from_update_blocker
 from recipe.data_trace import DataTrace
 from recipe.validation.length import ValidationLengthTrainerMixin
 
@@ -174,21 +181,69 @@ class DivClipTrainer(ValidationLengthTrainerMixin):
         rollout_correction = self.config.algorithm.get("rollout_correction", None) or {}
         return bool(rollout_correction.get("bypass_mode", False))
 
+    def _old_log_prob_from_update(self) -> bool:
+        """Whether this run takes the first mini-batch's pi_old from its update forward
+        (``policy_loss.old_log_prob_from_update``: null = where exact, logged once when not taken)."""
+        taken = getattr(self, "_divclip_old_from_update", None)
+        if taken is None:
+            asked = self.config.actor_rollout_ref.actor.policy_loss.get("old_log_prob_from_update", None)
+            blocker = None if asked is False else old_log_prob_from_update_blocker(self.config)
+            taken = asked is not False and blocker is None
+            if asked is None and blocker is not None:
+                logger.info("%s=null: not taken, the old-log-prob pass runs whole: %s", OLD_FROM_UPDATE_CONFIG, blocker)
+            self._divclip_old_from_update = taken
+        return taken
+
     def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
         actor_rollout_ref = self.config.actor_rollout_ref
         # The update's mini-batch split travels with the old-log-prob pass (and only with it), so that the
         # workers pack that pass exactly as the update's first epoch and record what they packed.
         packing = UpdatePacking.from_actor_config(actor_rollout_ref.actor, actor_rollout_ref.rollout.n)
         batch.extra_info.update(packing.as_extra_info())
+        from_update = self._old_log_prob_from_update() and getattr(self, "local_trigger_step", 0) == 0
+        if from_update:  # the first mini-batch's pi_old comes from the update: verl's metrics of it come after
+            batch.extra_info[OLD_FROM_UPDATE_KEY] = True
         # kl_full / kl_full_diagnostic: this pass (and only this one) stores pi_old's top-k
         k = old_topk_request(actor_rollout_ref.actor.policy_loss)
         try:
             with capturing_old_topk(batch.extra_info, k):
-                batch = super()._compute_old_log_prob(batch, metrics=metrics)
+                batch = super()._compute_old_log_prob(batch, metrics={} if from_update else metrics)
         finally:
             batch.extra_info.pop(UPDATE_PACKING_KEY, None)
-        metrics.update(self._staleness(batch))
+            batch.extra_info.pop(OLD_FROM_UPDATE_KEY, None)
+        self._divclip_collect_after_update = from_update
+        if not from_update:
+            metrics.update(self._staleness(batch))
         return batch
+
+    def _collect_old_log_prob(self, batch: Any, metrics: dict) -> None:
+        """After an update that supplied pi_old of its first mini-batch: verl's own ``_compute_old_log_prob``
+        again, answered by the workers from what the pass and the update computed (no forward), so verl writes
+        ``old_log_probs`` / ``entropy`` and logs ``actor/entropy`` (and its rollout debug metrics) from the numbers
+        its pass would have given; then the metrics read from pi_old before the update: staleness and
+        ``rollout_corr/*`` (verl's function, on the collected values)."""
+        batch.extra_info[COLLECT_KEY] = True
+        try:
+            batch = super()._compute_old_log_prob(batch, metrics=metrics)
+        finally:
+            batch.extra_info.pop(COLLECT_KEY, None)
+        metrics.update(self._staleness(batch))
+        metrics.update(self._rollout_corr_metrics(batch))
+
+    def _rollout_corr_metrics(self, batch: Any) -> dict[str, float]:
+        """verl's ``rollout_corr/*`` off-policy metrics (``_compute_advantage``, rollout_is/rs null) from the
+        collected pi_old: they replace the ones computed from the pass's placeholders."""
+        rollout_corr = self.config.algorithm.get("rollout_correction", None)
+        if rollout_corr is None or not self.config.actor_rollout_ref.rollout.calculate_log_probs:
+            return {}
+        import transfer_queue as tq
+        from verl import DataProto
+        from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+
+        fields = ["old_log_probs", "rollout_log_probs", "response_mask"]
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        _, found = compute_rollout_correction_and_add_to_batch(DataProto(batch=data.to_padded_tensor()), rollout_corr)
+        return found
 
     def _staleness(self, batch: Any) -> dict[str, float]:
         """``actor/divclip/staleness/*`` of the batch about to be trained: mu against pi_old
@@ -219,6 +274,9 @@ class DivClipTrainer(ValidationLengthTrainerMixin):
         starts_on_policy = not bypass and getattr(self, "local_trigger_step", 0) == 0
         batch.extra_info.update({UPDATE_FOLLOWS_OLD_PASS_KEY: not bypass, ON_POLICY_KEY: starts_on_policy})
         batch = super()._update_actor(batch, metrics=metrics)
+        if getattr(self, "_divclip_collect_after_update", False):
+            self._divclip_collect_after_update = False
+            self._collect_old_log_prob(batch, metrics)
         if self.data_trace is not None:
             self.data_trace.trained(self.global_steps, batch.keys, batch.tags)
         if self.adaptive_delta is not None:

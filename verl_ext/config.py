@@ -137,6 +137,15 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
             (default); ``False`` keeps verl's own packing of that pass (its
             ``rollout.log_prob_max_token_len_per_gpu`` / ``log_prob_micro_batch_size_per_gpu``). Needs
             an FSDP strategy (``actor.strategy`` fsdp or fsdp2): other strategies must turn it off.
+        old_log_prob_from_update: Take pi_old of each step's first update mini-batch (log-probs, ERC's
+            entropy) from that mini-batch's own update forward, detached, instead of the old-log-prob pass:
+            with the pass packed as the update, that forward runs before any optimizer step on exactly the
+            pass's micro-batches, so it *is* pi_old bit for bit (verl#3996; the importance ratio of PPO's
+            Eq. 7 / ATR's Eq. 5 is then exactly 1 there, as it is with the pass). The pass runs only for the
+            later mini-batches (none with one mini-batch, e.g. ATR's ``ppo_epochs=2``); verl still writes
+            ``old_log_probs`` / ``entropy`` and logs ``actor/entropy`` from the same numbers, after the update.
+            ``None`` (default): taken where exact, otherwise not (logged with the reason); ``True``: refused
+            before Ray where not exact; ``False``: never (docs/engine.md, "pi_old from the update").
     """
 
     delta: float = 0.07
@@ -163,6 +172,7 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
     token_dump_max_tokens: int = 2048
     vocab_pass: bool = False
     pack_old_log_prob_as_update: bool = True
+    old_log_prob_from_update: Optional[bool] = None
 
     def __post_init__(self) -> None:
         prefix = POLICY_LOSS_KEY
@@ -219,6 +229,10 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
         for key in ("vocab_pass", "pack_old_log_prob_as_update"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{prefix}.{key} must be true or false, got {getattr(self, key)!r}")
+        if self.old_log_prob_from_update is not None and not isinstance(self.old_log_prob_from_update, bool):
+            raise ValueError(
+                f"{prefix}.old_log_prob_from_update must be true, false or null, got {self.old_log_prob_from_update!r}"
+            )
         for check in _MODE_CHECKS:  # the loss-mode registry's checks (see register_mode_check)
             check(self, prefix)
 

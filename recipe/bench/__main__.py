@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "reward": "recipe.bench.reward",
     "gpu": "recipe.bench.gpu",
     "onpolicy": "recipe.bench.onpolicy",
+    "old-pass-skip": "recipe.bench.old_pass_skip",
     "trainer-modes": "recipe.bench.trainer_modes",
 }
 ACCEPTANCE_FLAG = "--acceptance"

@@ -428,7 +428,8 @@ def update_actor(
 
 
 def compute_log_prob(
-    worker: Any, batch: TensorDict, temperature: float = 1.0, packing: Any = None, old_topk: int = 0
+    worker: Any, batch: TensorDict, temperature: float = 1.0, packing: Any = None, old_topk: int = 0,
+    old_from_update: bool = False, collect: bool = False,
 ) -> Optional[dict[str, torch.Tensor]]:
     """pi_old pass, mirroring ``_compute_old_log_prob``: returns response-layout nested
     ``old_log_probs`` and ``entropy`` for this rank's shard (no loss, no gradient); None on a rank
@@ -437,10 +438,14 @@ def compute_log_prob(
     ``DivClipTrainer`` passes it; None: the whole shard is one mini-batch, as :func:`update_actor`'s default.
     ``old_topk > 0`` asks the pass for pi_old's top-k as ``recipe.trainer.DivClipTrainer`` does for
     ``kl_full`` (the fields of :mod:`verl_ext.engine.topk_capture`, already in the response layout, are returned
-    too); the worker's process must have installed the engine seam (:func:`verl_ext.engine.seam.install`)."""
+    too); the worker's process must have installed the engine seam (:func:`verl_ext.engine.seam.install`).
+    ``old_from_update`` asks the pass to leave the first mini-batch's pi_old to the update, and ``collect``
+    (after that update) returns the completed values without a forward, as ``DivClipTrainer`` does
+    (:mod:`verl_ext.engine.old_from_update`)."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import response_from_nested
 
+    from verl_ext.engine.old_from_update import COLLECT_KEY, OLD_FROM_UPDATE_KEY
     from verl_ext.engine.topk_capture import CAPTURE_KEY, OLD_TOPK_IDS, OLD_TOPK_LOG_PROBS
 
     data = batch.clone()
@@ -449,6 +454,10 @@ def compute_log_prob(
         tu.assign_non_tensor(data, **packing.as_extra_info())
     if old_topk:
         tu.assign_non_tensor(data, **{CAPTURE_KEY: int(old_topk)})
+    if old_from_update:
+        tu.assign_non_tensor(data, **{OLD_FROM_UPDATE_KEY: True})
+    if collect:
+        tu.assign_non_tensor(data, **{COLLECT_KEY: True})
     output = worker.infer_batch(data)
     if output is None:  # not the rank that collects its group's output (e.g. a Ulysses SP peer)
         return None

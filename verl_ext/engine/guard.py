@@ -106,6 +106,8 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol("verl.utils.tensordict_utils", "make_iterator", ("tensordict", "mini_batch_size", "epochs", "seed", "dataloader_kwargs"),
            why="the update's mini-batch split, reproduced for the old-log-prob pass"),
     Symbol("verl.utils.tensordict_utils", "index_select_tensor_dict", ("batch", "indices"), why="pack_old_log_prob_as_update"),
+    Symbol("verl.workers.utils.padding", "response_from_nested", ("tensor", "response_mask"),
+           why="old_log_prob_from_update: the update's log-probs and entropy as pi_old, in the response layout"),
 )
 """Every verl symbol the seam replaces, wraps or calls privately (the engine instance's own attributes
 are checked per engine: :data:`ENGINE_INSTANCE_ATTRIBUTES`)."""

@@ -37,6 +37,10 @@ update call whose first-epoch micro-batches matched the record. The trainer also
 its batch comes from this rank's packed old pass (:data:`UPDATE_FOLLOWS_OLD_PASS_KEY`), so a missing
 record raises as well.
 
+**pi_old from the update.** With the trainer's ``old_log_prob_from_update`` key the pass leaves the first
+mini-batch unrun (its record holds None there: that mini-batch's pi_old is its own update forward, whatever its
+packing) and the update supplies it (:mod:`verl_ext.engine.old_from_update`).
+
 **The on-policy flag.** :data:`ON_POLICY_KEY` says whether data starts on-policy (pi_theta = pi_old). The
 trainer sets it on an update batch: false in ``bypass_mode``, where pi_old is the behaviour policy, and in a
 later update of verl's Decoupled-PPO cycle, whose pi_old is the cycle's first weights; absent, true.
@@ -56,6 +60,15 @@ import torch
 from tensordict import TensorDict
 
 from verl_ext.engine.guard import check_infer_batch_outputs, engine_attribute
+from verl_ext.engine.old_from_update import (
+    check_update_batch,
+    finish_update,
+    keep_pass_outputs,
+    placeholder_output,
+    skipped_mini_batch,
+)
+from verl_ext.engine.old_from_update import pending as pending_old
+from verl_ext.engine.old_from_update import state_of as old_from_update_state
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +197,8 @@ class PackingRecord:
     first-epoch update mini-batch, its micro-batches in the order they ran."""
 
     fingerprints: list[tuple[int, int]]
-    mini_batches: list[list[PackedMicroBatch]] = field(default_factory=list)
+    #: None for a mini-batch the pass skipped (old_log_prob_from_update: the update computes its pi_old)
+    mini_batches: list[Optional[list[PackedMicroBatch]]] = field(default_factory=list)
 
 
 def infer_as_update(engine: Any, data: TensorDict, loss_function: Any, infer: Callable[..., Any]) -> Any:
@@ -205,8 +219,15 @@ def infer_as_update(engine: Any, data: TensorDict, loss_function: Any, infer: Ca
     record = PackingRecord(row_fingerprints(data)) if packing is not None else None
     max_token_len, micro_batch_size = (engine_attribute(engine, f"engine_config.{name}")
                                        for name in ("max_token_len_per_gpu", "micro_batch_size_per_gpu"))
+    # old_log_prob_from_update: the mini-batch whose pi_old its own update forward supplies is not run here
+    skip = skipped_mini_batch(engine, data, groups, row_fingerprints(data)) if packing is not None else None
+    run = [rows for index, rows in enumerate(groups) if index != skip]
     outputs = []
-    for rows in groups:
+    for index, rows in enumerate(groups):
+        if index == skip:
+            if record is not None:
+                record.mini_batches.append(None)
+            continue
         part = tu.index_select_tensor_dict(data, rows)
         part[ROW_KEY] = rows.clone()
         tu.assign_non_tensor(
@@ -223,6 +244,9 @@ def infer_as_update(engine: Any, data: TensorDict, loss_function: Any, infer: Ca
     if record is not None:  # the trainer's old pass (a reference pass on the same engine keeps it: no key)
         setattr(engine, _RECORD_ATTR, record)
     check_infer_batch_outputs(outputs)  # verl's result layout, before any key of it is read
+    if old_from_update_state(engine) is not None:
+        keep_pass_outputs(engine, row_token_counts(data), run, outputs)
+        return placeholder_output(engine, size)
     if len(outputs) == 1 and packing is None:
         return outputs[0]
     if any(out is None for out in outputs):
@@ -296,7 +320,7 @@ class UpdateObserver:
     def _end_mini_batch(self) -> None:
         if 0 <= self.mini_batch < self.first_epoch:
             expected = self.record.mini_batches[self.mini_batch]
-            if self.micro_batch != len(expected):
+            if expected is not None and self.micro_batch != len(expected):
                 raise self._mismatch(
                     f"update mini-batch {self.mini_batch} ran {self.micro_batch} micro-batch(es) and the old-log-prob "
                     f"pass packed it into {len(expected)}: {[m.describe() for m in expected]}"
@@ -317,6 +341,9 @@ class UpdateObserver:
         if self.mini_batch >= self.first_epoch:
             return  # later epochs are off-policy by definition; nothing was packed for them
         expected = self.record.mini_batches[self.mini_batch]
+        if expected is None:  # old_log_prob_from_update: this mini-batch's pi_old is its own forward, any packing
+            self.micro_batch += 1
+            return
         found = PackedMicroBatch.of(micro_batch)
         if self.micro_batch >= len(expected) or found != expected[self.micro_batch]:
             recorded = expected[self.micro_batch].describe() if self.micro_batch < len(expected) else "nothing"
@@ -373,6 +400,12 @@ def observing_update(worker: Any, data: TensorDict, pack_old_log_prob_as_update:
     return observer
 
 
+def update_mini_batch_index(engine: Any) -> int:
+    """The index of the update mini-batch now running on ``engine`` (-1: none observed)."""
+    observer: Optional[UpdateObserver] = getattr(engine, _OBSERVER_ATTR, None)
+    return -1 if observer is None else observer.mini_batch
+
+
 def observed_packing(engine: Any, micro_batch: TensorDict, forward_only: bool) -> bool:
     """One forward step of ``engine``: record it (old pass) or compare it (update); whether the step's update
     call was found packed as the old pass (``actor/divclip/path/pack_old_log_prob_as_update``)."""
@@ -403,14 +436,19 @@ def marking_on_policy(train_mini_batch: Callable[..., Any], worker: Any, data: T
     on-policy when the call starts from pi_old (see :func:`marking_first_mini_batch`)."""
     from verl.utils import tensordict_utils as tu
 
+    state = pending_old(worker.engine)
     observer = observing_update(worker, data, pack_old_log_prob_as_update)
     starts_on_policy = bool(tu.get_non_tensor_data(data=data, key=ON_POLICY_KEY, default=True))
+    if state is not None:  # old_log_prob_from_update: this update supplies the first mini-batch's pi_old
+        check_update_batch(worker.engine, row_fingerprints(data), starts_on_policy and observer is not None)
+        state.loss_wants_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
     setattr(worker, _ON_POLICY_ATTR, starts_on_policy)
     setattr(worker.engine, _OBSERVER_ATTR, observer)
     try:
         output = train_mini_batch(worker, data)
         if observer is not None:
             observer.finish()
+        finish_update(worker.engine)
         return output
     finally:
         setattr(worker, _ON_POLICY_ATTR, None)
@@ -429,4 +467,7 @@ def marking_first_mini_batch(train_batch: Callable[..., Any], worker: Any, data:
     if on_policy is not None:  # inside a train_mini_batch call: only its first mini-batch can be on-policy
         tu.assign_non_tensor(data, **{ON_POLICY_KEY: on_policy})
         setattr(worker, _ON_POLICY_ATTR, False)
+    state = pending_old(worker.engine)
+    if observer is not None and state is not None and observer.mini_batch == state.mini_batch:
+        tu.assign_non_tensor(data, calculate_entropy=True)  # pi_old's entropy (verl's actor/entropy, ERC's H_old)
     return train_batch(worker, data)

@@ -25,9 +25,12 @@ symbol, the installed and the supported verl version):
    without the features it was asked for.
 2. ``TrainingWorker.train_mini_batch`` / ``train_batch`` -- with ``pack_old_log_prob_as_update`` the update call is
    compared with the old pass's record of what it packed; the first mini-batch of an update call that
-   starts on-policy is marked (the gauge).
+   starts on-policy is marked (the gauge); with ``old_log_prob_from_update`` pending, the update is checked to
+   be the pass's batch, starting from pi_old, and its supplying mini-batch computes the entropy.
 3. ``FSDPEngineWithLMHead.infer_batch`` -- with ``pack_old_log_prob_as_update`` the old-log-prob pass is run per
-   first-epoch update mini-batch with the update's micro-batch settings, and records what it packed.
+   first-epoch update mini-batch with the update's micro-batch settings, and records what it packed; with
+   ``old_log_prob_from_update`` it skips the first, and answers the trainer's collect after the update
+   (:mod:`verl_ext.engine.old_from_update`).
 4. ``FSDPEngineWithLMHead.forward_step`` -- one step, in this order of decisions: the packing (the old
    pass records the micro-batch, the update compares it with the record); the step's top-k task
    (capture in the old pass, evaluate in the update, or none); then either the vocabulary pass (head
@@ -36,7 +39,9 @@ symbol, the installed and the supported verl version):
    the engine config without ``entropy_checkpointing``) and one ``logprobs_from_logits`` serving both
    the entropy's in-place backward and the top-k's view of the logits, plus ``prepare_model_outputs``
    extended by the top-k fields. All of a step's swaps are applied together and restored when it ends,
-   also on error (:func:`verl_ext.engine.swap.swapped`, which refuses two swaps of one attribute).
+   also on error (:func:`verl_ext.engine.swap.swapped`, which refuses two swaps of one attribute). With
+   ``old_log_prob_from_update`` pending, an update step's loss is wrapped to receive pi_old of the rows the old
+   pass skipped (:func:`verl_ext.engine.old_from_update.substituting_loss`); the swaps see the installed loss.
 
 **Two engines in one process.** Features live on each engine instance, and so do most swaps (the
 engine's attributes, its LM head's ``forward``). verl calls two functions by module-global name,
@@ -58,7 +63,17 @@ import torch
 
 from verl_ext.engine.entropy_path import entropy_fn_for, entropy_swaps
 from verl_ext.engine.guard import ENGINE_MODULE, WORKER_MODULE, check_engine_instance, check_verl, engine_attribute
-from verl_ext.engine.packing import infer_as_update, marking_first_mini_batch, marking_on_policy, observed_packing
+from verl_ext.engine.old_from_update import COLLECT_KEY, collect, substituting_loss
+from verl_ext.engine.old_from_update import pending as pending_old
+from verl_ext.engine.packing import (
+    ROW_KEY,
+    infer_as_update,
+    marking_first_mini_batch,
+    marking_on_policy,
+    observed_packing,
+    row_fingerprints,
+    update_mini_batch_index,
+)
 from verl_ext.engine.request import (
     STEP_PATH_KEY,
     SUPPORTED_STRATEGIES,
@@ -209,8 +224,14 @@ def _forward_step(original: Callable[..., Any], engine: Any, micro_batch: Any, l
         features = EngineFeatures(EngineRequest(), EntropyPath.VERL, None)
     aligned = observed_packing(engine, micro_batch, forward_only)
     tu.assign_non_tensor(micro_batch, **{STEP_PATH_KEY: features.step_path(aligned)})
+    loss = loss_function
+    state = None if forward_only else pending_old(engine)
+    if state is not None:  # old_log_prob_from_update: the update supplies pi_old of the rows the old pass skipped
+        first = update_mini_batch_index(engine) == state.mini_batch
+        rows = [int(r) for r in micro_batch[ROW_KEY].tolist()]
+        loss = substituting_loss(engine, rows, loss_function, first, state.loss_wants_entropy)
     with swapped(step_swaps(engine, features, micro_batch, loss_function)):
-        return original(engine, micro_batch, loss_function=loss_function, forward_only=forward_only)
+        return original(engine, micro_batch, loss_function=loss, forward_only=forward_only)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -254,12 +275,20 @@ def _train_batch(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _infer_batch(original: Callable[..., Any]) -> Callable[..., Any]:
     def infer_batch(self: Any, data: Any, loss_function: Any = None) -> Any:
+        if tu_flag(data, COLLECT_KEY):  # old_log_prob_from_update: the pass's values, completed by the update
+            return collect(self, row_fingerprints(data))
         features = features_of(self)
         if features is None or not features.request.pack_old_log_prob_as_update:
             return original(self, data, loss_function)
         return infer_as_update(self, data, loss_function, original)
 
     return infer_batch
+
+
+def tu_flag(data: Any, key: str) -> bool:
+    from verl.utils import tensordict_utils as tu
+
+    return bool(tu.get_non_tensor_data(data=data, key=key, default=False))
 
 
 def _engine_forward_step(original: Callable[..., Any]) -> Callable[..., Any]:

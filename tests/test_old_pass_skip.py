@@ -1,0 +1,263 @@
+"""pi_old from the update's own first forward (``policy_loss.old_log_prob_from_update``,
+:mod:`verl_ext.engine.old_from_update`): the old-log-prob pass skipped where it would repeat that forward.
+
+On verl's real actor worker (FSDP2, CPU), under verl's default bf16, with the old pass packed as the update:
+
+* **Bit-identical with and without the skip**, in every loss mode the skip is taken for (all but ``kl_full``'s
+  top-k, refused), with dynamic batching at the configs' 2:1 budgets, shuffled mini-batches, two epochs, the
+  ATR shape (one mini-batch, two epochs) and two data-parallel ranks: the parameters after the step (SGD with
+  clipping off, so every update is ``-lr * grad``: the gradients of every mini-batch), every logged update
+  metric per mini-batch (clip fractions, ERC's masks, the gauge, grad_norm, ...) and the pi_old verl writes
+  and logs ``actor/entropy`` from (the collected ``old_log_probs`` and ``entropy``).
+* **The control**: taking pi_old from a mini-batch *after* an optimizer step (the second) changes the step.
+* **What it saves**: old-pass rows per step -- none for the ATR shape, 7/8 of them for the ERC shape (8
+  mini-batches).
+* **Where it is not exact** the recipe refuses ``true`` before Ray, naming the key, and leaves the default
+  (null) off.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from recipe.bench.harness import (
+    TinyQwen3Spec,
+    WorkerOptions,
+    build_actor_worker,
+    compute_log_prob,
+    full_params,
+    make_rollout_batch,
+    run_ranks,
+    save_tiny_qwen3,
+    shard_for_rank,
+    update_actor,
+)
+from tests.test_onpolicy import MODES, PACKINGS, PROMPT_LENS, RESPONSE_LENS, divclip_loss, worker_options
+
+SKIP_MODES = {name: mode for name, mode in MODES.items() if not (mode["loss_mode"] == "kl_full" or mode.get("kl_full_diagnostic"))}
+SKIP_PACKINGS: dict[str, dict[str, Any]] = {
+    "dynamic 40/80, 2 shuffled mini-batches, 2 epochs": PACKINGS["dynamic 40/80, 2 shuffled mini-batches, 2 epochs"],
+    "ATR shape: dynamic 24/72, 1 mini-batch, 2 epochs": dict(budgets=(24, 72), mini_batch=8, epochs=2),
+}
+TWO_RANK_PACKING = "dynamic 40/80, 2 shuffled mini-batches, 2 epochs"
+SGD = dict(optimizer="SGD", lr=0.05, clip_grad=1e9)  # every update is -lr * grad: parameters compare gradients
+def is_measured_not_computed(name: str) -> bool:
+    """Wall-clock and process-memory figures (``mfu``, ``perf/*``): not the step's numbers."""
+    return name == "mfu" or name.startswith("perf/")
+
+
+def skip_worker(model_path: str, packing: dict[str, Any]) -> Any:
+    return build_actor_worker(model_path, WorkerOptions(**{**worker_options(packing).__dict__, **SGD}))
+
+
+def step(worker: Any, batch: Any, mode: dict[str, Any], packing: dict[str, Any], skip: bool) -> dict[str, Any]:
+    """One training step as ``DivClipTrainer`` runs it: the old pass (skipping the first mini-batch with
+    ``skip``), the update, and with ``skip`` the collect; what verl writes and logs, and the update's metrics."""
+    from verl_ext.engine.packing import UpdatePacking
+
+    worker.set_loss_fn(divclip_loss(mode))
+    info = UpdatePacking(mini_batch_size=packing["mini_batch"], seed=11, shuffle=packing.get("shuffle", False))
+    old = compute_log_prob(worker, batch, packing=info, old_from_update=skip)
+    data = batch.clone()
+    data["old_log_probs"], data["entropy"] = old["old_log_probs"], old["entropy"]
+    metrics = update_actor(worker, data, calculate_entropy="erc_beta_low" in mode, mini_batch_size=packing["mini_batch"],
+                           epochs=packing.get("epochs", 1), shuffle=info.shuffle, seed=info.seed)
+    if skip:
+        old = compute_log_prob(worker, batch, packing=info, collect=True)
+    return {
+        "old_log_probs": old["old_log_probs"].values().clone(),
+        "entropy": old["entropy"].values().clone(),
+        "metrics": {k: [repr(float(v)) for v in vals] for k, vals in metrics.items()
+                    if isinstance(vals, list) and not is_measured_not_computed(k)},
+    }
+
+
+def job_with_and_without(rank: int, world_size: int, model_path: str, packing_name: str, modes: list[str],
+                         supplying_mini_batch: int = 0) -> list[dict[str, Any]]:
+    """Two workers from the same checkpoint run the same steps, one with the skip: every mode in turn (they stay
+    in lockstep while the skip is exact), the parameters compared after each step."""
+    import verl_ext.actor_loss  # noqa: F401  (installs the seam, as unpickling the loss does on a worker)
+    import verl_ext.engine.old_from_update as old_from_update
+
+    old_from_update.SUPPLYING_MINI_BATCH = supplying_mini_batch
+    packing = SKIP_PACKINGS[packing_name]
+    batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, TinyQwen3Spec().vocab_size, seed=5)
+    if world_size > 1:
+        batch = shard_for_rank(batch, rank, world_size)
+    plain, skipping = skip_worker(model_path, packing), skip_worker(model_path, packing)
+    results = []
+    for name in modes:
+        without = step(plain, batch, SKIP_MODES[name], packing, skip=False)
+        with_skip = step(skipping, batch, SKIP_MODES[name], packing, skip=True)
+        params = full_params(plain), full_params(skipping)
+        results.append({
+            "mode": name,
+            "without": without,
+            "with": with_skip,
+            "params_equal": all(torch.equal(params[0][n], params[1][n]) for n in params[0]),
+            "params_moved": any(not torch.equal(params[0][n], p) for n, p in full_params_initial(model_path).items()),
+        })
+    return results
+
+
+_INITIAL: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def full_params_initial(model_path: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's parameters (names as the engine's), to show a step moved them."""
+    if model_path not in _INITIAL:
+        from safetensors.torch import load_file
+
+        _INITIAL[model_path] = {name: t for name, t in load_file(str(Path(model_path) / "model.safetensors")).items()}
+    return _INITIAL[model_path]
+
+
+def assert_bit_identical(result: dict[str, Any]) -> None:
+    without, with_skip = result["without"], result["with"]
+    assert torch.equal(without["old_log_probs"], with_skip["old_log_probs"]), result["mode"]
+    assert torch.equal(without["entropy"], with_skip["entropy"]), result["mode"]
+    assert not torch.isnan(with_skip["old_log_probs"]).any() and not torch.isnan(with_skip["entropy"]).any()
+    assert without["metrics"] == with_skip["metrics"], {
+        k: (v, with_skip["metrics"].get(k)) for k, v in without["metrics"].items() if with_skip["metrics"].get(k) != v
+    }
+    assert result["params_equal"], f"{result['mode']}: the gradients differ"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return save_tiny_qwen3(Path(tmp_path_factory.mktemp("tiny_qwen3_skip")), TinyQwen3Spec(), seed=0, head_scale=1000.0)
+
+
+@pytest.fixture(scope="module", params=list(SKIP_PACKINGS))
+def one_rank(request: pytest.FixtureRequest, model: str) -> list[dict[str, Any]]:
+    return run_ranks(job_with_and_without, 1, model, request.param, list(SKIP_MODES))[0]
+
+
+@pytest.mark.parametrize("mode", list(SKIP_MODES))
+def test_the_skip_changes_nothing_in_any_mode(one_rank: list[dict[str, Any]], mode: str) -> None:
+    (result,) = [r for r in one_rank if r["mode"] == mode]
+    assert_bit_identical(result)
+
+
+def test_the_steps_moved_the_parameters(one_rank: list[dict[str, Any]]) -> None:
+    # the comparison is of real steps: the parameters left the checkpoint
+    assert all(r["params_moved"] for r in one_rank)
+
+
+def test_two_ranks_are_bit_identical_with_and_without_the_skip(model: str) -> None:
+    ranks = run_ranks(job_with_and_without, 2, model, TWO_RANK_PACKING, ["kl3", "erc", "gspo", "erc+vocab_pass"])
+    for results in ranks:
+        for result in results:
+            assert_bit_identical(result)
+
+
+def test_the_control_a_mini_batch_after_an_optimizer_step_differs(model: str) -> None:
+    """pi_old from the *second* mini-batch's forward (after the first optimizer step) is not pi_old: its ratios
+    read 1 where they should not, so its gradients and clip decisions change -- the skip is exact only because
+    the mini-batch it takes runs first."""
+    (result,) = run_ranks(job_with_and_without, 1, model, TWO_RANK_PACKING, ["kl3"], 1)[0]
+    assert not result["params_equal"]
+    assert not torch.equal(result["without"]["old_log_probs"], result["with"]["old_log_probs"])
+    differing = {k for k, v in result["without"]["metrics"].items() if result["with"]["metrics"].get(k) != v}
+    assert "actor/ppo_kl" in differing and "grad_norm" in differing, differing
+
+
+# ------------------------------------------------------------------------------------------------
+# What the skip saves: old-pass forwards per step
+# ------------------------------------------------------------------------------------------------
+
+
+def job_old_pass_rows(rank: int, world_size: int, model_path: str, mini_batch: int, rows: int) -> dict[str, int]:
+    """Rows the old pass runs through the model (forward-only steps) per step, with and without the skip."""
+    import verl_ext.actor_loss  # noqa: F401
+
+    packing = dict(budgets=(40, 80), mini_batch=mini_batch, shuffle=True, epochs=2)
+    repeat = rows // len(PROMPT_LENS)
+    batch = make_rollout_batch(PROMPT_LENS * repeat, RESPONSE_LENS * repeat, TinyQwen3Spec().vocab_size, seed=5)
+    counts = {}
+    for skip in (False, True):
+        worker = skip_worker(model_path, packing)
+        engine = worker.engine
+        seen = {"old": 0, "update": 0}
+        forward_step = engine.forward_step
+
+        def counting(micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
+            seen["old" if forward_only else "update"] += len(micro_batch)
+            return forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
+
+        engine.forward_step = counting
+        step(worker, batch, SKIP_MODES["kl3"], packing, skip)
+        counts[f"old_rows_{'with' if skip else 'without'}_skip"] = seen["old"]
+        counts[f"update_rows_{'with' if skip else 'without'}_skip"] = seen["update"]
+    return counts
+
+
+def test_the_atr_shape_runs_no_old_pass(model: str) -> None:
+    """ATR's configs: the step's prompts are one mini-batch (``ppo_mini_batch_size = train_batch_size``) seen
+    twice (``ppo_epochs=2``): the first forward of the update is pi_old for every row."""
+    counts = run_ranks(job_old_pass_rows, 1, model, 8, 8)[0]
+    assert counts["old_rows_without_skip"] == 8 and counts["old_rows_with_skip"] == 0, counts
+    assert counts["update_rows_with_skip"] == counts["update_rows_without_skip"] == 16, counts  # 2 epochs
+
+
+def test_the_erc_shape_runs_seven_eighths_of_the_old_pass(model: str) -> None:
+    """ERC's configs: 8 mini-batches per step (``ppo_mini_batch_size = train_batch_size / 8``): the pass runs
+    for the 7 after the first."""
+    counts = run_ranks(job_old_pass_rows, 1, model, 2, 16)[0]
+    assert counts["old_rows_without_skip"] == 16 and counts["old_rows_with_skip"] == 14, counts
+
+
+# ------------------------------------------------------------------------------------------------
+# Where it is not exact
+# ------------------------------------------------------------------------------------------------
+
+BLOCKERS: dict[str, tuple[list[str], str]] = {
+    "packing off": (["actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=false"], "pack_old_log_prob_as_update"),
+    "KL in the reward": (["algorithm.use_kl_in_reward=true"], "use_kl_in_reward"),
+    "rollout correction": (["algorithm.rollout_correction.rollout_is=token"], "rollout_is"),
+    "bypass mode": (["algorithm.rollout_correction.bypass_mode=true",
+                     "actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=false"], "pack_old_log_prob_as_update"),
+    "an estimator reading pi_old": (["algorithm.adv_estimator=optimal_token_baseline"], "optimal_token_baseline"),
+    "a Decoupled-PPO cycle": (["trainer.v1.trainer_mode=separate_async"], "separate_async"),
+    "kl_full's top-k": (["actor_rollout_ref.actor.policy_loss.loss_mode=kl_full"], "kl_full"),
+}
+
+
+def trainer_config(overrides: list[str]) -> Any:
+    from tests.test_recipe_main import compose_config
+
+    return compose_config("actor_rollout_ref.actor.policy_loss.loss_mode=kl3", *overrides)
+
+
+@pytest.mark.parametrize("case", list(BLOCKERS))
+def test_where_it_is_not_exact_it_is_not_taken(case: str) -> None:
+    from recipe.config_checks import old_log_prob_from_update_blocker
+
+    overrides, named = BLOCKERS[case]
+    assert old_log_prob_from_update_blocker(trainer_config([])) is None  # the default config: taken
+    reason = old_log_prob_from_update_blocker(trainer_config(overrides))
+    assert reason is not None and named in reason, reason
+
+
+def test_asked_where_it_is_not_exact_is_refused_naming_the_key() -> None:
+    from recipe.config_checks import ConfigError, validate_old_log_prob_from_update
+
+    key = "actor_rollout_ref.actor.policy_loss.old_log_prob_from_update"
+    validate_old_log_prob_from_update(trainer_config([f"{key}=true"]))  # exact: accepted
+    with pytest.raises(ConfigError, match=rf"{key}=true.*use_kl_in_reward"):
+        validate_old_log_prob_from_update(trainer_config([f"{key}=true", "algorithm.use_kl_in_reward=true"]))
+
+
+def test_a_model_with_dropout_is_not_taken_on_the_worker() -> None:
+    from verl_ext.engine.old_from_update import dropout_reason
+
+    class Engine:
+        module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))
+
+    assert "p=0.1" in dropout_reason(Engine())
+    Engine.module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0))
+    assert dropout_reason(Engine()) is None

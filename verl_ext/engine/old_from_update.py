@@ -1,0 +1,270 @@
+"""pi_old from the update's own first forward: the old-log-prob pass skipped where it would repeat it bit for bit.
+
+With the old-log-prob pass packed as the update (:mod:`verl_ext.engine.packing`), the update's first mini-batch
+runs, before any optimizer step, exactly the micro-batches the old pass computed for its rows: same weights,
+same tokens in the same order, same shapes and kernels. Its forward therefore *is* pi_old for those rows, bit
+for bit, and the old pass's forward of them is redundant (verl#3996; TRL, slime, ROLL and NeMo-RL skip it where
+one optimizer step sees the batch). ``policy_loss.old_log_prob_from_update`` takes it from there:
+
+* **Old pass** (:func:`skipped_rows`): the trainer's key :data:`OLD_FROM_UPDATE_KEY` on the pass asks
+  :func:`verl_ext.engine.packing.infer_as_update` to run only the first-epoch mini-batches after the first;
+  the first's rows get NaN placeholders (any use before the update shows) and the engine keeps an
+  :class:`OldFromUpdate` with what the pass computed. One mini-batch (the ATR configs: ``ppo_epochs=2``, one
+  mini-batch) means no forward at all. pi_old of the later mini-batches is still computed here, with the
+  weights before the first optimizer step.
+* **Update** (:func:`substituting_loss`, installed by the seam's ``forward_step`` on every update micro-batch
+  while the state is pending): in the first mini-batch the loss receives, as ``old_log_probs`` and ``entropy``
+  (pi_old's, ERC's ``H_old``), the step's own ``log_probs`` / ``entropy``, detached, and the engine keeps them
+  per row; micro-batches of later epochs that hold those rows get the kept values. The first mini-batch
+  computes the entropy even when the loss does not use it (verl's ``actor/entropy`` is the old pass's entropy);
+  the loss then does not see it, so nothing it computes or logs changes.
+* **Collected** (:func:`collect`): after the update, the trainer runs verl's own ``_compute_old_log_prob``
+  again with :data:`COLLECT_KEY`; the seam's ``infer_batch`` answers it with the kept values (no forward), so
+  verl writes ``old_log_probs`` / ``entropy`` to TransferQueue and logs ``actor/entropy`` (and its rollout
+  debug metrics) from exactly the numbers its pass would have produced.
+
+**Where it is not exact** it is not taken: the trainer decides on the config
+(:func:`recipe.config_checks.old_log_prob_from_update_blocker`: the packing off, KL in the reward, rollout
+correction's weights, an advantage estimator reading pi_old, a Decoupled-PPO cycle, bypass mode, ``kl_full``'s
+top-k) and the worker on its model (:func:`dropout_reason`: a train-mode forward with dropout is not the
+eval-mode pass). Not taken, the pass runs whole and the collect returns its own values.
+
+**The on-policy gauge** (``actor/divclip/onpolicy/*``) of the first mini-batch then compares the loss's pi_old
+with the forward it came from: 0 by construction, so a non-zero reading means the substitution did not reach
+the loss. What it measured before -- that the old pass and the update compute the same numbers -- is what the
+bit-identity tests of this module establish (tests/test_old_pass_skip.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from tensordict import TensorDict
+
+logger = logging.getLogger(__name__)
+
+OLD_FROM_UPDATE_KEY = "divclip_old_log_prob_from_update"
+"""Non-tensor key of the old-log-prob batch (set by the trainer): take the first mini-batch's pi_old from the
+update's own forward (``policy_loss.old_log_prob_from_update``)."""
+
+COLLECT_KEY = "divclip_collect_old_log_prob"
+"""Non-tensor key of the trainer's call after the update: return the pass's values, the first mini-batch's
+taken from the update, instead of computing anything."""
+
+POLICY_KEY = "actor_rollout_ref.actor.policy_loss.old_log_prob_from_update"
+FIELDS = ("log_probs", "entropy")  # what verl's old pass returns per row (calculate_entropy=True)
+_STATE_ATTR = "_divclip_old_from_update"
+
+
+class OldFromUpdateError(RuntimeError):
+    """The update did not supply pi_old for every row whose old pass was skipped (or the batches differ)."""
+
+
+def dropout_reason(engine: Any) -> Optional[str]:
+    """Why this engine's train-mode forward is not its eval-mode pass (dropout), or None."""
+    module = getattr(engine, "module", None)
+    if module is None:
+        return None
+    for name, sub in module.named_modules():
+        if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p > 0:
+            return f"module {name or type(sub).__name__} is a dropout with p={sub.p}"
+    config = getattr(getattr(module, "config", None), "to_dict", None)
+    for key, value in (config() if config is not None else {}).items():
+        if "dropout" in key and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return f"the model config's {key}={value}"
+    return None
+
+
+@dataclass
+class OldFromUpdate:
+    """One rank's pending pi_old: per row of the batch the old pass received, its full-sequence ``log_probs``
+    and ``entropy`` (the pass's, or, for :attr:`from_update` rows, the update's once captured)."""
+
+    fingerprints: list[tuple[int, int]]
+    from_update: frozenset[int]
+    values: dict[str, list[Optional[torch.Tensor]]]
+    captured: set[int] = field(default_factory=set)
+    mini_batch: int = 0  #: the update mini-batch (first epoch) that supplies pi_old of :attr:`from_update`
+    loss_wants_entropy: bool = False  #: whether the update's loss itself asked for the entropy (calculate_entropy)
+    forwards: int = 0  #: rows the old pass computed (the benchmark and tests count them)
+
+    def capture(self, rows: list[int], model_output: dict[str, torch.Tensor]) -> None:
+        missing = [f for f in FIELDS if model_output.get(f, None) is None]
+        if missing:
+            raise OldFromUpdateError(f"{POLICY_KEY}: the update's first mini-batch returned no {missing}")
+        for name in FIELDS:
+            for row, value in zip(rows, model_output[name].detach().unbind()):
+                self.values[name][row] = value.clone()
+        self.captured.update(rows)
+
+    def row(self, name: str, row: int) -> torch.Tensor:
+        value = self.values[name][row]
+        if row in self.from_update and row not in self.captured:
+            raise OldFromUpdateError(
+                f"{POLICY_KEY}: row {row}'s pi_old comes from the update's first mini-batch, which has not computed "
+                "it (an update micro-batch holds it before that mini-batch ran)"
+            )
+        return value
+
+
+SUPPLYING_MINI_BATCH = 0
+"""Which first-epoch update mini-batch supplies its own pi_old: the first, the only one that runs before any
+optimizer step. (tests/test_old_pass_skip.py's control sets 1 -- a mini-batch after an optimizer step -- and
+watches the step change.)"""
+
+
+def skipped_mini_batch(engine: Any, data: TensorDict, groups: list[torch.Tensor],
+                       fingerprints: list[tuple[int, int]]) -> Optional[int]:
+    """In the old pass: the first-epoch mini-batch whose forward the pass leaves to the update (None: it runs
+    every one). With :data:`OLD_FROM_UPDATE_KEY` and an exact engine, :data:`SUPPLYING_MINI_BATCH`; sets up the
+    engine's pending state whenever the key is there (the collect then returns the pass's own values)."""
+    from verl.utils import tensordict_utils as tu
+
+    setattr(engine, _STATE_ATTR, None)
+    if not tu.get_non_tensor_data(data=data, key=OLD_FROM_UPDATE_KEY, default=False):
+        return None
+    reason = dropout_reason(engine)
+    sp = int(getattr(getattr(engine, "engine_config", None), "ulysses_sequence_parallel_size", 1) or 1)
+    if reason is None and sp > 1:
+        reason = f"a Ulysses group of {sp} (one rank returns the group's outputs)"
+    if reason is not None:
+        logger.warning("%s: not taken on this rank (%s): the old-log-prob pass runs whole", POLICY_KEY, reason)
+    index = None if reason is not None or len(groups) <= SUPPLYING_MINI_BATCH else SUPPLYING_MINI_BATCH
+    skipped = frozenset() if index is None else frozenset(int(r) for r in groups[index].tolist())
+    values: dict[str, list[Optional[torch.Tensor]]] = {name: [None] * len(data) for name in FIELDS}
+    state = OldFromUpdate(fingerprints, skipped, values, forwards=len(data) - len(skipped))
+    state.mini_batch = -1 if index is None else index
+    setattr(engine, _STATE_ATTR, state)
+    return index
+
+
+def keep_pass_outputs(engine: Any, tokens: list[int], groups: list[torch.Tensor], outputs: list[Any]) -> None:
+    """The pass's outputs, per row, into the pending state (the rows it skipped get NaN placeholders of each
+    row's ``tokens``)."""
+    state: Optional[OldFromUpdate] = getattr(engine, _STATE_ATTR, None)
+    if state is None:
+        return
+    for rows, out in zip(groups, outputs):
+        for name in FIELDS:
+            if name not in out["model_output"]:
+                raise OldFromUpdateError(f"{POLICY_KEY}: the old-log-prob pass returned no {name!r} (calculate_entropy)")
+            for row, value in zip(rows.tolist(), out["model_output"][name].unbind()):
+                state.values[name][row] = value
+    for name in FIELDS:
+        computed = next((v for v in state.values[name] if v is not None), None)
+        dtype = computed.dtype if computed is not None else torch.float32
+        for row in state.from_update:
+            state.values[name][row] = torch.full((tokens[row],), math.nan, dtype=dtype)
+
+
+def placeholder_output(engine: Any, size: int) -> dict[str, Any]:
+    """The pass's result for the whole batch from the pending state (placeholders where the update supplies)."""
+    state: OldFromUpdate = getattr(engine, _STATE_ATTR)
+    model_output = {
+        name: torch.nested.as_nested_tensor([state.values[name][row] for row in range(size)], layout=torch.jagged)
+        for name in FIELDS
+    }
+    return {"model_output": model_output, "loss": [], "metrics": {}}
+
+
+def state_of(engine: Any) -> Optional[OldFromUpdate]:
+    """The engine's state from its last old-log-prob pass with :data:`OLD_FROM_UPDATE_KEY` (None: none)."""
+    return getattr(engine, _STATE_ATTR, None)
+
+
+def pending(engine: Any) -> Optional[OldFromUpdate]:
+    state: Optional[OldFromUpdate] = getattr(engine, _STATE_ATTR, None)
+    return state if state is not None and state.from_update else None
+
+
+def check_update_batch(engine: Any, fingerprints: list[tuple[int, int]], starts_on_policy: bool) -> None:
+    """Before an update call: a pending state must be for this batch, and the update must start from pi_old."""
+    state = pending(engine)
+    if state is None:
+        return
+    if fingerprints != state.fingerprints:
+        raise OldFromUpdateError(f"{POLICY_KEY}: the update's batch is not the one whose old-log-prob pass it completes")
+    if not starts_on_policy:
+        raise OldFromUpdateError(
+            f"{POLICY_KEY}: the update does not start from pi_old (bypass mode, or a later update of a Decoupled-PPO "
+            "cycle), so its first forward is not pi_old: the trainer must not skip the pass there"
+        )
+
+
+def substituting_loss(engine: Any, rows: list[int], loss_function: Callable[..., Any],
+                      first_mini_batch: bool, loss_wants_entropy: bool) -> Callable[..., Any]:
+    """The update micro-batch's loss, given pi_old for the rows the old pass skipped (module docstring)."""
+    from verl.workers.utils.padding import response_from_nested
+
+    state = pending(engine)
+    if state is None or loss_function is None:
+        return loss_function
+    if first_mini_batch and set(rows) - state.from_update:  # "first": the one that supplies (state.mini_batch)
+        raise OldFromUpdateError(
+            f"{POLICY_KEY}: the update's mini-batch {state.mini_batch} holds rows {sorted(set(rows) - state.from_update)} that the "
+            "old-log-prob pass computed, so its split is not the one the pass skipped"
+        )
+    if not first_mini_batch and not (set(rows) & state.from_update):
+        return loss_function
+
+    def loss(model_output: dict[str, Any], data: TensorDict, dp_group: Any = None) -> Any:
+        if first_mini_batch:
+            state.capture(rows, model_output)
+        mask = data["response_mask"]
+        for name, target in (("log_probs", "old_log_probs"), ("entropy", "entropy")):
+            if target not in data.keys():
+                continue
+            full = torch.nested.as_nested_tensor([state.row(name, r) for r in rows], layout=torch.jagged)
+            kept = response_from_nested(full, mask).unbind()
+            given = data[target].unbind()
+            merged = [kept[i] if r in state.from_update else given[i] for i, r in enumerate(rows)]
+            # the forward's dtype (bf16 log-probs under autocast), as the pass would have written them
+            dtype = kept[0].dtype
+            data[target] = torch.nested.as_nested_tensor(
+                [m.to(device=g.device, dtype=dtype) for m, g in zip(merged, given)], layout=torch.jagged
+            )
+        if not loss_wants_entropy:
+            model_output = {k: v for k, v in model_output.items() if k != "entropy"}
+        return loss_function(model_output=model_output, data=data, dp_group=dp_group)
+
+    return loss
+
+
+def finish_update(engine: Any) -> None:
+    """After the update call: every row whose pass was skipped must have been captured."""
+    state = pending(engine)
+    if state is not None and state.captured != set(state.from_update):
+        missing = sorted(set(state.from_update) - state.captured)
+        raise OldFromUpdateError(f"{POLICY_KEY}: the update's first mini-batch never computed rows {missing}")
+
+
+def collect(engine: Any, fingerprints: list[tuple[int, int]]) -> dict[str, Any]:
+    """The trainer's call after the update (its batch's ``fingerprints``): the pass's values for every row, then
+    the state is dropped."""
+    state: Optional[OldFromUpdate] = getattr(engine, _STATE_ATTR, None)
+    setattr(engine, _STATE_ATTR, None)
+    if state is None:
+        raise OldFromUpdateError(f"{POLICY_KEY}: collected, but this rank ran no old-log-prob pass with the key")
+    if fingerprints != state.fingerprints:
+        raise OldFromUpdateError(f"{POLICY_KEY}: the collected batch is not the one whose old-log-prob pass ran")
+    if state.captured != set(state.from_update):
+        raise OldFromUpdateError(f"{POLICY_KEY}: collected before the update supplied every skipped row")
+    size = len(fingerprints)
+    return {
+        "model_output": {
+            name: torch.nested.as_nested_tensor([state.values[name][r] for r in range(size)], layout=torch.jagged)
+            for name in FIELDS
+        },
+        "loss": [],
+        "metrics": {},
+    }
+
+
+def old_pass_rows(engine: Any) -> Optional[int]:
+    """Rows the last old-log-prob pass with the key computed on this rank (None: no such pass pending)."""
+    state: Optional[OldFromUpdate] = getattr(engine, _STATE_ATTR, None)
+    return None if state is None else state.forwards
