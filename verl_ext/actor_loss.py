@@ -16,9 +16,10 @@ to the model output (:mod:`verl_ext.engine.topk_capture`).
 :func:`build_actor_loss` declares on the loss what its engine must do (an
 :class:`~verl_ext.engine.request.EngineRequest`): ERC's fp32 entropy in both passes, the vocabulary pass,
 and -- unless ``policy_loss.pack_old_log_prob_as_update=false`` -- the old-log-prob pass packed as the
-update, so that on-policy every ratio is exactly 1 in every mode. Importing this module in a worker
-(which happens when Ray unpickles the loss sent by ``set_loss_fn``) installs the seam
-(:func:`verl_ext.engine.seam.install`) before verl's ``set_loss_fn`` runs. Every micro-batch's loss
+update, so that on-policy every ratio is exactly 1 in every mode. The actor worker that unpickles the loss
+sent by ``set_loss_fn`` installs the seam (:func:`verl_ext.engine.seam.install`) before verl's ``set_loss_fn``
+runs (the request's unpickling, :mod:`verl_ext.engine.request`); importing this module installs nothing.
+Every micro-batch's loss
 logs the path the seam recorded for its step (``actor/divclip/path/*``) and, on the update's
 on-policy mini-batch, the on-policy gauge (``actor/divclip/onpolicy/*``).
 """
@@ -45,7 +46,6 @@ from verl_ext.core.coarsened_kl import TopKLogMasses
 from verl_ext.core.erc import entropy_ratio, outside_band
 from verl_ext.core.gauge import on_policy_gauge
 from verl_ext.core.region import CONSTRAINTS
-from verl_ext.engine import seam
 from verl_ext.engine.packing import is_on_policy
 from verl_ext.engine.request import STEP_PATH_KEY, declare, entropy_as_mask, request_of
 from verl_ext.engine.topk_capture import NEW_TOPK_LOG_PROBS, OLD_TOPK_LOG_PROBS
@@ -348,13 +348,3 @@ def divclip_policy_config(config: ActorConfig) -> Optional[DivClipPolicyLossConf
         isinstance(policy, Mapping) and policy.get("_target_") == CONFIG_TARGET
     )
     return resolve_policy_config(config) if is_divclip else None
-
-
-def entropy_is_detached(loss: Optional[Callable[..., Any]]) -> bool:
-    """Whether ``loss`` declared the divclip (float32, graph-free, both passes) entropy path."""
-    return request_of(loss).entropy_as_mask
-
-
-# Runs in every process that unpickles the loss (the actor workers), before verl's set_loss_fn: the
-# one seam into verl's engine (verl_ext.engine.seam), checked against the installed verl first.
-seam.install()

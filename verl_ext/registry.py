@@ -102,11 +102,6 @@ def is_own_mode(mode: str) -> bool:
     return getattr(POLICY_LOSS_REGISTRY.get(mode), _OWN_MODE_ATTR, None) == mode
 
 
-def is_verl_mode(mode: str) -> bool:
-    """Whether ``mode`` is one of verl's own registered policy losses (not a divclip entry)."""
-    return mode in POLICY_LOSS_REGISTRY and mode not in CONSTRAINTS and mode != ERC_ON_VERL_MODE
-
-
 def register_modes() -> None:
     """Register every defined constraint, and :data:`ERC_ON_VERL_MODE`, with verl's ``POLICY_LOSS_REGISTRY``
     (idempotent). Raises ``RuntimeError`` instead of replacing an entry that is not the project's own."""

@@ -204,8 +204,15 @@ def build_actor_worker(model_path: str, options: WorkerOptions = WorkerOptions()
     0.9.1's ``load_valuehead_model`` asks transformers for ``attn_implementation="flash_attention_2"``
     whatever the config says, and flash-attn does not exist on CPU, so for a value model the loader gets
     ``options.attn_implementation`` instead while the engine builds (:func:`_value_model_attention`).
+
+    This process builds an actor worker, so it gets the engine seam (:func:`verl_ext.engine.seam.install`), as
+    an actor worker of a training run does when it unpickles its loss.
     """
     from verl.plugin.platform import get_platform
+
+    from verl_ext.engine import seam
+
+    seam.install()
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
         FSDPEngineConfig,
@@ -295,6 +302,39 @@ def _value_model_attention(attn_implementation: str) -> Iterator[None]:
             del auto_class.from_pretrained
         else:
             auto_class.from_pretrained = own  # type: ignore[method-assign]
+
+
+def with_vocab_pass(loss_function: Callable[..., Any]) -> Callable[..., Any]:
+    """``loss_function`` declared to run both passes of its engine through the vocabulary pass (as
+    ``policy_loss.vocab_pass`` makes :func:`verl_ext.actor_loss.build_actor_loss` declare it)."""
+    from verl_ext.engine.request import declare
+
+    return declare(loss_function, vocab_pass=True)
+
+
+def packed_as_update(loss_function: Callable[..., Any], enabled: bool = True) -> Callable[..., Any]:
+    """``loss_function`` declared to pack its engine's old-log-prob pass as the update (or not)."""
+    from verl_ext.engine.request import declare
+
+    return declare(loss_function, pack_old_log_prob_as_update=enabled)
+
+
+def entropy_path_of(engine: Any) -> Any:
+    """The :class:`~verl_ext.engine.request.EntropyPath` an engine's forward steps use (``VERL`` until a loss
+    asks for another)."""
+    from verl_ext.engine.request import EntropyPath
+    from verl_ext.engine.seam import features_of
+
+    features = features_of(engine)
+    return EntropyPath.VERL if features is None else features.entropy_path
+
+
+def uses_vocab_pass(engine: Any) -> bool:
+    """Whether an engine's forward steps run the vocabulary pass."""
+    from verl_ext.engine.seam import features_of
+
+    features = features_of(engine)
+    return features is not None and features.request.vocab_pass
 
 
 def make_actor_config(**overrides: Any) -> Any:
@@ -437,7 +477,7 @@ def compute_log_prob(
     ``DivClipTrainer`` passes it; None: the whole shard is one mini-batch, as :func:`update_actor`'s default.
     ``old_topk > 0`` asks the pass for pi_old's top-k as ``recipe.trainer.DivClipTrainer`` does for
     ``kl_full`` (the fields of :mod:`verl_ext.engine.topk_capture`, already in the response layout, are returned
-    too); the worker's process must have installed the engine seam (:func:`verl_ext.engine.seam.install`)."""
+    too); the worker comes from :func:`build_actor_worker`, which installed the engine seam."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import response_from_nested
 

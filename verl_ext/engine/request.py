@@ -4,7 +4,9 @@ A loss function reaches verl's actor workers through ``TrainingWorker.set_loss_f
 so what it needs from the engine travels *on the function*: one :class:`EngineRequest` attribute
 (:data:`REQUEST_ATTR`) on a ``functools.partial``. The seam (:mod:`verl_ext.engine.seam`) reads it when
 the loss is installed and sets the engine's features from it, for both of the engine's passes (the
-old-log-prob pass has no loss function of its own):
+old-log-prob pass has no loss function of its own). A request unpickled in a process -- the actor worker that
+``set_loss_fn`` sends the loss to -- installs the seam there first (:meth:`EngineRequest.__reduce__`): the
+seam is in place in the processes that run a divclip loss, and in no other Ray process.
 
 * ``entropy_as_mask`` -- the loss uses the current entropy only as a detached mask (ERC), so both passes
   compute it with the one float32, graph-free function (:func:`verl_ext.core.entropy.entropy_fp32`);
@@ -72,6 +74,18 @@ class EngineRequest:
         }
         return [key for field, key in named.items() if getattr(self, field)]
 
+    def __reduce__(self) -> tuple[Callable[..., EngineRequest], tuple[dict[str, bool]]]:
+        return _arrived, (dataclasses.asdict(self),)
+
+
+def _arrived(fields: dict[str, bool]) -> EngineRequest:
+    """Unpickle a request: the process receiving a loss for its engine (verl's ``set_loss_fn`` on an actor
+    worker; Ray unpickles the loss before calling it) gets the seam installed before verl's method runs."""
+    from verl_ext.engine import seam
+
+    seam.install()
+    return EngineRequest(**fields)
+
 
 def request_of(loss_function: Optional[Callable[..., Any]]) -> EngineRequest:
     """The request a loss function carries (an empty one if it declares nothing, or for ``None``)."""
@@ -107,16 +121,6 @@ def entropy_as_mask(loss_function: Callable[..., Any], *, entropy_coeff: float) 
             "with entropy_coeff=0. Leave the loss function undeclared to keep verl's autograd entropy."
         )
     return declare(loss_function, entropy_as_mask=True)
-
-
-def with_vocab_pass(loss_function: Callable[..., Any]) -> Callable[..., Any]:
-    """Declare that the engine running ``loss_function`` computes both passes with the vocabulary pass."""
-    return declare(loss_function, vocab_pass=True)
-
-
-def packed_as_update(loss_function: Callable[..., Any], enabled: bool = True) -> Callable[..., Any]:
-    """Declare that the engine running ``loss_function`` packs its old-log-prob pass as the update."""
-    return declare(loss_function, pack_old_log_prob_as_update=enabled)
 
 
 def resolve_entropy_path(request: EngineRequest, *, use_fused_kernels: bool) -> EntropyPath:
