@@ -18,10 +18,9 @@ to the model output (:mod:`verl_ext.engine.topk_capture`).
 and -- unless ``policy_loss.pack_old_log_prob_as_update=false`` -- the old-log-prob pass packed as the
 update, so that on-policy every ratio is exactly 1 in every mode. The actor worker that unpickles the loss
 sent by ``set_loss_fn`` installs the seam (:func:`verl_ext.engine.seam.install`) before verl's ``set_loss_fn``
-runs (the request's unpickling, :mod:`verl_ext.engine.request`); importing this module installs nothing.
-Every micro-batch's loss
-logs the path the seam recorded for its step (``actor/divclip/path/*``) and, on the update's
-on-policy mini-batch, the on-policy gauge (``actor/divclip/onpolicy/*``).
+runs (:class:`ActorLoss`); importing this module installs nothing. Every micro-batch's loss logs the path
+the seam recorded for its step (``actor/divclip/path/*``) and, on the update's on-policy mini-batch, the
+on-policy gauge (``actor/divclip/onpolicy/*``).
 """
 
 from __future__ import annotations
@@ -322,17 +321,34 @@ def build_actor_loss(actor_config: ActorConfig) -> Callable[..., Any]:
     ``entropy_coeff != 0``, would need the entropy's gradient, so that combination raises; the recipe
     refuses it before Ray starts); ``policy_loss.vocab_pass`` runs both passes through the vocabulary
     pass; ``policy_loss.pack_old_log_prob_as_update`` (default true; always with verl's plain policy-loss
-    config) packs the old-log-prob pass as the update.
+    config) packs the old-log-prob pass as the update. Unpickled, it installs the seam (:class:`ActorLoss`).
     """
     loss = functools.partial(divclip_actor_loss, config=actor_config)
     policy = divclip_policy_config(actor_config)
     if policy is not None and policy.erc_enabled:
         loss = entropy_as_mask(loss, entropy_coeff=actor_config.entropy_coeff)  # raises on an entropy bonus
-    return declare(
+    loss = declare(
         loss,
         vocab_pass=policy is not None and policy.vocab_pass,  # both passes of this engine: no logits tensor
         pack_old_log_prob_as_update=policy is None or policy.pack_old_log_prob_as_update,  # on-policy ratios exactly 1
     )
+    actor_loss = ActorLoss(loss.func, *loss.args, **loss.keywords)
+    vars(actor_loss).update(vars(loss))  # the engine request
+    return actor_loss
+
+
+class ActorLoss(functools.partial):
+    """The actor loss as it travels to the actor workers: a ``functools.partial`` whose unpickling -- in the
+    worker that ``set_loss_fn`` sends it to, before Ray calls verl's ``set_loss_fn`` with it -- installs the
+    engine seam (:func:`verl_ext.engine.seam.install`; idempotent). The seam is thus in place in the processes
+    that run the loss on verl's engine, and in no other process: building or importing the loss installs nothing.
+    """
+
+    def __setstate__(self, state: Any) -> None:
+        from verl_ext.engine import seam
+
+        seam.install()
+        super().__setstate__(state)
 
 
 def divclip_policy_config(config: ActorConfig) -> Optional[DivClipPolicyLossConfig]:

@@ -4,9 +4,7 @@ A loss function reaches verl's actor workers through ``TrainingWorker.set_loss_f
 so what it needs from the engine travels *on the function*: one :class:`EngineRequest` attribute
 (:data:`REQUEST_ATTR`) on a ``functools.partial``. The seam (:mod:`verl_ext.engine.seam`) reads it when
 the loss is installed and sets the engine's features from it, for both of the engine's passes (the
-old-log-prob pass has no loss function of its own). A request unpickled in a process -- the actor worker that
-``set_loss_fn`` sends the loss to -- installs the seam there first (:meth:`EngineRequest.__reduce__`): the
-seam is in place in the processes that run a divclip loss, and in no other Ray process.
+old-log-prob pass has no loss function of its own):
 
 * ``entropy_as_mask`` -- the loss uses the current entropy only as a detached mask (ERC), so both passes
   compute it with the one float32, graph-free function (:func:`verl_ext.core.entropy.entropy_fp32`);
@@ -73,18 +71,6 @@ class EngineRequest:
             "pack_old_log_prob_as_update": f"{POLICY_LOSS_KEY}.pack_old_log_prob_as_update",
         }
         return [key for field, key in named.items() if getattr(self, field)]
-
-    def __reduce__(self) -> tuple[Callable[..., EngineRequest], tuple[dict[str, bool]]]:
-        return _arrived, (dataclasses.asdict(self),)
-
-
-def _arrived(fields: dict[str, bool]) -> EngineRequest:
-    """Unpickle a request: the process receiving a loss for its engine (verl's ``set_loss_fn`` on an actor
-    worker; Ray unpickles the loss before calling it) gets the seam installed before verl's method runs."""
-    from verl_ext.engine import seam
-
-    seam.install()
-    return EngineRequest(**fields)
 
 
 def request_of(loss_function: Optional[Callable[..., Any]]) -> EngineRequest:
