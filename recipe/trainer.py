@@ -219,7 +219,8 @@ class DivClipTrainer(ValidationLengthTrainerMixin):
         # unless bypass_mode skipped that pass; and pi_theta is pi_old when the update starts, unless pi_old
         # is the behaviour policy (bypass) or the first weights of a Decoupled-PPO cycle (a later update of it)
         bypass = self._bypass_mode()
-        starts_on_policy = not bypass and getattr(self, "local_trigger_step", 0) == 0
+        # verl's trainer base sets local_trigger_step in __init__ for every mode (0 but in a cycle's later updates)
+        starts_on_policy = not bypass and self.local_trigger_step == 0
         batch.extra_info.update({UPDATE_FOLLOWS_OLD_PASS_KEY: not bypass, ON_POLICY_KEY: starts_on_policy})
         batch = super()._update_actor(batch, metrics=metrics)
         if self.data_trace is not None:
