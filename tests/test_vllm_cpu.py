@@ -34,8 +34,8 @@ from typing import Any
 
 import pytest
 
-from tests.test_smoke_cpu import (TRAIN_LENGTH, VAL_LENGTHS, assert_on_policy_exact, step_metrics, validation_length_args,
-                                  write_with_data_source)
+from tests.test_smoke_cpu import (SMOKE_TIMEOUT_S, TRAIN_LENGTH, VAL_LENGTHS, assert_on_policy_exact, step_metrics,
+                                  validation_length_args, write_with_data_source)
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -304,7 +304,8 @@ def _vllm_smoke(out: Path, loss: str, steps: int, *overrides: str, **env: str) -
                     PYTHONPATH=str(ROOT / "tests" / "vllm_recorder"), VLLM_REQUEST_LOG=str(out / "requests.jsonl"),
                     **env)
     proc = subprocess.run(["bash", str(ROOT / "launch/run_smoke_cpu.sh"), f"trainer.rollout_data_dir={out}/rollouts",
-                           *overrides], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=1500)
+                           *overrides], cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=SMOKE_TIMEOUT_S * 5 // 3)  # vLLM runs took 1500 s where the others took 900
     log = proc.stdout + proc.stderr
     (out / "smoke.log").write_text(log)
     assert proc.returncode == 0, log[-12000:]

@@ -524,10 +524,31 @@ def param_delta(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor])
 
 
 def free_port() -> int:
-    """A free TCP port on the loopback interface (for MASTER_PORT)."""
+    """A free TCP port on the loopback interface, for a process that binds it itself at once (the ranks' store
+    is :func:`rendezvous_store`'s, bound by the process that serves it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+_STORES: list[Any] = []  # single_rank_env's, served for the life of the process
+
+
+def rendezvous_store() -> Any:
+    """Serve the ranks' rendezvous store from this process, as torchrun's agent does (its port: ``.port``).
+
+    The store binds port 0 itself and holds it while the returned object lives, so no other process can take the
+    port between its choice and its use (a free port found first and bound later by rank 0 was lost to ``EADDRINUSE`` on
+    a busy machine). The ranks connect to it as clients: :data:`AGENT_STORE_ENV` in their environment makes torch's
+    ``env://`` rendezvous (verl's ``init_process_group``) use the store at ``MASTER_PORT`` instead of binding one.
+    """
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+#: The environment under which a rank's ``env://`` rendezvous connects to :func:`rendezvous_store`'s store.
+AGENT_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def single_rank_env(port: Optional[int] = None, device: str = "cpu") -> None:
@@ -541,8 +562,14 @@ def single_rank_env(port: Optional[int] = None, device: str = "cpu") -> None:
         WORLD_SIZE="1",
         LOCAL_WORLD_SIZE="1",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port or free_port()),
+        MASTER_PORT=str(port or _served_store_port()),
+        **({} if port else AGENT_STORE_ENV),
     )
+
+
+def _served_store_port() -> int:
+    _STORES.append(rendezvous_store())
+    return int(_STORES[-1].port)
 
 
 def _rank_entry(rank: int, world_size: int, port: int, out_dir: str, job: Callable[..., Any], args: tuple) -> None:
@@ -554,6 +581,7 @@ def _rank_entry(rank: int, world_size: int, port: int, out_dir: str, job: Callab
         LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        **AGENT_STORE_ENV,
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size))),
     )
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -573,7 +601,8 @@ def run_ranks(job: Callable[..., Any], world_size: int, *args: Any) -> list[Any]
     """
     import torch.multiprocessing as mp
 
-    port = free_port()
+    store = rendezvous_store()  # served until the ranks have ended
+    port = int(store.port)
     # The ranks inherit VERL_PLATFORM=cpu from the start: unpickling ``job`` imports its module, which may
     # import verl (and so resolve verl's platform) before _rank_entry runs. The caller's own setting is
     # given back once the ranks have ended.
