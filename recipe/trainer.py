@@ -299,6 +299,7 @@ class DivClipTaskRunner(TaskRunnerV1.__ray_metadata__.modified_class.__ray_actor
         return super().run(config)
 
 
-#: :class:`DivClipTaskRunner` as a Ray actor class: ``recipe.main`` passes it to verl's ``run_ppo`` as ``task_runner_class`` (``.remote()``, or
+#: :class:`DivClipTaskRunner` as a Ray actor class: ``recipe.main`` passes it to verl's ``run_ppo`` as
+#: ``task_runner_class`` (``.remote()``, or
 #: ``.options(runtime_env={"nsight": ...}).remote()`` under nsys).
 DivClipTaskRunnerV1 = ray.remote(DivClipTaskRunner)

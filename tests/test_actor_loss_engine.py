@@ -61,7 +61,8 @@ def run_update(model_path: str, cfg: Any, batch: Any, rmpad: bool = True) -> dic
     worker.set_loss_fn(loss)
     before = full_params(worker)
     metrics = update_actor(worker, batch, calculate_entropy=True)
-    return {"metrics": metrics, "delta": param_delta(before, full_params(worker)), "detached": request_of(loss).entropy_as_mask}
+    detached = request_of(loss).entropy_as_mask
+    return {"metrics": metrics, "delta": param_delta(before, full_params(worker)), "detached": detached}
 
 
 def make_batch(model_path: str) -> tuple[Any, torch.Tensor]:

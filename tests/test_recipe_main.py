@@ -351,7 +351,8 @@ def test_the_task_runner_registers_the_divclip_trainers_before_verls_run(monkeyp
     for mode, name in VERL_TRAINERS.items():  # verl's, as a process that imported recipe.trainer has them
         monkeypatch.setitem(TRAINER_REGISTRY, mode, getattr(v1, name))
     built: dict[str, Any] = {}
-    monkeypatch.setattr(verl_runner, "run", lambda self, config: built.update({m: get_trainer_cls(m) for m in VERL_TRAINERS}))
+    monkeypatch.setattr(verl_runner, "run",
+                        lambda self, config: built.update({m: get_trainer_cls(m) for m in VERL_TRAINERS}))
     DivClipTaskRunner().run(compose_config())
     assert built == DIVCLIP_TRAINERS
 

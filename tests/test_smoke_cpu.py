@@ -144,7 +144,8 @@ def probe_env(folder: Path) -> dict[str, str]:
     """The environment under which every process of a run imports :mod:`tests.process_probe` (``import verl``
     imports ``VERL_USE_EXTERNAL_MODULES``; local Ray's processes inherit the driver's environment)."""
     python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {"VERL_USE_EXTERNAL_MODULES": "tests.process_probe", "DIVCLIP_PROBE_DIR": str(folder), "PYTHONPATH": python_path}
+    return {"VERL_USE_EXTERNAL_MODULES": "tests.process_probe", "DIVCLIP_PROBE_DIR": str(folder),
+            "PYTHONPATH": python_path}
 
 
 def test_verl_is_patched_only_in_the_processes_that_build_the_patched_classes(erc_run: Path) -> None:

@@ -224,7 +224,8 @@ def test_the_device_query_handle_answers_verls_query_and_runs_any_other_function
         from verl_ext.cpu import vllm_server
 
         calls: list[tuple[Any, tuple, dict]] = []
-        real = types.SimpleNamespace(__ray_call__=types.SimpleNamespace(remote=lambda fn, *a, **k: calls.append((fn, a, k))))
+        record = types.SimpleNamespace(remote=lambda fn, *a, **k: calls.append((fn, a, k)))
+        real = types.SimpleNamespace(__ray_call__=record)
         handle = vllm_server._DeviceQueryHandle(real)
         handle.__ray_call__.remote(verls_query)
         other = functools.partial(print)
