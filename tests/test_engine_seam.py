@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 
-from recipe.bench.harness import with_vocab_pass
+from recipe.bench.features import with_vocab_pass
 from verl_ext.engine import guard, seam
 from verl_ext.engine.request import EngineRequest, declare, entropy_as_mask, request_of
 from verl_ext.engine.swap import Swap, swapped

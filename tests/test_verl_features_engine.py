@@ -241,7 +241,7 @@ def counting_fused_kernel(calls: dict[str, int], phase: list[str]) -> Iterator[N
 def job_fused(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
     """verl's fused kernels (torch backend): the parity pair in fp32; one step per on-policy mode under bf16 with
     dynamic batching at 2:1, counting the fused kernel's calls per pass."""
-    from recipe.bench.harness import entropy_path_of
+    from recipe.bench.features import entropy_path_of
 
     out: dict[str, Any] = {"parity": parity_pair(model_path, WorkerOptions(**FUSED, **EXACT_SGD))}
     batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, SPEC.vocab_size, seed=5)

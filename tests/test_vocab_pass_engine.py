@@ -51,7 +51,7 @@ def run_both(model_path: str, options: WorkerOptions, batch: Any, entropy_coeff:
     """Old-log-prob pass and one update, materialised (verl's ppo_loss) and through the pass."""
     import verl_ext.engine.vocab_pass_step as engine_hook
     from verl_ext.engine import seam
-    from recipe.bench.harness import uses_vocab_pass, with_vocab_pass
+    from recipe.bench.features import uses_vocab_pass, with_vocab_pass
 
     seam.install()
     original = engine_hook.vocab_pass
@@ -164,7 +164,7 @@ def job_erc_on_policy(rank: int, world_size: int, model_path: str) -> dict[str, 
         data["old_log_probs"], data["entropy"] = old["old_log_probs"], old["entropy"]
         before = full_params(worker)
         metrics = update_actor(worker, data, calculate_entropy=True)
-        from recipe.bench.harness import uses_vocab_pass
+        from recipe.bench.features import uses_vocab_pass
 
         out[name] = {
             "metrics": metrics,

@@ -57,13 +57,12 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
         compute_log_prob,
         make_actor_config,
         make_rollout_batch,
-        packed_as_update,
         ppo_loss_fn,
         save_tiny_qwen3,
         single_rank_env,
         update_actor,
-        with_vocab_pass,
     )
+    from recipe.bench.features import packed_as_update, with_vocab_pass
 
     single_rank_env()
     shape = bench_micro_batch(tokens, sequences, vocab, hidden)
