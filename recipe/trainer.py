@@ -4,10 +4,11 @@
 :class:`DivClipPPOTrainerSync`, :class:`DivClipPPOTrainerColocateAsync` and
 :class:`DivClipPPOTrainerSeparateAsync`. Importing this module puts them in verl's trainer registry under
 verl's own mode names (:func:`register_divclip_trainers`, the one guarded patch of that registry:
-docs/engine.md, "The trainer classes"), so verl's unmodified ``TaskRunnerV1.run`` builds them through
-``get_trainer_cls``. ``recipe.main`` starts that TaskRunner with ``VERL_USE_EXTERNAL_MODULES`` naming this
-module, which verl imports with ``import verl``: a process that never imports it -- a plain verl run --
-keeps verl's classes. What the divclip piece adds:
+docs/engine.md, "The trainer classes"), which :class:`DivClipTaskRunnerV1` -- verl's ``TaskRunnerV1``, the
+runner ``recipe.main`` hands verl's ``run_ppo`` -- calls in its own process before verl's unmodified ``run``
+builds the trainer through ``get_trainer_cls``. Importing this module patches nothing: every other process (the
+driver, the actor, rollout, agent-loop and reward workers, a plain verl run) keeps verl's classes. What the
+divclip piece adds:
 
 * the divclip actor loss (:func:`verl_ext.actor_loss.build_actor_loss`) installed on the actor workers with
   ``set_loss_fn`` once the worker groups exist, and again whenever the opt-in adaptive trust-region
@@ -44,6 +45,8 @@ import os
 from typing import Any, Optional
 
 from omegaconf import DictConfig, open_dict
+import ray
+from verl.trainer.main_ppo import TaskRunnerV1
 from verl.trainer.ppo.v1 import PPOTrainerColocateAsync, PPOTrainerSeparateAsync, PPOTrainerSync
 from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
 from verl.utils.config import omega_conf_to_dataclass
@@ -271,7 +274,8 @@ class DivClipTrainer(ValidationLengthTrainerMixin):
         # unless bypass_mode skipped that pass; and pi_theta is pi_old when the update starts, unless pi_old
         # is the behaviour policy (bypass) or the first weights of a Decoupled-PPO cycle (a later update of it)
         bypass = self._bypass_mode()
-        starts_on_policy = not bypass and getattr(self, "local_trigger_step", 0) == 0
+        # verl's trainer base sets local_trigger_step in __init__ for every mode (0 but in a cycle's later updates)
+        starts_on_policy = not bypass and self.local_trigger_step == 0
         batch.extra_info.update({UPDATE_FOLLOWS_OLD_PASS_KEY: not bypass, ON_POLICY_KEY: starts_on_policy})
         batch = super()._update_actor(batch, metrics=metrics)
         if getattr(self, "_divclip_collect_after_update", False):
@@ -344,4 +348,16 @@ def register_divclip_trainers() -> None:
         TRAINER_REGISTRY[mode] = cls
 
 
-register_divclip_trainers()
+class DivClipTaskRunner(TaskRunnerV1.__ray_metadata__.modified_class.__ray_actor_class__):
+    """verl's ``TaskRunnerV1`` (the class under verl's Ray actor class) whose ``run`` registers the divclip trainers
+    in its own process before verl's ``run`` builds one (Ray runs it as ``ray::DivClipTaskRunner``)."""
+
+    def run(self, config: DictConfig) -> Any:
+        register_divclip_trainers()  # in the TaskRunner's process only: the one process that builds a trainer
+        return super().run(config)
+
+
+#: :class:`DivClipTaskRunner` as a Ray actor class: ``recipe.main`` passes it to verl's ``run_ppo`` as
+#: ``task_runner_class`` (``.remote()``, or
+#: ``.options(runtime_env={"nsight": ...}).remote()`` under nsys).
+DivClipTaskRunnerV1 = ray.remote(DivClipTaskRunner)

@@ -203,13 +203,6 @@ RULES: tuple[KeyRule, ...] = (
             evidence="`tests/test_two_nodes_ray.py`, `tests/test_trainer_modes_cpu.py`"),
     KeyRule("trainer.resume_from_path", H, "as trainer.resume_mode",
             evidence="`tests/test_two_nodes_ray.py`, `tests/test_trainer_modes_cpu.py`"),
-    KeyRule("ray_kwargs.ray_init.runtime_env.env_vars", H,
-            "the job's environment for every Ray process: recipe.main adds the trainer module to "
-            "VERL_USE_EXTERNAL_MODULES on top of the value the job gives it (verl merges the rest into its "
-            "runtime_env)",
-            evidence=f"`{RECIPE_MAIN_TEST}::test_the_task_runner_adds_the_trainer_module_to_the_runtime_env_it_is_"
-                     "asked_for`",
-            read_in="trainer/constants_ppo.py"),
     KeyRule("distillation", N, "read only with distillation.enabled, which is refused"),
     KeyRule("distillation.enabled", F, "verl's worker would train with distillation_ppo_loss, which the divclip actor "
                                        "loss replaces (set_loss_fn), dropping the distillation term",

@@ -53,14 +53,16 @@ def actor_config(mode: str, **policy: Any) -> Any:
 
 
 def run_update(model_path: str, cfg: Any, batch: Any, rmpad: bool = True) -> dict[str, Any]:
-    from verl_ext.actor_loss import build_actor_loss, entropy_is_detached
+    from verl_ext.actor_loss import build_actor_loss
+    from verl_ext.engine.request import request_of
 
     worker = build_actor_worker(model_path, WorkerOptions(use_remove_padding=rmpad, **SGD))
     loss = build_actor_loss(cfg)
     worker.set_loss_fn(loss)
     before = full_params(worker)
     metrics = update_actor(worker, batch, calculate_entropy=True)
-    return {"metrics": metrics, "delta": param_delta(before, full_params(worker)), "detached": entropy_is_detached(loss)}
+    detached = request_of(loss).entropy_as_mask
+    return {"metrics": metrics, "delta": param_delta(before, full_params(worker)), "detached": detached}
 
 
 def make_batch(model_path: str) -> tuple[Any, torch.Tensor]:

@@ -197,6 +197,7 @@ def test_trainer_reinstalls_the_loss_when_delta_moves_and_persists_it(monkeypatc
         trainer = object.__new__(DivClipPPOTrainerSync)
         trainer.config = compose_config(f"{P}.adaptive_delta_target=0.01", f"trainer.default_local_dir={tmp_path}")
         trainer.actor_rollout_wg = FakeWorkerGroup()
+        trainer.local_trigger_step = 0  # what verl's __init__ sets
         trainer._load_checkpoint()
         trainer.on_init_end()
         return trainer

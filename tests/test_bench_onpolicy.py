@@ -1,8 +1,11 @@
 """``python -m recipe.bench onpolicy`` at a tiny size: the rows it prints are the ones docs/benchmarks.md
 records. What the code decides is asserted case by case: the packings differ without the alignment and
-coincide with it, and with it every ratio is exactly 1. The control's effect -- verl's own packing moves
-on-policy log-ratios away from 0 -- depends on which budgets the machine's kernels round differently, so it
-is asserted over the budget pairs: on at least one."""
+coincide with it, and with it every ratio is exactly 1 and the LM head sees bit-identical hidden states in both
+passes. The control's effect is built into the case: the sequences' lengths vary, so verl's own packing gives the
+two passes micro-batches of other lengths, and the final hidden states of some rows differ between the passes
+(on this AVX2 machine at one thread too, where equal lengths are bit-identical). Whether that reaches a bf16
+log-prob depends on the machine (the case's scaled head makes most tokens saturate), so the effect asserted is
+the hidden states', over the budget pairs: on at least one; the log-ratios are recorded, not asserted."""
 
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ def test_cases_compare_own_and_aligned_packing() -> None:
     assert {(r["packing"], r["budgets"]) for r in rows} == {
         (p, b) for p in ("own", "aligned") for b in ("40/64", "40/80", "24/48", "64/128")
     }
-    own_noise = {r["budgets"]: r["log_ratio_abs_max"] for r in rows if r["packing"] == "own"}
+    own_noise = {r["budgets"]: r["hidden_rows_differing"] for r in rows if r["packing"] == "own"}
     assert max(own_noise.values()) > 0, own_noise  # the noise the alignment removes
     for r in rows:
         assert r["threads"] == 1 and r["confident_frac"] > 0.5
@@ -34,6 +37,7 @@ def test_cases_compare_own_and_aligned_packing() -> None:
             assert r["same_packing"] is True
             assert r["erc_ratio_min"] == r["erc_ratio_max"] == 1.0 and r["erc_masked_frac"] == 0.0
             assert r["log_ratio_abs_max"] == 0.0
+            assert r["hidden_rows_differing"] == 0.0 and r["hidden_max_abs_diff"] == 0.0
         else:  # the log-prob pass's own budget packs fewer, larger micro-batches
             assert r["same_packing"] is False and r["old_micro_batches"] < r["update_micro_batches"]
             assert 0.0 <= r["hidden_rows_differing"] <= 1.0 and r["fp32_head_erc_ratio_min"] > 0

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_smoke_cpu import SMOKE_TIMEOUT_S
+
 ROOT = Path(__file__).resolve().parents[1]
 BATCH, ROLLOUT_N, STEPS = 16, 8, 1
 
@@ -37,7 +39,7 @@ def released_smoke(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "actor_rollout_ref.actor.policy_loss.correct_nll_norm=micro_batch",
     ]
     proc = subprocess.run(["bash", str(ROOT / "launch/run_smoke_cpu.sh"), *overrides], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 

@@ -254,3 +254,20 @@ def test_two_ranks_match_one_rank_and_each_other(single: dict[str, Any], two: li
         _assert_same_delta(rank0[name]["delta"], reference["delta"], atol=1e-6)
         assert all(math.isfinite(float(v)) for v in rank0[name]["metrics"]["loss"])
     assert not any(rank0["masked_detached"]["entropy_had_grad"] + rank1["masked_detached"]["entropy_had_grad"])
+
+
+def job_rendezvous(rank: int, world_size: int) -> dict[str, Any]:
+    """Join the ranks' process group as verl does (``env://``) and sum the ranks."""
+    import os
+
+    torch.distributed.init_process_group("gloo")
+    total = torch.tensor([float(rank)])
+    torch.distributed.all_reduce(total)
+    return {"sum": float(total), "agent_store": os.environ.get("TORCHELASTIC_USE_AGENT_STORE")}
+
+
+def test_ranks_rendezvous_on_the_store_the_caller_serves() -> None:
+    """run_ranks binds the rendezvous port itself (a store it serves while the ranks run) and the ranks join it as
+    clients: no port is found free in one process and bound in another (test_two_ranks_match_one_rank once lost
+    that race to EADDRINUSE). A rank that tried to bind the caller's port would fail here."""
+    assert run_ranks(job_rendezvous, 2) == [{"sum": 1.0, "agent_store": "True"}] * 2

@@ -30,10 +30,12 @@ from typing import Any
 import pytest
 import torch
 
-import verl_ext.actor_loss  # noqa: F401  (installs the seam into verl, as a worker's unpickling does)
+from recipe.bench.features import with_vocab_pass
 from verl_ext.engine import guard, seam
-from verl_ext.engine.request import EngineRequest, declare, entropy_as_mask, request_of, with_vocab_pass
+from verl_ext.engine.request import EngineRequest, declare, entropy_as_mask, request_of
 from verl_ext.engine.swap import Swap, swapped
+
+seam.install()  # into verl's own classes, as an actor worker does when its loss arrives
 
 
 def module_copies(**engine_attributes: Any) -> dict[str, Any]:

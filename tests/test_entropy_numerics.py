@@ -199,7 +199,7 @@ class LogprobSpy:
 def on_policy_erc(model_path: str, options: WorkerOptions, batch: Any) -> dict[str, Any]:
     """Old-log-prob pass, then one ERC-DAPO update on the same batch before any optimizer step."""
     from verl_ext.actor_loss import build_actor_loss
-    from verl_ext.engine.seam import entropy_path_of
+    from recipe.bench.features import entropy_path_of
 
     worker = build_actor_worker(model_path, options)
     worker.set_loss_fn(build_actor_loss(erc_actor_config()))
@@ -305,7 +305,7 @@ def job_on_policy_ulysses(rank: int, world_size: int, model_path: str) -> dict[s
     would."""
     from recipe.bench.harness import ppo_loss_fn
     from verl_ext.actor_loss import build_actor_loss
-    from verl_ext.engine.seam import entropy_path_of
+    from recipe.bench.features import entropy_path_of
 
     batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, SPEC.vocab_size, seed=4)
     options = WorkerOptions(mixed_precision=BF16_DEFAULT, ulysses_sequence_parallel_size=world_size, **EXACT_SGD)

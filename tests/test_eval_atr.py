@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 
 from data_prep.__main__ import main as data_prep_main
-from recipe import eval as ev
+from recipe.eval.cli import main as eval_main
+from recipe.eval.presets import PRESET_CHAT_TEMPLATE_KWARGS, canonical_benchmark, resolve_sampling
+from recipe.eval.problems import load_eval_parquet
 from tests.chat_templates import QWEN3_STYLE_TEMPLATE
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -37,10 +39,10 @@ def atr_parquets(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
 def test_atr_preset_is_table_4() -> None:
     for benchmark in ("aime24", "aime25", "aimo_amc", "amc23", "math500"):
-        spec = ev.resolve_sampling(benchmark, "atr")
+        spec = resolve_sampling(benchmark, "atr")
         assert (spec.n, spec.temperature, spec.top_p, spec.max_tokens) == (8, 0.3, 0.95, 32768), benchmark
-    assert ev.PRESET_CHAT_TEMPLATE_KWARGS["atr"] == {"enable_thinking": False}
-    assert ev.canonical_benchmark("aimo-validation-amc") == "aimo_amc"
+    assert PRESET_CHAT_TEMPLATE_KWARGS["atr"] == {"enable_thinking": False}
+    assert canonical_benchmark("aimo-validation-amc") == "aimo_amc"
 
 
 class FakeLLM:
@@ -97,9 +99,9 @@ def test_vllm_receives_the_non_thinking_prompt(fake_vllm: Path, atr_parquets: li
     out = tmp_path / "gen"
     argv = ["generate", "--model", str(fake_vllm), "--data", *map(str, atr_parquets), "--output", str(out),
             "--preset", "atr"]  # fmt: skip
-    assert ev.main(argv) == 0  # the real vllm_sampler, on the fake engine
-    _, aime = ev.load_eval_parquet(atr_parquets[0])
-    _, amc = ev.load_eval_parquet(atr_parquets[1])
+    assert eval_main(argv) == 0  # the real vllm_sampler, on the fake engine
+    _, aime = load_eval_parquet(atr_parquets[0])
+    _, amc = load_eval_parquet(atr_parquets[1])
     assert len(FakeLLM.prompts) == len(aime) + len(amc) == 30 + 40
     first = FakeLLM.prompts[0]
     user = aime[0].messages[-1]["content"]
@@ -112,7 +114,7 @@ def test_vllm_receives_the_non_thinking_prompt(fake_vllm: Path, atr_parquets: li
 def test_thinking_mode_is_one_flag_away(fake_vllm: Path, atr_parquets: list[Path], tmp_path: Path) -> None:
     argv = ["generate", "--model", str(fake_vllm), "--data", str(atr_parquets[0]), "--output", str(tmp_path / "g"),
             "--preset", "atr", "--chat-template-kwargs", '{"enable_thinking": true}']  # fmt: skip
-    assert ev.main(argv) == 0
+    assert eval_main(argv) == 0
     assert FakeLLM.prompts[0].endswith("<|im_start|>assistant\n")
 
 
@@ -121,7 +123,7 @@ def test_thinking_mode_is_one_flag_away(fake_vllm: Path, atr_parquets: list[Path
 
 def _generate_run(folder: Path, parquet: Path, right_per_problem: list[int], n: int = 8) -> Path:
     """A ``generate`` output folder whose problem i has ``right_per_problem[i]`` correct responses."""
-    benchmark, problems = ev.load_eval_parquet(parquet)
+    benchmark, problems = load_eval_parquet(parquet)
     folder.mkdir(parents=True)
     with open(folder / f"{benchmark}.jsonl", "w") as handle:
         for problem, right in zip(problems, right_per_problem, strict=True):
@@ -139,7 +141,7 @@ def test_aggregate_three_seeds_mean_and_std(atr_parquets: list[Path], tmp_path: 
     runs = [_generate_run(tmp_path / f"atr_seed{s}", aime, [8] * (3 * s) + [0] * (30 - 3 * s)) for s in (1, 2, 3)]
     clip = [_generate_run(tmp_path / f"clip_seed{s}", aime, [4] * 30) for s in (1, 2)]
     out_json = tmp_path / "agg.json"
-    assert ev.main(["score", "--aggregate", "--k", "8", *map(str, runs + clip), "--json", str(out_json)]) == 0
+    assert eval_main(["score", "--aggregate", "--k", "8", *map(str, runs + clip), "--json", str(out_json)]) == 0
     text = capsys.readouterr().out
     result = json.loads(out_json.read_text())
     assert result["rows"] == ["atr", "clip"]
@@ -157,7 +159,7 @@ def test_aggregate_three_seeds_mean_and_std(atr_parquets: list[Path], tmp_path: 
 def _verl_dump(folder: Path, parquet: Path, step_right: dict[int, int]) -> Path:
     """verl ``validation_data_dir`` with one ``<step>.jsonl`` per step; ``step_right[step]`` problems
     (of the first 10) are answered right by all 8 samples."""
-    _, problems = ev.load_eval_parquet(parquet)
+    _, problems = load_eval_parquet(parquet)
     folder.mkdir(parents=True)
     for step, right in step_right.items():
         with open(folder / f"{step}.jsonl", "w") as handle:
@@ -177,7 +179,7 @@ def test_aggregate_final_and_best_checkpoint(atr_parquets: list[Path], tmp_path:
     run2 = _verl_dump(tmp_path / "kl3_seed2", aime, {25: 3, 50: 5, 75: 8})  # best = final = 0.8
     out_json = tmp_path / "agg.json"
     argv = ["score", "--aggregate", "--k", "8", "--benchmark", "aime24", str(run1), str(run2), "--json", str(out_json)]
-    assert ev.main(argv) == 0
+    assert eval_main(argv) == 0
     row = json.loads(out_json.read_text())["results"]["kl3"]
     assert row["final"]["mean@8"]["aime24"]["values"] == pytest.approx([0.4, 0.8])
     assert row["best"]["mean@8"]["aime24"]["values"] == pytest.approx([0.6, 0.8])
@@ -187,7 +189,7 @@ def test_aggregate_final_and_best_checkpoint(atr_parquets: list[Path], tmp_path:
 def test_aggregate_rejects_runs_on_different_benchmarks(atr_parquets: list[Path], tmp_path: Path, capsys) -> None:
     a = _generate_run(tmp_path / "atr_seed1", atr_parquets[0], [1] * 30)
     b = _generate_run(tmp_path / "atr_seed2", atr_parquets[1], [1] * 40)
-    assert ev.main(["score", "--aggregate", "--k", "8", str(a), str(b)]) == 2
+    assert eval_main(["score", "--aggregate", "--k", "8", str(a), str(b)]) == 2
     assert "every run of a row must be scored on the same benchmarks" in capsys.readouterr().err
-    assert ev.main(["score", "--aggregate", "--labels", "x", str(a), str(b)]) == 2
+    assert eval_main(["score", "--aggregate", "--labels", "x", str(a), str(b)]) == 2
     assert "--labels has 1 names for 2 runs" in capsys.readouterr().err

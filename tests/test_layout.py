@@ -397,11 +397,14 @@ def test_verl_ext_imports_neither_recipe_nor_data_prep() -> None:
 
 
 def test_package_inits_import_what_their_docstrings_promise() -> None:
-    """``verl_ext/__init__`` and ``recipe/__init__`` import nothing (``import verl_ext.x`` loads
-    only ``x``); ``verl_ext/cpu/__init__`` imports only the standard library when imported (its
-    submodules, which pull in verl, are imported inside :func:`setup_cpu_process`)."""
+    """``verl_ext/__init__``, ``recipe/__init__`` and each of recipe's subpackages' ``__init__`` import nothing
+    (``import verl_ext.x`` loads only ``x``); ``verl_ext/cpu/__init__`` imports only the standard library when
+    imported (its submodules, which pull in verl, are imported inside :func:`setup_cpu_process`)."""
     imports = product_imports()
     assert imports["verl_ext"] == set() and imports["recipe"] == set()
+    subpackages = [p.parent.name for p in (ROOT / "recipe").glob("*/__init__.py")]
+    assert "eval" in subpackages and {name: imports[f"recipe.{name}"] for name in subpackages} == {
+        name: set() for name in subpackages}
     at_import = product_imports(at_import_only=True)["verl_ext.cpu"]
     assert sorted(n for n in at_import if n.split(".")[0] not in sys.stdlib_module_names) == []
     assert {"verl_ext.cpu.platform", "verl_ext.cpu.rollout"} <= imports["verl_ext.cpu"]  # the lazy ones are seen

@@ -163,8 +163,6 @@ def on_policy_case(worker: Any, batch: Any, mode: dict[str, Any], packing: dict[
 
 
 def job_every_mode(rank: int, world_size: int, model_path: str) -> list[dict[str, Any]]:
-    import verl_ext.actor_loss  # noqa: F401  (installs the seam before set_loss_fn is looked up, as unpickling does on a worker)
-
     batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, TinyQwen3Spec().vocab_size, seed=5)
     results = []
     for threads in THREADS:
@@ -275,7 +273,6 @@ def test_verls_own_packing_shows_the_noise_the_alignment_removes(every_mode: lis
 def job_observed_packing(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
     """One worker at bf16 with dynamic batching (2:1): the old pass packed for one update split, then updates
     that run that split, another split, another shuffle, other rows, or no recorded pass at all."""
-    import verl_ext.actor_loss  # noqa: F401
     from verl_ext.engine.packing import UPDATE_FOLLOWS_OLD_PASS_KEY, PackingMismatchError, UpdatePacking
 
     batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, TinyQwen3Spec().vocab_size, seed=5)
@@ -359,8 +356,6 @@ TWO_RANK_PACKING = PACKINGS["dynamic 40/80, 2 shuffled mini-batches, 2 epochs"]
 
 
 def job_two_ranks(rank: int, world_size: int, model_path: str, ulysses: bool) -> list[dict[str, Any]]:
-    import verl_ext.actor_loss  # noqa: F401
-
     batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, TinyQwen3Spec().vocab_size, seed=5)
     options = worker_options(TWO_RANK_PACKING)
     if ulysses:  # one sequence-parallel group: each rank holds the whole batch (data-parallel size 1)

@@ -51,8 +51,6 @@ def padded_options(packing: dict[str, Any]) -> WorkerOptions:
 
 
 def job_padded(rank: int, world_size: int, model_path: str) -> list[dict[str, Any]]:
-    import verl_ext.actor_loss  # noqa: F401  (installs the seam, as unpickling the loss does on a worker)
-
     batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, TinyQwen3Spec().vocab_size, seed=5)
     results = []
     for packing_name, packing in PACKINGS.items():

@@ -66,9 +66,10 @@ REQUIRED_MODES = {"vanilla", "gspo", "sapo", "clip_cov"}
 
 def verl_modes() -> list[str]:
     """verl's own registered policy losses: the registry without the divclip entries."""
-    from verl_ext.registry import is_verl_mode
+    from verl_ext.core.region import CONSTRAINTS
+    from verl_ext.registry import ERC_ON_VERL_MODE
 
-    return sorted(mode for mode in core_algos.POLICY_LOSS_REGISTRY if is_verl_mode(mode))
+    return sorted(mode for mode in core_algos.POLICY_LOSS_REGISTRY if mode not in (*CONSTRAINTS, ERC_ON_VERL_MODE))
 
 
 def _string_options(function: Callable[..., Any], variable: str) -> set[str]:

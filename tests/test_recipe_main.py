@@ -206,7 +206,8 @@ def test_trainer_installs_the_actor_loss_once_after_verl_init(monkeypatch, erc):
     from verl.trainer.ppo.v1 import PPOTrainerSync
 
     from recipe.trainer import DivClipPPOTrainerSync
-    from verl_ext.actor_loss import divclip_actor_loss, entropy_is_detached
+    from verl_ext.actor_loss import divclip_actor_loss
+    from verl_ext.engine.request import request_of
 
     overrides = ["actor_rollout_ref.actor.calculate_entropy=true", *ERC] if erc else []
     trainer = object.__new__(DivClipPPOTrainerSync)  # no Ray, no GPUs: only what on_init_end touches
@@ -219,7 +220,7 @@ def test_trainer_installs_the_actor_loss_once_after_verl_init(monkeypatch, erc):
     (loss,) = trainer.actor_rollout_wg.loss_fns
     assert isinstance(loss, functools.partial) and loss.func is divclip_actor_loss
     assert loss.keywords["config"].policy_loss.loss_mode == "kl3"
-    assert entropy_is_detached(loss) is erc
+    assert request_of(loss).entropy_as_mask is erc
     import pickle
 
     assert pickle.loads(pickle.dumps(loss)).func is divclip_actor_loss  # survives Ray's transport
@@ -318,19 +319,42 @@ VERL_TRAINERS = {"sync": "PPOTrainerSync", "colocate_async": "PPOTrainerColocate
 
 @pytest.mark.parametrize("mode", ["sync", "colocate_async", "separate_async"])
 def test_every_trainer_mode_validates_and_selects_verls_class_with_the_divclip_features(mode: str) -> None:
-    """Importing recipe.trainer puts, under verl's own mode name, a subclass of verl's class for the mode with the
-    divclip piece first in its MRO (its hooks wrap verl's through super())."""
+    """For verl's own mode name, a subclass of verl's class for the mode with the divclip piece first in its MRO
+    (its hooks wrap verl's through super()); the TaskRunner puts it in verl's registry
+    (test_the_task_runner_registers_the_divclip_trainers_before_verls_run)."""
     import verl.trainer.ppo.v1 as v1
-    from verl.trainer.ppo.v1 import get_trainer_cls
 
     from recipe.trainer import DIVCLIP_TRAINERS, DivClipTrainer
 
     overrides = SEPARATE if mode == "separate_async" else [f"trainer.v1.trainer_mode={mode}"]
     validate_divclip_config(compose_config(*overrides))
     cls = DIVCLIP_TRAINERS[mode]
-    assert get_trainer_cls(mode) is cls
     assert cls.__bases__ == (DivClipTrainer, getattr(v1, VERL_TRAINERS[mode])) and cls.__mro__[1] is DivClipTrainer
     assert getattr(sys.modules["recipe.trainer"], cls.__name__) is cls
+
+
+def test_the_task_runner_registers_the_divclip_trainers_before_verls_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """recipe.main hands verl's run_ppo a Ray actor class of verl's TaskRunnerV1 whose run() puts the divclip
+    classes in verl's registry, in its own process, before verl's run() builds the trainer; importing
+    recipe.trainer leaves verl's registry as it is (the process probe of test_smoke_cpu.py checks every process of a
+    run)."""
+    import verl.trainer.ppo.v1 as v1
+    from verl.trainer.main_ppo import TaskRunnerV1
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+
+    from recipe.trainer import DIVCLIP_TRAINERS, DivClipTaskRunnerV1, DivClipTaskRunner
+
+    verl_runner = TaskRunnerV1.__ray_metadata__.modified_class.__ray_actor_class__
+    assert DivClipTaskRunner.__bases__ == (verl_runner,)
+    assert DivClipTaskRunnerV1.__ray_metadata__.modified_class.__ray_actor_class__ is DivClipTaskRunner
+    for mode, name in VERL_TRAINERS.items():  # verl's, as a process that imported recipe.trainer has them
+        monkeypatch.setitem(TRAINER_REGISTRY, mode, getattr(v1, name))
+    built: dict[str, Any] = {}
+    monkeypatch.setattr(verl_runner, "run",
+                        lambda self, config: built.update({m: get_trainer_cls(m) for m in VERL_TRAINERS}))
+    DivClipTaskRunner().run(compose_config())
+    assert built == DIVCLIP_TRAINERS
 
 
 def test_the_registry_patch_replaces_only_verls_own_class(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -352,59 +376,6 @@ def test_the_registry_patch_replaces_only_verls_own_class(monkeypatch: pytest.Mo
     monkeypatch.delitem(TRAINER_REGISTRY, "sync")
     with pytest.raises(RuntimeError, match=r"trainer_mode='sync': verl's trainer registry holds None"):
         register_divclip_trainers()
-
-
-def test_the_task_runner_adds_the_trainer_module_to_the_runtime_env_it_is_asked_for(monkeypatch) -> None:
-    """run_ppo starts the runner with .remote(), or .options(runtime_env={"nsight": ...}) under nsys: either way the
-    TaskRunner's env_vars name the trainer module after what the job already names."""
-    from recipe.main import EXTERNAL_MODULES, DivClipTaskRunnerV1
-
-    monkeypatch.delenv(EXTERNAL_MODULES, raising=False)
-    runner = DivClipTaskRunnerV1(compose_config())
-    assert runner.env_vars == {EXTERNAL_MODULES: "verl_ext.plugin,recipe.trainer"}
-    nsight = {"t": "cuda,nvtx", "cuda-memory-usage": "true"}
-    assert runner.actor_options(runtime_env={"nsight": nsight, "env_vars": {"A": "1"}}) == {
-        "runtime_env": {"nsight": nsight, "env_vars": {"A": "1", EXTERNAL_MODULES: "verl_ext.plugin,recipe.trainer"}}}
-    config = compose_config(f"+ray_kwargs.ray_init.runtime_env.env_vars.{EXTERNAL_MODULES}='mine,recipe.trainer'")
-    assert DivClipTaskRunnerV1(config).env_vars == {EXTERNAL_MODULES: "mine,recipe.trainer,verl_ext.plugin"}
-    monkeypatch.setenv(EXTERNAL_MODULES, "theirs")  # the job's environment (ray job submit --runtime-env-json)
-    assert DivClipTaskRunnerV1(compose_config()).env_vars == {EXTERNAL_MODULES: "theirs,verl_ext.plugin,recipe.trainer"}
-
-
-def test_only_the_task_runner_and_what_it_starts_build_the_divclip_trainers() -> None:
-    """On a local Ray: an actor started with the runner's options (as run_ppo starts verl's TaskRunnerV1) finds the
-    divclip classes in verl's registry, keeps the job's own env_vars (Ray merges them) and hands the variable to an
-    actor it starts; a plain worker of the same job keeps verl's classes."""
-    code = """
-import json, ray
-from tests.test_recipe_main import compose_config
-from recipe.main import DivClipTaskRunnerV1
-
-@ray.remote(num_cpus=0)
-class Probe:
-    def trainers(self, child=False):
-        import os
-        from verl.trainer.ppo.v1 import get_trainer_cls
-        found = {"classes": [get_trainer_cls(m).__name__ for m in ("sync", "colocate_async", "separate_async")],
-                 "job": os.environ.get("PROBE_JOB")}
-        if child:
-            found["child"] = ray.get(Probe.options(runtime_env={"env_vars": {"PROBE_CHILD": "1"}}).remote().trainers.remote())
-        return found
-
-ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-         runtime_env={"env_vars": {"PROBE_JOB": "job"}})
-runner = DivClipTaskRunnerV1(compose_config())
-print(json.dumps({"runner": ray.get(Probe.options(**runner.actor_options()).remote().trainers.remote(child=True)),
-                  "plain": ray.get(Probe.remote().trainers.remote())}))
-"""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
-    divclip = ["DivClipPPOTrainerSync", "DivClipPPOTrainerColocateAsync", "DivClipPPOTrainerSeparateAsync"]
-    assert found["runner"] == {"classes": divclip, "job": "job", "child": {"classes": divclip, "job": "job"}}
-    assert found["plain"] == {"classes": list(VERL_TRAINERS.values()), "job": "job"}
 
 
 def test_separate_async_divides_an_update_among_data_parallel_ranks_not_ulysses_ranks() -> None:

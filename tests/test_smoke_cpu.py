@@ -36,6 +36,11 @@ ROOT = Path(__file__).resolve().parents[1]
 GPU_PACKING = {"PRECISION": "bf16", "DYNAMIC_BSZ": "128", "HEAD_SCALE": "30"}
 
 
+#: A training run's limit in the suite: three times its longest time alone on 2 cores (the separate_async smoke,
+#: ~15 min), so that it holds on a machine running a second suite beside this one (it ran past 900 s there).
+SMOKE_TIMEOUT_S = 2700
+
+
 def run_smoke(out: Path, loss: str, steps: int, *overrides: str, **env: str) -> subprocess.CompletedProcess:
     full_env = {
         **os.environ,
@@ -49,7 +54,7 @@ def run_smoke(out: Path, loss: str, steps: int, *overrides: str, **env: str) -> 
     full_env.pop("RAY_ADDRESS", None)
     proc = subprocess.run(
         ["bash", str(ROOT / "launch/run_smoke_cpu.sh"), *overrides], cwd=ROOT, env=full_env,
-        capture_output=True, text=True, timeout=900,
+        capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -126,10 +131,63 @@ def write_with_data_source(source: Path, target: Path, data_source: str) -> None
 
 @pytest.fixture(scope="module")
 def erc_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Also records, in every process of the run, which of verl's classes and globals it has patched
+    (:mod:`tests.process_probe`, imported by each process's ``import verl``)."""
     out = tmp_path_factory.mktemp("smoke_erc")
     args = validation_length_args(out)
-    run_smoke(out, "erc_dapo", 2, *args, SAVE_FREQ="2", TEST_FREQ="2", RESPONSE_LEN=str(TRAIN_LENGTH))
+    run_smoke(out, "erc_dapo", 2, *args, SAVE_FREQ="2", TEST_FREQ="2", RESPONSE_LEN=str(TRAIN_LENGTH),
+              **probe_env(out / "probe"))
     return out
+
+
+def probe_env(folder: Path) -> dict[str, str]:
+    """The environment under which every process of a run imports :mod:`tests.process_probe` (``import verl``
+    imports ``VERL_USE_EXTERNAL_MODULES``; local Ray's processes inherit the driver's environment)."""
+    python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {"VERL_USE_EXTERNAL_MODULES": "tests.process_probe", "DIVCLIP_PROBE_DIR": str(folder),
+            "PYTHONPATH": python_path}
+
+
+def test_verl_is_patched_only_in_the_processes_that_build_the_patched_classes(erc_run: Path) -> None:
+    """Each process of the run, as its last record saw it: the actor workers (the only ones that build verl's engine)
+    have the engine seam's wrappers and its two dispatchers and verl's trainer registry; the TaskRunner (the only
+    one that builds a trainer) has the divclip trainers in that registry and verl's engine classes and globals;
+    every other process -- driver, rollout servers, agent-loop and reward workers, TransferQueue -- keeps all of
+    verl's as verl defines them and imported neither the actor loss, nor the seam, nor the trainer module."""
+    from tests.process_probe import ORIGINAL_ATTR
+    from verl_ext.engine.swap import ORIGINAL_ATTR as SEAM_ORIGINAL_ATTR
+
+    assert ORIGINAL_ATTR == SEAM_ORIGINAL_ATTR  # the probe looks for the seam's own mark
+    records = [json.loads(path.read_text()) for path in sorted((erc_run / "probe").glob("*.json"))]
+    verl_trainers = {"sync": "PPOTrainerSync", "colocate_async": "PPOTrainerColocateAsync",
+                     "separate_async": "PPOTrainerSeparateAsync"}
+    divclip_trainers = {mode: f"DivClip{name}" for mode, name in verl_trainers.items()}
+    assert records
+    kinds: Counter = Counter()
+    for found in records:
+        title, wrapped, trainers = found["title"], found["wrapped"], found["trainers"]
+        kind = next((kind for kind, name in PROCESS_KINDS.items() if name in title), title.split()[0])
+        kinds[kind] += 1
+        if kind == "actor worker":
+            assert all(wrapped.values()) and trainers in (None, verl_trainers), found
+            assert "recipe.trainer" not in found["modules"], found
+            continue
+        assert not any(wrapped.values()), found
+        if kind == "TaskRunner":
+            assert trainers == divclip_trainers, found
+        else:
+            assert trainers in (None, verl_trainers), found
+            if kind != "driver":  # the driver imports recipe.trainer to hand Ray the TaskRunner's class
+                assert found["modules"] == [], found
+    assert kinds["driver"] == kinds["TaskRunner"] == 1 and kinds["actor worker"] >= 1, kinds
+    for kind in ("agent-loop worker", "reward worker", "rollout server"):  # verl's rollout, agent loop and reward
+        assert kinds[kind] >= 1, kinds
+
+
+#: A substring of each kind's process title (Ray: ``ray::<actor class>``) in the smoke run.
+PROCESS_KINDS = {"driver": "recipe.main", "TaskRunner": "ray::DivClipTaskRunner", "actor worker": "ray::WorkerDict",
+                 "agent-loop worker": "ray::AgentLoopWorker", "reward worker": "ray::RewardLoopWorker",
+                 "rollout server": "ray::HFCpuServer"}
 
 
 @pytest.fixture(scope="module")

@@ -25,12 +25,12 @@ SUBMIT = ROOT / "launch" / "submit.sh"
 # A head on loopback (`ray start` would replace 127.0.0.1 by the routable address). Closing
 # stdin shuts it down; its whole process group is killed afterwards in any case. 8 logical CPUs,
 # as the CPU smoke's TaskRunner, workers, rollout server, reward and TransferQueue each hold one.
+# The dashboard binds its own port (Ray's default, or the next free one) and the head prints its address.
 HEAD = """
 import sys, ray
-ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=True, dashboard_host="127.0.0.1",
-         dashboard_port=int(sys.argv[1]), num_cpus=8, num_gpus=0, _temp_dir=sys.argv[2],
-         log_to_driver=False)
-print("READY", flush=True)
+context = ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=True, dashboard_host="127.0.0.1",
+                   num_cpus=8, num_gpus=0, _temp_dir=sys.argv[1], log_to_driver=False)
+print("READY", context.dashboard_url, flush=True)
 sys.stdin.read()
 ray.shutdown()
 """
@@ -49,20 +49,23 @@ def _ray_env() -> dict[str, str]:
     return env
 
 
-def _wait_for_job_agent(address: str, timeout_s: float = 120) -> None:
-    """The dashboard answers before its node's job agent registers: probe with a no-op job."""
+def _wait_for_job_agent(address: str, timeout_s: float = 600) -> None:
+    """The dashboard answers before its node's job agent registers (on a busy machine, minutes later): probe with a
+    no-op job until one is accepted and has run. Connection errors and "No available agent" are retried until
+    ``timeout_s``; any other error is raised at once."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    client = JobSubmissionClient(address)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
+            client = JobSubmissionClient(address)
             job = client.submit_job(entrypoint="true")
             break
-        except RuntimeError as error:
-            if "No available agent" not in str(error) or time.monotonic() > deadline:
+        except (RuntimeError, OSError) as error:  # OSError: requests' and the builtin ConnectionError
+            waiting = isinstance(error, OSError) or "No available agent" in str(error)
+            if not waiting or time.monotonic() > deadline:
                 raise
-            time.sleep(1)
+            time.sleep(2)
     while client.get_job_status(job) not in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
         assert time.monotonic() < deadline, "the probe job did not finish"
         time.sleep(0.5)
@@ -70,16 +73,15 @@ def _wait_for_job_agent(address: str, timeout_s: float = 120) -> None:
 
 @pytest.fixture(scope="module")
 def ray_head():
-    port = _free_port()
     temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths are length-limited
-    head = subprocess.Popen([sys.executable, "-c", HEAD, str(port), temp_dir], stdin=subprocess.PIPE,
+    head = subprocess.Popen([sys.executable, "-c", HEAD, temp_dir], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_ray_env(),
                             start_new_session=True)
     try:
         ready, _, _ = select.select([head.stdout], [], [], 180)
         line = head.stdout.readline() if ready else ""
-        assert line.strip() == "READY", f"Ray head did not start within 180 s (exit {head.poll()})"
-        address = f"http://127.0.0.1:{port}"
+        assert line.startswith("READY "), f"Ray head did not start within 180 s (exit {head.poll()}): {line!r}"
+        address = "http://" + line.split()[1].removeprefix("http://")
         _wait_for_job_agent(address)
         yield address
     finally:

@@ -54,7 +54,7 @@ from typing import Any, Iterator, Optional
 
 import pytest
 
-from tests.test_smoke_cpu import assert_on_policy_exact
+from tests.test_smoke_cpu import SMOKE_TIMEOUT_S, assert_on_policy_exact
 from tests.test_submit_ray import _free_port, _ray_env, _wait_for_job_agent
 from verl_ext.config import DivClipPolicyLossConfig
 
@@ -363,7 +363,7 @@ def submit(cluster: dict[str, Any], out: Path, submission_id: str, wait: bool) -
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        stdout, stderr = proc.communicate(timeout=1200)
+        stdout, stderr = proc.communicate(timeout=SMOKE_TIMEOUT_S * 4 // 3)  # two nodes: 1200 s where one took 900
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # the ray CLI it started, should bash have left it behind

@@ -198,8 +198,6 @@ def aligned_and_control(model_path: str, features: dict[str, Any], budgets: tupl
 def job_lora(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
     """LoRA (rank 8, all linear layers): the parity pair in fp32; three steps per on-policy mode under bf16 with
     dynamic batching at 2:1, the third with the reference pass; the control; the base model's log-probs."""
-    import verl_ext.actor_loss  # noqa: F401  (installs the seam, as unpickling the loss does on a worker)
-
     out: dict[str, Any] = {"parity": parity_pair(model_path, WorkerOptions(**LORA, **EXACT_SGD))}
     batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, SPEC.vocab_size, seed=5)
     bf16 = WorkerOptions(**LORA, **BF16_DYNAMIC_2_TO_1, **EXACT_SGD)
@@ -243,8 +241,7 @@ def counting_fused_kernel(calls: dict[str, int], phase: list[str]) -> Iterator[N
 def job_fused(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
     """verl's fused kernels (torch backend): the parity pair in fp32; one step per on-policy mode under bf16 with
     dynamic batching at 2:1, counting the fused kernel's calls per pass."""
-    import verl_ext.actor_loss  # noqa: F401
-    from verl_ext.engine.seam import entropy_path_of
+    from recipe.bench.features import entropy_path_of
 
     out: dict[str, Any] = {"parity": parity_pair(model_path, WorkerOptions(**FUSED, **EXACT_SGD))}
     batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, SPEC.vocab_size, seed=5)
@@ -331,7 +328,6 @@ def counting_seam_steps(count: list[int]) -> Iterator[None]:
 def job_critic(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
     """Two identically initialised critic workers, one run with the seam's wrappers and one with verl's own
     functions put back: ``value_loss`` installed, the values pass, one update (two mini-batches, exact SGD)."""
-    import verl_ext.actor_loss  # noqa: F401  (the seam is installed in every worker process of a run)
     from verl.workers.utils.losses import value_loss
 
     from verl_ext.engine.seam import ORIGINAL_ATTR

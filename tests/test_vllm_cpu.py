@@ -34,8 +34,8 @@ from typing import Any
 
 import pytest
 
-from tests.test_smoke_cpu import (TRAIN_LENGTH, VAL_LENGTHS, assert_on_policy_exact, step_metrics, validation_length_args,
-                                  write_with_data_source)
+from tests.test_smoke_cpu import (SMOKE_TIMEOUT_S, TRAIN_LENGTH, VAL_LENGTHS, assert_on_policy_exact, step_metrics,
+                                  validation_length_args, write_with_data_source)
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -191,6 +191,55 @@ def test_weights_arrive(tmp_path: Path) -> None:
     assert _max_abs_diff(r["vllm_b"], r["hf_a"]) > 5 * BF16_BOUND, "the second sync changed nothing"
 
 
+def test_the_device_query_handle_answers_verls_query_and_runs_any_other_function_as_asked() -> None:
+    """The replica's worker handles answer verl's own device query (the lambda in verl 0.9.1's
+    ``vLLMReplica.launch_servers``, compiled from verl's source) with the node and slot, and hand any other function
+    to the real handle unchanged, with its arguments. verl's vLLM server module, which imports vLLM, is stood in for
+    by its two class names."""
+    import importlib.util
+    import types
+
+    source = Path(importlib.util.find_spec("verl").origin).parent / "workers/rollout/vllm_rollout/vllm_async_server.py"
+
+    def code_objects(code: types.CodeType) -> Any:
+        yield code
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                yield from code_objects(const)
+
+    queries = [code for code in code_objects(compile(source.read_text(), str(source), "exec"))
+               if code.co_name == "<lambda>" and "get_accelerator_ids" in code.co_names]
+    assert len(queries) == 1, queries  # verl's one query of a worker's device
+    verls_query = types.FunctionType(queries[0], {})
+
+    class vLLMReplica:  # noqa: N801 -- verl's name
+        async def launch_servers(self) -> None: ...
+
+    vLLMReplica.launch_servers.__qualname__ = "vLLMReplica.launch_servers"
+    stand_in = types.ModuleType("verl.workers.rollout.vllm_rollout.vllm_async_server")
+    stand_in.vLLMReplica, stand_in.vLLMHttpServer = vLLMReplica, type("vLLMHttpServer", (), {})
+    saved = {name: sys.modules.pop(name, None) for name in (stand_in.__name__, "verl_ext.cpu.vllm_server")}
+    sys.modules[stand_in.__name__] = stand_in
+    try:
+        from verl_ext.cpu import vllm_server
+
+        calls: list[tuple[Any, tuple, dict]] = []
+        record = types.SimpleNamespace(remote=lambda fn, *a, **k: calls.append((fn, a, k)))
+        real = types.SimpleNamespace(__ray_call__=record)
+        handle = vllm_server._DeviceQueryHandle(real)
+        handle.__ray_call__.remote(verls_query)
+        other = functools.partial(print)
+        handle.__ray_call__.remote(other, 1, key=2)
+        handle.__ray_call__.remote(lambda self: None)
+        assert calls[0] == (vllm_server._node_and_slot, (), {})
+        assert calls[1] == (other, (1,), {"key": 2}) and calls[2][0] is not vllm_server._node_and_slot
+    finally:
+        for name, module in saved.items():
+            sys.modules.pop(name, None)
+            if module is not None:
+                sys.modules[name] = module
+
+
 def test_refuses_what_cpu_vllm_lacks() -> None:
     """Sleep mode and parallel rollouts are refused before any server starts, naming the keys (no vLLM needed)."""
     from types import SimpleNamespace
@@ -256,7 +305,8 @@ def _vllm_smoke(out: Path, loss: str, steps: int, *overrides: str, **env: str) -
                     PYTHONPATH=str(ROOT / "tests" / "vllm_recorder"), VLLM_REQUEST_LOG=str(out / "requests.jsonl"),
                     **env)
     proc = subprocess.run(["bash", str(ROOT / "launch/run_smoke_cpu.sh"), f"trainer.rollout_data_dir={out}/rollouts",
-                           *overrides], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=1500)
+                           *overrides], cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=SMOKE_TIMEOUT_S * 5 // 3)  # vLLM runs took 1500 s where the others took 900
     log = proc.stdout + proc.stderr
     (out / "smoke.log").write_text(log)
     assert proc.returncode == 0, log[-12000:]

@@ -51,7 +51,7 @@ def run_both(model_path: str, options: WorkerOptions, batch: Any, entropy_coeff:
     """Old-log-prob pass and one update, materialised (verl's ppo_loss) and through the pass."""
     import verl_ext.engine.vocab_pass_step as engine_hook
     from verl_ext.engine import seam
-    from verl_ext.engine.request import with_vocab_pass
+    from recipe.bench.features import uses_vocab_pass, with_vocab_pass
 
     seam.install()
     original = engine_hook.vocab_pass
@@ -60,7 +60,7 @@ def run_both(model_path: str, options: WorkerOptions, batch: Any, entropy_coeff:
         worker = build_actor_worker(model_path, options)
         loss = ppo_loss_fn(make_actor_config(entropy_coeff=entropy_coeff))
         worker.set_loss_fn(with_vocab_pass(loss) if name == "vocab_pass" else loss)
-        assert seam.uses_vocab_pass(worker.engine) == (name == "vocab_pass")
+        assert uses_vocab_pass(worker.engine) == (name == "vocab_pass")
         calls: list[int] = []  # tokens the head's pass saw (proves the logits were never built)
         engine_hook.vocab_pass = lambda hidden, *a, **k: calls.append(hidden.shape[0]) or original(hidden, *a, **k)
         try:
@@ -164,7 +164,7 @@ def job_erc_on_policy(rank: int, world_size: int, model_path: str) -> dict[str, 
         data["old_log_probs"], data["entropy"] = old["old_log_probs"], old["entropy"]
         before = full_params(worker)
         metrics = update_actor(worker, data, calculate_entropy=True)
-        from verl_ext.engine.seam import uses_vocab_pass
+        from recipe.bench.features import uses_vocab_pass
 
         out[name] = {
             "metrics": metrics,

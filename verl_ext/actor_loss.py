@@ -16,11 +16,11 @@ to the model output (:mod:`verl_ext.engine.topk_capture`).
 :func:`build_actor_loss` declares on the loss what its engine must do (an
 :class:`~verl_ext.engine.request.EngineRequest`): ERC's fp32 entropy in both passes, the vocabulary pass,
 and -- unless ``policy_loss.pack_old_log_prob_as_update=false`` -- the old-log-prob pass packed as the
-update, so that on-policy every ratio is exactly 1 in every mode. Importing this module in a worker
-(which happens when Ray unpickles the loss sent by ``set_loss_fn``) installs the seam
-(:func:`verl_ext.engine.seam.install`) before verl's ``set_loss_fn`` runs. Every micro-batch's loss
-logs the path the seam recorded for its step (``actor/divclip/path/*``) and, on the update's
-on-policy mini-batch, the on-policy gauge (``actor/divclip/onpolicy/*``).
+update, so that on-policy every ratio is exactly 1 in every mode. The actor worker that unpickles the loss
+sent by ``set_loss_fn`` installs the seam (:func:`verl_ext.engine.seam.install`) before verl's ``set_loss_fn``
+runs (:class:`ActorLoss`); importing this module installs nothing. Every micro-batch's loss logs the path
+the seam recorded for its step (``actor/divclip/path/*``) and, on the update's on-policy mini-batch, the
+on-policy gauge (``actor/divclip/onpolicy/*``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from verl_ext.core.coarsened_kl import TopKLogMasses
 from verl_ext.core.erc import entropy_ratio, outside_band
 from verl_ext.core.gauge import on_policy_gauge
 from verl_ext.core.region import CONSTRAINTS
-from verl_ext.engine import seam
 from verl_ext.engine.packing import is_on_policy
 from verl_ext.engine.request import STEP_PATH_KEY, declare, entropy_as_mask, request_of
 from verl_ext.engine.topk_capture import NEW_TOPK_LOG_PROBS, OLD_TOPK_LOG_PROBS
@@ -327,18 +326,35 @@ def build_actor_loss(actor_config: ActorConfig) -> Callable[..., Any]:
     ``entropy_coeff != 0``, would need the entropy's gradient, so that combination raises; the recipe
     refuses it before Ray starts); ``policy_loss.vocab_pass`` runs both passes through the vocabulary
     pass; ``policy_loss.pack_old_log_prob_as_update`` (default true; always with verl's plain policy-loss
-    config) packs the old-log-prob pass as the update.
+    config) packs the old-log-prob pass as the update. Unpickled, it installs the seam (:class:`ActorLoss`).
     """
     key_reads.bind(actor_config, ACTOR_KEY)
     loss = functools.partial(divclip_actor_loss, config=actor_config)
     policy = divclip_policy_config(actor_config)
     if policy is not None and policy.erc_enabled:
         loss = entropy_as_mask(loss, entropy_coeff=actor_config.entropy_coeff)  # raises on an entropy bonus
-    return declare(
+    loss = declare(
         loss,
         vocab_pass=policy is not None and policy.vocab_pass,  # both passes of this engine: no logits tensor
         pack_old_log_prob_as_update=policy is None or policy.pack_old_log_prob_as_update,  # on-policy ratios exactly 1
     )
+    actor_loss = ActorLoss(loss.func, *loss.args, **loss.keywords)
+    vars(actor_loss).update(vars(loss))  # the engine request
+    return actor_loss
+
+
+class ActorLoss(functools.partial):
+    """The actor loss as it travels to the actor workers: a ``functools.partial`` whose unpickling -- in the
+    worker that ``set_loss_fn`` sends it to, before Ray calls verl's ``set_loss_fn`` with it -- installs the
+    engine seam (:func:`verl_ext.engine.seam.install`; idempotent). The seam is thus in place in the processes
+    that run the loss on verl's engine, and in no other process: building or importing the loss installs nothing.
+    """
+
+    def __setstate__(self, state: Any) -> None:
+        from verl_ext.engine import seam
+
+        seam.install()
+        super().__setstate__(state)
 
 
 def divclip_policy_config(config: ActorConfig) -> Optional[DivClipPolicyLossConfig]:
@@ -354,13 +370,3 @@ def divclip_policy_config(config: ActorConfig) -> Optional[DivClipPolicyLossConf
         isinstance(policy, Mapping) and policy.get("_target_") == CONFIG_TARGET
     )
     return resolve_policy_config(config) if is_divclip else None
-
-
-def entropy_is_detached(loss: Optional[Callable[..., Any]]) -> bool:
-    """Whether ``loss`` declared the divclip (float32, graph-free, both passes) entropy path."""
-    return request_of(loss).entropy_as_mask
-
-
-# Runs in every process that unpickles the loss (the actor workers), before verl's set_loss_fn: the
-# one seam into verl's engine (verl_ext.engine.seam), checked against the installed verl first.
-seam.install()

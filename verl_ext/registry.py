@@ -12,8 +12,8 @@
   supplies for the duration of one call (:func:`supplying`); the registered function reads it there.
 * :data:`ERC_ON_VERL_MODE` is registered too: the actor loss selects it for ERC stacked on one of verl's own
   modes, and it gates the policy term's log-probs (:func:`verl_ext.verl_modes.verl_policy_loss`) before
-  calling verl's registered function -- so the KL loss and entropy bonus of ``ppo_loss`` keep their
-  gradients.
+  calling verl's registered function -- so the KL loss of ``ppo_loss`` keeps its gradient (ERC refuses an
+  entropy bonus: ``actor.entropy_coeff`` must be 0, and the current entropy is a detached mask).
 * :func:`check_policy_config` checks a ``DivClipPolicyLossConfig`` against the registry (known
   ``loss_mode``, adaptive delta on a KL-budget mode, ERC / dual-clip on verl's own modes), naming the
   key; :func:`resolve_policy_config` finds the config inside an actor config and checks it.
@@ -102,11 +102,6 @@ def is_own_mode(mode: str) -> bool:
     return getattr(POLICY_LOSS_REGISTRY.get(mode), _OWN_MODE_ATTR, None) == mode
 
 
-def is_verl_mode(mode: str) -> bool:
-    """Whether ``mode`` is one of verl's own registered policy losses (not a divclip entry)."""
-    return mode in POLICY_LOSS_REGISTRY and mode not in CONSTRAINTS and mode != ERC_ON_VERL_MODE
-
-
 def register_modes() -> None:
     """Register every defined constraint, and :data:`ERC_ON_VERL_MODE`, with verl's ``POLICY_LOSS_REGISTRY``
     (idempotent). Raises ``RuntimeError`` instead of replacing an entry that is not the project's own."""
@@ -149,7 +144,7 @@ NOT_COMPOSABLE = frozenset({"bypass_mode"})
 def check_policy_config(policy: DivClipPolicyLossConfig, prefix: str = POLICY_LOSS_KEY) -> None:
     """Raise ``ValueError`` naming the key where ``policy`` does not fit its ``loss_mode``: the mode
     is registered (a divclip constraint or verl's own), ``adaptive_delta_target`` is set only on a
-    KL-budget mode, and on verl's modes ERC / dual-clip can apply (:func:`check_verl_mode_options`).
+    KL-budget mode, and on verl's modes ERC can apply and dual-clip is not set (:func:`check_verl_mode_options`).
 
     The config dataclass checks its values alone (:mod:`verl_ext.config` does not import this
     module); this is the half that needs the registry. Registered with
@@ -174,7 +169,7 @@ def check_policy_config(policy: DivClipPolicyLossConfig, prefix: str = POLICY_LO
             f"{prefix}.kl_full_diagnostic compares a divclip mode's clip decisions with the full-KL rule; "
             f"verl's loss_mode={mode!r} makes none through the divclip operator: set it to false"
         )
-    if mode not in CONSTRAINTS:  # verl's own mode: ERC / dual-clip compose with it
+    if mode not in CONSTRAINTS:  # verl's own mode: ERC composes with it, the divclip dual-clip is refused
         check_verl_mode_options(policy, prefix)
 
 

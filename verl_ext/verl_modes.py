@@ -51,7 +51,8 @@ def verl_policy_loss(
     old_entropy: Optional[torch.Tensor] = None,
     entropy: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """verl's registered ``mode`` with the divclip ERC band and dual-clip applied (see module doc).
+    """verl's registered ``mode`` with the divclip ERC band applied (see module doc; the divclip dual-clip is
+    refused on verl's modes).
 
     ``policy`` is None for a plain verl config: the call is then exactly verl's. With ERC on,
     ``old_entropy``/``entropy`` (padded like ``log_prob``) are required and ``actor/divclip/erc/*``

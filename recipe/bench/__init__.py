@@ -5,7 +5,8 @@ so figures stay comparable across machines. Results are recorded in docs/benchma
 
 What lives here: ``harness`` (verl's actor ``TrainingWorker`` built from a config, a synthetic
 rollout batch, the old-log-prob pass and one update, on 1..N spawned ranks: the probes' engine and
-the tests'), ``child`` (run a variant in a fresh process, read its JSON line; the memory benches' RSS readings
+the tests'), ``features`` (engine features declared on verl's plain loss; the path an engine took),
+``child`` (run a variant in a fresh process, read its JSON line; the memory benches' RSS readings
 and glibc settings), ``losses`` (forward+backward time of every divclip mode against verl's
 ``vanilla``), ``entropy_memory`` (peak host memory of an actor update with and without the
 current-policy entropy), ``reward`` (reward throughput, ours against verl's), ``gpu`` (ERC's entropy

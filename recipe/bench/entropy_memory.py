@@ -62,6 +62,7 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
         single_rank_env,
         update_actor,
     )
+    from recipe.bench.features import packed_as_update, with_vocab_pass
 
     single_rank_env()
     shape = bench_micro_batch(tokens, sequences, vocab, hidden)
@@ -75,10 +76,8 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
         worker = build_actor_worker(model_path, options)
         actor_config = make_actor_config(ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences)
         loss_fn = ppo_loss_fn(actor_config)
-        from verl_ext.engine import seam
-        from verl_ext.engine.request import entropy_as_mask, packed_as_update, with_vocab_pass
+        from verl_ext.engine.request import entropy_as_mask
 
-        seam.install()
         if variant not in ("a_no_entropy", "b_verl_entropy"):  # ERC's detached entropy, as the actor loss declares it
             loss_fn = packed_as_update(entropy_as_mask(loss_fn, entropy_coeff=actor_config.entropy_coeff))
         if "vocab_pass" in variant:

@@ -112,7 +112,7 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
     import torch
 
     from verl_ext.actor_loss import build_actor_loss
-    from verl_ext.engine.seam import entropy_path_of, uses_vocab_pass
+    from recipe.bench.features import entropy_path_of, uses_vocab_pass
 
     seq_len = args.tokens // args.sequences
     prompt_len = max(1, seq_len // 8)

@@ -204,8 +204,15 @@ def build_actor_worker(model_path: str, options: WorkerOptions = WorkerOptions()
     0.9.1's ``load_valuehead_model`` asks transformers for ``attn_implementation="flash_attention_2"``
     whatever the config says, and flash-attn does not exist on CPU, so for a value model the loader gets
     ``options.attn_implementation`` instead while the engine builds (:func:`_value_model_attention`).
+
+    This process builds an actor worker, so it gets the engine seam (:func:`verl_ext.engine.seam.install`), as
+    an actor worker of a training run does when it unpickles its loss.
     """
     from verl.plugin.platform import get_platform
+
+    from verl_ext.engine import seam
+
+    seam.install()
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
         FSDPEngineConfig,
@@ -438,10 +445,9 @@ def compute_log_prob(
     ``DivClipTrainer`` passes it; None: the whole shard is one mini-batch, as :func:`update_actor`'s default.
     ``old_topk > 0`` asks the pass for pi_old's top-k as ``recipe.trainer.DivClipTrainer`` does for
     ``kl_full`` (the fields of :mod:`verl_ext.engine.topk_capture`, already in the response layout, are returned
-    too); the worker's process must have installed the engine seam (:func:`verl_ext.engine.seam.install`).
-    ``old_from_update`` asks the pass to leave the first mini-batch's pi_old to the update, and ``collect``
-    (after that update) returns the completed values without a forward, as ``DivClipTrainer`` does
-    (:mod:`verl_ext.engine.old_from_update`)."""
+    too); the worker comes from :func:`build_actor_worker`, which installed the engine seam. ``old_from_update``
+    leaves the first mini-batch's pi_old to the update, and ``collect`` (after that update) returns the completed
+    values without a forward, as ``DivClipTrainer`` does (:mod:`verl_ext.engine.old_from_update`)."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import response_from_nested
 
@@ -493,10 +499,31 @@ def param_delta(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor])
 
 
 def free_port() -> int:
-    """A free TCP port on the loopback interface (for MASTER_PORT)."""
+    """A free TCP port on the loopback interface, for a process that binds it itself at once (the ranks' store
+    is :func:`rendezvous_store`'s, bound by the process that serves it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+_STORES: list[Any] = []  # single_rank_env's, served for the life of the process
+
+
+def rendezvous_store() -> Any:
+    """Serve the ranks' rendezvous store from this process, as torchrun's agent does (its port: ``.port``).
+
+    The store binds port 0 itself and holds it while the returned object lives, so no other process can take the
+    port between its choice and its use (a free port found first and bound later by rank 0 was lost to ``EADDRINUSE`` on
+    a busy machine). The ranks connect to it as clients: :data:`AGENT_STORE_ENV` in their environment makes torch's
+    ``env://`` rendezvous (verl's ``init_process_group``) use the store at ``MASTER_PORT`` instead of binding one.
+    """
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+#: The environment under which a rank's ``env://`` rendezvous connects to :func:`rendezvous_store`'s store.
+AGENT_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def single_rank_env(port: Optional[int] = None, device: str = "cpu") -> None:
@@ -510,8 +537,14 @@ def single_rank_env(port: Optional[int] = None, device: str = "cpu") -> None:
         WORLD_SIZE="1",
         LOCAL_WORLD_SIZE="1",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port or free_port()),
+        MASTER_PORT=str(port or _served_store_port()),
+        **({} if port else AGENT_STORE_ENV),
     )
+
+
+def _served_store_port() -> int:
+    _STORES.append(rendezvous_store())
+    return int(_STORES[-1].port)
 
 
 def _rank_entry(rank: int, world_size: int, port: int, out_dir: str, job: Callable[..., Any], args: tuple) -> None:
@@ -523,6 +556,7 @@ def _rank_entry(rank: int, world_size: int, port: int, out_dir: str, job: Callab
         LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        **AGENT_STORE_ENV,
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size))),
     )
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -542,7 +576,8 @@ def run_ranks(job: Callable[..., Any], world_size: int, *args: Any) -> list[Any]
     """
     import torch.multiprocessing as mp
 
-    port = free_port()
+    store = rendezvous_store()  # served until the ranks have ended
+    port = int(store.port)
     # The ranks inherit VERL_PLATFORM=cpu from the start: unpickling ``job`` imports its module, which may
     # import verl (and so resolve verl's platform) before _rank_entry runs. The caller's own setting is
     # given back once the ranks have ended.

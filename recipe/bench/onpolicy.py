@@ -14,7 +14,7 @@ optimizer step, twice:
 * ``aligned``: the old-log-prob pass packed as the update (:mod:`verl_ext.engine.packing`, the default).
 
 It reports the on-policy gauge (max |log w|, the ratio-clip fraction), verl's ``pg_clipfrac`` and
-``ppo_kl``, and with ERC its ratio range and masked fraction; for ERC's ``own`` arm also where the
+``ppo_kl``, and with ERC its ratio range and masked fraction; for ERC's two arms also where a
 difference enters: forward hooks on the LM head capture its input (the final hidden states, bf16) and
 output (the bf16 logits) in both passes; the bench compares them per token and recomputes the entropy
 ratio from fp32 logits of the captured hidden states (h W^T accumulated and kept in fp32, what an LM head
@@ -208,7 +208,7 @@ def _run_cases(threads: int, seeds: list[int], modes: list[str]) -> list[dict[st
             for update_budget, infer_budget in BUDGET_PAIRS:
                 for seed in seeds:
                     for aligned in (False, True):
-                        source = not aligned and mode == "erc"
+                        source = mode == "erc"  # both arms: the control's noise, and its absence aligned
                         rows.append(_case(model_path, mode, update_budget, infer_budget, seed, aligned, source))
     return rows
 

@@ -40,16 +40,29 @@ def _node_and_slot(worker: Any) -> tuple[str, str]:
     return ray.get_runtime_context().get_node_id(), str(os.environ.get("RAY_LOCAL_RANK", os.environ.get("LOCAL_RANK", "0")))
 
 
-class _RayCall:
-    """``handle.__ray_call__`` of a :class:`_DeviceQueryHandle`: ``remote(fn)`` runs :func:`_node_and_slot`.
+def _is_device_query(fn: Any) -> bool:
+    """Whether ``fn`` is verl's query of a rollout worker's node and CUDA device in ``vLLMReplica.launch_servers``
+    (a lambda there that reads ``get_accelerator_ids``)."""
+    code = getattr(fn, "__code__", None)
+    return (
+        code is not None
+        and code.co_name == "<lambda>"
+        and code.co_qualname.startswith(f"{vLLMReplica.launch_servers.__qualname__}.<locals>.")  # .<listcomp> on 3.11
+        and "get_accelerator_ids" in code.co_names
+    )
 
-    ``vLLMReplica.launch_servers`` makes exactly one ``__ray_call__`` per worker, the node/device query."""
+
+class _RayCall:
+    """``handle.__ray_call__`` of a :class:`_DeviceQueryHandle`: ``remote(fn)`` runs :func:`_node_and_slot` in
+    place of verl's device query (:func:`_is_device_query`), and any other ``fn`` as asked."""
 
     def __init__(self, handle: Any) -> None:
         self._handle = handle
 
     def remote(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return self._handle.__ray_call__.remote(_node_and_slot)
+        if _is_device_query(fn):
+            return self._handle.__ray_call__.remote(_node_and_slot, *args, **kwargs)
+        return self._handle.__ray_call__.remote(fn, *args, **kwargs)
 
 
 def _same(handle: Any) -> Any:

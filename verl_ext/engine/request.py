@@ -109,16 +109,6 @@ def entropy_as_mask(loss_function: Callable[..., Any], *, entropy_coeff: float) 
     return declare(loss_function, entropy_as_mask=True)
 
 
-def with_vocab_pass(loss_function: Callable[..., Any]) -> Callable[..., Any]:
-    """Declare that the engine running ``loss_function`` computes both passes with the vocabulary pass."""
-    return declare(loss_function, vocab_pass=True)
-
-
-def packed_as_update(loss_function: Callable[..., Any], enabled: bool = True) -> Callable[..., Any]:
-    """Declare that the engine running ``loss_function`` packs its old-log-prob pass as the update."""
-    return declare(loss_function, pack_old_log_prob_as_update=enabled)
-
-
 def resolve_entropy_path(request: EngineRequest, *, use_fused_kernels: bool) -> EntropyPath:
     """The entropy path a run really takes: with verl's fused kernels the entropy comes from the kernel in
     both passes whatever the loss asks for."""

@@ -121,17 +121,6 @@ def features_of(engine: Any) -> Optional[EngineFeatures]:
     return getattr(engine, _FEATURES_ATTR, None)
 
 
-def entropy_path_of(engine: Any) -> EntropyPath:
-    """The entropy path an engine's forward steps use (``VERL`` until a loss asks for another)."""
-    features = features_of(engine)
-    return EntropyPath.VERL if features is None else features.entropy_path
-
-
-def uses_vocab_pass(engine: Any) -> bool:
-    features = features_of(engine)
-    return features is not None and features.request.vocab_pass
-
-
 def is_covered(engine: Any) -> bool:
     """Whether the seam hooks ``engine``: an instance of verl's ``FSDPEngineWithLMHead`` whose hooked methods
     are the seam's wrappers (a subclass overriding one would silently bypass it)."""

@@ -9,8 +9,9 @@ whose micro-batch carries the stored ids adds :data:`NEW_TOPK_LOG_PROBS`, pi_the
 same buckets, for the loss. Only response tokens are kept, in verl's response layout (nested
 ``(batch, response_len, ...)``).
 
-The rows come from verl's materialised logits (:func:`topk_swaps`: the step sees the logits verl hands
-to ``logprobs_from_logits`` and adds its fields to ``prepare_model_outputs``'s result) or, under the
+The rows come from verl's materialised logits (the seam's ``logprobs_from_logits`` swap hands the step the
+logits verl passes it, :meth:`TopKStep.on_logits`; :func:`topk_outputs_swap` adds its fields to
+``prepare_model_outputs``'s result) or, under the
 vocabulary pass, from the LM head's input (:class:`TopKStep` is a
 :class:`verl_ext.engine.vocab_pass_step.HeadObserver`). The seam picks one per step
 (:mod:`verl_ext.engine.seam`).
