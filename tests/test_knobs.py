@@ -147,9 +147,11 @@ class Run:
     metrics: dict[str, float]
 
 
-def run_installed_loss(actor: Any, delta: float | None = None) -> Run:
+def run_installed_loss(actor: Any, delta: float | None = None, advantage: float | None = None,
+                       on_policy: bool = False) -> Run:
     """The installed actor loss (:func:`verl_ext.actor_loss.divclip_actor_loss`) on the sweep, as the engine calls
-    it: no-padding layout, pi_old's top-k at the config's k when it stores one. ``delta`` replaces the policy's."""
+    it: no-padding layout, pi_old's top-k at the config's k when it stores one. ``delta`` replaces the policy's;
+    ``advantage`` replaces every advantage; ``on_policy`` marks the micro-batch on-policy (the gauge runs)."""
     from verl_ext.actor_loss import divclip_actor_loss
     from verl_ext.engine.topk_capture import NEW_TOPK_LOG_PROBS, OLD_TOPK_LOG_PROBS
     from verl_ext.core.coarsened_kl import log_masses_rows, topk_rows
@@ -158,7 +160,8 @@ def run_installed_loss(actor: Any, delta: float | None = None) -> Run:
     old_lp = s.old_logits.log_softmax(-1).gather(-1, s.tokens.unsqueeze(-1)).squeeze(-1)
     new_lp = s.new_logits.log_softmax(-1).gather(-1, s.tokens.unsqueeze(-1)).squeeze(-1)
     data = make_rollout_batch(
-        [PROMPT] * ROWS, [LENGTH] * ROWS, VOCAB, old_log_probs=list(old_lp), advantages=list(s.advantages),
+        [PROMPT] * ROWS, [LENGTH] * ROWS, VOCAB, old_log_probs=list(old_lp),
+        advantages=list(s.advantages if advantage is None else torch.full_like(s.advantages, advantage)),
         old_entropy=list(_entropy(s.old_logits)),
     )
     reward = torch.zeros(ROWS, LENGTH)
@@ -166,6 +169,10 @@ def run_installed_loss(actor: Any, delta: float | None = None) -> Run:
     data["rm_scores"] = _nested(list(reward))
     # the micro-batch is half of its mini-batch, as verl's engine tells the loss (global normalisation)
     tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=2 * ROWS * LENGTH, global_batch_size=2 * ROWS)
+    if on_policy:
+        from verl_ext.engine.packing import ON_POLICY_KEY
+
+        tu.assign_non_tensor(data, **{ON_POLICY_KEY: True})
     policy = actor.policy_loss
     if delta is not None:
         object.__setattr__(policy, "delta", delta)
