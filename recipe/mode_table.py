@@ -26,11 +26,11 @@ END = "<!-- end of the loss-mode table -->"
 
 #: Engine options under every mode (no loss knob: they change how the actor computes, not what it optimises).
 ENGINE_ROWS = (
-    "| + the vocabulary pass under any mode | log π and the entropy of both actor passes from the final hidden states in "
-    "fp32 chunks, never the tokens × vocabulary logits (opt-in; [losses](docs/losses.md#the-vocabulary-pass-policy_lossvocab_pass)) "
-    "| `vocab_pass` |",
-    "| + on-policy exactness under every mode (default on) | the old-log-prob pass packed as the update's first epoch, so "
-    "every ratio is exactly 1 before the first optimizer step "
+    "| + the vocabulary pass under any mode | log π and the entropy of both actor passes from the final hidden "
+    "states in fp32 chunks, never the tokens × vocabulary logits (opt-in; "
+    "[losses](docs/losses.md#the-vocabulary-pass-policy_lossvocab_pass)) | `vocab_pass` |",
+    "| + on-policy exactness under every mode (default on) | the old-log-prob pass packed as the update's first "
+    "epoch, so every ratio is exactly 1 before the first optimizer step "
     "([losses](docs/losses.md#on-policy-exactness-the-old-log-prob-pass-packed-as-the-update)) "
     "| `pack_old_log_prob_as_update` |",
 )

@@ -391,7 +391,8 @@ def test_the_dry_run_command_refuses_it() -> None:
 
 def test_the_readme_mode_table_is_rendered_from_the_declarations() -> None:
     text = mode_table.README.read_text()
-    assert text == mode_table.render_readme(text), "README.md's mode table is stale: run python -m recipe.mode_table --write"
+    stale = "README.md's mode table is stale: run python -m recipe.mode_table --write"
+    assert text == mode_table.render_readme(text), stale
     table = mode_table.render_table()
     for mode in all_modes():
         assert f"| `{mode}`" in table, mode

@@ -140,7 +140,8 @@ def _erc_stacks_on(mode: str) -> bool:
 FEATURES: tuple[Feature, ...] = (
     Feature("ERC", ("erc_beta_low", "erc_beta_high"), ("erc_beta_low", "erc_beta_high", "erc_eps"), _erc_stacks_on,
             on={"erc_beta_low": 0.05, "erc_beta_high": 0.05},
-            summary="1 − β_l < H_new/H_old < 1 + β_h, hard (any advantage sign); both entropies from one fp32 function"),
+            summary="1 − β_l < H_new/H_old < 1 + β_h, hard (any advantage sign); both entropies from one fp32 "
+                    "function"),
     Feature("dual-clip", ("dual_clip_c",), ("dual_clip_c",), _is_divclip, on={"dual_clip_c": 3.0},
             summary="w ≤ c for A < 0 (verl's own modes: verl's `actor.clip_ratio_c`, where they read it)"),
     Feature("adaptive delta", ("adaptive_delta_target",),
@@ -197,7 +198,8 @@ def readers(name: str) -> tuple[list[str], list[str]]:
 
 
 def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) and not isinstance(b, bool):
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
+    if numbers:
         return float(a) == float(b) or (math.isnan(float(a)) and math.isnan(float(b)))
     return a == b
 

@@ -47,30 +47,40 @@ from verl_ext.core.erc import (
 ClipRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, float], torch.Tensor]
 
 
-def _token_interval(log_ratio: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
+def _token_interval(
+    log_ratio: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, low: float, high: float
+) -> torch.Tensor:
     """PPO's clip (vanilla, clip_cov, cispo, bypass_mode): w outside [1 - eps_low, 1 + eps_high]."""
     ratio = log_ratio.exp()
     return (ratio < 1.0 - low) | (ratio > 1.0 + high)
 
 
-def _sequence_interval(log_ratio: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
+def _sequence_interval(
+    log_ratio: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, low: float, high: float
+) -> torch.Tensor:
     """GSPO: the sequence ratio s_i = exp(mean_t log w) outside [1 - eps_low, 1 + eps_high], on every token of i."""
     seq = (torch.where(mask, log_ratio, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)).exp().unsqueeze(-1)
     return ((seq < 1.0 - low) | (seq > 1.0 + high)).expand_as(log_ratio)
 
 
-def _log_interval(log_ratio: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
+def _log_interval(
+    log_ratio: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, low: float, high: float
+) -> torch.Tensor:
     """GMPO (geo_mean): log w clamped to [-eps_low, eps_high]."""
     return (log_ratio < -low) | (log_ratio > high)
 
 
-def _tv_interval(log_ratio: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
+def _tv_interval(
+    log_ratio: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, low: float, high: float
+) -> torch.Tensor:
     """DPPO-TV: p - p_old outside [-eps_low, eps_high]."""
     diff = (old + log_ratio).exp() - old.exp()
     return (diff > high) | (diff < -low)
 
 
-def _binary_kl_interval(log_ratio: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
+def _binary_kl_interval(
+    log_ratio: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, low: float, high: float
+) -> torch.Tensor:
     """DPPO-KL: the Bernoulli KL(p_old || p) beyond eps_high where p rose, beyond eps_low where it fell (verl's
     expression, 1e-8 included)."""
     old_p, p = old.exp(), (old + log_ratio).exp()
