@@ -245,9 +245,10 @@ def unread_knobs(actor: Any) -> list[str]:
                 f"{name} (switched on by {' / '.join(FEATURES_BY_NAME[name].switch)})" for name in features
             ]
             readers_text += f"; the features that read it: {', '.join(switches)}"
+        same = f" (or at {KNOBS[knob.same_as].key}'s value, which says the same)" if knob.same_as else ""
         problems.append(
             f"{knob.key}={knob.value(actor)!r} is not read by {where}, so it would change nothing: "
-            f"{readers_text}. Leave it at its default {knob.default!r} or select a mode that reads it"
+            f"{readers_text}. Leave it at its default {knob.default!r}{same} or select a mode that reads it"
         )
     return problems
 
