@@ -250,19 +250,22 @@ def declared_cases() -> list[tuple[str, str, str]]:
 
 def _adaptive_runs(mode: str, base: dict[str, Any], probe: dict[str, Any]) -> tuple[Run, Run]:
     """The adaptive delta moves delta between updates: the controller of each config is fed the same measured
-    budget metrics, swept over [1e-4, 1]; the loss then runs at the first measurement where the two next deltas
-    differ (there must be one)."""
+    budget metrics, swept over [1e-4, 1]; the loss runs at each measurement where the two next deltas differ, until
+    one moves the gradient (there must be one)."""
     from verl_ext.adaptive_delta import AdaptiveDelta
 
     policies = [actor_config(mode, **settings).policy_loss for settings in (base, probe)]
     controllers = [AdaptiveDelta.from_policy(policy) for policy in policies]  # None: a static delta
+    runs = None
     for measured in torch.logspace(-4, 0, 81).tolist():
         deltas = [c.next_delta(measured) if c is not None else p.delta for c, p in zip(controllers, policies)]
         if deltas[0] != deltas[1]:
-            break
-    else:
+            runs = run_mode(mode, base, deltas[0]), run_mode(mode, probe, deltas[1])
+            if not torch.equal(runs[0].grad, runs[1].grad):
+                return runs
+    if runs is None:
         raise AssertionError(f"{probe}: the controller's next delta never moves")
-    return run_mode(mode, base, deltas[0]), run_mode(mode, probe, deltas[1])
+    return runs
 
 
 def _moved(feature: Feature | None, base: Run, probe: Run) -> bool:
