@@ -28,6 +28,7 @@ from verl_ext.core import key_reads
 from verl_ext.core.coarsened_kl import check_top_k
 from verl_ext.core.region import CONSTRAINTS
 from verl_ext.engine.request import SUPPORTED_STRATEGIES, requested_features
+from verl_ext.knobs import check_knobs_read
 from verl_ext.registry import check_policy_config
 from verl_ext.plugin import require_registered
 
@@ -86,6 +87,10 @@ def validate_divclip_config(config: DictConfig) -> Any:
             actor_clip_ratios(actor)
         except ValueError as error:
             raise ConfigError(str(error)) from error
+    try:  # every knob set away from its default is read by the mode or a switched-on feature (verl_ext.knobs)
+        check_knobs_read(actor)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
     if isinstance(policy, DivClipPolicyLossConfig) and policy.adaptive_delta_enabled:
         train_prompts = config.data.get("train_batch_size", None)
         on_policy = actor.ppo_epochs == 1 and train_prompts is not None and actor.ppo_mini_batch_size >= train_prompts

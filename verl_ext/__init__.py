@@ -19,7 +19,8 @@ and beside them, the glue to verl's trainer-side APIs:
 * ``registry`` -- the constraints in verl's ``POLICY_LOSS_REGISTRY`` (never shadowing verl's own), the
   entry for ERC on verl's own modes, the inputs the actor loss supplies to them for one ``ppo_loss`` call,
   and the config checks that need the registry (``check_policy_config``).
-* ``verl_modes`` -- ERC on verl's own losses; ``adaptive_delta`` -- the opt-in controller
+* ``verl_modes`` -- ERC on verl's own losses, and what each of them reads; ``knobs`` -- the knobs every loss
+  mode and feature declares it reads, and the check that refuses the rest; ``adaptive_delta`` -- the opt-in controller
   of the KL budget delta (ATR section 6.5); ``token_dump`` -- the per-token dump for ERC's Figure 3.
 * ``actor_loss`` -- the loss installed with ``set_loss_fn``: verl's own ``ppo_loss`` with what its registry
   signature lacks (both entropies, pi_old's top-k) supplied to the registered function, plus the on-policy
@@ -40,8 +41,9 @@ import verl's engine or worker modules)::
     engine        -> core
     registry      -> config, core, verl_modes
     verl_modes    -> config, core
+    knobs         -> config, core, verl_modes
     adaptive_delta -> config, core, registry
-    actor_loss    -> config, core, engine, registry, token_dump
+    actor_loss    -> config, core, engine, registry, token_dump, verl_modes
     plugin        -> core, registry; cpu (only under VERL_PLATFORM=cpu)
 
 ``config`` still runs the registry's check at construction: ``registry`` registers

@@ -46,11 +46,13 @@ from verl_ext.core.coarsened_kl import TopKLogMasses
 from verl_ext.core.erc import entropy_ratio, outside_band
 from verl_ext.core.gauge import on_policy_gauge
 from verl_ext.core.region import CONSTRAINTS
+from verl_ext.core.surrogate import outside_trust_region
 from verl_ext.engine.packing import is_on_policy
 from verl_ext.engine.request import STEP_PATH_KEY, declare, entropy_as_mask, request_of
 from verl_ext.engine.topk_capture import NEW_TOPK_LOG_PROBS, OLD_TOPK_LOG_PROBS
 from verl_ext.registry import ERC_ON_VERL_MODE, LossInputs, resolve_policy_config, supplying
 from verl_ext.token_dump import TokenDumpWriter
+from verl_ext.verl_modes import VERL_MODE_READS
 
 #: The key verl builds the actor config from (the recorder of verl keys read: verl_ext.core.key_reads).
 ACTOR_KEY = "actor_rollout_ref.actor"
@@ -138,6 +140,9 @@ def divclip_actor_loss(
     if on_policy:
         # pi_theta == pi_old up to arithmetic here: the gauge shows what the kernels add (detached)
         clip_low, clip_high = _measured_clip_range(config)
+        outside = outside_mode_rule(
+            mode, policy, padded["old_log_probs"], log_prob, response_mask, clip_low, clip_high, inputs.topk
+        )
         extra.update(
             (f"actor/divclip/{name}", value)
             for name, value in on_policy_gauge(
@@ -149,6 +154,7 @@ def divclip_actor_loss(
                 old_entropy=inputs.old_entropy,
                 entropy=entropy,
                 erc_band=(policy.erc_beta_low, policy.erc_beta_high, policy.erc_eps) if erc else None,
+                outside=outside,
             ).items()
         )
     if erc and policy.token_dump_path is not None:
@@ -225,6 +231,36 @@ def _measured_clip_range(config: ActorConfig) -> tuple[float, float]:
     low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
     high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
     return low, high
+
+
+def outside_mode_rule(
+    mode: str,
+    policy: Optional[DivClipPolicyLossConfig],
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    topk: Optional[TopKLogMasses] = None,
+) -> Optional[torch.Tensor]:
+    """The tokens ``mode``'s own clip rule puts outside its trust region, for the on-policy gauge's
+    ``ratio_clipfrac``: a divclip mode's constraint (:func:`verl_ext.core.surrogate.outside_trust_region`), a verl
+    mode's declared rule (:data:`verl_ext.verl_modes.VERL_MODE_READS`; none for a mode without a clip, so 0), or,
+    for a verl mode without a declaration, the actor's clip interval (None)."""
+    if mode in CONSTRAINTS:
+        return outside_trust_region(
+            mode, old_log_prob, log_prob, response_mask, policy=policy, clip_ratio_low=clip_low,
+            clip_ratio_high=clip_high, topk=topk,
+        )
+    declared = VERL_MODE_READS.get(mode)
+    if declared is None:
+        return None
+    mask = response_mask.bool()
+    if declared.outside is None:
+        return torch.zeros_like(mask)
+    old = old_log_prob.detach().float()
+    log_ratio = torch.clamp(log_prob.detach().float() - old, -20.0, 20.0)
+    return declared.outside(log_ratio, old, mask, clip_low, clip_high) & mask
 
 
 def _aggregation_of(metric_name: str) -> AggregationType:

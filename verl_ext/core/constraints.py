@@ -23,46 +23,64 @@ KL_FULL_NEEDS_TOPK = (
     "`python -m recipe.main` (its trainer stores the top-k and installs the actor loss that reads it)"
 )
 
+#: verl's actor clip epsilons as the ratio modes read them: ``clip_ratio_low/high``, each falling back to
+#: ``clip_ratio`` when null (:func:`verl_ext.config.actor_clip_ratios`).
+EPSILONS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio")
 
 
 
-@define_constraint("clip")
+
+@define_constraint(
+    "clip",
+    reads=EPSILONS,
+    summary="1 − ε_l ≤ w ≤ 1 + ε_h (GRPO Clip / DAPO Clip-Higher, exact PPO: no dual-clip)",
+)
 def clip_region(inputs: ConstraintInputs) -> TrustRegion:
     """GRPO Clip / DAPO Clip-Higher: 1 - eps_low <= w <= 1 + eps_high (actor.clip_ratio_low/high)."""
     return interval(inputs, 1.0 - inputs.clip_ratio_low, 1.0 + inputs.clip_ratio_high)
 
 
-@define_constraint("gppo", on_violation="preserve")
+@define_constraint(
+    "gppo",
+    on_violation="preserve",
+    reads=(*EPSILONS, "gppo_beta_low", "gppo_beta_high"),
+    summary="`clip` bounds, violations keep a β·bound gradient (GPPO, Klear-Reasoner)",
+)
 def gppo_region(inputs: ConstraintInputs) -> TrustRegion:
     """GPPO: the ``clip`` interval; violations keep a scaled gradient (gppo_beta_low/high)."""
     return clip_region(inputs)
 
 
-@define_constraint("kl3", delta_budget=True)
+@define_constraint("kl3", delta_budget=True, reads=("delta",), summary="w − 1 − log w ≤ δ (ATR-GRPO)")
 def kl3_region(inputs: ConstraintInputs) -> TrustRegion:
     """ATR-GRPO: KL3_t = w - 1 - log w <= delta, i.e. w in [l_delta, u_delta] (Theorem 4.2)."""
     return interval(inputs, *_cached_bounds("kl3", inputs.policy.delta))
 
 
-@define_constraint("kl1", delta_budget=True)
+@define_constraint("kl1", delta_budget=True, reads=("delta",), summary="|log w| ≤ δ")
 def kl1_region(inputs: ConstraintInputs) -> TrustRegion:
     """|k1| = |log w| <= delta, i.e. w in [e^-delta, e^delta] (symmetric in log-ratio)."""
     return interval(inputs, *_cached_bounds("kl1", inputs.policy.delta))
 
 
-@define_constraint("kl2", delta_budget=True)
+@define_constraint("kl2", delta_budget=True, reads=("delta",), summary="½(log w)² ≤ δ")
 def kl2_region(inputs: ConstraintInputs) -> TrustRegion:
     """k2 = (log w)^2 / 2 <= delta, i.e. w in [e^-sqrt(2 delta), e^sqrt(2 delta)]."""
     return interval(inputs, *_cached_bounds("kl2", inputs.policy.delta))
 
 
-@define_constraint("is_kl3", delta_budget=True)
+@define_constraint("is_kl3", delta_budget=True, reads=("delta",), summary="w log w − w + 1 ≤ δ")
 def is_kl3_region(inputs: ConstraintInputs) -> TrustRegion:
     """Importance-weighted KL3: w * k3(1/w) = w log w - w + 1 <= delta (see divergences)."""
     return interval(inputs, *_cached_bounds("is_kl3", inputs.policy.delta))
 
 
-@define_constraint("trgppo", delta_budget=True)
+@define_constraint(
+    "trgppo",
+    delta_budget=True,
+    reads=("delta", *EPSILONS),
+    summary="Bernoulli KL(q ‖ q w) ≤ δ, or inside the ε clip (TRGPPO \"full KL-guided\")",
+)
 def trgppo_region(inputs: ConstraintInputs) -> TrustRegion:
     """TRGPPO "full KL-guided" bounds: w in [min(l, 1-eps_low), max(u, 1+eps_high)] where l, u
     solve KL(Bern(q) || Bern(q w)) = delta per token.
@@ -87,7 +105,13 @@ def trgppo_region(inputs: ConstraintInputs) -> TrustRegion:
     return TrustRegion(inside, lower, upper, bounds_sampled=True)
 
 
-@define_constraint("seq_kl3", level="sequence", delta_budget=True)
+@define_constraint(
+    "seq_kl3",
+    level="sequence",
+    delta_budget=True,
+    reads=("delta",),
+    summary="s_i − 1 − log s_i ≤ δ on GSPO's sequence ratio s_i = exp(mean_t log w) (ATR-GRPO §6.5)",
+)
 def seq_kl3_region(inputs: ConstraintInputs) -> TrustRegion:
     """Sequence-level ATR (ATR-GRPO Sec. 6.5): KL3(s_i) = s_i - 1 - log s_i <= delta for GSPO's
     s_i = exp(mean_t log w_{i,t}), i.e. s_i in [l_delta, u_delta] (the Lambert-W bounds of
@@ -96,7 +120,15 @@ def seq_kl3_region(inputs: ConstraintInputs) -> TrustRegion:
     return kl3_region(inputs)
 
 
-@define_constraint("kl_full", delta_budget=True, budget_metric="kl_full_mean", needs_old_topk=True)
+@define_constraint(
+    "kl_full",
+    delta_budget=True,
+    budget_metric="kl_full_mean",
+    needs_old_topk=True,
+    reads=("delta", "kl_full_top_k", "kl_full_direction"),
+    summary="KL(π_θ ‖ π_old) ≤ δ per token over π_old's stored top-k + a tail bucket (ATR-GRPO Eq. 4; a lower bound "
+    "of the full-vocabulary KL; `reverse`: Truly PPO)",
+)
 def kl_full_region(inputs: ConstraintInputs) -> TrustRegion:
     """The exact trust region of ATR-GRPO Eq. 4 on pi_old's top-k: KL_t <= delta, where KL_t is
     KL(pi_theta || pi_old) (``kl_full_direction=forward``) or KL(pi_old || pi_theta) (``reverse``, Truly
@@ -111,7 +143,11 @@ def kl_full_region(inputs: ConstraintInputs) -> TrustRegion:
     return TrustRegion(inputs.full_kl <= inputs.policy.delta, no_bounds, no_bounds, bounds_sampled=True)
 
 
-@define_constraint("dcpo")
+@define_constraint(
+    "dcpo",
+    reads=(*EPSILONS, "dcpo_cap"),
+    summary="DCPO dynamic bounds from q = π_old(token), the upper one capped",
+)
 def dcpo_region(inputs: ConstraintInputs) -> TrustRegion:
     """DCPO dynamic clipping with eps_low/eps_high = actor.clip_ratio_low/high and
     cap = policy_loss.dcpo_cap: w in [1/2 + 1/2 sqrt(max(0, 1 - 4 eps_low/q)),

@@ -27,11 +27,15 @@ def on_policy_gauge(
     old_entropy: Optional[torch.Tensor] = None,
     entropy: Optional[torch.Tensor] = None,
     erc_band: Optional[tuple[float, float, float]] = None,
+    outside: Optional[torch.Tensor] = None,
 ) -> dict[str, float]:
     """``onpolicy/*`` metrics of an on-policy micro-batch (all detached; padding excluded).
 
     * ``log_ratio_abs_max``: max |log pi_theta - log pi_old| (exactly 0 when both passes agree);
-    * ``ratio_clipfrac``: valid tokens with w outside (1 - eps_low, 1 + eps_high), the actor's clip range;
+    * ``ratio_clipfrac``: valid tokens outside the selected mode's trust region, ``outside`` (bool, like
+      ``log_prob``: the mode's own rule, :func:`verl_ext.core.surrogate.outside_trust_region` for the divclip
+      modes, :data:`verl_ext.verl_modes.VERL_MODE_READS` for verl's); without it, w outside
+      (1 - eps_low, 1 + eps_high), the actor's clip range;
     * with both entropies: ``erc_ratio_dev_max`` = max |rho - 1|, rho = (H + eps) / (H_old + eps);
     * with ``erc_band = (beta_low, beta_high, eps)``: ``erc_masked_frac``, valid tokens with rho outside
       (1 - beta_low, 1 + beta_high) -- the ones ERC would drop (:func:`verl_ext.core.erc.outside_band`:
@@ -41,9 +45,11 @@ def on_policy_gauge(
     n_valid = max(int(valid.sum()), 1)
     log_ratio = torch.where(valid, log_prob.detach().float() - old_log_prob.detach().float(), 0.0)
     ratio = log_ratio.exp()
+    if outside is None:
+        outside = (ratio < 1.0 - clip_ratio_low) | (ratio > 1.0 + clip_ratio_high)
     out = {
         "onpolicy/log_ratio_abs_max": float(log_ratio.abs().max()) if valid.any() else 0.0,
-        "onpolicy/ratio_clipfrac": float(((ratio < 1.0 - clip_ratio_low) | (ratio > 1.0 + clip_ratio_high)).sum()) / n_valid,
+        "onpolicy/ratio_clipfrac": float((outside.bool() & valid).sum()) / n_valid,
     }
     if old_entropy is not None and entropy is not None:
         eps = erc_band[2] if erc_band is not None else 1e-8

@@ -63,7 +63,10 @@ class ConstraintSpec:
     the adaptive-delta controller may drive). ``budget_metric``: the ``actor/divclip/<name>`` metric
     that measures what delta bounds (the adaptive-delta controller's measurement). ``needs_old_topk``:
     C_t reads pi_old's stored top-k (:mod:`verl_ext.core.coarsened_kl`), which verl's policy-loss registry cannot
-    pass: the mode runs only through the actor loss (``python -m recipe.main``).
+    pass: the mode runs only through the actor loss (``python -m recipe.main``). ``reads``: the knobs the mode
+    reads (names of :data:`verl_ext.knobs.KNOBS`: ``delta``, ``clip_ratio_high``, ...), beyond those of the features
+    switched on (:data:`verl_ext.knobs.FEATURES`); validation refuses any other knob set away from its default.
+    ``summary``: the constraint in one line (the README's mode table, rendered from these declarations).
     """
 
     name: str
@@ -73,6 +76,8 @@ class ConstraintSpec:
     delta_budget: bool = False
     budget_metric: str = "kl3_mean"
     needs_old_topk: bool = False
+    reads: tuple[str, ...] = ()
+    summary: str = ""
 
 
 CONSTRAINTS: dict[str, ConstraintSpec] = {}
@@ -85,11 +90,14 @@ def define_constraint(
     delta_budget: bool = False,
     budget_metric: Optional[str] = None,
     needs_old_topk: bool = False,
+    reads: tuple[str, ...] = (),
+    summary: str = "",
 ) -> Callable[[ConstraintFn], ConstraintFn]:
     """Define the constraint ``name`` (a decorator on its region function): it joins :data:`CONSTRAINTS`,
     which the operator (:func:`verl_ext.core.surrogate.constrained_policy_loss`) reads and
     :mod:`verl_ext.registry` exposes to verl as ``policy_loss.loss_mode=<name>``. Defining a name twice
-    is an error (a second definition would silently replace the first)."""
+    is an error (a second definition would silently replace the first). ``reads`` declares the knobs the
+    constraint reads (:class:`ConstraintSpec`)."""
     if level == "sequence" and on_violation != "drop":
         raise ValueError(f"constraint {name!r}: sequence-level constraints only drop violations")
     metric = budget_metric or ("seq_kl3_mean" if level == "sequence" else "kl3_mean")
@@ -97,7 +105,9 @@ def define_constraint(
     def decorator(region: ConstraintFn) -> ConstraintFn:
         if name in CONSTRAINTS:
             raise ValueError(f"constraint {name!r} is already defined ({CONSTRAINTS[name].region.__qualname__})")
-        CONSTRAINTS[name] = ConstraintSpec(name, region, on_violation, level, delta_budget, metric, needs_old_topk)
+        CONSTRAINTS[name] = ConstraintSpec(
+            name, region, on_violation, level, delta_budget, metric, needs_old_topk, tuple(reads), summary
+        )
         return region
 
     return decorator

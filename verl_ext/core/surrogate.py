@@ -210,6 +210,37 @@ def constrained_policy_loss(
     return loss, metrics
 
 
+@torch.no_grad()
+def outside_trust_region(
+    mode: str,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    policy: DivClipPolicyLossConfig,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    topk: Optional[TopKLogMasses] = None,
+) -> torch.Tensor:
+    """The valid tokens outside ``mode``'s trust region C_t, whatever the advantage's sign (bool, detached): the
+    constraint's own region, evaluated as the operator evaluates it (on the sequence ratio s_i for a sequence-level
+    mode, on the coarsened KL for ``kl_full``). The on-policy gauge counts them (``onpolicy/ratio_clipfrac``)."""
+    spec = CONSTRAINTS[mode]
+    dtype = torch.promote_types(log_prob.dtype, torch.float32)
+    old = old_log_prob.detach().to(dtype)
+    mask = response_mask.bool()
+    log_ratio = torch.clamp(log_prob.detach().to(dtype) - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if spec.level == "sequence":
+        log_ratio = sequence_mean_log_ratio(log_ratio, mask).unsqueeze(-1).expand_as(log_ratio).contiguous()
+    full_kl = topk.kl(policy.kl_full_direction) if topk is not None else None
+    region = spec.region(
+        ConstraintInputs(
+            log_ratio, log_ratio.exp(), old, mask, clip_ratio_low, clip_ratio_high, policy, full_kl=full_kl
+        )
+    )
+    return ~region.inside & mask
+
+
 def _diagnostic_deltas(delta: float, region: TrustRegion) -> dict[str, float]:
     """The budgets the diagnostic compares the mode with: the configured delta (suffix ``""``), and,
     for a mode with scalar ratio bounds [l, u], the KL3 budget those bounds amount to,
