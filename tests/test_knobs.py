@@ -30,6 +30,7 @@ from verl.utils import tensordict_utils as tu
 
 from recipe import mode_table
 from recipe.bench.harness import make_actor_config, make_rollout_batch
+from tests.test_ppo_loss_parity import verl_modes as registered_verl_modes
 from verl_ext.config import DivClipPolicyLossConfig
 from verl_ext.core.region import CONSTRAINTS
 from verl_ext.knobs import (
@@ -42,7 +43,6 @@ from verl_ext.knobs import (
     declared_knob_names,
     mode_reads,
 )
-from verl_ext.registry import is_verl_mode
 from verl_ext.verl_modes import VERL_MODE_READS
 
 ROWS, LENGTH, PROMPT, VOCAB = 96, 12, 2, 48
@@ -61,7 +61,7 @@ def test_every_declared_knob_is_a_knob_and_every_knob_is_declared() -> None:
 
 
 def test_every_registered_mode_has_a_declaration() -> None:
-    verl_modes = sorted(mode for mode in core_algos.POLICY_LOSS_REGISTRY if is_verl_mode(mode))
+    verl_modes = registered_verl_modes()
     assert sorted(VERL_MODE_READS) == verl_modes
     assert set(all_modes()) == set(CONSTRAINTS) | set(verl_modes)
 
