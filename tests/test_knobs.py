@@ -45,7 +45,7 @@ from verl_ext.knobs import (
 )
 from verl_ext.verl_modes import VERL_MODE_READS
 
-ROWS, LENGTH, PROMPT, VOCAB = 96, 12, 2, 48
+ROWS, LENGTH, PROMPT, VOCAB = 192, 12, 2, 48
 
 
 # ------------------------------------------------------------------------------------------------
@@ -121,11 +121,39 @@ def sweep() -> Sweep:
     gen = torch.Generator().manual_seed(0)
     sharpness = 0.5 + 3.5 * torch.rand(ROWS, LENGTH, 1, generator=gen)
     old_logits = sharpness * torch.randn(ROWS, LENGTH, VOCAB, generator=gen)
-    tokens = torch.distributions.Categorical(logits=old_logits).sample()
-    # one bias per pair of rows (one row per advantage sign), dense near 0: sequence ratios close to every bound
-    bias = (3.0 * torch.linspace(-1.0, 1.0, ROWS // 2) ** 3).repeat_interleave(2).view(ROWS, 1, 1)
+    # drawn from the generator, not the global RNG: the sweep is the same whatever ran before it in the process
+    tokens = torch.multinomial(old_logits.softmax(-1).view(-1, VOCAB), 1, generator=gen).view(ROWS, LENGTH)
+    noisy = old_logits + 0.7 * torch.randn(ROWS, LENGTH, VOCAB, generator=gen)
+    # the first token of every row on a grid instead (no noise): pi_old's probability q of it in 8 steps up to
+    # 0.995, its ratio w in 12 steps over [0.5, 1.5] (q w < 1), each pair on both advantage signs: the token-level
+    # bounds that depend on q (TRGPPO's Bernoulli KL) bind at every knob's value, whatever the noise drew
+    q = torch.tensor([0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995]).repeat_interleave(2).repeat(ROWS // 16)
+    w = torch.tensor([0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.05, 1.1, 1.2, 1.3, 1.5]).repeat_interleave(16)
+    q_new = torch.clamp(q * w, max=0.999)
+    logit = lambda p: torch.log((VOCAB - 1) * p / (1 - p))  # noqa: E731  (one logit among VOCAB - 1 zeros)
+    tokens[:, 0] = 0
+    old_logits[:, 0], noisy[:, 0] = 0.0, 0.0
+    old_logits[:, 0, 0], noisy[:, 0, 0] = logit(q), logit(q_new)
+    # each row's sequence log-ratio mean_t log w set exactly (a bias on its sampled tokens' logits, by bisection):
+    # |mean log w| log-spaced over [1e-4, 2.5], the direction cycling (+, +, -, -) against the advantage's (+, -):
+    # on each side of 1, consecutive sequence ratios' log-ratios are 11 % apart, closer than two bounds a knob
+    # moves (the adaptive delta's one step, 13 % apart at its smallest), so a sequence falls between any two
+    magnitude = torch.logspace(-4.0, math.log10(2.5), ROWS)
+    direction = torch.tensor([1.0, 1.0, -1.0, -1.0]).repeat(ROWS // 4)
     onehot = torch.nn.functional.one_hot(tokens, VOCAB).float()
-    new_logits = old_logits + 0.7 * torch.randn(ROWS, LENGTH, VOCAB, generator=gen) + bias * onehot
+    onehot[:, 0] = 0.0  # the grid's tokens keep their ratio
+    old_lp = old_logits.log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+    def sequence_log_ratio(bias: torch.Tensor) -> torch.Tensor:
+        new_lp = (noisy + bias.view(ROWS, 1, 1) * onehot).log_softmax(-1).gather(-1, tokens.unsqueeze(-1))
+        return (new_lp.squeeze(-1) - old_lp).mean(-1)
+
+    low, high = torch.full((ROWS,), -40.0), torch.full((ROWS,), 40.0)
+    for _ in range(60):  # increasing in the bias
+        mid = (low + high) / 2
+        above = sequence_log_ratio(mid) > direction * magnitude
+        low, high = torch.where(above, low, mid), torch.where(above, mid, high)
+    new_logits = noisy + ((low + high) / 2).view(ROWS, 1, 1) * onehot
     sign = torch.tensor([1.0, -1.0]).repeat(ROWS // 2).view(ROWS, 1)
     rewards = torch.tensor([0.0, 0.5, 1.0]).repeat(ROWS // 3 + 1)[:ROWS]
     return Sweep(old_logits, new_logits, tokens, sign.expand(ROWS, LENGTH).clone(), rewards)
@@ -213,14 +241,15 @@ def actor_config(mode: str, **knobs: Any) -> Any:
     )
 
 
-_RUNS: dict[tuple[str, tuple[tuple[str, Any], ...], float | None], Run] = {}
+_RUNS: dict[tuple[str, tuple[tuple[str, Any], ...], float | None, float | None], Run] = {}
 
 
-def run_mode(mode: str, settings: dict[str, Any], delta: float | None = None) -> Run:
-    """:func:`run_installed_loss` of :func:`actor_config`, once per (mode, settings, delta) in this process."""
-    key = (mode, tuple(sorted(settings.items())), delta)
+def run_mode(mode: str, settings: dict[str, Any], delta: float | None = None, advantage: float | None = None) -> Run:
+    """:func:`run_installed_loss` of :func:`actor_config`, once per (mode, settings, delta, advantage) in this
+    process."""
+    key = (mode, tuple(sorted(settings.items())), delta, advantage)
     if key not in _RUNS:
-        _RUNS[key] = run_installed_loss(actor_config(mode, **settings), delta)
+        _RUNS[key] = run_installed_loss(actor_config(mode, **settings), delta, advantage)
     return _RUNS[key]
 
 
@@ -251,7 +280,9 @@ def declared_cases() -> list[tuple[str, str, str]]:
 def _adaptive_runs(mode: str, base: dict[str, Any], probe: dict[str, Any]) -> tuple[Run, Run]:
     """The adaptive delta moves delta between updates: the controller of each config is fed the same measured
     budget metrics, swept over [1e-4, 1]; the loss runs at each measurement where the two next deltas differ, until
-    one moves the gradient (there must be one)."""
+    one moves the gradient (there must be one). The two deltas can be close, and a sequence-level mode binds only
+    where a whole sequence's ratio falls between them on the side its advantage clips; so the sweep's own
+    advantages are tried, then every advantage +1 (the upper bounds bind), then every one -1 (the lower)."""
     from verl_ext.adaptive_delta import AdaptiveDelta
 
     policies = [actor_config(mode, **settings).policy_loss for settings in (base, probe)]
@@ -260,9 +291,10 @@ def _adaptive_runs(mode: str, base: dict[str, Any], probe: dict[str, Any]) -> tu
     for measured in torch.logspace(-4, 0, 81).tolist():
         deltas = [c.next_delta(measured) if c is not None else p.delta for c, p in zip(controllers, policies)]
         if deltas[0] != deltas[1]:
-            runs = run_mode(mode, base, deltas[0]), run_mode(mode, probe, deltas[1])
-            if not torch.equal(runs[0].grad, runs[1].grad):
-                return runs
+            for advantage in (None, 1.0, -1.0):
+                runs = run_mode(mode, base, deltas[0], advantage), run_mode(mode, probe, deltas[1], advantage)
+                if not torch.equal(runs[0].grad, runs[1].grad):
+                    return runs
     if runs is None:
         raise AssertionError(f"{probe}: the controller's next delta never moves")
     return runs
