@@ -44,8 +44,6 @@ from omegaconf import DictConfig
 from recipe.verl_key_checks import (
     ACTOR,
     CORRECTION,
-    DIVCLIP_POLICY_KNOBS,
-    DIVCLIP_PREFIXES,
     ENTROPY_KEYS,
     PACK_KEY,
     POLICY,
@@ -65,6 +63,7 @@ from recipe.verl_key_checks import (
 )
 from recipe.verl_key_reads import COMMAND as RECORD_COMMAND
 from recipe.verl_key_reads import READ_KEYS_PATH, read_keys
+
 DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "verl_features.md"
 READ_KEYS_FILE = READ_KEYS_PATH.relative_to(DOC_PATH.parents[1]).as_posix()
 
@@ -133,7 +132,7 @@ def verl_leaf_keys(config: DictConfig) -> Iterator[str]:
 #: as keys): why each is none.
 NOT_CONFIG_KEYS = {
     f"{ACTOR}.global_batch_info": "verl's ppo_loss fills it per micro-batch (global batch size, dp size, "
-                                  "loss_scale_factor) for agg_loss; the divclip losses pass it to agg_loss too",
+    "loss_scale_factor) for agg_loss; the divclip losses pass it to agg_loss too",
 }
 
 VERL_ALONE = "verl reads it; the product's code never does (no recorded run read it)"
@@ -161,9 +160,13 @@ def classify(key: str) -> KeyRule:
 R, H, P, F, N = KeyClass.VERL_READS, KeyClass.HONOURED, KeyClass.REPLACED, KeyClass.REFUSED, KeyClass.NO_EFFECT
 
 RECIPE_MAIN_TEST = "tests/test_recipe_main.py"
-PACKING_EVIDENCE = ("`tests/test_onpolicy.py`; `tests/test_smoke_cpu.py::test_verls_packing_of_the_old_pass_shows_the_"
-                    "noise_the_alignment_removes`; refusals: `tests/test_verl_keys.py`")
+PACKING_EVIDENCE = (
+    "`tests/test_onpolicy.py`; `tests/test_smoke_cpu.py::test_verls_packing_of_the_old_pass_shows_the_"
+    "noise_the_alignment_removes`; refusals: `tests/test_verl_keys.py`"
+)
 
+# a table, one rule per entry: kept as written, not formatted
+# fmt: off
 RULES: tuple[KeyRule, ...] = (
     # --- the reference worker: no entropy asked for -----------------------------------------------------
     KeyRule(f"{REF}.entropy_checkpointing", N, "the reference pass asks for no entropy (verl's _compute_ref_log_prob)"),
@@ -450,14 +453,18 @@ RULES: tuple[KeyRule, ...] = (
             refused_when="a value other than null or 1 with algorithm.filter_groups.enable=true",
             check="validate_filter_groups"),
 )
+# fmt: on
 
 #: The checks of this module, run by :func:`check_replaced_keys` / :func:`check_refused_keys`.
 REPLACED_CHECKS: tuple[Callable[[DictConfig], None], ...] = tuple(
     dict.fromkeys(rule.check for rule in RULES if rule.key_class is KeyClass.REPLACED and callable(rule.check))
 )
 REFUSED_CHECKS: tuple[Callable[[DictConfig], None], ...] = tuple(
-    dict.fromkeys(rule.check for rule in RULES
-                  if rule.key_class is not KeyClass.REPLACED and callable(rule.check) and rule.check not in REPLACED_CHECKS)
+    dict.fromkeys(
+        rule.check
+        for rule in RULES
+        if rule.key_class is not KeyClass.REPLACED and callable(rule.check) and rule.check not in REPLACED_CHECKS
+    )
 )
 
 
@@ -519,7 +526,10 @@ def render_doc() -> str:
         "",
         "| class | leaf keys | rows |",
         "| --- | --- | --- |",
-        *(f"| `{cls.value}` | {counts.get(cls, 0)} | {sum(r.key_class is cls for r in RULES)} |" for cls in CLASS_ORDER),
+        *(
+            f"| `{cls.value}` | {counts.get(cls, 0)} | {sum(r.key_class is cls for r in RULES)} |"
+            for cls in CLASS_ORDER
+        ),
         "",
         "`python -m recipe.main` runs verl's v1 trainer with the divclip actor loss installed on every actor worker "
         "(`set_loss_fn`, every loss mode, verl's own included) and the engine seam wrapped around verl's FSDP actor "
@@ -533,15 +543,22 @@ def render_doc() -> str:
         rows = sorted((r for r in RULES if r.key_class is cls), key=lambda r: r.key)
         lines += [f"## `{cls.value}` -- {CLASS_TITLE[cls]}", ""]
         if cls is KeyClass.VERL_READS:
-            lines += [f"Every key no row above covers ({counts.get(cls, 0)} leaf keys of verl's schema): {VERL_ALONE}.",
-                      ""]
+            lines += [
+                f"Every key no row above covers ({counts.get(cls, 0)} leaf keys of verl's schema): {VERL_ALONE}.",
+                "",
+            ]
             continue
         if cls is KeyClass.HONOURED:
-            lines += ["| verl key (or prefix) | on the divclip path | refused when | evidence |", "| --- | --- | --- | --- |"]
+            lines += [
+                "| verl key (or prefix) | on the divclip path | refused when | evidence |",
+                "| --- | --- | --- | --- |",
+            ]
             lines += [f"| `{r.key}` | {_cell(r.reason)} | {_cell(r.refused_when or '')} | {r.evidence} |" for r in rows]
         elif cls is KeyClass.REPLACED:
             lines += ["| verl key | replaced by | why | refused when |", "| --- | --- | --- | --- |"]
-            lines += [f"| `{r.key}` | `{r.replaced_by}` | {_cell(r.reason)} | {_cell(r.refused_when or '')} |" for r in rows]
+            lines += [
+                f"| `{r.key}` | `{r.replaced_by}` | {_cell(r.reason)} | {_cell(r.refused_when or '')} |" for r in rows
+            ]
         elif cls is KeyClass.REFUSED:
             lines += ["| verl key | refused when | why |", "| --- | --- | --- |"]
             lines += [f"| `{r.key}` | {_cell(r.refused_when or '')} | {_cell(r.reason)} |" for r in rows]
@@ -554,9 +571,13 @@ def render_doc() -> str:
         "",
         "| verl key | its row | class | read by |",
         "| --- | --- | --- | --- |",
-        *(f"| `{key}` | {f'`{row.key}`' if row else NOT_CONFIG_KEYS.get(key, '-')} | "
-          f"{f'`{row.key_class.value}`' if row else '(no config key)' if key in NOT_CONFIG_KEYS else '`verl_reads`'} | "
-          f"{', '.join(f'`{m}`' for m in modules)} |" for key, modules in reads.items() for row in (row_of(key),)),
+        *(
+            f"| `{key}` | {f'`{row.key}`' if row else NOT_CONFIG_KEYS.get(key, '-')} | "
+            f"{f'`{row.key_class.value}`' if row else '(no config key)' if key in NOT_CONFIG_KEYS else '`verl_reads`'} | "
+            f"{', '.join(f'`{m}`' for m in modules)} |"
+            for key, modules in reads.items()
+            for row in (row_of(key),)
+        ),
         "",
     ]
     lines += [

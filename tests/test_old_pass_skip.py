@@ -38,13 +38,17 @@ from recipe.bench.harness import (
 )
 from tests.test_onpolicy import MODES, PACKINGS, PROMPT_LENS, RESPONSE_LENS, divclip_loss, worker_options
 
-SKIP_MODES = {name: mode for name, mode in MODES.items() if not (mode["loss_mode"] == "kl_full" or mode.get("kl_full_diagnostic"))}
+SKIP_MODES = {
+    name: mode for name, mode in MODES.items() if not (mode["loss_mode"] == "kl_full" or mode.get("kl_full_diagnostic"))
+}
 SKIP_PACKINGS: dict[str, dict[str, Any]] = {
     "dynamic 40/80, 2 shuffled mini-batches, 2 epochs": PACKINGS["dynamic 40/80, 2 shuffled mini-batches, 2 epochs"],
     "ATR shape: dynamic 24/72, 1 mini-batch, 2 epochs": dict(budgets=(24, 72), mini_batch=8, epochs=2),
 }
 TWO_RANK_PACKING = "dynamic 40/80, 2 shuffled mini-batches, 2 epochs"
 SGD = dict(optimizer="SGD", lr=0.05, clip_grad=1e9)  # every update is -lr * grad: parameters compare gradients
+
+
 def is_measured_not_computed(name: str) -> bool:
     """Wall-clock and process-memory figures (``mfu``, ``perf/*``): not the step's numbers."""
     return name == "mfu" or name.startswith("perf/")
@@ -64,20 +68,31 @@ def step(worker: Any, batch: Any, mode: dict[str, Any], packing: dict[str, Any],
     old = compute_log_prob(worker, batch, packing=info, old_from_update=skip)
     data = batch.clone()
     data["old_log_probs"], data["entropy"] = old["old_log_probs"], old["entropy"]
-    metrics = update_actor(worker, data, calculate_entropy="erc_beta_low" in mode, mini_batch_size=packing["mini_batch"],
-                           epochs=packing.get("epochs", 1), shuffle=info.shuffle, seed=info.seed)
+    metrics = update_actor(
+        worker,
+        data,
+        calculate_entropy="erc_beta_low" in mode,
+        mini_batch_size=packing["mini_batch"],
+        epochs=packing.get("epochs", 1),
+        shuffle=info.shuffle,
+        seed=info.seed,
+    )
     if skip:
         old = compute_log_prob(worker, batch, packing=info, collect=True)
     return {
         "old_log_probs": old["old_log_probs"].values().clone(),
         "entropy": old["entropy"].values().clone(),
-        "metrics": {k: [repr(float(v)) for v in vals] for k, vals in metrics.items()
-                    if isinstance(vals, list) and not is_measured_not_computed(k)},
+        "metrics": {
+            k: [repr(float(v)) for v in vals]
+            for k, vals in metrics.items()
+            if isinstance(vals, list) and not is_measured_not_computed(k)
+        },
     }
 
 
-def job_with_and_without(rank: int, world_size: int, model_path: str, packing_name: str, modes: list[str],
-                         supplying_mini_batch: int = 0) -> list[dict[str, Any]]:
+def job_with_and_without(
+    rank: int, world_size: int, model_path: str, packing_name: str, modes: list[str], supplying_mini_batch: int = 0
+) -> list[dict[str, Any]]:
     """Two workers from the same checkpoint run the same steps, one with the skip: every mode in turn (they stay
     in lockstep while the skip is exact), the parameters compared after each step."""
     import verl_ext.actor_loss  # noqa: F401  (installs the seam, as unpickling the loss does on a worker)
@@ -94,13 +109,17 @@ def job_with_and_without(rank: int, world_size: int, model_path: str, packing_na
         without = step(plain, batch, SKIP_MODES[name], packing, skip=False)
         with_skip = step(skipping, batch, SKIP_MODES[name], packing, skip=True)
         params = full_params(plain), full_params(skipping)
-        results.append({
-            "mode": name,
-            "without": without,
-            "with": with_skip,
-            "params_equal": all(torch.equal(params[0][n], params[1][n]) for n in params[0]),
-            "params_moved": any(not torch.equal(params[0][n], p) for n, p in full_params_initial(model_path).items()),
-        })
+        results.append(
+            {
+                "mode": name,
+                "without": without,
+                "with": with_skip,
+                "params_equal": all(torch.equal(params[0][n], params[1][n]) for n in params[0]),
+                "params_moved": any(
+                    not torch.equal(params[0][n], p) for n, p in full_params_initial(model_path).items()
+                ),
+            }
+        )
     return results
 
 
@@ -216,11 +235,19 @@ def test_the_erc_shape_runs_seven_eighths_of_the_old_pass(model: str) -> None:
 # ------------------------------------------------------------------------------------------------
 
 BLOCKERS: dict[str, tuple[list[str], str]] = {
-    "packing off": (["actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=false"], "pack_old_log_prob_as_update"),
+    "packing off": (
+        ["actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=false"],
+        "pack_old_log_prob_as_update",
+    ),
     "KL in the reward": (["algorithm.use_kl_in_reward=true"], "use_kl_in_reward"),
     "rollout correction": (["algorithm.rollout_correction.rollout_is=token"], "rollout_is"),
-    "bypass mode": (["algorithm.rollout_correction.bypass_mode=true",
-                     "actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=false"], "pack_old_log_prob_as_update"),
+    "bypass mode": (
+        [
+            "algorithm.rollout_correction.bypass_mode=true",
+            "actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=false",
+        ],
+        "pack_old_log_prob_as_update",
+    ),
     "an estimator reading pi_old": (["algorithm.adv_estimator=optimal_token_baseline"], "optimal_token_baseline"),
     "a Decoupled-PPO cycle": (["trainer.v1.trainer_mode=separate_async"], "separate_async"),
     "kl_full's top-k": (["actor_rollout_ref.actor.policy_loss.loss_mode=kl_full"], "kl_full"),

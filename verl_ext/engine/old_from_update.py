@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from tensordict import TensorDict
@@ -97,7 +98,7 @@ class OldFromUpdate:
         if missing:
             raise OldFromUpdateError(f"{POLICY_KEY}: the update's first mini-batch returned no {missing}")
         for name in FIELDS:
-            for row, value in zip(rows, model_output[name].detach().unbind()):
+            for row, value in zip(rows, model_output[name].detach().unbind(), strict=False):
                 self.values[name][row] = value.clone()
         self.captured.update(rows)
 
@@ -117,8 +118,9 @@ optimizer step. (tests/test_old_pass_skip.py's control sets 1 -- a mini-batch af
 watches the step change.)"""
 
 
-def skipped_mini_batch(engine: Any, data: TensorDict, groups: list[torch.Tensor],
-                       fingerprints: list[tuple[int, int]]) -> Optional[int]:
+def skipped_mini_batch(
+    engine: Any, data: TensorDict, groups: list[torch.Tensor], fingerprints: list[tuple[int, int]]
+) -> Optional[int]:
     """In the old pass: the first-epoch mini-batch whose forward the pass leaves to the update (None: it runs
     every one). With :data:`OLD_FROM_UPDATE_KEY` and an exact engine, :data:`SUPPLYING_MINI_BATCH`; sets up the
     engine's pending state whenever the key is there (the collect then returns the pass's own values)."""
@@ -148,11 +150,13 @@ def keep_pass_outputs(engine: Any, tokens: list[int], groups: list[torch.Tensor]
     state: Optional[OldFromUpdate] = getattr(engine, _STATE_ATTR, None)
     if state is None:
         return
-    for rows, out in zip(groups, outputs):
+    for rows, out in zip(groups, outputs, strict=False):
         for name in FIELDS:
             if name not in out["model_output"]:
-                raise OldFromUpdateError(f"{POLICY_KEY}: the old-log-prob pass returned no {name!r} (calculate_entropy)")
-            for row, value in zip(rows.tolist(), out["model_output"][name].unbind()):
+                raise OldFromUpdateError(
+                    f"{POLICY_KEY}: the old-log-prob pass returned no {name!r} (calculate_entropy)"
+                )
+            for row, value in zip(rows.tolist(), out["model_output"][name].unbind(), strict=False):
                 state.values[name][row] = value
     for name in FIELDS:
         computed = next((v for v in state.values[name] if v is not None), None)
@@ -187,7 +191,9 @@ def check_update_batch(engine: Any, fingerprints: list[tuple[int, int]], starts_
     if state is None:
         return
     if fingerprints != state.fingerprints:
-        raise OldFromUpdateError(f"{POLICY_KEY}: the update's batch is not the one whose old-log-prob pass it completes")
+        raise OldFromUpdateError(
+            f"{POLICY_KEY}: the update's batch is not the one whose old-log-prob pass it completes"
+        )
     if not starts_on_policy:
         raise OldFromUpdateError(
             f"{POLICY_KEY}: the update does not start from pi_old (bypass mode, or a later update of a Decoupled-PPO "
@@ -195,8 +201,9 @@ def check_update_batch(engine: Any, fingerprints: list[tuple[int, int]], starts_
         )
 
 
-def substituting_loss(engine: Any, rows: list[int], loss_function: Callable[..., Any],
-                      first_mini_batch: bool, loss_wants_entropy: bool) -> Callable[..., Any]:
+def substituting_loss(
+    engine: Any, rows: list[int], loss_function: Callable[..., Any], first_mini_batch: bool, loss_wants_entropy: bool
+) -> Callable[..., Any]:
     """The update micro-batch's loss, given pi_old for the rows the old pass skipped (module docstring)."""
     from verl.workers.utils.padding import response_from_nested
 
@@ -225,7 +232,7 @@ def substituting_loss(engine: Any, rows: list[int], loss_function: Callable[...,
             # the forward's dtype (bf16 log-probs under autocast), as the pass would have written them
             dtype = kept[0].dtype
             data[target] = torch.nested.as_nested_tensor(
-                [m.to(device=g.device, dtype=dtype) for m, g in zip(merged, given)], layout=torch.jagged
+                [m.to(device=g.device, dtype=dtype) for m, g in zip(merged, given, strict=False)], layout=torch.jagged
             )
         if not loss_wants_entropy:
             model_output = {k: v for k, v in model_output.items() if k != "entropy"}
