@@ -204,7 +204,7 @@ def detect_layout(columns: list[str], description: str = "input") -> Layout:
     for layout in LAYOUTS:
         if layout.required <= present:
             return layout
-    known = "; ".join(f"{l.name}: {sorted(l.required)}" for l in LAYOUTS)
+    known = "; ".join(f"{layout.name}: {sorted(layout.required)}" for layout in LAYOUTS)
     raise DataPrepError(f"{description}: unknown layout, columns found: {sorted(present)}. Known layouts need: {known}")
 
 

@@ -3,8 +3,8 @@
 What lives here, one part per name:
 
 * ``main`` (``python -m recipe.main``: verl's trainer with the divclip actor loss), ``trainer``
-  (the divclip subclasses of verl's trainer classes, in verl's trainer registry), ``config_checks`` (fail-fast checks of a composed
-  config, before Ray starts: ``ConfigError`` names the key).
+  (the divclip subclasses of verl's trainer classes, in verl's trainer registry), ``config_checks``
+  (fail-fast checks of a composed config, before Ray starts: ``ConfigError`` names the key).
 * :mod:`recipe.validation` -- in-training validation at each benchmark's own response length and
   sample count: ``length`` (the plan, its checks, the trainer mixin), ``rollout`` (the agent loop).
 * :mod:`recipe.reward` -- the math reward: ``score`` (``reward.custom_reward_function.path``: answer

@@ -139,7 +139,7 @@ def test_bad_norm_names_the_key() -> None:
     assert DivClipPolicyLossConfig(loss_mode="clip").correct_nll_norm == "global"
 
 
-# ---------------------------------------------------------------- inside verl's actor stack (TrainingWorker, FSDP2, CPU)
+# ------------------------------------------------------------- inside verl's actor stack (TrainingWorker, FSDP2, CPU)
 
 ENGINE_PROMPTS = [3, 5, 4, 6]
 ENGINE_RESPONSES = [9, 4, 7, 6]

@@ -134,7 +134,7 @@ def _transfer_job(rank: int, world_size: int) -> dict[str, Any]:
         if is_actor:
             produced = []
 
-            def counted(weights: Any) -> Any:
+            def counted(weights: Any, produced: list = produced) -> Any:
                 for item in weights:
                     produced.append(item[0])
                     yield item
@@ -145,7 +145,7 @@ def _transfer_job(rank: int, world_size: int) -> dict[str, Any]:
             results["syncs"].append({"produced": len(produced), "metrics": metrics})
         else:
 
-            async def receive() -> dict[str, torch.Tensor]:
+            async def receive(global_steps: int = global_steps) -> dict[str, torch.Tensor]:
                 return {
                     name: tensor.clone() async for name, tensor in engine.receive_weights(global_steps=global_steps)
                 }

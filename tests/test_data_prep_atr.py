@@ -219,8 +219,9 @@ def test_openmathreasoning_sample_is_deterministic_and_bounded(tmp_path: Path, q
     assert picked[0] == picked[1]  # the sample does not depend on the input order
 
 
-def test_openmathreasoning_bad_input_is_a_clear_error(tmp_path: Path, qwen3_like_tokenizer: Path,
-                                                      eval_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_openmathreasoning_bad_input_is_a_clear_error(
+    tmp_path: Path, qwen3_like_tokenizer: Path, eval_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "out"
     good, _ = omr_fixture(tmp_path / "good.parquet")
     convert_openmath(str(good), out, str(qwen3_like_tokenizer), [str(eval_dir)])
@@ -257,8 +258,12 @@ def test_sft_dataset_feeds_the_rl_prompt(tmp_path: Path, qwen3_like_tokenizer: P
     item = dataset[0]
     ids, loss = item["input_ids"].tolist(), item["loss_mask"].tolist()
     user, assistant = row["messages"]
-    rl_prompt = tokenizer.apply_chat_template([{"role": "user", "content": user["content"]}], add_generation_prompt=True,
-                                              tokenize=False, enable_thinking=False)  # fmt: skip
+    rl_prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": user["content"]}],
+        add_generation_prompt=True,
+        tokenize=False,
+        enable_thinking=False,
+    )
     assert rl_prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     n_prompt = loss.index(1)
     assert tokenizer.decode(ids[:n_prompt]) == rl_prompt

@@ -225,13 +225,13 @@ def engine_of(modules: dict[str, Any], **attributes: Any) -> Any:
         ),
         (
             dict(engine_config=types.SimpleNamespace(entropy_checkpointing=False)),
-            r"FSDPEngineWithLMHead\.engine_config\.use_torch_compile \(read: .*but its engine_config \(SimpleNamespace\) has no "
-            r"attribute 'use_torch_compile'",
+            r"FSDPEngineWithLMHead\.engine_config\.use_torch_compile \(read: .*but its engine_config "
+            r"\(SimpleNamespace\) has no attribute 'use_torch_compile'",
         ),
         (
             dict(model_config=types.SimpleNamespace()),
-            r"FSDPEngineWithLMHead\.model_config\.use_fused_kernels \(read: the vocabulary pass refuses verl's fused kernels\), "
-            r"but its model_config \(SimpleNamespace\) has no attribute 'use_fused_kernels'",
+            r"FSDPEngineWithLMHead\.model_config\.use_fused_kernels \(read: the vocabulary pass refuses verl's fused "
+            r"kernels\), but its model_config \(SimpleNamespace\) has no attribute 'use_fused_kernels'",
         ),
     ],
 )
@@ -304,7 +304,7 @@ def test_swaps_are_restored_on_error_and_conflicts_refused() -> None:
     with pytest.raises(ZeroDivisionError):
         with swapped([Swap(owner, "a", 2, "x"), Swap(instance_only, "b", 3, "y")]):
             assert owner.a == 2 and instance_only.b == 3
-            1 / 0
+            raise ZeroDivisionError("the step fails inside the swaps")
     assert owner.a == 1 and not hasattr(instance_only, "b")
     with pytest.raises(RuntimeError, match="twice in one step .*'first' and 'second'"):
         with swapped([Swap(owner, "a", 2, "first"), Swap(owner, "a", 3, "second")]):

@@ -74,8 +74,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         )
     )
     python = venv / "bin" / "python"
-    _check(subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
-                           "--quiet", str(wheel)], cwd=base, env=env, capture_output=True, text=True, timeout=300))  # fmt: skip
+    install = [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "--quiet"]
+    _check(subprocess.run([*install, str(wheel)], cwd=base, env=env, capture_output=True, text=True, timeout=300))
     site = Path(_check(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                       env=env, capture_output=True, text=True, timeout=60)).stdout.strip())  # fmt: skip
     dependencies = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
@@ -115,7 +115,8 @@ import importlib, json, pkgutil, sys
 names = []
 for top in {SHIPPED!r}:
     package = importlib.import_module(top)
-    names += [top] + [m.name for m in pkgutil.walk_packages(package.__path__, top + ".") if not m.name.endswith(".__main__")]
+    found = pkgutil.walk_packages(package.__path__, top + ".")
+    names += [top] + [m.name for m in found if not m.name.endswith(".__main__")]
 failed = {{}}
 for name in names:
     try:

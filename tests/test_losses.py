@@ -285,7 +285,7 @@ def test_trgppo_roots_solve_the_bernoulli_kl():
     lower, upper = divergences.trgppo_ratio_bounds(old, 0.07)
     for a, lo, up in zip(old.tolist(), lower.tolist(), upper.tolist(), strict=False):
         q = math.exp(a)
-        kl = lambda w: -q * math.log(w) + (1 - q) * math.log((1 - q) / (1 - q * w))  # noqa: E731
+        kl = lambda w, q=q: -q * math.log(w) + (1 - q) * math.log((1 - q) / (1 - q * w))  # noqa: E731
         assert kl(lo) == pytest.approx(0.07, rel=1e-6)
         assert kl(up) == pytest.approx(0.07, rel=1e-6)
         assert lo < 1 < up < 1 / q

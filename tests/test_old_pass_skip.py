@@ -197,8 +197,8 @@ def job_old_pass_rows(rank: int, world_size: int, model_path: str, mini_batch: i
     packing = dict(budgets=(40, 80), mini_batch=mini_batch, shuffle=True, epochs=2)
     repeat = rows // len(PROMPT_LENS)
     batch = make_rollout_batch(PROMPT_LENS * repeat, RESPONSE_LENS * repeat, TinyQwen3Spec().vocab_size, seed=5)
-    counts = {}
-    for skip in (False, True):
+
+    def rows_seen(skip: bool) -> dict[str, int]:
         worker = skip_worker(model_path, packing)
         engine = worker.engine
         seen = {"old": 0, "update": 0}
@@ -210,6 +210,11 @@ def job_old_pass_rows(rank: int, world_size: int, model_path: str, mini_batch: i
 
         engine.forward_step = counting
         step(worker, batch, SKIP_MODES["kl3"], packing, skip)
+        return seen
+
+    counts = {}
+    for skip in (False, True):
+        seen = rows_seen(skip)
         counts[f"old_rows_{'with' if skip else 'without'}_skip"] = seen["old"]
         counts[f"update_rows_{'with' if skip else 'without'}_skip"] = seen["update"]
     return counts

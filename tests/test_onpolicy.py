@@ -270,7 +270,8 @@ def test_every_mode_is_exactly_on_policy_in_every_packing(every_mode: list[dict[
 @pytest.mark.parametrize("packing", list(PACKINGS))
 def test_verls_own_packing_is_the_control(every_mode: list[dict[str, Any]], packing: str) -> None:
     """With ``pack_old_log_prob_as_update=false`` the old pass is packed by its own budget, so the passes'
-    micro-batches differ (what the code decides), and the path says the update found no packing of the old pass as the update."""
+    micro-batches differ (what the code decides), and the path says the update found no packing of the old pass as
+    the update."""
     for threads in THREADS:
         result = control_case(every_mode, packing, threads)
         old_sizes = sorted(len(micro) for call in result["old_calls"] for micro in call)

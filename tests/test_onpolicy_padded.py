@@ -115,8 +115,8 @@ def test_the_padded_path_is_exactly_on_policy_with_the_aligned_packing(
 
 def test_the_padded_paths_control_is_verls_packing_and_shows_the_noise(padded: list[dict[str, Any]]) -> None:
     """With ``pack_old_log_prob_as_update=false`` the padded path's passes pack differently, the update finds no
-    pack_old_log_prob_as_update, and the kernels' noise reaches the gauge in at least one packing; the aligned kl3 arm of the
-    same packings reads exactly 0 (the test above)."""
+    pack_old_log_prob_as_update, and the kernels' noise reaches the gauge in at least one packing; the aligned kl3
+    arm of the same packings reads exactly 0 (the test above)."""
     noisy = {}
     for packing in PACKINGS:
         control = case(padded, packing, "kl3, verl's packing")

@@ -383,7 +383,8 @@ SEPARATE = [
         ),
         (
             ["trainer.v1.trainer_mode=colocate_async", "actor_rollout_ref.rollout.calculate_log_probs=false"],
-            r"trainer\.v1\.trainer_mode=colocate_async .*actor_rollout_ref\.rollout\.calculate_log_probs=true is needed",
+            r"trainer\.v1\.trainer_mode=colocate_async .*actor_rollout_ref\.rollout\.calculate_log_probs=true is "
+            r"needed",
         ),
         (
             [*SEPARATE, "data.train_batch_size=12"],
@@ -422,8 +423,8 @@ SEPARATE = [
         ),
         (
             [*SEPARATE, "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"],
-            r"over 2 data-parallel actor ranks; actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu=4 must divide each "
-            r"rank's 2",
+            r"over 2 data-parallel actor ranks; actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu=4 must divide "
+            r"each rank's 2",
         ),
         (
             ["algorithm.rollout_correction.bypass_mode=true"],

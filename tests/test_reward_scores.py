@@ -146,7 +146,7 @@ def test_docs_table_matches_the_configs():
     doc = (REPO_ROOT / "docs" / "experiments.md").read_text()
     section = doc[doc.index("### Reward scores of every run") :]
     for name, (_source, want) in EXPECTED.items():
-        line = next((l for l in section.splitlines() if f"`{name}`" in l), None)
+        line = next((row for row in section.splitlines() if f"`{name}`" in row), None)
         assert line is not None, name
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         numbers = [float(c) for c in cells[-4:]]

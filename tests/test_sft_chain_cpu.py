@@ -176,6 +176,6 @@ def test_merge_cli_on_any_lora_checkpoint(chain: dict[str, Any], tmp_path: Path)
     _run([sys.executable, "-m", "recipe.sft", "merge", "--checkpoint", str(step), "--output", str(tmp_path / "m")],
          _env(), 300)  # fmt: skip
     assert (tmp_path / "m" / "model.safetensors").read_bytes() == (chain["merged"] / "model.safetensors").read_bytes()
-    proc = subprocess.run([sys.executable, "-m", "recipe.sft", "merge", "--checkpoint", str(tmp_path / "none"),
-                           "--output", str(tmp_path / "x")], cwd=ROOT, env=_env(), capture_output=True, text=True)  # fmt: skip
+    merge = [sys.executable, "-m", "recipe.sft", "merge", "--checkpoint", str(tmp_path / "none"), "--output"]
+    proc = subprocess.run([*merge, str(tmp_path / "x")], cwd=ROOT, env=_env(), capture_output=True, text=True)
     assert proc.returncode == 2 and "is not a folder" in proc.stderr and not (tmp_path / "x").exists()

@@ -67,7 +67,8 @@ def run_smoke(out: Path, loss: str, steps: int, *overrides: str, **env: str) -> 
 def assert_on_policy_exact(data: dict, erc: bool, vocab_pass: bool = False) -> None:
     """The step's on-policy gauge reads exactly 0 (every mode packs its old-log-prob pass as the update) and
     the workers' path record says how each micro-batch was computed (a measurement, not the driver's claim:
-    ``pack_old_log_prob_as_update`` is 1 only where the update found its micro-batches packed as the old pass recorded)."""
+    ``pack_old_log_prob_as_update`` is 1 only where the update found its micro-batches packed as the old pass
+    recorded)."""
     gauge = "actor/divclip/onpolicy/"
     assert data[gauge + "log_ratio_abs_max"] == 0.0 and data[gauge + "ratio_clipfrac"] == 0.0, data
     assert (gauge + "erc_masked_frac" in data) == erc

@@ -10,9 +10,9 @@ groups; the loss is configuration, so the resumed segment is where the second ru
 Both are trained as GPU users run verl (tests/test_smoke_cpu.py, ``GPU_PACKING``). The ``separate_async`` runs
 also turn on verl's rollout correction: token-level IS weights masked outside an IcePop-style band and
 token-level KL3 rejection sampling; the ``colocate_async`` runs validate each benchmark at its own response
-length and sample count (recipe/validation/length.py). The resumed ``colocate_async`` segment runs kl3 in ``bypass_mode``
-(pi_old := mu, the rollout's log-probs: a trust region around the behaviour policy), which needs verl's own
-packing and marks no update on-policy.
+length and sample count (recipe/validation/length.py). The resumed ``colocate_async`` segment runs kl3 in
+``bypass_mode`` (pi_old := mu, the rollout's log-probs: a trust region around the behaviour policy), which needs
+verl's own packing and marks no update on-policy.
 
 Asserted on every step: a finite loss; the on-policy gauge exactly 0 on the step's first update (the one that
 starts from pi_old) with the packing the update found aligned -- in bypass mode no gauge, nothing aligned, and

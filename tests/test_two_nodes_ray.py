@@ -84,8 +84,8 @@ from ray.cluster_utils import Cluster
 gcs_port, dashboard_port, temp_dir, agent_port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 common = dict(node_ip_address="127.0.0.1", resources={"cpu_device": 1}, object_store_memory=300 * 1024**2)
 cluster = Cluster(initialize_head=True, head_node_args=dict(
-    num_cpus=10, gcs_server_port=gcs_port, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
-    dashboard_agent_listen_port=agent_port, temp_dir=temp_dir, **common))
+    num_cpus=10, gcs_server_port=gcs_port, include_dashboard=True, dashboard_host="127.0.0.1",
+    dashboard_port=dashboard_port, dashboard_agent_listen_port=agent_port, temp_dir=temp_dir, **common))
 second = cluster.add_node(num_cpus=6, **common)
 cluster.wait_for_nodes()
 # Where a job's supervisor looks up its cluster's address (temp_dir/ray_current_cluster; Cluster writes it under

@@ -101,7 +101,8 @@ def verl_ppo_loss() -> Any:
 
 
 def with_old(batch: Any, old: dict[str, torch.Tensor], noise: float = 0.0, seed: int = 0) -> Any:
-    """``batch`` with pi_old's log-probs and entropy; ``noise`` perturbs the log-probs so ratios spread over the clip band."""
+    """``batch`` with pi_old's log-probs and entropy; ``noise`` perturbs the log-probs so ratios spread over the
+    clip band."""
     data = batch.clone()
     log_probs = old["old_log_probs"]
     if noise:
@@ -202,8 +203,8 @@ def bf16_dynamic(budgets: tuple[int, int]) -> dict[str, Any]:
 def aligned_and_control(
     model_path: str, features: dict[str, Any], budgets: tuple[int, int], batch: Any, steps: int
 ) -> dict[str, list[dict[str, Any]]]:
-    """``steps`` kl3 steps of a fresh worker (``features`` at ``budgets``), once with pack_old_log_prob_as_update and once
-    with verl's own packing of the old pass (the control), from the same initialisation."""
+    """``steps`` kl3 steps of a fresh worker (``features`` at ``budgets``), once with pack_old_log_prob_as_update and
+    once with verl's own packing of the old pass (the control), from the same initialisation."""
     out = {}
     for arm, aligned in (("aligned", True), ("control", False)):
         torch.manual_seed(1)
@@ -281,7 +282,9 @@ def job_fused(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
         calls: dict[str, int] = {}
         phase = ["build"]
         with counting_fused_kernel(calls, phase):
-            step = on_policy_step(worker, batch, "erc_beta_low" in mode, phase=lambda name: phase.__setitem__(0, name))
+            step = on_policy_step(
+                worker, batch, "erc_beta_low" in mode, phase=lambda name, phase=phase: phase.__setitem__(0, name)
+            )
         out[name] = {**step, "fused_calls": calls, "entropy_path": entropy_path_of(worker.engine).value}
     # the control: one kl3 step with verl's own packing of the old pass, beside the aligned arm, per token budget
     out["packings"] = {
@@ -497,16 +500,17 @@ def assert_control_shows_the_noise(arms: dict[str, dict[str, list[dict[str, Any]
 
 
 def test_lora_control_verls_own_packing_shows_the_noise_the_alignment_removes(lora: dict[str, Any]) -> None:
-    """With ``pack_old_log_prob_as_update=false`` the update finds no packing of the old pass as the update (path 0) and the gauge reads
-    > 0 on at least one of the packings and steps (24/48 with the ref pass on its third step, 24/72, 40/80), where
-    the aligned kl3 arm reads exactly 0 on every one."""
+    """With ``pack_old_log_prob_as_update=false`` the update finds no packing of the old pass as the update (path 0)
+    and the gauge reads > 0 on at least one of the packings and steps (24/48 with the ref pass on its third step,
+    24/72, 40/80), where the aligned kl3 arm reads exactly 0 on every one."""
     arms = {"24/48": {"aligned": lora["kl3"], "control": lora["control"]}, **lora["packings"]}
     assert_control_shows_the_noise(arms)
 
 
 @pytest.mark.parametrize("mode", list(ON_POLICY_MODES))
 def test_lora_reference_pass_keeps_the_packing_and_reads_the_base_model(lora: dict[str, Any], mode: str) -> None:
-    """The ref pass between the old pass and the update leaves the packing record; its log-probs are the base model's."""
+    """The ref pass between the old pass and the update leaves the packing record; its log-probs are the base
+    model's."""
     step = lora[mode][2]  # old pass, ref pass (adapter disabled), update; the adapter trained twice before
     assert_on_policy(step, erc=mode == "erc")
     # the base model's log-probs, bit for bit: the same micro-batches (one in-order mini-batch at the update's

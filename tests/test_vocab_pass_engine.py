@@ -64,7 +64,9 @@ def run_both(
         worker.set_loss_fn(with_vocab_pass(loss) if name == "vocab_pass" else loss)
         assert uses_vocab_pass(worker.engine) == (name == "vocab_pass")
         calls: list[int] = []  # tokens the head's pass saw (proves the logits were never built)
-        engine_hook.vocab_pass = lambda hidden, *a, **k: calls.append(hidden.shape[0]) or original(hidden, *a, **k)
+        engine_hook.vocab_pass = lambda hidden, *a, seen=calls, **k: (
+            seen.append(hidden.shape[0]) or original(hidden, *a, **k)
+        )
         try:
             old = compute_log_prob(worker, batch)
             before = full_params(worker)

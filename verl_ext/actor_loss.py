@@ -98,7 +98,8 @@ def divclip_actor_loss(
         if NEW_TOPK_LOG_PROBS not in model_output:
             raise ValueError(
                 f"{_TOPK_WHY.format(mode=mode)}, but the engine returned no {NEW_TOPK_LOG_PROBS!r}: the engine "
-                "seam (verl_ext.engine.seam.install) is not installed in this process, or the engine is not one it covers"
+                "seam (verl_ext.engine.seam.install) is not installed in this process, or the engine is not one it "
+                "covers"
             )
     if needs_rewards:
         # verl's v1 trainer stores the rule reward as rm_scores and writes token_level_rewards back

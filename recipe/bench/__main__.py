@@ -1,7 +1,8 @@
 """Dispatch ``python -m recipe.bench <name>`` to ``recipe.bench.<name with _>.main(argv)``.
 
-``gpu --acceptance`` runs :mod:`recipe.bench.acceptance` (:func:`route`). Routing it here, not inside :mod:`recipe.bench.gpu`, keeps the probe and the
-acceptance run apart: both import :mod:`recipe.bench.gpu_workload` and neither imports the other.
+``gpu --acceptance`` runs :mod:`recipe.bench.acceptance` (:func:`route`). Routing it here, not inside
+:mod:`recipe.bench.gpu`, keeps the probe and the acceptance run apart: both import
+:mod:`recipe.bench.gpu_workload` and neither imports the other.
 """
 
 from __future__ import annotations

@@ -144,7 +144,8 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
             strategy=args.strategy,
             mixed_precision=None,  # verl's default: bf16 compute, fp32 reduce
             micro_batch_size_per_gpu=args.sequences,  # the update is one micro-batch of --tokens
-            use_dynamic_bsz=dynamic,  # dynamic: the update in micro-batches of --tokens/2, the log-prob pass of --tokens
+            # dynamic: the update in micro-batches of --tokens/2, the log-prob pass of --tokens
+            use_dynamic_bsz=dynamic,
             max_token_len_per_gpu=args.tokens // 2 if dynamic else args.tokens,
             infer_max_token_len_per_gpu=args.tokens if dynamic else None,
             enable_gradient_checkpointing=True,
@@ -354,7 +355,8 @@ def main(argv: list[str]) -> int:
             print(json.dumps(r))
     else:
         print(
-            f"{'strategy':<8} {'variant':<20} {'path':<13} {'peak GiB':>8} {'x base':>7} {'update s':>9} {'x base':>7}  on-policy"
+            f"{'strategy':<8} {'variant':<20} {'path':<13} {'peak GiB':>8} {'x base':>7} {'update s':>9} {'x base':>7} "
+            " on-policy"
         )
         for r in results:
             print(f"{r['strategy']:<8} ", end="")

@@ -64,7 +64,8 @@ def _run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
     micro = bench_micro_batch(args.tokens, args.sequences, args.vocab, hidden=args.hidden)
     if args.sequences % shape["mini_batches"]:
         raise ValueError(
-            f"--sequences ({args.sequences}) must split into the {shape_name} shape's {shape['mini_batches']} mini-batches"
+            f"--sequences ({args.sequences}) must split into the {shape_name} shape's {shape['mini_batches']} "
+            "mini-batches"
         )
     mini_batch = args.sequences // shape["mini_batches"]
     spec = dataclasses.replace(micro.spec, num_hidden_layers=args.layers)

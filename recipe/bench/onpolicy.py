@@ -356,11 +356,12 @@ def main(argv: list[str]) -> int:
     )
     for r in rows:
         print(
-            f"{r['mode']:<5} {r['packing']:<8} {r['budgets']:>8} {r['seed']:>4} {r['threads']:>3} {str(r['same_packing']):>5} "
-            f"{r['ratio_clipfrac']:>8.3f} {r.get('erc_ratio_min', float('nan')):>8.4f} "
+            f"{r['mode']:<5} {r['packing']:<8} {r['budgets']:>8} {r['seed']:>4} {r['threads']:>3} "
+            f"{str(r['same_packing']):>5} {r['ratio_clipfrac']:>8.3f} {r.get('erc_ratio_min', float('nan')):>8.4f} "
             f"{r.get('erc_ratio_max', float('nan')):>8.4f} {r.get('erc_masked_frac', float('nan')):>7.3f} "
             f"{r['log_ratio_abs_max']:>9.2e} {r.get('hidden_rows_differing', float('nan')):>11.3f} "
-            f"{r.get('fp32_head_erc_ratio_min', float('nan')):>12.4f} {r.get('fp32_head_erc_ratio_max', float('nan')):>12.4f}"
+            f"{r.get('fp32_head_erc_ratio_min', float('nan')):>12.4f} "
+            f"{r.get('fp32_head_erc_ratio_max', float('nan')):>12.4f}"
         )
     return 0
 

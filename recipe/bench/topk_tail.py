@@ -202,7 +202,8 @@ def main(argv: list[str]) -> int:
         f"mean entropy {result['entropy_mean']:.3f} nats"
     )
     print(
-        f"{'k':>5} {'tail mean':>10} {'p50':>10} {'p90':>10} {'p99':>10} {'max':>10} {'>1e-3':>7} {'>1e-2':>7} {'B/token':>8}"
+        f"{'k':>5} {'tail mean':>10} {'p50':>10} {'p90':>10} {'p99':>10} {'max':>10} {'>1e-3':>7} {'>1e-2':>7} "
+        f"{'B/token':>8}"
     )
     for row in result["per_k"]:
         print(
@@ -212,7 +213,8 @@ def main(argv: list[str]) -> int:
         )
     suggested = result["suggested_k"]
     print(
-        f"smallest k with p99 tail mass <= {args.target:g}: {suggested if suggested is not None else 'none in the sweep'}"
+        f"smallest k with p99 tail mass <= {args.target:g}: "
+        f"{suggested if suggested is not None else 'none in the sweep'}"
     )
     return 0
 

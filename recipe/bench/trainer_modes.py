@@ -170,7 +170,8 @@ def main(argv: list[str]) -> int:
             print(
                 f"{row['mode']:>15}: {row['samples_per_second']:8.2f} samples/s over {row['steps']} steps "
                 f"(x{row['vs_sync']} of sync), responses mean {row['response_length_mean']} max "
-                f"{row['response_length_max']}, version lag {row['version_lag_mean']}, spans max {row['trajectory_spans_max']}"
+                f"{row['response_length_max']}, version lag {row['version_lag_mean']}, spans max "
+                f"{row['trajectory_spans_max']}"
             )
     return 0
 

@@ -103,7 +103,8 @@ def _generate_cli(args: argparse.Namespace, sampler_factory: Callable[..., Sampl
     for plan in plans:
         s = plan.sampling
         print(
-            f"{plan.benchmark}: {len(plan.problems)} problems, n={s.n}, T={s.temperature}, top_p={s.top_p}, max_tokens={s.max_tokens}"
+            f"{plan.benchmark}: {len(plan.problems)} problems, n={s.n}, T={s.temperature}, top_p={s.top_p}, "
+            f"max_tokens={s.max_tokens}"
         )
     chat_kwargs = resolve_chat_template_kwargs(args.preset, args.chat_template_kwargs)
     print(f"chat_template_kwargs: {json.dumps(chat_kwargs)}")

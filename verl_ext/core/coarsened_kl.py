@@ -122,7 +122,8 @@ def _over_row_chunks(
 
 @torch.no_grad()
 def topk_of_rows(logits: torch.Tensor, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`topk_rows` of ``logits[rows]``, in chunks of :data:`verl_ext.core.entropy.EAGER_CHUNK_BYTES` of float32."""
+    """:func:`topk_rows` of ``logits[rows]``, in chunks of :data:`verl_ext.core.entropy.EAGER_CHUNK_BYTES` of
+    float32."""
     parts = _over_row_chunks(logits, rows, lambda chunk, _: topk_rows(chunk, k))
     if not parts:
         return logits.new_zeros((0, k + 1), dtype=torch.float32), torch.zeros(

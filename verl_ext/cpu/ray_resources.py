@@ -100,8 +100,8 @@ def _check_cpu_resources_available(manager: Any) -> None:
     left = unplaceable_nodes(requests, nodes, cpus_per_slot)
     if left:
         raise ValueError(
-            f"no Ray node can hold {left[0]} device slots with their {left[0] * cpus_per_slot} CPUs (available per node: "
-            f"{[(slots, cpus) for slots, cpus in nodes]} as ({DEVICE_RESOURCE!r}, CPU)); each node entry of "
+            f"no Ray node can hold {left[0]} device slots with their {left[0] * cpus_per_slot} CPUs (available per "
+            f"node: {[(slots, cpus) for slots, cpus in nodes]} as ({DEVICE_RESOURCE!r}, CPU)); each node entry of "
             f"{dict(manager.resource_pool_spec)} needs its own node: {how}, and enough logical CPUs"
         )
     available = sum(cpus for _, cpus in nodes)

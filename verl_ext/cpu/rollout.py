@@ -49,7 +49,7 @@ workers for the resource pool, and uses ``HF_CPU_NUM_THREADS`` torch threads (de
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Optional
 
 from verl_ext.cpu import ROLLOUT_NAME
 
@@ -91,7 +91,6 @@ import logging  # noqa: E402
 import os  # noqa: E402
 import time  # noqa: E402
 from collections.abc import AsyncIterator, Generator  # noqa: E402
-from typing import Optional
 
 import ray  # noqa: E402
 import torch  # noqa: E402
@@ -221,7 +220,8 @@ class HFCpuReplica(RolloutReplica):
         if self.world_size != 1:
             raise NotImplementedError(
                 "hf_cpu rollout: each replica is one process; set actor_rollout_ref.rollout."
-                f"tensor_model_parallel_size/data_parallel_size/pipeline_model_parallel_size to 1 (world size {self.world_size})"
+                "tensor_model_parallel_size/data_parallel_size/pipeline_model_parallel_size to 1 (world size "
+                f"{self.world_size})"
             )
         # imported here, not at module level: the server's module is what a Ray worker imports first
         # when it unpickles the server class, and that import runs this module (verl's plugin)

@@ -368,7 +368,8 @@ class HFCpuServer:
                     target = state[name]
                     if tuple(target.shape) != tuple(tensor.shape):
                         raise ValueError(
-                            f"hf_cpu: weight {name} has shape {tuple(tensor.shape)}, rollout model expects {tuple(target.shape)}"
+                            f"hf_cpu: weight {name} has shape {tuple(tensor.shape)}, rollout model expects "
+                            f"{tuple(target.shape)}"
                         )
                     target.copy_(tensor.to(dtype=target.dtype))
             self.weight_version += 1

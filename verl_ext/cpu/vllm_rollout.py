@@ -14,10 +14,11 @@ what vLLM's CPU backend cannot do:
   as instance ids, so verl's lookup raises ``KeyError: 'cpu_device'``. The replica answers that one query for
   verl (the worker's node id and its node-local rank as the "device id", which lands in
   ``VERL_CPU_VISIBLE_DEVICES``, a variable nothing reads) and leaves the rest of ``launch_servers`` to verl.
-* Refusals (:func:`verl_ext.cpu.vllm_checks.check_cpu_vllm_config`, ``NotImplementedError`` naming the key): ``rollout.free_cache_engine=True`` /
-  ``rollout.enable_sleep_mode=True`` (vLLM's CPU platform has no sleep mode: verl would call ``engine.sleep``
-  and ``wake_up`` around every weight sync), ``tensor_model_parallel_size``/``data_parallel_size``/
-  ``pipeline_model_parallel_size`` > 1 (untested on CPU) and PD disaggregation.
+* Refusals (:func:`verl_ext.cpu.vllm_checks.check_cpu_vllm_config`, ``NotImplementedError`` naming the key):
+  ``rollout.free_cache_engine=True`` / ``rollout.enable_sleep_mode=True`` (vLLM's CPU platform has no sleep mode:
+  verl would call ``engine.sleep`` and ``wake_up`` around every weight sync),
+  ``tensor_model_parallel_size``/``data_parallel_size``/``pipeline_model_parallel_size`` > 1 (untested on CPU)
+  and PD disaggregation.
 
 Weight sync needs no seam: the cpu platform reports ``is_ipc_supported() == False``, so verl's ``ServerAdapter``
 takes its shared-memory path (``BucketedWeightSender(use_shm=True)``: the actor's leader rank copies each bucket

@@ -212,8 +212,9 @@ def substituting_loss(
         return loss_function
     if first_mini_batch and set(rows) - state.from_update:  # "first": the one that supplies (state.mini_batch)
         raise OldFromUpdateError(
-            f"{POLICY_KEY}: the update's mini-batch {state.mini_batch} holds rows {sorted(set(rows) - state.from_update)} that the "
-            "old-log-prob pass computed, so its split is not the one the pass skipped"
+            f"{POLICY_KEY}: the update's mini-batch {state.mini_batch} holds rows "
+            f"{sorted(set(rows) - state.from_update)} that the old-log-prob pass computed, so its split is not the one "
+            "the pass skipped"
         )
     if not first_mini_batch and not (set(rows) & state.from_update):
         return loss_function

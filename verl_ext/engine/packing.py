@@ -311,9 +311,10 @@ class UpdateObserver:
                 min(len(fingerprints), len(recorded)),
             )
             raise self._mismatch(
-                f"the update received {len(fingerprints)} rows and the old-log-prob pass {len(recorded)}, first different "
-                f"at row {first} (tokens, checksum: update {fingerprints[first] if first < len(fingerprints) else None}, "
-                f"old pass {recorded[first] if first < len(recorded) else None})"
+                f"the update received {len(fingerprints)} rows and the old-log-prob pass {len(recorded)}, first "
+                f"different at row {first} (tokens, checksum: update "
+                f"{fingerprints[first] if first < len(fingerprints) else None}, old pass "
+                f"{recorded[first] if first < len(recorded) else None})"
             )
         if self.first_epoch != len(self.record.mini_batches):
             raise self._mismatch(
@@ -381,8 +382,8 @@ def update_mini_batches_per_epoch(worker: Any, data: TensorDict) -> int:
 
 def observing_update(worker: Any, data: TensorDict, pack_old_log_prob_as_update: bool) -> Optional[UpdateObserver]:
     """Before an update call: take the engine's record (each record serves one update) and, with
-    ``pack_old_log_prob_as_update`` asked for, start comparing; the rows get :data:`ROW_KEY`. Returns None when nothing is compared
-    (the packing is off, or a direct caller without a packed old pass)."""
+    ``pack_old_log_prob_as_update`` asked for, start comparing; the rows get :data:`ROW_KEY`. Returns None when
+    nothing is compared (the packing is off, or a direct caller without a packed old pass)."""
     from verl.utils import tensordict_utils as tu
 
     engine = worker.engine

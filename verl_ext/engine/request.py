@@ -124,7 +124,9 @@ def describe(request: EngineRequest, path: EntropyPath) -> str:
         numbers = "log-probs and entropy from the vocabulary pass (fp32, no logits tensor)"
     else:
         numbers = {
-            EntropyPath.VERL: "verl's materialised logits; entropy by verl's entropy_from_logits (autograd, logits dtype)",
+            EntropyPath.VERL: (
+                "verl's materialised logits; entropy by verl's entropy_from_logits (autograd, logits dtype)"
+            ),
             EntropyPath.DIVCLIP_FP32: "verl's materialised logits; entropy by divclip entropy_fp32 in both passes",
             EntropyPath.FUSED_KERNEL: (
                 "verl's fused kernel (bf16) for log-probs and entropy in both passes; the divclip fp32 entropy is "

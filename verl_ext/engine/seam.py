@@ -139,9 +139,10 @@ def set_features(engine: Any, request: EngineRequest) -> EngineFeatures:
     if request.any:
         if not is_covered(engine):
             raise ValueError(
-                f"{', '.join(request.keys())} need(s) verl-divclip's engine seam, which covers verl's FSDPEngineWithLMHead "
-                f"(actor_rollout_ref.actor.strategy in {list(SUPPORTED_STRATEGIES)}); this worker's engine is "
-                f"{type(engine).__module__}.{type(engine).__qualname__}. Use a supported strategy, or turn the key(s) off."
+                f"{', '.join(request.keys())} need(s) verl-divclip's engine seam, which covers verl's "
+                f"FSDPEngineWithLMHead (actor_rollout_ref.actor.strategy in {list(SUPPORTED_STRATEGIES)}); this "
+                f"worker's engine is {type(engine).__module__}.{type(engine).__qualname__}. Use a supported strategy, "
+                "or turn the key(s) off."
             )
         check_engine_instance(engine)
         if request.vocab_pass:

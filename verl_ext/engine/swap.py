@@ -28,8 +28,10 @@ ORIGINAL_ATTR = "__divclip_original__"
 """Set on every seam wrapper and dispatcher: verl's function it wraps."""
 
 _DISPATCH_ATTR = "__divclip_dispatch__"
+_NO_OVERRIDES: Mapping[tuple[str, str], Callable[..., Any]] = types.MappingProxyType({})
+"""The overrides outside any step: none (read-only, so no step can add to the default every context shares)."""
 _GLOBAL_OVERRIDES: ContextVar[Mapping[tuple[str, str], Callable[..., Any]]] = ContextVar(
-    "divclip_global_overrides", default={}
+    "divclip_global_overrides", default=_NO_OVERRIDES
 )
 
 

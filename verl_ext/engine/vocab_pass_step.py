@@ -3,7 +3,8 @@
 ``actor_rollout_ref.actor.policy_loss.vocab_pass=true`` makes every forward step of the actor's
 engine -- the old-log-prob pass (``infer_batch``) as well as the update (``train_batch``) --
 compute ``log pi(y_t)`` and the entropy with :func:`verl_ext.core.vocab_pass.vocab_pass` instead of
-materialising the ``tokens x vocabulary`` logits. For the duration of one step (:func:`vocab_pass_swaps`, applied by the seam):
+materialising the ``tokens x vocabulary`` logits. For the duration of one step (:func:`vocab_pass_swaps`,
+applied by the seam):
 
 * the LM head module's ``forward`` (``model.get_output_embeddings()``) is replaced, on the instance,
   by one that runs the pass on the hidden states it receives and the weight it holds, returning a
@@ -26,10 +27,10 @@ head weight (unsharded: inside the head's forward), the per-token temperatures a
 its own fields to ``model_output``. :mod:`verl_ext.engine.topk_capture` stores pi_old's top-k this way.
 
 The entropy carries a gradient only when the loss may differentiate it (no ``entropy_as_mask``
-declaration, :mod:`verl_ext.engine.request`: an entropy bonus); ERC's masking entropy stays graph-free. Combinations the pass
-cannot serve raise at the first step (and, for a recipe run, in ``recipe.config_checks`` before Ray
-starts): ``use_fused_kernels``, a consumer of the full logits (``calculate_sum_pi_squared``,
-top-k distillation), a head with a bias, a LoRA-wrapped head.
+declaration, :mod:`verl_ext.engine.request`: an entropy bonus); ERC's masking entropy stays graph-free.
+Combinations the pass cannot serve raise at the first step (and, for a recipe run, in
+``recipe.config_checks`` before Ray starts): ``use_fused_kernels``, a consumer of the full logits
+(``calculate_sum_pi_squared``, top-k distillation), a head with a bias, a LoRA-wrapped head.
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ def output_head(module: Any) -> torch.nn.Module:
         )
     if not isinstance(getattr(head, "weight", None), torch.Tensor):
         raise ValueError(
-            f"{VOCAB_PASS_KEY}=true: the LM head {type(head).__name__} has no plain weight (a LoRA/PEFT-wrapped head?); "
-            "turn the vocabulary pass off or keep the head out of the adapter's target_modules"
+            f"{VOCAB_PASS_KEY}=true: the LM head {type(head).__name__} has no plain weight (a LoRA/PEFT-wrapped "
+            "head?); turn the vocabulary pass off or keep the head out of the adapter's target_modules"
         )
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"{VOCAB_PASS_KEY}=true: the LM head has a bias, which the vocabulary pass does not add")
