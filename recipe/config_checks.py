@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import sys
 import types
 from collections.abc import Iterator
@@ -66,7 +67,8 @@ def validate_divclip_config(config: DictConfig) -> Any:
     target = actor_cfg.policy_loss.get("_target_", None)
     if mode in CONSTRAINTS and target != CONFIG_TARGET:
         raise ConfigError(
-            f"{ACTOR}.policy_loss.loss_mode={mode!r} needs {ACTOR}.policy_loss._target_={CONFIG_TARGET} (got {target!r})"
+            f"{ACTOR}.policy_loss.loss_mode={mode!r} needs {ACTOR}.policy_loss._target_={CONFIG_TARGET} (got "
+            f"{target!r})"
         )
     if target != CONFIG_TARGET:
         _drop_unset_divclip_keys(actor_cfg.policy_loss, target)
@@ -101,9 +103,9 @@ def validate_divclip_config(config: DictConfig) -> Any:
             # cycle every update but the first starts away from pi_old (the cycle's first weights)
             raise ConfigError(
                 f"{ACTOR}.policy_loss.adaptive_delta_target: {TRAINER_MODE}={trainer_mode} with "
-                f"trainer.v1.{trainer_mode}.parameter_sync_step={sync_step} trains {sync_step} updates per step against "
-                "the cycle's first weights as pi_old, so no update but the first measures its own KL3 from the pi_old "
-                "it started at: use parameter_sync_step=1 (one update a step) or a static delta"
+                f"trainer.v1.{trainer_mode}.parameter_sync_step={sync_step} trains {sync_step} updates per step "
+                "against the cycle's first weights as pi_old, so no update but the first measures its own KL3 from the "
+                "pi_old it started at: use parameter_sync_step=1 (one update a step) or a static delta"
             )
         if on_policy:
             raise ConfigError(
@@ -170,9 +172,10 @@ def validate_strategy(actor: Any, policy: DivClipPolicyLossConfig | None) -> Non
     if needed:
         raise ConfigError(
             f"{ACTOR}.strategy={strategy!r}: {', '.join(needed)} need(s) verl-divclip's engine seam, which covers "
-            f"strategies {list(SUPPORTED_STRATEGIES)} only (verl's FSDP engine); with {strategy!r} the run would silently "
-            f"use verl's own entropy and packing. Use {ACTOR}.strategy=fsdp2 (or fsdp), or turn these keys off "
-            f"({ACTOR}.policy_loss.pack_old_log_prob_as_update=false needs {ACTOR}.policy_loss._target_={CONFIG_TARGET})"
+            f"strategies {list(SUPPORTED_STRATEGIES)} only (verl's FSDP engine); with {strategy!r} the run would "
+            f"silently use verl's own entropy and packing. Use {ACTOR}.strategy=fsdp2 (or fsdp), or turn these keys "
+            f"off ({ACTOR}.policy_loss.pack_old_log_prob_as_update=false needs "
+            f"{ACTOR}.policy_loss._target_={CONFIG_TARGET})"
         )
 
 
@@ -196,7 +199,8 @@ def validate_verl_features(config: DictConfig) -> None:
         raise ConfigError(
             "distillation.enabled=true: verl's actor would train with distillation_ppo_loss, which verl-divclip "
             "replaces with its own actor loss (every mode, through set_loss_fn), dropping the distillation term. "
-            "Distillation is not supported by recipe.main: run verl's main_ppo for it, or set distillation.enabled=false"
+            "Distillation is not supported by recipe.main: run verl's main_ppo for it, or set "
+            "distillation.enabled=false"
         )
     if not OmegaConf.select(config, "trainer.use_v1", default=True):
         raise ConfigError(
@@ -206,7 +210,8 @@ def validate_verl_features(config: DictConfig) -> None:
     if OmegaConf.select(config, f"{ACTOR}.calculate_sum_pi_squared", default=False):
         raise ConfigError(
             f"{ACTOR}.calculate_sum_pi_squared=true has no effect in verl 0.9.1's v1 trainer (it never asks the engine "
-            "for the sum of squared probabilities; only the legacy trainer's optimal-token baseline reads it): set it false"
+            "for the sum of squared probabilities; only the legacy trainer's optimal-token baseline reads it): set it "
+            "false"
         )
 
 
@@ -302,8 +307,8 @@ def validate_trainer_mode(config: DictConfig, actor: Any) -> None:
             if size and (rows % ranks or (rows // ranks) % int(size)):
                 raise ConfigError(
                     f"{TRAINER_MODE}=separate_async trains {rows} samples per update (data.train_batch_size / "
-                    f"parameter_sync_step x rollout.n) over {ranks} data-parallel actor ranks; {key}={size} must divide each rank's "
-                    f"{rows / ranks:g}"
+                    f"parameter_sync_step x rollout.n) over {ranks} data-parallel actor ranks; {key}={size} must "
+                    f"divide each rank's {rows / ranks:g}"
                 )
 
 
@@ -323,8 +328,8 @@ def validate_bypass_mode(config: DictConfig, actor: Any) -> None:
     policy = actor.policy_loss
     if rollout_correction.get("bypass_mode", False) and bool(getattr(policy, "pack_old_log_prob_as_update", True)):
         raise ConfigError(
-            "algorithm.rollout_correction.bypass_mode=true skips the old-log-prob pass (pi_old is the rollout's mu), so "
-            f"{ACTOR}.policy_loss.pack_old_log_prob_as_update=true has no pass to pack as the update: set it false "
+            "algorithm.rollout_correction.bypass_mode=true skips the old-log-prob pass (pi_old is the rollout's mu), "
+            f"so {ACTOR}.policy_loss.pack_old_log_prob_as_update=true has no pass to pack as the update: set it false "
             f"(a key of {ACTOR}.policy_loss._target_={CONFIG_TARGET})"
         )
 
@@ -353,7 +358,10 @@ def old_log_prob_from_update_blocker(config: DictConfig) -> str | None:
     if config.actor_rollout_ref.rollout.get("calculate_log_probs", False) and (
         rollout_correction.get("rollout_is", None) is not None or rollout_correction.get("rollout_rs", None) is not None
     ):
-        return "algorithm.rollout_correction.rollout_is / rollout_rs (their weights and rejection read pi_old before the update)"
+        return (
+            "algorithm.rollout_correction.rollout_is / rollout_rs (their weights and rejection read pi_old before the "
+            "update)"
+        )
     if config.algorithm.get("adv_estimator", None) in _ESTIMATORS_READING_PI_OLD:
         return f"algorithm.adv_estimator={config.algorithm.adv_estimator} (the estimator reads pi_old)"
     if trainer_mode == "separate_async":
@@ -380,14 +388,15 @@ def validate_old_log_prob_from_update(config: DictConfig) -> None:
         )
 
 
+def _local_model_config(model_path: Any) -> dict[str, Any]:
+    """A local Hugging Face checkpoint's config.json; empty when the path is not a local directory (a hub id)."""
+    config_file = Path(str(model_path)).expanduser() / "config.json" if model_path else None
+    return json.loads(config_file.read_text()) if config_file is not None and config_file.is_file() else {}
+
+
 def _local_dropout(model_path: Any) -> str | None:
     """``key=value`` of a positive dropout in a local Hugging Face checkpoint's config.json, or None."""
-    import json
-
-    config_file = Path(str(model_path)).expanduser() / "config.json" if model_path else None
-    if config_file is None or not config_file.is_file():
-        return None
-    for key, value in json.loads(config_file.read_text()).items():
+    for key, value in _local_model_config(model_path).items():
         if "dropout" in key and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
             return f"{key}={value}"
     return None
@@ -455,14 +464,7 @@ def validate_old_topk(config: DictConfig, actor: Any, policy: DivClipPolicyLossC
 def _local_vocab_size(model_path: Any) -> int | None:
     """``vocab_size`` of a local Hugging Face checkpoint (its config.json); None when the path is not a
     local directory (a hub id: the engine checks k against the logits when it runs)."""
-    import json
-
-    if not model_path:
-        return None
-    config_file = Path(str(model_path)).expanduser() / "config.json"
-    if not config_file.is_file():
-        return None
-    vocab = json.loads(config_file.read_text()).get("vocab_size", None)
+    vocab = _local_model_config(model_path).get("vocab_size", None)
     return int(vocab) if isinstance(vocab, int) else None
 
 

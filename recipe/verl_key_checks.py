@@ -2,16 +2,19 @@
 
 The rule table (:data:`recipe.verl_keys.RULES`) names, for every key verl reads, what the divclip path does with
 it; the checks here are the ones its ``replaced`` and ``refused`` rows point at. Each raises ``ValueError``
-naming both keys (``recipe.config_checks`` reports it as a ``ConfigError`` before Ray starts).
+naming both keys (``recipe.config_checks`` reports it as a ``ConfigError`` before Ray starts). The table's row
+(:class:`KeyRule`, its class :class:`KeyClass`) is declared here too, beside the checks it names.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+import enum
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from verl.workers.config import PolicyLossConfig
@@ -48,6 +51,66 @@ DIVCLIP_PREFIXES = ("divclip", f"{ROLLOUT}.custom.validation", *(f"{POLICY}.{kno
 def is_divclip_key(key: str) -> bool:
     """Whether ``key`` is one of the project's own keys rather than verl's."""
     return any(key_under(key, prefix) for prefix in DIVCLIP_PREFIXES)
+
+
+# ------------------------------------------------------------------------------------------------
+# A row of the rule table
+# ------------------------------------------------------------------------------------------------
+
+
+class KeyClass(str, enum.Enum):
+    """What the divclip path does with a verl key (:mod:`recipe.verl_keys`'s docstring)."""
+
+    VERL_READS = "verl_reads"
+    HONOURED = "honoured"
+    REPLACED = "replaced"
+    REFUSED = "refused"
+    NO_EFFECT = "no_effect"
+
+
+@dataclass(frozen=True)
+class KeyRule:
+    """One row of the table.
+
+    Args:
+        key: A dotted verl key, or a prefix of keys (``data`` covers ``data.train_files``).
+        key_class: What the divclip path does with it.
+        reason: One line: why the key is in its class.
+        evidence: ``honoured`` only: the test(s) showing verl's effect on the divclip path.
+        replaced_by: ``replaced`` only: the key whose value the divclip path uses instead.
+        refused_when: The condition under which the key is refused before Ray starts (required for
+            ``replaced`` and ``refused``; allowed on any class for a refused combination).
+        check: The function refusing it: a callable taking the composed config (this module's checks), or
+            the dotted name of a ``recipe.config_checks`` function (``refused_when`` needs one of the two).
+        read_in: For a key verl's schema does not declare (it needs ``+`` on the command line), the file
+            under verl's package that reads it; the table's test checks the key's last part appears there.
+    """
+
+    key: str
+    key_class: KeyClass
+    reason: str
+    evidence: Optional[str] = None
+    replaced_by: Optional[str] = None
+    refused_when: Optional[str] = None
+    check: Optional[Callable[[DictConfig], None] | str] = None
+    read_in: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        where = f"KeyRule({self.key!r})"
+        if not self.key or self.key != self.key.strip(".") or " " in self.key:
+            raise ValueError(f"{where}: key must be a dotted config path")
+        if not isinstance(self.key_class, KeyClass):
+            raise ValueError(f"{where}: key_class must be a KeyClass, got {self.key_class!r}")
+        if not self.reason:
+            raise ValueError(f"{where}: reason is required")
+        if (self.evidence is not None) != (self.key_class is KeyClass.HONOURED):
+            raise ValueError(f"{where}: evidence is required for honoured rows and only for them")
+        if (self.replaced_by is not None) != (self.key_class is KeyClass.REPLACED):
+            raise ValueError(f"{where}: replaced_by is required for replaced rows and only for them")
+        if self.key_class in (KeyClass.REPLACED, KeyClass.REFUSED) and self.refused_when is None:
+            raise ValueError(f"{where}: a {self.key_class.value} row states refused_when")
+        if (self.refused_when is not None) != (self.check is not None):
+            raise ValueError(f"{where}: refused_when and check go together")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -246,9 +309,9 @@ def check_rollout_correction_needs_log_probs(config: DictConfig) -> None:
         value = _value(config, f"{CORRECTION}.{name}")
         if value is not None:
             raise ValueError(
-                f"{CORRECTION}.{name}={value!r} needs the rollout's log-probs, but {ROLLOUT}.calculate_log_probs=false: "
-                "verl 0.9.1's trainer then computes no rollout correction and trains without it, silently. Set "
-                f"{ROLLOUT}.calculate_log_probs=true or {CORRECTION}.{name}=null"
+                f"{CORRECTION}.{name}={value!r} needs the rollout's log-probs, but "
+                f"{ROLLOUT}.calculate_log_probs=false: verl 0.9.1's trainer then computes no rollout correction and "
+                f"trains without it, silently. Set {ROLLOUT}.calculate_log_probs=true or {CORRECTION}.{name}=null"
             )
 
 

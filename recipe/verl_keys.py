@@ -2,7 +2,8 @@
 
 ``python -m recipe.main`` composes ``configs/divclip_trainer.yaml`` -- verl 0.9.1's ``ppo_trainer`` plus the
 divclip keys -- so every key of verl's schema reaches the run. :data:`RULES` says, for the keys the divclip
-path touches (a key or a key prefix; the longest matching prefix wins, :func:`classify`), what happens to it:
+path touches (a key or a key prefix; the longest matching prefix wins, :func:`classify`), what happens to it
+(a :class:`recipe.verl_key_checks.KeyRule` of class :class:`~recipe.verl_key_checks.KeyClass`):
 
 * ``verl_reads`` -- no row: verl's own code reads it, the product's never does. Which keys the product reads
   is recorded, not listed: ``python -m recipe.verl_key_reads`` runs the trainer and engine tests with the
@@ -30,12 +31,10 @@ dataclasses: :func:`is_divclip_key` tells them apart, and only verl's keys need 
 from __future__ import annotations
 
 import argparse
-import enum
 import json
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -50,6 +49,8 @@ from recipe.verl_key_checks import (
     REF,
     ROLLOUT,
     TRAINER_MODE,
+    KeyClass,
+    KeyRule,
     check_clip_ratio_c,
     check_entropy_keys,
     check_log_prob_packing,
@@ -66,61 +67,6 @@ from recipe.verl_key_reads import READ_KEYS_PATH, read_keys
 
 DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "verl_features.md"
 READ_KEYS_FILE = READ_KEYS_PATH.relative_to(DOC_PATH.parents[1]).as_posix()
-
-
-class KeyClass(str, enum.Enum):
-    """What the divclip path does with a verl key (module docstring)."""
-
-    VERL_READS = "verl_reads"
-    HONOURED = "honoured"
-    REPLACED = "replaced"
-    REFUSED = "refused"
-    NO_EFFECT = "no_effect"
-
-
-@dataclass(frozen=True)
-class KeyRule:
-    """One row of the table.
-
-    Args:
-        key: A dotted verl key, or a prefix of keys (``data`` covers ``data.train_files``).
-        key_class: What the divclip path does with it.
-        reason: One line: why the key is in its class.
-        evidence: ``honoured`` only: the test(s) showing verl's effect on the divclip path.
-        replaced_by: ``replaced`` only: the key whose value the divclip path uses instead.
-        refused_when: The condition under which the key is refused before Ray starts (required for
-            ``replaced`` and ``refused``; allowed on any class for a refused combination).
-        check: The function refusing it: a callable taking the composed config (this module's checks), or
-            the dotted name of a ``recipe.config_checks`` function (``refused_when`` needs one of the two).
-        read_in: For a key verl's schema does not declare (it needs ``+`` on the command line), the file
-            under verl's package that reads it; the table's test checks the key's last part appears there.
-    """
-
-    key: str
-    key_class: KeyClass
-    reason: str
-    evidence: Optional[str] = None
-    replaced_by: Optional[str] = None
-    refused_when: Optional[str] = None
-    check: Optional[Callable[[DictConfig], None] | str] = None
-    read_in: Optional[str] = None
-
-    def __post_init__(self) -> None:
-        where = f"KeyRule({self.key!r})"
-        if not self.key or self.key != self.key.strip(".") or " " in self.key:
-            raise ValueError(f"{where}: key must be a dotted config path")
-        if not isinstance(self.key_class, KeyClass):
-            raise ValueError(f"{where}: key_class must be a KeyClass, got {self.key_class!r}")
-        if not self.reason:
-            raise ValueError(f"{where}: reason is required")
-        if (self.evidence is not None) != (self.key_class is KeyClass.HONOURED):
-            raise ValueError(f"{where}: evidence is required for honoured rows and only for them")
-        if (self.replaced_by is not None) != (self.key_class is KeyClass.REPLACED):
-            raise ValueError(f"{where}: replaced_by is required for replaced rows and only for them")
-        if self.key_class in (KeyClass.REPLACED, KeyClass.REFUSED) and self.refused_when is None:
-            raise ValueError(f"{where}: a {self.key_class.value} row states refused_when")
-        if (self.refused_when is not None) != (self.check is not None):
-            raise ValueError(f"{where}: refused_when and check go together")
 
 
 def verl_leaf_keys(config: DictConfig) -> Iterator[str]:
@@ -169,17 +115,15 @@ PACKING_EVIDENCE = (
 # fmt: off
 RULES: tuple[KeyRule, ...] = (
     # --- the reference worker: no entropy asked for -----------------------------------------------------
-    KeyRule(f"{REF}.entropy_checkpointing", N, "the reference pass asks for no entropy (verl's _compute_ref_log_prob)"),
-    KeyRule(f"{REF}.entropy_from_logits_with_chunking", N, "the reference pass asks for no entropy (verl's _compute_ref_log_prob)"),
-    KeyRule(f"{REF}.fsdp_config.entropy_checkpointing", N, "the reference pass asks for no entropy (verl's _compute_ref_log_prob)"),
-    KeyRule(f"{REF}.fsdp_config.entropy_from_logits_with_chunking", N,
-            "the reference pass asks for no entropy (verl's _compute_ref_log_prob)"),
+    *(KeyRule(f"{REF}.{name}", N, "the reference pass asks for no entropy (verl's _compute_ref_log_prob)")
+      for name in ("entropy_checkpointing", "entropy_from_logits_with_chunking", "fsdp_config.entropy_checkpointing",
+                   "fsdp_config.entropy_from_logits_with_chunking")),
     # --- the trainer -------------------------------------------------------------------------------------------
     KeyRule("trainer.use_v1", F, "recipe.main always runs verl's v1 trainer (the divclip hooks are v1's)",
             refused_when="false", check="validate_verl_features"),
-    KeyRule(TRAINER_MODE, H, "sync, colocate_async and separate_async: verl's TaskRunnerV1 builds the divclip subclass of "
-                             "verl's class for the mode (recipe.trainer.DIVCLIP_TRAINERS, in verl's trainer registry); "
-                             "an unknown mode is refused",
+    KeyRule(TRAINER_MODE, H, "sync, colocate_async and separate_async: verl's TaskRunnerV1 builds the divclip "
+                             "subclass of verl's class for the mode (recipe.trainer.DIVCLIP_TRAINERS, in verl's "
+                             "trainer registry); an unknown mode is refused",
             evidence=f"`{RECIPE_MAIN_TEST}::test_every_trainer_mode_validates_and_selects_verls_class_with_the_divclip_"
                      "features`; end to end: `tests/test_trainer_modes_cpu.py`",
             refused_when="an unregistered mode", check="validate_trainer_mode"),
@@ -193,13 +137,16 @@ RULES: tuple[KeyRule, ...] = (
             "verl's base trainer reads trainer.v1.<mode>.parameter_sync_step in every mode: local updates whose pi_old "
             "is recomputed each time, which the divclip on-policy flag treats as off-policy (only separate_async's "
             "Decoupled PPO is supported)",
-            refused_when="a value other than 1", check=check_parameter_sync_step, read_in="trainer/ppo/v1/trainer_base.py"),
+            refused_when="a value other than 1", check=check_parameter_sync_step,
+            read_in="trainer/ppo/v1/trainer_base.py"),
     KeyRule("trainer.v1.colocate_async.parameter_sync_step", F,
             "as trainer.v1.sync.parameter_sync_step, for colocate_async",
-            refused_when="a value other than 1", check=check_parameter_sync_step, read_in="trainer/ppo/v1/trainer_base.py"),
+            refused_when="a value other than 1", check=check_parameter_sync_step,
+            read_in="trainer/ppo/v1/trainer_base.py"),
     KeyRule("trainer.v1.separate_async.hybrid_rollout.enable_switch", F,
             "verl's hybrid rollout switch of separate_async",
-            refused_when="with actor_rollout_ref.rollout.disaggregation.enabled=true (verl asserts it after Ray starts)",
+            refused_when="with actor_rollout_ref.rollout.disaggregation.enabled=true (verl asserts it after Ray "
+                         "starts)",
             check="validate_trainer_mode"),
     KeyRule("trainer.resume_mode", H, "only complete checkpoints are resumed (recipe/checkpoints.py); sync resume "
                                       "across two nodes, async resume with TransferQueue's state",
@@ -222,9 +169,11 @@ RULES: tuple[KeyRule, ...] = (
     KeyRule(f"{ROLLOUT}.n_gpus_per_node", H, "separate_async's standalone rollout pool",
             evidence=f"`{RECIPE_MAIN_TEST}`; `tests/test_trainer_modes_cpu.py`",
             refused_when="0 in separate_async", check="validate_trainer_mode"),
-    KeyRule(f"{ROLLOUT}.checkpoint_engine.backend", H, "separate_async's weight transfer (cpu_gloo on the cpu platform)",
+    KeyRule(f"{ROLLOUT}.checkpoint_engine.backend", H,
+            "separate_async's weight transfer (cpu_gloo on the cpu platform)",
             evidence=f"`{RECIPE_MAIN_TEST}`; `tests/test_cpu_checkpoint_engine.py`; `tests/test_trainer_modes_cpu.py`",
-            refused_when="naive in separate_async (or not cpu_gloo on the cpu platform)", check="validate_trainer_mode"),
+            refused_when="naive in separate_async (or not cpu_gloo on the cpu platform)",
+            check="validate_trainer_mode"),
     KeyRule("reward.reward_model.enable_resource_pool", F, "verl's reward-model placement",
             refused_when="false with reward.reward_model.enable=true in separate_async (the standalone rollout never "
                          "pauses to free memory for a colocated reward model)", check="validate_trainer_mode"),
@@ -250,26 +199,29 @@ RULES: tuple[KeyRule, ...] = (
             refused_when="true with trainer.v1.separate_async.hybrid_rollout.enable_switch=true",
             check="validate_trainer_mode"),
     KeyRule(f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", P,
-            "with pack_old_log_prob_as_update the old-log-prob pass is packed as the update (its first epoch's micro-batches)",
+            "with pack_old_log_prob_as_update the old-log-prob pass is packed as the update (its first epoch's "
+            "micro-batches)",
             replaced_by=f"{ACTOR}.ppo_micro_batch_size_per_gpu",
             refused_when=f"{PACK_KEY}=true (the default; always with verl's plain policy-loss config), "
-                         f"{ACTOR}.use_dynamic_bsz=false, and a value other than verl's default (null) or the replacing "
-                         f"key's (the value the pass uses, so existing configs that set both alike validate)",
+                         f"{ACTOR}.use_dynamic_bsz=false, and a value other than verl's default (null) or the "
+                         "replacing key's (the value the pass uses, so existing configs that set both alike validate)",
             check=check_log_prob_packing),
     KeyRule(f"{ROLLOUT}.log_prob_max_token_len_per_gpu", P,
-            "with pack_old_log_prob_as_update the old-log-prob pass is packed as the update (its token budget per micro-batch)",
+            "with pack_old_log_prob_as_update the old-log-prob pass is packed as the update (its token budget per "
+            "micro-batch)",
             replaced_by=f"{ACTOR}.ppo_max_token_len_per_gpu",
             refused_when=f"{PACK_KEY}=true, {ACTOR}.use_dynamic_bsz=true, and a value other than the replacing key's "
                          "(verl's default interpolates it)",
             check=check_log_prob_packing),
     KeyRule(f"{ROLLOUT}.log_prob_use_dynamic_bsz", P,
-            "with pack_old_log_prob_as_update the old-log-prob pass is packed as the update (verl also asserts the two agree)",
+            "with pack_old_log_prob_as_update the old-log-prob pass is packed as the update (verl also asserts the two "
+            "agree)",
             replaced_by=f"{ACTOR}.use_dynamic_bsz",
             refused_when=f"{PACK_KEY}=true and a value other than the replacing key's (verl's default interpolates it)",
             check=check_log_prob_packing),
     KeyRule(f"{ROLLOUT}.log_prob_micro_batch_size", P,
-            "verl's deprecated global micro-batch size of the old-log-prob pass; with pack_old_log_prob_as_update the pass is "
-            "packed as the update",
+            "verl's deprecated global micro-batch size of the old-log-prob pass; with pack_old_log_prob_as_update the "
+            "pass is packed as the update",
             replaced_by=f"{ACTOR}.ppo_micro_batch_size_per_gpu",
             refused_when=f"{PACK_KEY}=true and a value other than null", check=check_log_prob_packing),
     # --- the actor loss --------------------------------------------------------------------------------------------
@@ -280,15 +232,16 @@ RULES: tuple[KeyRule, ...] = (
             check="validate_divclip_config"),
     KeyRule(f"{ACTOR}.clip_ratio", H, "verl's modes read it as in ppo_loss; the divclip ratio modes read the same key",
             evidence="`tests/test_ppo_loss_parity.py`, `tests/test_losses.py`"),
-    KeyRule(f"{ACTOR}.clip_ratio_low", H, "as actor.clip_ratio", evidence="`tests/test_ppo_loss_parity.py`, `tests/test_losses.py`",
-            refused_when="outside its range for a divclip mode", check="validate_divclip_config"),
-    KeyRule(f"{ACTOR}.clip_ratio_high", H, "as actor.clip_ratio", evidence="`tests/test_ppo_loss_parity.py`, `tests/test_losses.py`",
-            refused_when="outside its range for a divclip mode", check="validate_divclip_config"),
-    KeyRule(f"{ACTOR}.tau_pos", H, "verl's sapo mode reads it as in ppo_loss", evidence="`tests/test_ppo_loss_parity.py`"),
-    KeyRule(f"{ACTOR}.tau_neg", H, "verl's sapo mode reads it as in ppo_loss", evidence="`tests/test_ppo_loss_parity.py`"),
+    *(KeyRule(f"{ACTOR}.{name}", H, "as actor.clip_ratio",
+              evidence="`tests/test_ppo_loss_parity.py`, `tests/test_losses.py`",
+              refused_when="outside its range for a divclip mode", check="validate_divclip_config")
+      for name in ("clip_ratio_low", "clip_ratio_high")),
+    *(KeyRule(f"{ACTOR}.{name}", H, "verl's sapo mode reads it as in ppo_loss",
+              evidence="`tests/test_ppo_loss_parity.py`")
+      for name in ("tau_pos", "tau_neg")),
     KeyRule(f"{ACTOR}.clip_ratio_c", P,
-            "verl's dual-clip constant: the divclip modes take their dual clip from policy_loss.dual_clip_c alone (null = "
-            "off); verl's own modes read it in ppo_loss (and refuse dual_clip_c)",
+            "verl's dual-clip constant: the divclip modes take their dual clip from policy_loss.dual_clip_c alone "
+            "(null = off); verl's own modes read it in ppo_loss (and refuse dual_clip_c)",
             replaced_by=f"{POLICY}.dual_clip_c",
             refused_when="a value other than verl's default 3.0 or dual_clip_c's with a divclip loss_mode",
             check=check_clip_ratio_c),
@@ -311,8 +264,8 @@ RULES: tuple[KeyRule, ...] = (
             evidence=f"`{RECIPE_MAIN_TEST}`", refused_when="false with ERC", check="validate_divclip_config"),
     KeyRule(f"{ACTOR}.ppo_epochs", H, "the first epoch is packed as the old pass and checked; later epochs are "
                                       "off-policy by definition", evidence="`tests/test_onpolicy.py` (two epochs)"),
-    KeyRule(f"{ACTOR}.ppo_mini_batch_size", H, "the old pass is packed with the update's split, and the update checks it "
-                                               "against the record of what the pass packed",
+    KeyRule(f"{ACTOR}.ppo_mini_batch_size", H, "the old pass is packed with the update's split, and the update "
+                                               "checks it against the record of what the pass packed",
             evidence="`tests/test_onpolicy.py::test_the_update_checks_its_packing_against_the_old_pass_record`; bf16 "
                      "trainer runs in `tests/test_smoke_cpu.py`"),
     KeyRule(f"{ACTOR}.shuffle", H, "as actor.ppo_mini_batch_size",
@@ -334,8 +287,8 @@ RULES: tuple[KeyRule, ...] = (
             refused_when="> 1 with kl_full or kl_full_diagnostic", check="validate_old_topk"),
     KeyRule(f"{ACTOR}.strategy", H, "fsdp (FSDP1, GPU) and fsdp2, the engine the seam covers",
             evidence=f"`{RECIPE_MAIN_TEST}`",
-            refused_when="megatron / veomni / torchtitan while any seam feature is on (pack_old_log_prob_as_update is on by "
-                         "default)", check="validate_strategy"),
+            refused_when="megatron / veomni / torchtitan while any seam feature is on (pack_old_log_prob_as_update "
+                         "is on by default)", check="validate_strategy"),
     KeyRule("model_engine", H, "dp resolves fsdp2; megatron / veomni / torchtitan resolve their own strategy",
             evidence=f"`{RECIPE_MAIN_TEST}::test_model_engine_resolves_its_own_strategy_and_is_refused_with_the_seams_"
                      "features`",
@@ -402,7 +355,8 @@ RULES: tuple[KeyRule, ...] = (
     KeyRule(f"{ACTOR}.use_remove_padding", H, "follows actor_rollout_ref.model.use_remove_padding",
             evidence="`tests/test_entropy_numerics.py` (`bf16/padded`), `tests/test_full_kl_engine.py`"),
     KeyRule("actor_rollout_ref.model.lora_rank", H, "bit-identical to verl's ppo_loss with LoRA, exactly on-policy "
-                                                    "under bf16; the reference pass (adapter off) keeps the packing record",
+                                                    "under bf16; the reference pass (adapter off) keeps the packing "
+                                                    "record",
             evidence="`tests/test_verl_features_engine.py`",
             refused_when="an lm_head adapter with the vocabulary pass", check="validate_vocab_pass"),
     *(KeyRule(f"actor_rollout_ref.model.{name}", F, "verl's LoRA adapter (as model.lora_rank); the vocabulary pass "
@@ -414,7 +368,8 @@ RULES: tuple[KeyRule, ...] = (
             "verl's fused entropy serves both passes (bit-identical to ppo_loss, exactly on-policy); verl's own fused "
             "path fails under FSDP2 with an untied output head (outside the divclip path)",
             evidence=f"`tests/test_verl_features_engine.py`, `{RECIPE_MAIN_TEST}`",
-            refused_when="true with the vocabulary pass, kl_full or the diagnostic (no logits)", check="validate_vocab_pass"),
+            refused_when="true with the vocabulary pass, kl_full or the diagnostic (no logits)",
+            check="validate_vocab_pass"),
     KeyRule(f"{ACTOR}.use_fused_kernels", H, "follows actor_rollout_ref.model.use_fused_kernels",
             evidence="`tests/test_verl_features_engine.py`"),
     # --- the critic ------------------------------------------------------------------------------------------------
@@ -431,7 +386,8 @@ RULES: tuple[KeyRule, ...] = (
               **({"refused_when": "set with actor_rollout_ref.rollout.calculate_log_probs=false (verl then skips the "
                                   "correction silently)", "check": check_rollout_correction_needs_log_probs}
                  if name in ("rollout_is", "rollout_rs") else {}))
-      for name in ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs", "rollout_rs_threshold")),
+      for name in ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
+                   "rollout_rs_threshold")),
     KeyRule(f"{CORRECTION}.bypass_mode", H,
             "pi_old := mu for the ratio modes with pack_old_log_prob_as_update=false (the trust region is around the "
             "behaviour policy)",
@@ -573,8 +529,8 @@ def render_doc() -> str:
         "| --- | --- | --- | --- |",
         *(
             f"| `{key}` | {f'`{row.key}`' if row else NOT_CONFIG_KEYS.get(key, '-')} | "
-            f"{f'`{row.key_class.value}`' if row else '(no config key)' if key in NOT_CONFIG_KEYS else '`verl_reads`'} | "
-            f"{', '.join(f'`{m}`' for m in modules)} |"
+            f"{f'`{row.key_class.value}`' if row else '(no config key)' if key in NOT_CONFIG_KEYS else '`verl_reads`'} "
+            f"| {', '.join(f'`{m}`' for m in modules)} |"
             for key, modules in reads.items()
             for row in (row_of(key),)
         ),

@@ -163,8 +163,8 @@ def test_acceptance_runs_at_cpu_size_and_its_report_lists_every_target(tmp_path:
     reason, FSDP2's measured, every new figure computed (checked below against its definition), and the
     on-policy check holding for every divclip loss and the aligned packing. Without the flag the same report
     exits non-zero, naming every unmeasured target."""
-    from recipe.bench.acceptance import LOSSES
     from recipe.bench.acceptance_report import EXIT_FAILED, EXIT_MET, TARGETS, verdict
+    from recipe.bench.acceptance_runs import LOSSES
 
     out = tmp_path / "acceptance"
     proc = subprocess.run(
@@ -218,8 +218,8 @@ def test_acceptance_runs_at_cpu_size_and_its_report_lists_every_target(tmp_path:
 
 def check_new_figures(report: dict[str, Any]) -> None:
     """The acceptance's figures of the CPU-sized run, each against its definition."""
-    from recipe.bench.acceptance import LOSSES, SEARCH_LOSSES
     from recipe.bench.acceptance_report import TARGETS
+    from recipe.bench.acceptance_runs import LOSSES, SEARCH_LOSSES
     from recipe.bench.gpu_workload import response_lengths
 
     repeats, seq_len, sequences, budget = 2, 32, 4, 8 * 2**20
@@ -421,7 +421,7 @@ def test_the_acceptance_verdict_fails_an_unmeasured_target_unless_allowed_and_a_
 def _figures(**longest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Losses' and packing's figures as the children report them: every loss alike (1 s, 100 bytes) but the
     vocabulary pass (0.4 s, 30 bytes); ``longest`` gives searches by loss."""
-    from recipe.bench.acceptance import LOSSES
+    from recipe.bench.acceptance_runs import LOSSES
 
     losses = {
         name: {
@@ -483,7 +483,7 @@ def test_the_acceptance_judges_each_figure_against_its_target() -> None:
 def test_the_search_counts_only_running_out_of_memory_as_not_fitting() -> None:
     """What the GPU search catches as "does not fit": torch's out-of-memory error, also when a compiled graph or
     verl raised another error from it, or a ``RuntimeError`` saying so; nothing else."""
-    from recipe.bench.acceptance import _out_of_memory
+    from recipe.bench.acceptance_runs import _out_of_memory
 
     def raised(error: BaseException, cause: BaseException | None = None) -> BaseException:
         try:

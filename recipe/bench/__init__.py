@@ -11,8 +11,9 @@ and glibc settings), ``losses`` (forward+backward time of every divclip mode aga
 ``vanilla``), ``entropy_memory`` (peak host memory of an actor update with and without the
 current-policy entropy), ``reward`` (reward throughput, ours against verl's), ``gpu`` (ERC's entropy
 path against verl's on one CUDA GPU at bf16, FSDP1 and FSDP2), ``acceptance`` (every GPU figure beside its
-target: ``gpu --acceptance``), ``gpu_workload`` (the model shape and loss configs both share), ``onpolicy`` (ERC's on-policy
-exactness under the configs' packings: the noise's source and the alignment's cost), ``full_kl``
+target: ``gpu --acceptance``; its two child runs in ``acceptance_runs``, its targets and report in
+``acceptance_report``), ``gpu_workload`` (the model shape and loss configs both share), ``onpolicy`` (ERC's
+on-policy exactness under the configs' packings: the noise's source and the alignment's cost), ``full_kl``
 (``kl_full``'s update against ``kl3``'s; bytes of the stored top-k), ``topk_tail`` (a checkpoint's
 mass outside its top-k on teacher-forced solutions: what ``kl_full_top_k`` is chosen from),
 ``trainer_modes`` (samples per second of verl's sync and async trainer modes on the CPU smoke, and their

@@ -1,8 +1,8 @@
 """The GPU acceptance's targets and report: each figure against verl's baseline in the same run, the targets
 judged on them, the Markdown report and the exit code (:func:`verdict`).
 
-Apart from :mod:`recipe.bench.acceptance` (the runs that measure) so that each stays short; it imports
-nothing of the project, and the acceptance re-exports what it names.
+Apart from :mod:`recipe.bench.acceptance` (the command) and :mod:`recipe.bench.acceptance_runs` (the runs that
+measure) so that each stays short; it imports nothing of the project.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ EXIT_MET, EXIT_FAILED, EXIT_BAD_OPTIONS, EXIT_UNMEASURED = 0, 1, 2, 3
 @dataclass(frozen=True)
 class Target:
     name: str
-    variant: str  #: a loss of ``recipe.bench.acceptance.LOSSES``, or "aligned" (the packing run)
+    variant: str  #: a loss of ``recipe.bench.acceptance_runs.LOSSES``, or "aligned" (the packing run)
     figure: str  #: a key of that variant's ratios
     limit: float
     at_least: bool = False  #: the figure must be >= limit (else <= limit)
@@ -178,7 +178,7 @@ def markdown(report: dict[str, Any]) -> str:
             ]
             for name, g in gauge.items():
                 first = g.get("first_update", {})
-                pick = lambda key: "-" if key not in first else f"{max(first[key]):.3g}"  # noqa: E731
+                pick = lambda key, first=first: "-" if key not in first else f"{max(first[key]):.3g}"  # noqa: E731
                 lines.append(
                     f"| {name} | {g['holds']} | {pick(GAUGE + 'log_ratio_abs_max')} | {pick(GAUGE + 'ratio_clipfrac')} "
                     f"| {pick(GAUGE + 'erc_masked_frac')} | {g.get('tensor_cores', '-')} |"

@@ -1,11 +1,11 @@
 """What the GPU probe and the GPU acceptance run measure: the model, the strategies and the losses.
 
 Both :mod:`recipe.bench.gpu` (the probe, one variant per process) and :mod:`recipe.bench.acceptance`
-(every target in one call) build R1-Distill-Qwen-1.5B's shape from a config, run it under verl
-0.9.1's FSDP1 and FSDP2 and configure ERC-DAPO, ``kl3`` and ``kl_full`` alike. That shared part lives
-here, below both, so neither imports the other (``tests/test_layout.py`` checks that no module of the
-project takes part in an import cycle); ``python -m recipe.bench gpu --acceptance`` reaches the
-acceptance run through ``recipe.bench.__main__``.
+(every target in one call; its runs in :mod:`recipe.bench.acceptance_runs`) build R1-Distill-Qwen-1.5B's
+shape from a config, run it under verl 0.9.1's FSDP1 and FSDP2 and configure ERC-DAPO, ``kl3`` and
+``kl_full`` alike. That shared part lives here, below both, so neither imports the other
+(``tests/test_layout.py`` checks that no module of the project takes part in an import cycle);
+``python -m recipe.bench gpu --acceptance`` reaches the acceptance run through ``recipe.bench.__main__``.
 """
 
 from __future__ import annotations

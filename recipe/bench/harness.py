@@ -178,9 +178,8 @@ class WorkerOptions:
     device: str = "cpu"  # verl platform the worker must run on ("cuda" for the GPU probe)
     use_torch_compile: bool = False  # actor.fsdp_config.use_torch_compile (verl's GPU default: True)
     use_fused_kernels: bool = False  # actor_rollout_ref.model.use_fused_kernels
-    fused_kernels_backend: str = (
-        "torch"  # actor_rollout_ref.model.fused_kernel_options.impl_backend (verl's yaml default)
-    )
+    # actor_rollout_ref.model.fused_kernel_options.impl_backend (verl's yaml default)
+    fused_kernels_backend: str = "torch"
     ulysses_sequence_parallel_size: int = 1  # actor.fsdp_config.ulysses_sequence_parallel_size
     strategy: str = "fsdp2"  # actor.strategy: "fsdp" is FSDP1 (GPU only in verl 0.9.1), "fsdp2" FSDP2
     lora_rank: int = 0  # actor_rollout_ref.model.lora_rank (> 0: verl wraps the model in a peft LoRA adapter)
@@ -194,7 +193,7 @@ EXACT_SGD: dict[str, Any] = dict(optimizer="SGD", lr=0.5, clip_grad=1e9)
 so tests can compare gradients by comparing parameter updates."""
 
 
-def build_actor_worker(model_path: str, options: WorkerOptions = WorkerOptions()) -> Any:
+def build_actor_worker(model_path: str, options: Optional[WorkerOptions] = None) -> Any:
     """Build and initialise verl's ``TrainingWorker`` for the actor on the CPU platform (FSDP2).
 
     Needs ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` in the environment (set by
@@ -210,20 +209,16 @@ def build_actor_worker(model_path: str, options: WorkerOptions = WorkerOptions()
     ``options.attn_implementation`` instead while the engine builds (:func:`_value_model_attention`).
 
     This process builds an actor worker, so it gets the engine seam (:func:`verl_ext.engine.seam.install`), as
-    an actor worker of a training run does when it unpickles its loss.
+    an actor worker of a training run does when it unpickles its loss. ``options=None``: ``WorkerOptions()``.
     """
+    options = WorkerOptions() if options is None else options
     from verl.plugin.platform import get_platform
 
     from verl_ext.engine import seam
 
     seam.install()
     from verl.trainer.config import CheckpointConfig
-    from verl.workers.config import (
-        FSDPEngineConfig,
-        FSDPOptimizerConfig,
-        HFModelConfig,
-        TrainingWorkerConfig,
-    )
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig
     from verl.workers.engine_workers import TrainingWorker
 
     if get_platform().device_name != options.device:
@@ -260,10 +255,7 @@ def build_actor_worker(model_path: str, options: WorkerOptions = WorkerOptions()
         seed=options.seed,
     )
     optimizer_config = FSDPOptimizerConfig(
-        optimizer=options.optimizer,
-        lr=options.lr,
-        weight_decay=options.weight_decay,
-        clip_grad=options.clip_grad,
+        optimizer=options.optimizer, lr=options.lr, weight_decay=options.weight_decay, clip_grad=options.clip_grad
     )
     worker = TrainingWorker(
         TrainingWorkerConfig(
@@ -314,11 +306,7 @@ def make_actor_config(**overrides: Any) -> Any:
     from verl.workers.config import FSDPActorConfig
 
     kwargs: dict[str, Any] = dict(
-        strategy="fsdp2",
-        ppo_mini_batch_size=4,
-        ppo_micro_batch_size_per_gpu=2,
-        use_dynamic_bsz=False,
-        rollout_n=1,
+        strategy="fsdp2", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False, rollout_n=1
     )
     kwargs.update(overrides)
     return FSDPActorConfig(**kwargs)
