@@ -23,9 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
         "or OpenMathReasoning into the ATR paper's SFT set.",
     )
     parser.add_argument("dataset", choices=sorted([*DATASETS, openmath.NAME]))
-    parser.add_argument("--input", required=True, help="file (.parquet/.json/.jsonl), folder, save_to_disk folder, or hub id")
+    parser.add_argument(
+        "--input", required=True, help="file (.parquet/.json/.jsonl), folder, save_to_disk folder, or hub id"
+    )
     parser.add_argument("--output", required=True, help="folder; writes <dataset>.parquet there")
-    parser.add_argument("--template", choices=sorted(TEMPLATES), help="prompt template (default depends on the dataset)")
+    parser.add_argument(
+        "--template", choices=sorted(TEMPLATES), help="prompt template (default depends on the dataset)"
+    )
     parser.add_argument("--split", help="split of a hub dataset or DatasetDict folder (OpenMathReasoning: cot)")
     parser.add_argument("--config", help="config name of a hub dataset (e.g. opencompass/AIME2025 AIME2025-I)")
     parser.add_argument("--summary-json", action="store_true", help="print the summary as one JSON object")
@@ -33,8 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--tokenizer", help="model folder or hub id whose chat template and tokenizer count the tokens")
     sft.add_argument("--exclude", nargs="+", default=[], help="evaluation parquets (or their folder) to dedupe against")
     sft.add_argument("--sample", type=int, default=openmath.DEFAULT_SAMPLE, help="rows to write (default %(default)s)")
-    sft.add_argument("--max-tokens", type=int, default=openmath.DEFAULT_MAX_TOKENS,
-                     help="longest prompt + target in tokens (default %(default)s)")
+    sft.add_argument(
+        "--max-tokens",
+        type=int,
+        default=openmath.DEFAULT_MAX_TOKENS,
+        help="longest prompt + target in tokens (default %(default)s)",
+    )
     sft.add_argument("--seed", type=int, default=openmath.DEFAULT_SEED, help="sampling seed (default %(default)s)")
     return parser
 
@@ -49,8 +57,16 @@ def main(argv: list[str] | None = None) -> int:
             if args.template:
                 parser.error("openmathreasoning always uses the dapo template (the RL prompts'); drop --template")
             summary: object = openmath.convert_openmath(
-                args.input, args.output, args.tokenizer, args.exclude, args.sample, args.max_tokens, args.seed,
-                args.split, args.config)
+                args.input,
+                args.output,
+                args.tokenizer,
+                args.exclude,
+                args.sample,
+                args.max_tokens,
+                args.seed,
+                args.split,
+                args.config,
+            )
         else:
             summary = convert(args.dataset, args.input, args.output, args.template, args.split, args.config)
     except DataPrepError as exc:

@@ -55,8 +55,15 @@ DATASETS: dict[str, DatasetSpec] = {
         DatasetSpec("amc23", "amc23", "test", "boxed"),
         # ATR Table 2's AMC2023: AI-MO/aimo-validation-amc, 83 problems of AMC 2022 and 2023
         # (columns id, problem, answer as a float, url); amc23 (40 problems) stays for the ERC runs.
-        DatasetSpec("aimo-amc", "aimo_amc", "test", "boxed", output_name="aimo_amc",
-                    required_columns=frozenset({"id", "problem", "answer", "url"}), strict=True),
+        DatasetSpec(
+            "aimo-amc",
+            "aimo_amc",
+            "test",
+            "boxed",
+            output_name="aimo_amc",
+            required_columns=frozenset({"id", "problem", "answer", "url"}),
+            strict=True,
+        ),
         DatasetSpec("math500", "math500", "test", "boxed"),
         DatasetSpec("hmmt25", "hmmt25", "test", "boxed"),
         DatasetSpec("olympiadbench", "olympiadbench", "test", "boxed"),
@@ -156,7 +163,12 @@ def to_verl_row(spec: DatasetSpec, template: str, item: Problem, index: int) -> 
         data_source = item.data_source
     if spec.name == "dapo-math-17k" and template != "dapo":
         data_source = DAPO_OTHER_TEMPLATE_SOURCE
-    extra_info: dict[str, Any] = {"index": index, "split": spec.split, "source_id": item.source_id, "problem": item.problem}
+    extra_info: dict[str, Any] = {
+        "index": index,
+        "split": spec.split,
+        "source_id": item.source_id,
+        "problem": item.problem,
+    }
     extra_info.update(item.extras)
     return {
         "data_source": data_source,
@@ -173,8 +185,15 @@ def _progress(rows: Any, total: int | None, description: str) -> Any:
         from tqdm import tqdm
     except ImportError:
         return rows
-    return tqdm(rows, total=total, desc=f"reading {description}", unit="rows", file=sys.stderr, mininterval=1.0,
-                disable=total is not None and total < 10_000)
+    return tqdm(
+        rows,
+        total=total,
+        desc=f"reading {description}",
+        unit="rows",
+        file=sys.stderr,
+        mininterval=1.0,
+        disable=total is not None and total < 10_000,
+    )
 
 
 def convert(
@@ -210,7 +229,8 @@ def convert(
             if spec.strict:
                 row_id = row.get("id") if isinstance(row, dict) else None
                 raise DataPrepError(
-                    f"{records.description}: row {position}" + (f" (id {row_id})" if row_id is not None else "")
+                    f"{records.description}: row {position}"
+                    + (f" (id {row_id})" if row_id is not None else "")
                     + f": {item.reason}; every {dataset} problem counts, so nothing was written"
                 )
             summary.dropped[item.reason] += 1

@@ -47,7 +47,11 @@ def open_input(source: str, split: str | None = None, config: str | None = None)
     if path.is_file():
         return _open_file(path)
     if path.is_dir():
-        if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+        if (
+            (path / "dataset_info.json").exists()
+            or (path / "dataset_dict.json").exists()
+            or (path / "state.json").exists()
+        ):
             return _open_saved_dataset(path, split)
         return _open_folder(path)
     if _HUB_ID.match(source):
@@ -137,14 +141,18 @@ def _with_columns(description: str, total: int | None, rows: Iterator[Any]) -> R
 def _open_folder(path: Path) -> RecordSource:
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in DATA_SUFFIXES)
     if not files:
-        raise DataPrepError(f"{path}: folder holds no {', '.join(DATA_SUFFIXES)} files and is not a save_to_disk folder")
+        raise DataPrepError(
+            f"{path}: folder holds no {', '.join(DATA_SUFFIXES)} files and is not a save_to_disk folder"
+        )
     sources = [_open_file(file) for file in files]
     columns: list[str] = []
     for source in sources:
         columns.extend(c for c in source.columns if c not in columns)
     totals = [s.total for s in sources]
     total = sum(t for t in totals if t is not None) if all(t is not None for t in totals) else None
-    return RecordSource(f"{path} ({len(files)} files)", columns, total, itertools.chain.from_iterable(s.rows for s in sources))
+    return RecordSource(
+        f"{path} ({len(files)} files)", columns, total, itertools.chain.from_iterable(s.rows for s in sources)
+    )
 
 
 def _open_saved_dataset(path: Path, split: str | None) -> RecordSource:

@@ -135,14 +135,23 @@ def _olympiad(row: Mapping[str, Any], position: int) -> Problem:
     final = row.get("final_answer")
     if final is None or (isinstance(final, (list, tuple)) and not final):
         raise RowError("no final_answer (proof problem)")
-    return Problem(_text(row.get("question"), "question"), answer_text(final, "final_answer"), _id(row.get("id"), position))
+    return Problem(
+        _text(row.get("question"), "question"), answer_text(final, "final_answer"), _id(row.get("id"), position)
+    )
 
 
-def _columns(problem_key: str, answer_key: str, id_keys: tuple[str, ...]) -> Callable[[Mapping[str, Any], int], Problem]:
+def _columns(
+    problem_key: str, answer_key: str, id_keys: tuple[str, ...]
+) -> Callable[[Mapping[str, Any], int], Problem]:
     def convert(row: Mapping[str, Any], position: int) -> Problem:
         row_id = next((row[k] for k in id_keys if row.get(k) is not None), None)
         extras = {k: str(row[k]) for k in ("subject", "level") if row.get(k) is not None}
-        return Problem(_text(row.get(problem_key), problem_key), answer_text(row.get(answer_key), answer_key), _id(row_id, position), extras=extras)
+        return Problem(
+            _text(row.get(problem_key), problem_key),
+            answer_text(row.get(answer_key), answer_key),
+            _id(row_id, position),
+            extras=extras,
+        )
 
     convert.__doc__ = f"Flat rows: ``{problem_key}`` / ``{answer_key}``."
     return convert
@@ -161,8 +170,18 @@ LAYOUTS: tuple[Layout, ...] = (
     Layout("verl", frozenset({"prompt", "reward_model"}), _verl, "DAPO-Math-17k, KlearReasoner-MathSub-30K"),
     Layout("klear-meta", frozenset({"messages", "meta"}), _klear_meta, "KlearReasoner aime24/aime25"),
     Layout("klear-answer", frozenset({"messages", "answer"}), _klear_answer, "KlearReasoner HMMT-202502"),
-    Layout("olympiadbench", frozenset({"question", "final_answer"}), _olympiad, "Hothan/OlympiadBench, math-ai/olympiadbench"),
-    Layout("Problem-Answer", frozenset({"Problem", "Answer"}), _columns("Problem", "Answer", ("ID",)), "Maxwell-Jia/AIME_2024"),
+    Layout(
+        "olympiadbench",
+        frozenset({"question", "final_answer"}),
+        _olympiad,
+        "Hothan/OlympiadBench, math-ai/olympiadbench",
+    ),
+    Layout(
+        "Problem-Answer",
+        frozenset({"Problem", "Answer"}),
+        _columns("Problem", "Answer", ("ID",)),
+        "Maxwell-Jia/AIME_2024",
+    ),
     Layout(
         "problem-answer",
         frozenset({"problem", "answer"}),
@@ -170,7 +189,12 @@ LAYOUTS: tuple[Layout, ...] = (
         "HuggingFaceH4/MATH-500, HuggingFaceH4/aime_2024, yentinglin/aime_2025, AI-MO/aimo-validation-amc, "
         "MathArena/hmmt_feb_2025, Qwen2.5-Math amc23",
     ),
-    Layout("question-answer", frozenset({"question", "answer"}), _columns("question", "answer", ("id",)), "opencompass/AIME2025, math-ai/amc23"),
+    Layout(
+        "question-answer",
+        frozenset({"question", "answer"}),
+        _columns("question", "answer", ("id",)),
+        "opencompass/AIME2025, math-ai/amc23",
+    ),
 )
 
 

@@ -75,16 +75,24 @@ class SFTSummary:
     output: str = ""
 
     def lines(self) -> list[str]:
-        lines = [f"rows read: {self.rows_read}", f"rows written: {self.rows_written}",
-                 f"rows dropped: {sum(self.dropped.values())}"]
+        lines = [
+            f"rows read: {self.rows_read}",
+            f"rows written: {self.rows_written}",
+            f"rows dropped: {sum(self.dropped.values())}",
+        ]
         lines += [f"  {reason}: {count}" for reason, count in self.dropped.most_common()]
         lines.append(f"evaluation problems excluded against: {self.excluded_problems}")
         lines.append(f"output: {self.output}")
         return lines
 
     def as_dict(self) -> dict[str, Any]:
-        return {"rows_read": self.rows_read, "rows_written": self.rows_written, "dropped": dict(self.dropped),
-                "excluded_problems": self.excluded_problems, "output": self.output}
+        return {
+            "rows_read": self.rows_read,
+            "rows_written": self.rows_written,
+            "dropped": dict(self.dropped),
+            "excluded_problems": self.excluded_problems,
+            "output": self.output,
+        }
 
 
 _NON_ALNUM = re.compile(r"[\W_]+", re.UNICODE)
@@ -138,7 +146,7 @@ def solution_summary(solution: str) -> str | None:
     close = solution.rfind(THINK_CLOSE)
     if close < 0:
         return None
-    text = solution[close + len(THINK_CLOSE):].strip()
+    text = solution[close + len(THINK_CLOSE) :].strip()
     return text or None
 
 
@@ -247,19 +255,28 @@ def convert_openmath(
         if len(rows) == sample:
             summary.dropped[NOT_SAMPLED] += len(ordered) - position
             break
-        messages = [{"role": "user", "content": apply_template("dapo", cand.problem)},
-                    {"role": "assistant", "content": assistant_text(cand.summary, cand.answer)}]
+        messages = [
+            {"role": "user", "content": apply_template("dapo", cand.problem)},
+            {"role": "assistant", "content": assistant_text(cand.summary, cand.answer)},
+        ]
         prompt, target = encode_pair(tok, messages, enable_thinking=enable_thinking)
         if len(prompt) + len(target) > max_tokens:
             summary.dropped[TOO_LONG] += 1
             continue
-        rows.append({
-            "data_source": DATA_SOURCE,
-            "messages": messages,
-            "enable_thinking": enable_thinking,
-            "extra_info": {"index": len(rows), "problem": cand.problem, "expected_answer": cand.answer,
-                           "num_tokens": len(prompt) + len(target), **cand.extras},
-        })
+        rows.append(
+            {
+                "data_source": DATA_SOURCE,
+                "messages": messages,
+                "enable_thinking": enable_thinking,
+                "extra_info": {
+                    "index": len(rows),
+                    "problem": cand.problem,
+                    "expected_answer": cand.answer,
+                    "num_tokens": len(prompt) + len(target),
+                    **cand.extras,
+                },
+            }
+        )
     if not rows:
         raise DataPrepError(
             f"{records.description}: no usable rows (read {summary.rows_read}; dropped {dict(summary.dropped)}); "

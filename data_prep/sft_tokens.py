@@ -28,9 +28,11 @@ def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
     if not isinstance(messages, (list, tuple)) or len(messages) != 2:
         raise ValueError(f"{where}: 'messages' must be [user, assistant], got {messages!r:.120}")
     out = []
-    for message, role in zip(messages, ROLES):
+    for message, role in zip(messages, ROLES, strict=False):
         if not isinstance(message, dict) or message.get("role") != role:
-            raise ValueError(f"{where}: 'messages' must be [user, assistant]; expected role {role!r}, got {message!r:.120}")
+            raise ValueError(
+                f"{where}: 'messages' must be [user, assistant]; expected role {role!r}, got {message!r:.120}"
+            )
         content = message.get("content")
         if not isinstance(content, str) or not content.strip():
             raise ValueError(f"{where}: the {role} message has no text content")
@@ -55,6 +57,8 @@ def response_ids(tokenizer: Any, text: str) -> list[int]:
     return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]] + [int(tokenizer.eos_token_id)]
 
 
-def encode_pair(tokenizer: Any, messages: list[dict[str, str]], **chat_template_kwargs: Any) -> tuple[list[int], list[int]]:
+def encode_pair(
+    tokenizer: Any, messages: list[dict[str, str]], **chat_template_kwargs: Any
+) -> tuple[list[int], list[int]]:
     """(prompt ids, target ids) of one ``[user, assistant]`` row; ``len(a) + len(b)`` is its length."""
     return prompt_ids(tokenizer, messages[0], **chat_template_kwargs), response_ids(tokenizer, messages[1]["content"])

@@ -27,10 +27,16 @@ TEMPLATES: dict[str, str] = {
 
 _WRAPPERS: list[tuple[re.Pattern[str], re.Pattern[str]]] = [
     (
-        re.compile(r"^\s*Solve the following math problem step by step\..*?where \$Answer is the answer to the problem\.\s*", re.S),
+        re.compile(
+            r"^\s*Solve the following math problem step by step\..*?where \$Answer is the answer to the problem\.\s*",
+            re.S,
+        ),
         re.compile(r'\s*Remember to put your answer on its own line after "Answer:"\.?\s*$'),
     ),
-    (re.compile(r"^"), re.compile(r"\s*Please reason step by step, and put your final answer within \\boxed\{\}\.?\s*$")),
+    (
+        re.compile(r"^"),
+        re.compile(r"\s*Please reason step by step, and put your final answer within \\boxed\{\}\.?\s*$"),
+    ),
 ]
 
 

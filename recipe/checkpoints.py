@@ -60,7 +60,11 @@ def set_aside_incomplete_checkpoints(checkpoint_dir: str | os.PathLike[str]) -> 
         target = directory / INCOMPLETE / f"{folder.name}.{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         target.parent.mkdir(exist_ok=True)
         shutil.move(str(folder), str(target))
-        logger.warning("checkpoint %s was written after the last complete one (tracker: %s): set aside as %s",
-                       folder, latest, target)
+        logger.warning(
+            "checkpoint %s was written after the last complete one (tracker: %s): set aside as %s",
+            folder,
+            latest,
+            target,
+        )
         moved.append(target)
     return moved

@@ -29,8 +29,8 @@ from verl_ext.core.coarsened_kl import check_top_k
 from verl_ext.core.region import CONSTRAINTS
 from verl_ext.engine.request import SUPPORTED_STRATEGIES, requested_features
 from verl_ext.knobs import check_knobs_read
-from verl_ext.registry import check_policy_config
 from verl_ext.plugin import require_registered
+from verl_ext.registry import check_policy_config
 
 ACTOR = "actor_rollout_ref.actor"
 
@@ -276,13 +276,17 @@ def validate_trainer_mode(config: DictConfig, actor: Any) -> None:
             "PPOTrainerSeparateAsync._setup (a logger call with flush=True): leave actor_rollout_ref.hybrid_engine=true"
         )
     if OmegaConf.select(config, "reward.reward_model.enable", default=False) and not OmegaConf.select(
-            config, "reward.reward_model.enable_resource_pool", default=False):
+        config, "reward.reward_model.enable_resource_pool", default=False
+    ):
         raise ConfigError(
             f"{TRAINER_MODE}=separate_async never pauses the standalone rollout to free memory for a colocated reward "
             "model: with reward.reward_model.enable=true set reward.reward_model.enable_resource_pool=true"
         )
-    if OmegaConf.select(separate, "hybrid_rollout.enable_switch", default=False) and config.actor_rollout_ref.get(
-            "hybrid_engine", True) and OmegaConf.select(rollout, "disaggregation.enabled", default=False):
+    if (
+        OmegaConf.select(separate, "hybrid_rollout.enable_switch", default=False)
+        and config.actor_rollout_ref.get("hybrid_engine", True)
+        and OmegaConf.select(rollout, "disaggregation.enabled", default=False)
+    ):
         raise ConfigError(
             f"{TRAINER_MODE}=separate_async: trainer.v1.separate_async.hybrid_rollout.enable_switch=true does not "
             f"support {ROLLOUT}.disaggregation.enabled=true (verl moves paused replicas' queued requests)"
@@ -291,8 +295,10 @@ def validate_trainer_mode(config: DictConfig, actor: Any) -> None:
         # data-parallel ranks: Ulysses sequence parallelism shares each sample among sp ranks
         ranks = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node) // _ulysses_size(actor)
         rows = train_batch_size // sync_step * int(rollout.n)
-        for key, size in ((f"{ACTOR}.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu),
-                          (f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", rollout.get("log_prob_micro_batch_size_per_gpu"))):
+        for key, size in (
+            (f"{ACTOR}.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu),
+            (f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", rollout.get("log_prob_micro_batch_size_per_gpu")),
+        ):
             if size and (rows % ranks or (rows // ranks) % int(size)):
                 raise ConfigError(
                     f"{TRAINER_MODE}=separate_async trains {rows} samples per update (data.train_batch_size / "
@@ -414,7 +420,9 @@ def validate_old_topk(config: DictConfig, actor: Any, policy: DivClipPolicyLossC
     that pass or those logits, and a k larger than the model's vocabulary (read from a local
     checkpoint's config.json)."""
     what = (
-        f"{ACTOR}.policy_loss.loss_mode=kl_full" if policy.loss_mode == "kl_full" else f"{ACTOR}.policy_loss.kl_full_diagnostic=true"
+        f"{ACTOR}.policy_loss.loss_mode=kl_full"
+        if policy.loss_mode == "kl_full"
+        else f"{ACTOR}.policy_loss.kl_full_diagnostic=true"
     )
     rollout_correction = config.algorithm.get("rollout_correction", None) or {}
     if rollout_correction.get("bypass_mode", False):

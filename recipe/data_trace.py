@@ -27,7 +27,8 @@ import os
 import socket
 import time
 from collections import Counter
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 DATA_TRACE_KEY = "divclip.data_trace"
 
@@ -52,18 +53,32 @@ class DataTrace:
     def fetched(self, step: int, uids: Iterable[str], indices: Iterable[Any], raw_prompts: Iterable[Any]) -> None:
         """Prompts the trainer fetched from the dataloader at step ``step``: verl's uid of each, its dataset index
         and its prompt."""
-        self._append({"event": "fetched", "step": int(step), "attempt": self.attempt,
-                      "prompts": self._hold(uids, indices, raw_prompts)})
+        self._append(
+            {
+                "event": "fetched",
+                "step": int(step),
+                "attempt": self.attempt,
+                "prompts": self._hold(uids, indices, raw_prompts),
+            }
+        )
 
-    def restored(self, step: int, uids: Iterable[str], indices: Iterable[Any], raw_prompts: Iterable[Any],
-                 statuses: Iterable[str]) -> None:
+    def restored(
+        self,
+        step: int,
+        uids: Iterable[str],
+        indices: Iterable[Any],
+        raw_prompts: Iterable[Any],
+        statuses: Iterable[str],
+    ) -> None:
         """The prompt groups an asynchronous resume took back from TransferQueue before step ``step``, as
         :meth:`fetched`, with verl's status of each group at the checkpoint."""
         ids = self._hold(uids, indices, raw_prompts)
         status = [str(value) for value in statuses]
         if len(status) != len(ids):
             raise ValueError(f"{DATA_TRACE_KEY}: {len(ids)} restored prompts but {len(status)} statuses")
-        self._append({"event": "restored", "step": int(step), "attempt": self.attempt, "prompts": ids, "status": status})
+        self._append(
+            {"event": "restored", "step": int(step), "attempt": self.attempt, "prompts": ids, "status": status}
+        )
 
     def _hold(self, uids: Iterable[str], indices: Iterable[Any], raw_prompts: Iterable[Any]) -> list[list[Any]]:
         """Note the prompts the trainer holds from now on; returns their ids."""
@@ -77,13 +92,23 @@ class DataTrace:
         """Step ``step`` updated the actor on these samples (verl's ``{uid}_{session}_{index}`` keys, with their
         TransferQueue tags): the synthetic samples verl appends to make a batch divisible (tagged ``is_padding``,
         ``verl.trainer.ppo.padding_utils``) belong to no prompt and are left out."""
-        samples = Counter(str(key).split("_", 1)[0] for key, tag in zip(sample_keys, tags, strict=True)
-                          if not tag.get("is_padding", False))
+        samples = Counter(
+            str(key).split("_", 1)[0]
+            for key, tag in zip(sample_keys, tags, strict=True)
+            if not tag.get("is_padding", False)
+        )
         unknown = sorted(uid for uid in samples if uid not in self._prompts)
         if unknown:
             raise KeyError(f"{DATA_TRACE_KEY}: step {step} trained on prompts never fetched: {unknown[:3]}")
-        self._append({"event": "trained", "step": int(step), "attempt": self.attempt,
-                      "prompts": sorted(self._prompts.pop(uid) for uid in samples), "samples": sum(samples.values())})
+        self._append(
+            {
+                "event": "trained",
+                "step": int(step),
+                "attempt": self.attempt,
+                "prompts": sorted(self._prompts.pop(uid) for uid in samples),
+                "samples": sum(samples.values()),
+            }
+        )
 
     def _append(self, line: dict[str, Any]) -> None:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)

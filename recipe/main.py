@@ -37,7 +37,9 @@ def validate(config: DictConfig) -> None:
     auto_set_device(config)
     validate_divclip_config(config)
     with lora_rank_check_without_vllm():
-        validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+        validate_config(
+            config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config)
+        )
 
 
 def run(config: DictConfig) -> None:

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from verl_ext.knobs import FEATURES, KNOBS, Feature, all_modes, mode_reads
 from verl_ext.core.region import CONSTRAINTS
+from verl_ext.knobs import FEATURES, KNOBS, Feature, all_modes, mode_reads
 from verl_ext.verl_modes import VERL_MODE_READS
 
 README = Path(__file__).resolve().parents[1] / "README.md"

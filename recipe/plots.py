@@ -146,7 +146,9 @@ def _plot_series(ax: Any, steps: list[int], values: list[float], label: str, col
         ax.plot(steps, values, color=color, label=label, linewidth=1.4)
 
 
-def plot_curves(logs: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str], smooth: int = 1, labels: str | None = None) -> Path:
+def plot_curves(
+    logs: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str], smooth: int = 1, labels: str | None = None
+) -> Path:
     """ATR Figure 2 style: reward, entropy, response length and validation mean@k per run.
 
     Every run must have logged the three training metrics. The validation panel shows, per
@@ -158,8 +160,8 @@ def plot_curves(logs: Sequence[str | os.PathLike[str]], out: str | os.PathLike[s
     loaded = [read_file_logger(p) for p in logs]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for (key, title), ax in zip(CURVE_PANELS, axes.flat):
-        for i, (path, name, log) in enumerate(zip(logs, names, loaded)):
+    for (key, title), ax in zip(CURVE_PANELS, axes.flat, strict=False):
+        for i, (path, name, log) in enumerate(zip(logs, names, loaded, strict=False)):
             steps, values = series(log, key)
             if not steps:
                 raise ValueError(f"{path}: no '{key}' logged (is this a verl training log?)")
@@ -167,7 +169,7 @@ def plot_curves(logs: Sequence[str | os.PathLike[str]], out: str | os.PathLike[s
         ax.set_title(title)
     val_ax = axes.flat[3]
     drew = False
-    for i, (name, log) in enumerate(zip(names, loaded)):
+    for i, (name, log) in enumerate(zip(names, loaded, strict=False)):
         by_source: dict[str, Series] = {}
         for key in sorted({k for metrics in log.values() for k in metrics}):
             match = VAL_MEAN.match(key)
@@ -181,9 +183,16 @@ def plot_curves(logs: Sequence[str | os.PathLike[str]], out: str | os.PathLike[s
                 val_ax.plot(steps, values, marker="o", markersize=3, color=colors[j % len(colors)], label=source)
         else:
             common = sorted(set.intersection(*(set(s) for s, _ in by_source.values())))
-            lookup = [dict(zip(s, v)) for s, v in by_source.values()]
+            lookup = [dict(zip(s, v, strict=False)) for s, v in by_source.values()]
             avg = [sum(d[step] for d in lookup) / len(lookup) for step in common]
-            val_ax.plot(common, avg, marker="o", markersize=3, color=colors[i % len(colors)], label=f"{name} (avg of {len(lookup)} sets)")
+            val_ax.plot(
+                common,
+                avg,
+                marker="o",
+                markersize=3,
+                color=colors[i % len(colors)],
+                label=f"{name} (avg of {len(lookup)} sets)",
+            )
     if not drew:
         val_ax.text(0.5, 0.5, "no val-core/*/mean@k logged", ha="center", va="center", transform=val_ax.transAxes)
     val_ax.set_title("validation accuracy (mean@k)")
@@ -196,7 +205,9 @@ def plot_curves(logs: Sequence[str | os.PathLike[str]], out: str | os.PathLike[s
     return _save(fig, out)
 
 
-def plot_clipfrac(logs: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str], smooth: int = 1, labels: str | None = None) -> Path:
+def plot_clipfrac(
+    logs: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str], smooth: int = 1, labels: str | None = None
+) -> Path:
     """Clip fractions per step: ratio clipping (left) and ERC entropy-ratio clipping (right).
 
     A series is drawn for every run that logged it; a log without any clip-fraction metric is
@@ -208,7 +219,7 @@ def plot_clipfrac(logs: Sequence[str | os.PathLike[str]], out: str | os.PathLike
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     styles = ["-", "--", ":", "-."]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for r, (path, name, log) in enumerate(zip(logs, names, loaded)):
+    for r, (path, name, log) in enumerate(zip(logs, names, loaded, strict=False)):
         found = 0
         for s, (key, label, panel) in enumerate(CLIPFRAC_SERIES):
             steps, values = series(log, key)
@@ -221,7 +232,7 @@ def plot_clipfrac(logs: Sequence[str | os.PathLike[str]], out: str | os.PathLike
         if not found:
             raise ValueError(f"{path}: none of {[k for k, _, _ in CLIPFRAC_SERIES]} is logged")
     titles = ("ratio clipping (fraction of response tokens)", "ERC entropy-ratio clipping")
-    for ax, title in zip(axes, titles):
+    for ax, title in zip(axes, titles, strict=False):
         ax.set_title(title)
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)

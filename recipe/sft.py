@@ -23,7 +23,6 @@ import shutil
 import socket
 import sys
 from pathlib import Path
-from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -65,13 +64,17 @@ def check_train_files(config: DictConfig) -> None:
     for file in files:
         path = Path(str(file))
         if not path.is_file():
-            raise SFTConfigError(f"data.train_files: {path} does not exist (python -m data_prep openmathreasoning writes it)")
+            raise SFTConfigError(
+                f"data.train_files: {path} does not exist (python -m data_prep openmathreasoning writes it)"
+            )
         try:
             names = pq.read_schema(path).names
         except Exception as exc:  # pyarrow raises several types for a non-parquet file
             raise SFTConfigError(f"data.train_files: {path} is not a readable parquet file ({exc})") from exc
         if column not in names:
-            raise SFTConfigError(f"data.train_files: {path} has no {column!r} column (data.messages_key); columns: {names}")
+            raise SFTConfigError(
+                f"data.train_files: {path} has no {column!r} column (data.messages_key); columns: {names}"
+            )
 
 
 def _free_port() -> int:
@@ -151,8 +154,15 @@ def merge_checkpoint(step_dir: str | os.PathLike[str], target_dir: str | os.Path
     gathered = staging / "gathered"
     shutil.rmtree(staging, ignore_errors=True)
     hf_config = shards / "huggingface"
-    merger = FSDPModelMerger(ModelMergerConfig(operation="merge", backend="fsdp", local_dir=str(shards),
-                                               target_dir=str(gathered), hf_model_config_path=str(hf_config)))
+    merger = FSDPModelMerger(
+        ModelMergerConfig(
+            operation="merge",
+            backend="fsdp",
+            local_dir=str(shards),
+            target_dir=str(gathered),
+            hf_model_config_path=str(hf_config),
+        )
+    )
     merger.merge_and_save()
     merger.cleanup()
     # the base model's own dtype (Qwen3: bfloat16); verl's merger gathers everything in bfloat16

@@ -58,7 +58,9 @@ class RLPromptSFTDataset(MultiTurnSFTDataset):
         input_ids = torch.tensor(ids, dtype=torch.long)
         return input_ids, loss, torch.ones_like(input_ids), {}
 
-    def sanity_check(self, input_ids: torch.Tensor, messages: list[dict], tools: list[dict], enable_thinking: bool) -> None:
+    def sanity_check(
+        self, input_ids: torch.Tensor, messages: list[dict], tools: list[dict], enable_thinking: bool
+    ) -> None:
         """The row must be exactly RL prompt + target (the check verl's turn-by-turn rendering needs
         does not apply: the assistant turn is not rendered by the template here)."""
         checked = check_messages(messages, "SFT row")

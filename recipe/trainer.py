@@ -44,13 +44,17 @@ import logging
 import os
 from typing import Any, Optional
 
-from omegaconf import DictConfig, open_dict
 import ray
+from omegaconf import DictConfig, open_dict
 from verl.trainer.main_ppo import TaskRunnerV1
 from verl.trainer.ppo.v1 import PPOTrainerColocateAsync, PPOTrainerSeparateAsync, PPOTrainerSync
 from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
 from verl.utils.config import omega_conf_to_dataclass
 
+from recipe.checkpoints import set_aside_incomplete_checkpoints
+from recipe.config_checks import old_log_prob_from_update_blocker
+from recipe.data_trace import DataTrace
+from recipe.validation.length import ValidationLengthTrainerMixin
 from verl_ext.actor_loss import build_actor_loss
 from verl_ext.adaptive_delta import AdaptiveDelta
 from verl_ext.core.region import CONSTRAINTS
@@ -66,11 +70,6 @@ from verl_ext.engine.packing import (
 from verl_ext.engine.request import describe, request_of, resolve_entropy_path
 from verl_ext.engine.topk_capture import capturing_old_topk, old_topk_request
 from verl_ext.plugin import require_registered
-
-from recipe.checkpoints import set_aside_incomplete_checkpoints
-from recipe.config_checks import old_log_prob_from_update_blocker
-from recipe.data_trace import DataTrace
-from recipe.validation.length import ValidationLengthTrainerMixin
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +109,9 @@ class DivClipTrainer(ValidationLengthTrainerMixin):
         else:
             logger.warning(
                 "adaptive delta: %s has no controller state (written with a static delta?); starting from "
-                "policy_loss.delta=%s", folder, self.adaptive_delta.delta,
+                "policy_loss.delta=%s",
+                folder,
+                self.adaptive_delta.delta,
             )
 
     def _trace_restored_prompts(self) -> None:
@@ -126,8 +127,13 @@ class DivClipTrainer(ValidationLengthTrainerMixin):
         if not uids:
             return
         rows = tq.kv_batch_get(keys=uids, partition_id="train", select_fields=["index", "raw_prompt"])
-        self.data_trace.restored(self.global_steps + 1, uids, _column(rows, "index"), _column(rows, "raw_prompt"),
-                                 [listing[uid]["status"] for uid in uids])
+        self.data_trace.restored(
+            self.global_steps + 1,
+            uids,
+            _column(rows, "index"),
+            _column(rows, "raw_prompt"),
+            [listing[uid]["status"] for uid in uids],
+        )
 
     def _build_adaptive_delta(self) -> Optional[AdaptiveDelta]:
         policy = self.config.actor_rollout_ref.actor.policy_loss

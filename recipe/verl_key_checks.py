@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
-
-import verl_ext.registry  # noqa: F401  (registers the divclip modes: CONSTRAINTS is filled)
 from verl.workers.config import PolicyLossConfig
 
+import verl_ext.registry  # noqa: F401  (registers the divclip modes: CONSTRAINTS is filled)
 from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig
 from verl_ext.core.region import CONSTRAINTS
 
@@ -36,8 +35,10 @@ def key_under(key: str, prefix: str) -> bool:
 
 #: The divclip policy-loss knobs: DivClipPolicyLossConfig's fields that verl's PolicyLossConfig lacks.
 DIVCLIP_POLICY_KNOBS = tuple(
-    sorted({f.name for f in dataclasses.fields(DivClipPolicyLossConfig)}
-           - {f.name for f in dataclasses.fields(PolicyLossConfig)})
+    sorted(
+        {f.name for f in dataclasses.fields(DivClipPolicyLossConfig)}
+        - {f.name for f in dataclasses.fields(PolicyLossConfig)}
+    )
 )
 #: The project's own keys (configs/divclip_trainer.yaml): not verl's, so not in the table
 #: of recipe.verl_keys.
@@ -164,7 +165,11 @@ def check_clip_ratio_c(config: DictConfig) -> None:
     """``actor.clip_ratio_c`` is verl's dual-clip constant; a divclip mode's dual clip is
     ``policy_loss.dual_clip_c`` alone (verl's own modes read ``clip_ratio_c`` and refuse ``dual_clip_c``)."""
     key, replacing = f"{ACTOR}.clip_ratio_c", f"{POLICY}.dual_clip_c"
-    mode, value, default = _loss_mode(config), _value(config, f"{ACTOR}.clip_ratio_c"), verl_default(f"{ACTOR}.clip_ratio_c")
+    mode, value, default = (
+        _loss_mode(config),
+        _value(config, f"{ACTOR}.clip_ratio_c"),
+        verl_default(f"{ACTOR}.clip_ratio_c"),
+    )
     if value == default:
         return
     dual_clip_c = _policy_knob(config, "dual_clip_c") if _divclip_policy(config) else None
@@ -263,7 +268,8 @@ def check_parameter_sync_step(config: DictConfig) -> None:
             f"on data.train_batch_size / {value} samples of the step's rollouts, pi_old recomputed before each), but "
             "the divclip on-policy flag treats every later local update as off-policy, so its on-policy gauge and "
             "packing check never see them"
-            if active == mode else f"verl reads only trainer.v1.{active}.* in {TRAINER_MODE}={active}: it has no effect"
+            if active == mode
+            else f"verl reads only trainer.v1.{active}.* in {TRAINER_MODE}={active}: it has no effect"
         )
         raise ValueError(
             f"{key}={value}: {what}. Leave it at 1, or use {TRAINER_MODE}=separate_async with "

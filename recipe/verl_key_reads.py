@@ -54,8 +54,23 @@ def record(tests: tuple[str, ...] = RECORD_TESTS, folder: Optional[Path] = None)
         env = {**os.environ, RECORD_ENV: str(where)}
         env.pop("RAY_ADDRESS", None)
         # the tests comparing a run's reads with the committed record are left out: that record is being made
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
-                               "-k", f"not {RECORD_CHECKS}", *tests], cwd=ROOT, env=env)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:xdist",
+                "-p",
+                "no:cacheprovider",
+                "-k",
+                f"not {RECORD_CHECKS}",
+                *tests,
+            ],
+            cwd=ROOT,
+            env=env,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"the recorded tests failed (pytest exit {proc.returncode}): nothing written")
         return {key: sorted(modules) for key, modules in sorted(read_records(where).items())}
@@ -76,25 +91,38 @@ def known_reads() -> frozenset[str]:
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m recipe.verl_key_reads [tests...]``: record and write :data:`READ_KEYS_PATH`."""
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
-    parser.add_argument("tests", nargs="*", default=list(RECORD_TESTS),
-                        help="test files to run (default: RECORD_TESTS)")
-    parser.add_argument("--from-dir", type=Path, default=None,
-                        help="write what an earlier run recorded in this folder (with DIVCLIP_RECORD_KEYS=<folder>) "
-                             "instead of running the tests")
+    parser.add_argument(
+        "tests", nargs="*", default=list(RECORD_TESTS), help="test files to run (default: RECORD_TESTS)"
+    )
+    parser.add_argument(
+        "--from-dir",
+        type=Path,
+        default=None,
+        help="write what an earlier run recorded in this folder (with DIVCLIP_RECORD_KEYS=<folder>) "
+        "instead of running the tests",
+    )
     args = parser.parse_args(argv)
     if args.from_dir is not None:
         recorded = {key: sorted(modules) for key, modules in sorted(read_records(args.from_dir).items())}
     else:
         recorded = record(tuple(args.tests))
     keys = {key: modules for key, modules in recorded.items() if not is_divclip_key(key)}
-    READ_KEYS_PATH.write_text(json.dumps({
-        "command": COMMAND,
-        "date": datetime.date.today().isoformat(),
-        "tests": list(args.tests),
-        "keys": keys,
-    }, indent=1) + "\n")
-    print(f"{len(keys)} verl keys read by the product ({len(recorded) - len(keys)} of the project's own left out): "
-          f"{READ_KEYS_PATH}")
+    READ_KEYS_PATH.write_text(
+        json.dumps(
+            {
+                "command": COMMAND,
+                "date": datetime.date.today().isoformat(),
+                "tests": list(args.tests),
+                "keys": keys,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    print(
+        f"{len(keys)} verl keys read by the product ({len(recorded) - len(keys)} of the project's own left out): "
+        f"{READ_KEYS_PATH}"
+    )
     return 0
 
 

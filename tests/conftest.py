@@ -5,7 +5,6 @@ finish together)."""
 from __future__ import annotations
 
 import pytest
-
 import verl  # noqa: F401  (runs the verl.plugins entry points)
 
 #: Test files by their duration on 2 CPU cores under ``tests/run.sh`` (two workers), longest first

@@ -48,7 +48,9 @@ def actor_config(mode: str, **policy: Any) -> Any:
 
     from verl_ext.config import DivClipPolicyLossConfig
 
-    policy_cfg = DivClipPolicyLossConfig(loss_mode=mode, **policy) if mode in DIVCLIP_MODES else PolicyLossConfig(loss_mode=mode)
+    policy_cfg = (
+        DivClipPolicyLossConfig(loss_mode=mode, **policy) if mode in DIVCLIP_MODES else PolicyLossConfig(loss_mode=mode)
+    )
     return make_actor_config(policy_loss=policy_cfg, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0)
 
 
@@ -103,8 +105,14 @@ def job_single_rank(rank: int, world_size: int, model_path: str) -> dict[str, An
     out["dump_path"] = dump.replace("{rank}", "0")
     out["dump/kl3"] = run_update(
         model_path,
-        actor_config("kl3", erc_beta_low=0.05, erc_beta_high=0.05, token_dump_path=dump,
-                     token_dump_every_n_steps=1, token_dump_max_tokens=1000),
+        actor_config(
+            "kl3",
+            erc_beta_low=0.05,
+            erc_beta_high=0.05,
+            token_dump_path=dump,
+            token_dump_every_n_steps=1,
+            token_dump_max_tokens=1000,
+        ),
         batch,
     )
     out["wide/kl3"] = run_update(model_path, actor_config("kl3", erc_beta_low=0.99, erc_beta_high=1e6), batch)
@@ -223,9 +231,12 @@ def test_token_dump_writes_the_erc_scatter_rows(single: dict[str, Any]) -> None:
 #: What the ``single`` run must read through the product: the loss mode and clip range (every mode), the entropy
 #: bonus (ERC's check), and the engine settings the fp32 entropy of ERC reads through the guard.
 ENGINE_RUN_CORE = {
-    "actor_rollout_ref.actor.policy_loss.loss_mode", "actor_rollout_ref.actor.clip_ratio_low",
-    "actor_rollout_ref.actor.clip_ratio_high", "actor_rollout_ref.actor.entropy_coeff",
-    "actor_rollout_ref.actor.fsdp_config.use_torch_compile", "actor_rollout_ref.model.use_fused_kernels",
+    "actor_rollout_ref.actor.policy_loss.loss_mode",
+    "actor_rollout_ref.actor.clip_ratio_low",
+    "actor_rollout_ref.actor.clip_ratio_high",
+    "actor_rollout_ref.actor.entropy_coeff",
+    "actor_rollout_ref.actor.fsdp_config.use_torch_compile",
+    "actor_rollout_ref.model.use_fused_kernels",
 }
 
 
@@ -239,5 +250,6 @@ def test_the_run_reads_only_recorded_keys_and_the_core_set(single: dict[str, Any
     recorded = {key for key in read_records(key_reads_dir) if not is_divclip_key(key)}
     assert ENGINE_RUN_CORE <= recorded, ENGINE_RUN_CORE - recorded
     unknown = recorded - known_reads()
-    assert not unknown, f"read by the product, not in recipe/verl_keys_read.json: {unknown} (python -m " \
-                        "recipe.verl_key_reads)"
+    assert not unknown, (
+        f"read by the product, not in recipe/verl_keys_read.json: {unknown} (python -m recipe.verl_key_reads)"
+    )

@@ -135,8 +135,9 @@ def test_on_policy_updates_are_rejected_before_ray():
     with pytest.raises(ConfigError, match=r"ppo_mini_batch_size=16 >= data\.train_batch_size=16"):
         validate_divclip_config(compose_config(*on, "actor_rollout_ref.actor.ppo_mini_batch_size=16"))
     validate_divclip_config(compose_config(*on, "actor_rollout_ref.actor.ppo_mini_batch_size=8"))
-    validate_divclip_config(compose_config(*on, "actor_rollout_ref.actor.ppo_mini_batch_size=16",
-                                           "actor_rollout_ref.actor.ppo_epochs=2"))
+    validate_divclip_config(
+        compose_config(*on, "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.ppo_epochs=2")
+    )
 
 
 ADAPTIVE_SEPARATE = [*SEPARATE, f"{P}.adaptive_delta_target=0.01"]  # 16 prompts a step, mini-batches of 4
@@ -147,13 +148,24 @@ def test_separate_async_reads_one_update_a_step_or_is_rejected_before_ray():
     Decoupled PPO trains parameter_sync_step updates a step against the cycle's first weights, so only with
     parameter_sync_step=1 does that hold -- and then, as in sync, one on-policy mini-batch has nothing to read."""
     for sync_step in (4, 2):
-        with pytest.raises(ConfigError, match=rf"{P}\.adaptive_delta_target: trainer\.v1\.trainer_mode=separate_async "
-                                              rf"with trainer\.v1\.separate_async\.parameter_sync_step={sync_step} "
-                                              r"trains .* use parameter_sync_step=1"):
-            validate_divclip_config(compose_config(*ADAPTIVE_SEPARATE, f"trainer.v1.separate_async.parameter_sync_step={sync_step}",
-                                                   f"data.train_batch_size={4 * sync_step}"))
-    one = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-           "trainer.v1.separate_async.parameter_sync_step=1"]
+        with pytest.raises(
+            ConfigError,
+            match=rf"{P}\.adaptive_delta_target: trainer\.v1\.trainer_mode=separate_async "
+            rf"with trainer\.v1\.separate_async\.parameter_sync_step={sync_step} "
+            r"trains .* use parameter_sync_step=1",
+        ):
+            validate_divclip_config(
+                compose_config(
+                    *ADAPTIVE_SEPARATE,
+                    f"trainer.v1.separate_async.parameter_sync_step={sync_step}",
+                    f"data.train_batch_size={4 * sync_step}",
+                )
+            )
+    one = [
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "trainer.v1.separate_async.parameter_sync_step=1",
+    ]
     with pytest.raises(ConfigError, match=r"ppo_mini_batch_size=4 >= data\.train_batch_size=4"):
         validate_divclip_config(compose_config(*ADAPTIVE_SEPARATE, *one))
     validate_divclip_config(compose_config(*ADAPTIVE_SEPARATE, *one, "actor_rollout_ref.actor.ppo_epochs=2"))

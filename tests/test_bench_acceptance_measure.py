@@ -88,8 +88,13 @@ def test_response_lengths_are_seeded_varied_and_long_tailed() -> None:
 
 def test_update_memory_is_the_phases_peaks_above_what_was_held_before_the_forward() -> None:
     phases = [Phase("forward_backward", 1000, 1700, 300), Phase("optimizer_step", 1300, 1450, 300)]
-    assert update_memory(phases) == {"held_bytes": 1000, "loss_peak_bytes": 700, "optimizer_peak_bytes": 450,
-                                     "update_peak_bytes": 1700, "gradient_bytes": 300}
+    assert update_memory(phases) == {
+        "held_bytes": 1000,
+        "loss_peak_bytes": 700,
+        "optimizer_peak_bytes": 450,
+        "update_peak_bytes": 1700,
+        "gradient_bytes": 300,
+    }
     assert pass_memory([Phase("forward", 1000, 1250, 0)]) == 250
     with pytest.raises(ValueError, match="one optimizer step"):
         update_memory(phases[:1])

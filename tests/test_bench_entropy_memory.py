@@ -17,14 +17,38 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_entropy_memory_reports_every_variant_against_the_baseline() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "recipe.bench", "entropy-memory", "--json", "--tokens", "64", "--vocab", "512",
-         "--hidden", "32", "--sequences", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "recipe.bench",
+            "entropy-memory",
+            "--json",
+            "--tokens",
+            "64",
+            "--vocab",
+            "512",
+            "--hidden",
+            "32",
+            "--sequences",
+            "2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {row["variant"]: row for row in map(json.loads, (ln for ln in proc.stdout.splitlines() if ln.startswith("{")))}
-    assert set(rows) >= {"a_no_entropy", "b_verl_entropy", "c_detached", "d_vocab_pass", "e_old_log_prob_detached",
-                         "f_old_log_prob_vocab_pass"}
+    rows = {
+        row["variant"]: row for row in map(json.loads, (ln for ln in proc.stdout.splitlines() if ln.startswith("{")))
+    }
+    assert set(rows) >= {
+        "a_no_entropy",
+        "b_verl_entropy",
+        "c_detached",
+        "d_vocab_pass",
+        "e_old_log_prob_detached",
+        "f_old_log_prob_vocab_pass",
+    }
     assert all(row["peak_rss_bytes"] > 0 and row["date"] and "peak_ratio_vs_a" in row for row in rows.values())
     assert {row["phase"] for name, row in rows.items() if "old_log_prob" in name} == {"old_log_prob"}
     assert rows["d_vocab_pass"]["phase"] == "update" and rows["d_vocab_pass"]["loss"] == rows["d_vocab_pass"]["loss"]
@@ -36,9 +60,16 @@ def test_engine_benches_share_one_model_and_micro_batch_shape() -> None:
     from recipe.bench.harness import TinyQwen3Spec, bench_micro_batch
 
     shape = bench_micro_batch(tokens=256, sequences=4, vocab=4096, hidden=64)
-    assert shape.spec == TinyQwen3Spec(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                       max_position_embeddings=8192)
+    assert shape.spec == TinyQwen3Spec(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=8192,
+    )
     assert (shape.prompt_lens, shape.response_lens) == ([16] * 4, [48] * 4)
     long = bench_micro_batch(tokens=65_536, sequences=2, vocab=512, hidden=32)
     assert (long.prompt_len, long.response_len, long.spec.max_position_embeddings) == (8192, 24_576, 32_768)
@@ -63,9 +94,30 @@ def test_child_runs_read_the_last_json_line_and_keep_stderr() -> None:
 @pytest.mark.parametrize("phase, vocab_pass", [("update", False), ("old", True)])
 def test_full_kl_bench_reports_kl_full_against_kl3_and_the_stored_bytes(phase: str, vocab_pass: bool) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "recipe.bench", "full-kl", "--json", "--tokens", "64", "--vocab", "512",
-         "--hidden", "32", "--sequences", "2", "--k", "8", "--phase", phase, *(["--vocab-pass"] if vocab_pass else [])],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "recipe.bench",
+            "full-kl",
+            "--json",
+            "--tokens",
+            "64",
+            "--vocab",
+            "512",
+            "--hidden",
+            "32",
+            "--sequences",
+            "2",
+            "--k",
+            "8",
+            "--phase",
+            phase,
+            *(["--vocab-pass"] if vocab_pass else []),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]

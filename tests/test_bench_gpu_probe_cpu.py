@@ -30,27 +30,86 @@ ROOT = Path(__file__).resolve().parents[1]
 #: the acceptance run at CPU size (1 layer, hidden 64, 4 x 32 tokens, vocabulary 2,048, k 8)
 #: two interleaved rounds; the longest micro-batch of no_entropy and the vocabulary pass searched within 8 MiB above
 #: what is held (a declared budget: the CPU cannot run out of memory safely), up to 4,096 tokens, 60 s at most
-ACCEPTANCE_CPU = ["gpu", "--acceptance", "--device", "cpu", "--tokens", "128", "--sequences", "4", "--vocab", "2048",
-                  "--layers", "1", "--hidden", "64", "--repeats", "2", "--k", "8", "--head-scale", "300",
-                  "--search-budget-mib", "8", "--search-max-tokens", "4096", "--search-seconds", "60"]
+ACCEPTANCE_CPU = [
+    "gpu",
+    "--acceptance",
+    "--device",
+    "cpu",
+    "--tokens",
+    "128",
+    "--sequences",
+    "4",
+    "--vocab",
+    "2048",
+    "--layers",
+    "1",
+    "--hidden",
+    "64",
+    "--repeats",
+    "2",
+    "--k",
+    "8",
+    "--head-scale",
+    "300",
+    "--search-budget-mib",
+    "8",
+    "--search-max-tokens",
+    "4096",
+    "--search-seconds",
+    "60",
+]
 
 
 def run_probe(out: Path, *options: str) -> tuple[subprocess.CompletedProcess[str], dict[str, dict[str, Any]]]:
     """The probe on the CPU platform at a tiny shape (1 layer, hidden 64, 4 x 32 tokens, vocabulary
     2,048, one timed update); returns the process and its results by variant."""
     proc = subprocess.run(
-        [sys.executable, "-m", "recipe.bench", "gpu", "--device", "cpu", "--tokens", "128", "--sequences", "4",
-         "--vocab", "2048", "--layers", "1", "--hidden", "64", "--repeats", "1", "--out", str(out), *options],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "recipe.bench",
+            "gpu",
+            "--device",
+            "cpu",
+            "--tokens",
+            "128",
+            "--sequences",
+            "4",
+            "--vocab",
+            "2048",
+            "--layers",
+            "1",
+            "--hidden",
+            "64",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+            *options,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, {r["variant"]: r for r in json.loads(out.read_text())}
 
 
 def test_probe_runs_on_cpu_and_checks_the_on_policy_invariant(tmp_path: Path) -> None:
-    proc, results = run_probe(tmp_path / "probe.json", "--head-scale", "300",
-                              "--variants", "divclip_erc_eager,divclip_erc_dynamic,divclip_erc_vocab_pass")
-    assert set(results) == {"no_entropy", "divclip_erc_eager", "divclip_erc_dynamic", "divclip_erc_vocab_pass"}  # + the baseline, always
+    proc, results = run_probe(
+        tmp_path / "probe.json",
+        "--head-scale",
+        "300",
+        "--variants",
+        "divclip_erc_eager,divclip_erc_dynamic,divclip_erc_vocab_pass",
+    )
+    assert set(results) == {
+        "no_entropy",
+        "divclip_erc_eager",
+        "divclip_erc_dynamic",
+        "divclip_erc_vocab_pass",
+    }  # + the baseline, always
     assert {r["strategy"] for r in results.values()} == {"fsdp2"}  # FSDP1 needs CUDA
     erc = results["divclip_erc_eager"]
     assert erc["on_policy_invariant"] is True and erc["entropy_path"] == "divclip_fp32"
@@ -72,8 +131,9 @@ def test_probe_runs_on_cpu_and_checks_the_on_policy_invariant(tmp_path: Path) ->
 
 def test_probe_kl_full_variants_report_against_kl3_and_check_the_on_policy_zero(tmp_path: Path) -> None:
     """kl_full on verl's logits and through the vocabulary pass, kl3 added as their baseline."""
-    proc, results = run_probe(tmp_path / "probe.json", "--k", "8",
-                              "--variants", "divclip_kl_full,divclip_kl_full_vocab_pass")
+    proc, results = run_probe(
+        tmp_path / "probe.json", "--k", "8", "--variants", "divclip_kl_full,divclip_kl_full_vocab_pass"
+    )
     assert set(results) == {"no_entropy", "divclip_kl3", "divclip_kl_full", "divclip_kl_full_vocab_pass"}
     assert results["divclip_kl3"]["time_vs_kl3"] == 1.0 and "on_policy_invariant" not in results["divclip_kl3"]
     for name in ("divclip_kl_full", "divclip_kl_full_vocab_pass"):
@@ -89,7 +149,10 @@ def test_probe_kl_full_variants_report_against_kl3_and_check_the_on_policy_zero(
 def test_probe_refuses_fsdp1_on_cpu() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "recipe.bench", "gpu", "--device", "cpu", "--strategies", "fsdp"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 2 and "--strategies fsdp (FSDP1) needs --device cuda" in proc.stderr
 
@@ -104,13 +167,23 @@ def test_acceptance_runs_at_cpu_size_and_its_report_lists_every_target(tmp_path:
     from recipe.bench.acceptance_report import EXIT_FAILED, EXIT_MET, TARGETS, verdict
 
     out = tmp_path / "acceptance"
-    proc = subprocess.run([sys.executable, "-m", "recipe.bench", *ACCEPTANCE_CPU, "--allow-unmeasured", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe.bench", *ACCEPTANCE_CPU, "--allow-unmeasured", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     report = json.loads((out / "acceptance.json").read_text())
     # the exit code the figures call for, read here from the rows' values and limits (not from verdict): never 3,
     # the unmeasured targets being allowed
-    missed = [(s, row["name"], row["value"]) for s, rows in report["targets"].items() for row in rows
-              if row["value"] is not None and (row["value"] < row["limit"] if row["at_least"] else row["value"] > row["limit"])]
+    missed = [
+        (s, row["name"], row["value"])
+        for s, rows in report["targets"].items()
+        for row in rows
+        if row["value"] is not None
+        and (row["value"] < row["limit"] if row["at_least"] else row["value"] > row["limit"])
+    ]
     assert proc.returncode == (EXIT_FAILED if missed else EXIT_MET), (missed, proc.stdout[-3000:] + proc.stderr[-3000:])
     assert verdict(report, allow_unmeasured=True).exit_code == proc.returncode
     strict = verdict(report)  # the same report, without --allow-unmeasured
@@ -170,15 +243,20 @@ def check_new_figures(report: dict[str, Any]) -> None:
         hidden, layers, vocab = 64, 1, 2048
         heads, kv_heads, inter = hidden // 128 or 1, 1, 4 * hidden
         head_dim = hidden // heads
-        weights = 2 * vocab * hidden + layers * (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
-                                                 + 3 * hidden * inter)
+        weights = 2 * vocab * hidden + layers * (
+            hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
+        )
         flops = 6 * weights * seq_len * sequences + 6 * sequences * seq_len**2 * heads * head_dim * layers
         assert f["update_flops"] == pytest.approx(flops, rel=1e-9)
         assert f["update_flops_per_second"] == pytest.approx(flops / f["update_seconds_median"])
         assert f["mfu"] == pytest.approx(flops / f["update_seconds_median"] / 448e9)  # verl's "CPU" entry
         per_round = ratios[name]["update_time_vs_no_entropy_per_round"]
-        assert per_round == [round(t / b, 3) for t, b in zip(times, losses["no_entropy"]["update_seconds"])]
-        assert ratios[name]["loss_peak_vs_no_entropy"] == round(f["loss_peak_bytes"] / losses["no_entropy"]["loss_peak_bytes"], 3)
+        assert per_round == [
+            round(t / b, 3) for t, b in zip(times, losses["no_entropy"]["update_seconds"], strict=False)
+        ]
+        assert ratios[name]["loss_peak_vs_no_entropy"] == round(
+            f["loss_peak_bytes"] / losses["no_entropy"]["loss_peak_bytes"], 3
+        )
         # the longest micro-batch: searched for the target's pair only, within the declared budget
         longest = f.get("longest")
         assert (longest is not None) == (name in SEARCH_LOSSES)
@@ -192,7 +270,8 @@ def check_new_figures(report: dict[str, Any]) -> None:
                 assert (peak <= budget) == (int(tokens) in fitted), (tokens, peak)
     vocab_pass = next(t for t in TARGETS if t.figure == "longest_vs_no_entropy")
     assert ratios[vocab_pass.variant]["longest_vs_no_entropy"] == round(
-        losses[vocab_pass.variant]["longest"]["tokens"] / losses["no_entropy"]["longest"]["tokens"], 3)
+        losses[vocab_pass.variant]["longest"]["tokens"] / losses["no_entropy"]["longest"]["tokens"], 3
+    )
     # the packing run's responses: 2 per sequence, varied and long-tailed (seeded), each within the update's budget
     lengths = report["response_lengths"]["fsdp2"]
     assert lengths == response_lengths(8, mean=128 / 8 - 4, max_len=64 - 4, seed=0)
@@ -204,12 +283,19 @@ def check_new_figures(report: dict[str, Any]) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: tests/test_gpu.py runs the acceptance")
 def test_acceptance_refuses_to_start_without_a_cuda_device() -> None:
-    proc = subprocess.run([sys.executable, "-m", "recipe.bench", "gpu", "--acceptance"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe.bench", "gpu", "--acceptance"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and "no CUDA device: the acceptance run needs one GPU" in proc.stderr
 
 
-def test_acceptance_exits_3_on_cpu_unless_unmeasured_targets_are_allowed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_acceptance_exits_3_on_cpu_unless_unmeasured_targets_are_allowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The command's own path (``recipe.bench.__main__.main``: the dispatcher, the acceptance's options, model
     build, its two real child runs, ratios, targets, report, verdict, exit code) at CPU size, in this process.
     The CPU's times, resident-set peaks and the searches they decide are the inputs that decide the code and that
@@ -253,10 +339,14 @@ def test_acceptance_exits_3_on_cpu_unless_unmeasured_targets_are_allowed(tmp_pat
 
     strict, report = exit_code("strict")
     assert sorted(ran) == ["losses:fsdp2", "packing:fsdp2"] and report["errors"] == {}
-    unmeasured = [(s, row["name"]) for s, rows in report["targets"].items() for row in rows if row["status"] == "unmeasured"]
+    unmeasured = [
+        (s, row["name"]) for s, rows in report["targets"].items() for row in rows if row["status"] == "unmeasured"
+    ]
     assert unmeasured == [("fsdp", t.name) for t in TARGETS]
     assert all(row["status"] == "pass" for row in report["targets"]["fsdp2"])
-    vocab_pass = {row["name"]: row["value"] for row in report["targets"]["fsdp2"] if row["name"].startswith("vocabulary")}
+    vocab_pass = {
+        row["name"]: row["value"] for row in report["targets"]["fsdp2"] if row["name"].startswith("vocabulary")
+    }
     assert list(vocab_pass.values()) == [0.4, 1.0, 2.0]  # loss-phase peak, update time, longest micro-batch
     assert strict == EXIT_UNMEASURED
     allowed, _ = exit_code("allowed", "--allow-unmeasured")
@@ -265,10 +355,14 @@ def test_acceptance_exits_3_on_cpu_unless_unmeasured_targets_are_allowed(tmp_pat
     for name, options in (("missed", ()), ("missed_allowed", ("--allow-unmeasured",))):
         code, report = exit_code(name, *options)
         assert code == EXIT_FAILED, report["targets"]["fsdp2"]
-        assert [row["name"] for row in report["targets"]["fsdp2"] if row["status"] == "fail"] == ["ERC on the logits: update time"]
+        assert [row["name"] for row in report["targets"]["fsdp2"] if row["status"] == "fail"] == [
+            "ERC on the logits: update time"
+        ]
 
 
-def _report(statuses: dict[str, str], holds: bool | None = True, errors: dict[str, str] | None = None) -> dict[str, Any]:
+def _report(
+    statuses: dict[str, str], holds: bool | None = True, errors: dict[str, str] | None = None
+) -> dict[str, Any]:
     """A minimal acceptance report: one strategy's targets with the given statuses (target name -> status;
     the others pass) and one divclip loss's on-policy gauge."""
     from recipe.bench.acceptance_report import TARGETS
@@ -277,11 +371,19 @@ def _report(statuses: dict[str, str], holds: bool | None = True, errors: dict[st
     for target in TARGETS:
         status = statuses.get(target.name, "pass")
         scale = {"pass": 2.0, "fail": 0.5} if target.at_least else {"pass": 0.5, "fail": 1.5}
-        row = {"name": target.name, "limit": target.limit, "status": status, "at_least": target.at_least,
-               "value": None if status == "unmeasured" else scale[status] * target.limit}
+        row = {
+            "name": target.name,
+            "limit": target.limit,
+            "status": status,
+            "at_least": target.at_least,
+            "value": None if status == "unmeasured" else scale[status] * target.limit,
+        }
         rows.append({**row, "why": "FSDP1 needs CUDA"} if status == "unmeasured" else row)
-    return {"targets": {"fsdp2": rows}, "errors": errors or {},
-            "on_policy": {"fsdp2": {"divclip_erc": {"holds": holds}, "divclip_erc_dynamic (own)": {"holds": False}}}}
+    return {
+        "targets": {"fsdp2": rows},
+        "errors": errors or {},
+        "on_policy": {"fsdp2": {"divclip_erc": {"holds": holds}, "divclip_erc_dynamic (own)": {"holds": False}}},
+    }
 
 
 def test_the_acceptance_verdict_fails_an_unmeasured_target_unless_allowed_and_a_missed_one_always() -> None:
@@ -291,7 +393,9 @@ def test_the_acceptance_verdict_fails_an_unmeasured_target_unless_allowed_and_a_
     from recipe.bench.acceptance_report import EXIT_FAILED, EXIT_MET, EXIT_UNMEASURED, TARGETS, verdict
 
     peak, time_target = TARGETS[0].name, TARGETS[1].name
-    assert verdict(_report({})).exit_code == EXIT_MET and verdict(_report({}), allow_unmeasured=True).exit_code == EXIT_MET
+    assert (
+        verdict(_report({})).exit_code == EXIT_MET and verdict(_report({}), allow_unmeasured=True).exit_code == EXIT_MET
+    )
     unmeasured = _report({peak: "unmeasured"})
     strict, allowed = verdict(unmeasured), verdict(unmeasured, allow_unmeasured=True)
     assert strict.exit_code == EXIT_UNMEASURED and strict.failed == []
@@ -303,8 +407,13 @@ def test_the_acceptance_verdict_fails_an_unmeasured_target_unless_allowed_and_a_
     for allow in (False, True):
         outcome = verdict(missed, allow_unmeasured=allow)
         assert outcome.exit_code == EXIT_FAILED and outcome.failed == [f"fsdp2: {time_target} (1.575x > 1.05x)"]
-        assert verdict(_report({}, holds=False), allow_unmeasured=allow).failed == ["on-policy check: fsdp2/divclip_erc"]
-        assert verdict(_report({}, errors={"fsdp2/losses": "exit code 1"}), allow_unmeasured=allow).exit_code == EXIT_FAILED
+        assert verdict(_report({}, holds=False), allow_unmeasured=allow).failed == [
+            "on-policy check: fsdp2/divclip_erc"
+        ]
+        assert (
+            verdict(_report({}, errors={"fsdp2/losses": "exit code 1"}), allow_unmeasured=allow).exit_code
+            == EXIT_FAILED
+        )
     longest = next(t for t in TARGETS if t.at_least)  # a floor: missed below it, named with "<"
     assert verdict(_report({longest.name: "fail"})).failed == [f"fsdp2: {longest.name} (0.750x < 1.50x)"]
 
@@ -314,10 +423,21 @@ def _figures(**longest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     vocabulary pass (0.4 s, 30 bytes); ``longest`` gives searches by loss."""
     from recipe.bench.acceptance import LOSSES
 
-    losses = {name: {"update_seconds": [1.0, 1.2, 0.8], "update_seconds_median": 1.0, "loss_peak_bytes": 100,
-                     "optimizer_peak_bytes": 50, "update_peak_bytes": 300, "old_seconds": 1.0, "old_peak_bytes": 80}
-              for name in LOSSES}
-    losses["divclip_erc_vocab_pass"].update(update_seconds=[0.4, 0.6, 0.2], update_seconds_median=0.4, loss_peak_bytes=30)
+    losses = {
+        name: {
+            "update_seconds": [1.0, 1.2, 0.8],
+            "update_seconds_median": 1.0,
+            "loss_peak_bytes": 100,
+            "optimizer_peak_bytes": 50,
+            "update_peak_bytes": 300,
+            "old_seconds": 1.0,
+            "old_peak_bytes": 80,
+        }
+        for name in LOSSES
+    }
+    losses["divclip_erc_vocab_pass"].update(
+        update_seconds=[0.4, 0.6, 0.2], update_seconds_median=0.4, loss_peak_bytes=30
+    )
     for name, search in longest.items():
         losses[name]["longest"] = search
     packing = {arm: {"old_seconds_median": 1.0, "old_peak_bytes": 10} for arm in ("aligned", "own")}
@@ -344,14 +464,20 @@ def test_the_acceptance_judges_each_figure_against_its_target() -> None:
     assert floor["value"] == 1.6 and floor["status"] == "pass" and floor["at_least"]
     assert rows(no_entropy=resolved(1000), divclip_erc_vocab_pass=resolved(1400))[floor["name"]]["status"] == "fail"
     bound = rows(no_entropy=resolved(1000), divclip_erc_vocab_pass={"tokens": 1400, "stopped": "time"})[floor["name"]]
-    assert bound["status"] == "unmeasured" and bound["why"] == "a lower bound (1.400x): the search stopped on its time bound"
+    assert (
+        bound["status"] == "unmeasured"
+        and bound["why"] == "a lower bound (1.400x): the search stopped on its time bound"
+    )
     enough = rows(no_entropy=resolved(1000), divclip_erc_vocab_pass={"tokens": 2000, "stopped": "limit"})[floor["name"]]
     assert enough["status"] == "pass" and enough["value"] == 2.0
     base = rows(no_entropy={"tokens": 1000, "stopped": "time"}, divclip_erc_vocab_pass=resolved(4000))[floor["name"]]
     assert base["status"] == "unmeasured" and "baseline's search stopped on its time bound" in base["why"]
     assert rows()[floor["name"]]["why"] == "not searched (--search-losses)"
     broken = rows(no_entropy=resolved(1000), divclip_erc_vocab_pass={"broken": "the worker failed after ..."})
-    assert broken[floor["name"]]["status"] == "unmeasured" and broken[floor["name"]]["why"] == "the worker failed after ..."
+    assert (
+        broken[floor["name"]]["status"] == "unmeasured"
+        and broken[floor["name"]]["why"] == "the worker failed after ..."
+    )
 
 
 def test_the_search_counts_only_running_out_of_memory_as_not_fitting() -> None:
@@ -391,5 +517,6 @@ def test_a_report_written_before_a_strategy_ran_says_so() -> None:
     args.search_losses = []
     report = _report(args, [], ["fsdp2"], [], {}, {}, {}, {})
     assert {row["why"] for row in report["targets"]["fsdp2"]} == {
-        "not run yet: a partial report, written before this strategy ran"}
+        "not run yet: a partial report, written before this strategy ran"
+    }
     assert {row["why"] for row in report["targets"]["fsdp"]} == {"FSDP1 needs CUDA"}

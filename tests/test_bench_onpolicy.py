@@ -18,8 +18,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench(*args: str) -> list[dict]:
-    proc = subprocess.run([sys.executable, "-m", "recipe.bench", "onpolicy", "--json", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe.bench", "onpolicy", "--json", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 

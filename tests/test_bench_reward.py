@@ -13,8 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "recipe.bench", "reward", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "recipe.bench", "reward", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_a_missing_math500_file_is_an_error_naming_the_option(tmp_path: Path) -> None:

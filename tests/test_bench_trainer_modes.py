@@ -22,8 +22,10 @@ def write_metrics(path: Path, steps: dict[int, dict]) -> Path:
 def write_trace(path: Path, updates: list[tuple[int, int]]) -> Path:
     """One ``trained`` line per (step, samples) update, between the ``fetched`` lines a real trace also holds."""
     lines = [{"event": "fetched", "step": 1, "attempt": "a", "prompts": [[0, "x"]]}]
-    lines += [{"event": "trained", "step": step, "attempt": "a", "prompts": [[0, "x"]], "samples": samples}
-              for step, samples in updates]
+    lines += [
+        {"event": "trained", "step": step, "attempt": "a", "prompts": [[0, "x"]], "samples": samples}
+        for step, samples in updates
+    ]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
 
@@ -40,7 +42,9 @@ def step(seconds: float, lag: float | None = None, spans: int | None = None) -> 
 def test_rows_count_the_trained_samples_of_the_steps_after_the_first_and_compare_with_sync(tmp_path: Path) -> None:
     sync = write_metrics(tmp_path / "sync.jsonl", {0: {"val-core/x": 1.0}, 1: step(100.0), 2: step(4.0), 3: step(4.0)})
     sync_trace = write_trace(tmp_path / "sync_trace.jsonl", [(1, 128), (2, 128), (3, 128)])
-    colocate = write_metrics(tmp_path / "colocate.jsonl", {1: step(50.0, 0.0, 1), 2: step(2.0, 0.5, 2), 3: step(3.0, 1.5, 3)})
+    colocate = write_metrics(
+        tmp_path / "colocate.jsonl", {1: step(50.0, 0.0, 1), 2: step(2.0, 0.5, 2), 3: step(3.0, 1.5, 3)}
+    )
     # two updates a step (as separate_async trains them), one short of the batch: what was trained is what counts
     colocate_trace = write_trace(tmp_path / "colocate_trace.jsonl", [(1, 128), (2, 64), (2, 64), (3, 60), (3, 64)])
     rows = compare([mode_row("sync", sync, sync_trace), mode_row("colocate_async", colocate, colocate_trace)])

@@ -13,7 +13,9 @@ from recipe.checkpoints import INCOMPLETE, TRACKER, set_aside_incomplete_checkpo
 from recipe.data_trace import DataTrace, prompt_id, read_trace
 
 
-def make_step(ckpt: Path, step: int, files: tuple[str, ...] = ("actor/model_world_size_2_rank_0.pt", "data.pt")) -> Path:
+def make_step(
+    ckpt: Path, step: int, files: tuple[str, ...] = ("actor/model_world_size_2_rank_0.pt", "data.pt")
+) -> Path:
     folder = ckpt / f"global_step_{step}"
     for name in files:
         (folder / name).parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ def _mini_batch(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch
     log_prob = (-4.0 * torch.rand(len(LENGTHS), width, generator=gen)).to(dtype).requires_grad_(True)
     mask = torch.arange(width)[None, :] < torch.tensor(LENGTHS)[:, None]
     rewards = torch.zeros(len(LENGTHS), width)
-    for row, (length, reward) in enumerate(zip(LENGTHS, REWARDS)):
+    for row, (length, reward) in enumerate(zip(LENGTHS, REWARDS, strict=False)):
         rewards[row, length - 1] = reward  # verl puts the sequence reward on the last response token
     return log_prob, rewards, mask
 
@@ -39,15 +39,22 @@ def _policy(norm: str) -> Any:
 
 
 def _summed_over_micro_batches(
-    norm: str, log_prob: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, rows: list[list[int]], dp_size: int = 1,
-    global_batch_size: int = len(LENGTHS), batch_num_tokens: int = sum(LENGTHS),
+    norm: str,
+    log_prob: torch.Tensor,
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    rows: list[list[int]],
+    dp_size: int = 1,
+    global_batch_size: int = len(LENGTHS),
+    batch_num_tokens: int = sum(LENGTHS),
 ) -> torch.Tensor:
     """One rank's loss as verl's engine accumulates it: the per-micro-batch losses summed."""
     from verl_ext.actor_loss import _correct_response_nll
 
     config = make_actor_config(loss_agg_mode="token-mean")
-    config.global_batch_info.update(dp_size=dp_size, batch_num_tokens=batch_num_tokens,
-                                    global_batch_size=global_batch_size, loss_scale_factor=None)
+    config.global_batch_info.update(
+        dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size, loss_scale_factor=None
+    )
     total = torch.zeros((), dtype=torch.float32)
     for idx in rows:
         nll, _fraction = _correct_response_nll(log_prob[idx], rewards[idx], mask[idx], _policy(norm), config)
@@ -80,8 +87,12 @@ def test_micro_batch_norm_is_the_released_codes() -> None:
     from verl_ext.actor_loss import _correct_response_nll
 
     config = make_actor_config(loss_agg_mode="token-mean")
-    config.global_batch_info.update(dp_size=1, batch_num_tokens=sum(LENGTHS), global_batch_size=6, loss_scale_factor=None)
-    empty, fraction = _correct_response_nll(log_prob[[3, 4]], rewards[[3, 4]], mask[[3, 4]], _policy("micro_batch"), config)
+    config.global_batch_info.update(
+        dp_size=1, batch_num_tokens=sum(LENGTHS), global_batch_size=6, loss_scale_factor=None
+    )
+    empty, fraction = _correct_response_nll(
+        log_prob[[3, 4]], rewards[[3, 4]], mask[[3, 4]], _policy("micro_batch"), config
+    )
     assert empty.item() == 0.0 and fraction == 0.0 and empty.requires_grad
 
 
@@ -121,7 +132,9 @@ def test_bf16_log_probs(norm: str) -> None:
 def test_bad_norm_names_the_key() -> None:
     from verl_ext.config import DivClipPolicyLossConfig
 
-    with pytest.raises(ValueError, match=r"policy_loss\.correct_nll_norm must be one of \('global', 'micro_batch'\).*'reference'"):
+    with pytest.raises(
+        ValueError, match=r"policy_loss\.correct_nll_norm must be one of \('global', 'micro_batch'\).*'reference'"
+    ):
         DivClipPolicyLossConfig(loss_mode="clip", correct_nll_norm="reference")
     assert DivClipPolicyLossConfig(loss_mode="clip").correct_nll_norm == "global"
 
@@ -135,18 +148,30 @@ ENGINE_REWARDS = [1.0, -1.0, 1.0, -0.5]  # micro-batches of 2: [correct, wrong],
 
 def _engine_job(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
     from recipe.bench.harness import (
-        EXACT_SGD, TinyQwen3Spec, WorkerOptions, build_actor_worker, compute_log_prob, full_params,
-        make_rollout_batch, param_delta, update_actor,
+        EXACT_SGD,
+        TinyQwen3Spec,
+        WorkerOptions,
+        build_actor_worker,
+        compute_log_prob,
+        full_params,
+        make_rollout_batch,
+        param_delta,
+        update_actor,
     )
     from verl_ext.actor_loss import build_actor_loss
     from verl_ext.config import DivClipPolicyLossConfig
 
-    batch = make_rollout_batch(ENGINE_PROMPTS, ENGINE_RESPONSES, TinyQwen3Spec().vocab_size, seed=5,
-                               advantages=[torch.zeros(r) for r in ENGINE_RESPONSES])
+    batch = make_rollout_batch(
+        ENGINE_PROMPTS,
+        ENGINE_RESPONSES,
+        TinyQwen3Spec().vocab_size,
+        seed=5,
+        advantages=[torch.zeros(r) for r in ENGINE_RESPONSES],
+    )
     old = compute_log_prob(build_actor_worker(model_path, WorkerOptions(**EXACT_SGD)), batch)
     batch["old_log_probs"] = old["old_log_probs"]  # on-policy: the NLL is over the model's own log-probs
     scores = [torch.zeros(r) for r in ENGINE_RESPONSES]
-    for row, reward in zip(scores, ENGINE_REWARDS):
+    for row, reward in zip(scores, ENGINE_REWARDS, strict=False):
         row[-1] = reward
     # as verl's v1 trainer stores it: the rule reward as rm_scores, no token_level_rewards
     batch["rm_scores"] = torch.nested.as_nested_tensor(scores, layout=torch.jagged)
@@ -154,7 +179,8 @@ def _engine_job(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
     for label, coef, norm in (("off", 0.0, "global"), ("global", 0.1, "global"), ("micro_batch", 0.1, "micro_batch")):
         config = make_actor_config(
             policy_loss=DivClipPolicyLossConfig(loss_mode="clip", correct_nll_coef=coef, correct_nll_norm=norm),
-            clip_ratio_low=0.2, clip_ratio_high=0.28,
+            clip_ratio_low=0.2,
+            clip_ratio_high=0.28,
         )
         worker = build_actor_worker(model_path, WorkerOptions(**EXACT_SGD))
         worker.set_loss_fn(build_actor_loss(config))
@@ -183,8 +209,12 @@ def test_engine_nll_reads_rm_scores_and_matches_both_formulas(engine_run: dict[s
     total_tokens = sum(ENGINE_RESPONSES)
     want_global = sum(nll[i].sum() for i in (0, 2)) / total_tokens
     want_micro = 2 / 4 * nll[0].mean() + 2 / 4 * nll[2].mean()  # one correct response per micro-batch
-    assert _metric(engine_run["global"]["metrics"], "actor/divclip/correct_nll") == pytest.approx(want_global.item(), rel=1e-5)
-    assert _metric(engine_run["micro_batch"]["metrics"], "actor/divclip/correct_nll") == pytest.approx(want_micro.item(), rel=1e-5)
+    assert _metric(engine_run["global"]["metrics"], "actor/divclip/correct_nll") == pytest.approx(
+        want_global.item(), rel=1e-5
+    )
+    assert _metric(engine_run["micro_batch"]["metrics"], "actor/divclip/correct_nll") == pytest.approx(
+        want_micro.item(), rel=1e-5
+    )
 
 
 def test_engine_nll_is_the_only_gradient_with_zero_advantages(engine_run: dict[str, Any]) -> None:

@@ -74,11 +74,18 @@ def test_registered_by_the_plugin_on_cpu_and_by_custom_backend_module_elsewhere(
     )
     env = {key: value for key, value in os.environ.items() if key != "VERL_PLATFORM"}
     runs = {
-        platform: subprocess.Popen([sys.executable, "-c", probe], cwd=_ROOT, stdout=subprocess.PIPE, text=True,
-                                   env={**env, **({"VERL_PLATFORM": platform} if platform else {})})
+        platform: subprocess.Popen(
+            [sys.executable, "-c", probe],
+            cwd=_ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**env, **({"VERL_PLATFORM": platform} if platform else {})},
+        )
         for platform in ("cpu", "")
     }
-    found = {platform: json.loads(run.communicate(timeout=300)[0].strip().splitlines()[-1]) for platform, run in runs.items()}
+    found = {
+        platform: json.loads(run.communicate(timeout=300)[0].strip().splitlines()[-1]) for platform, run in runs.items()
+    }
     assert found == {"cpu": [True, "verl_ext.cpu.checkpoint_engine"], "": [False, "verl_ext.cpu.checkpoint_engine"]}
 
 
@@ -119,7 +126,9 @@ def _transfer_job(rank: int, world_size: int) -> dict[str, Any]:
     for global_steps in (3, 4):  # the manager rebuilds the group on every sync
         metadata: list[Any] = [None] * world_size
         dist.all_gather_object(metadata, engine.prepare())  # the manager's ray.get of every prepare()
-        actor_kwargs, rollout_kwargs = CpuGlooCheckpointEngine.build_topology(ACTOR_RANKS, world_size - ACTOR_RANKS, metadata)
+        actor_kwargs, rollout_kwargs = CpuGlooCheckpointEngine.build_topology(
+            ACTOR_RANKS, world_size - ACTOR_RANKS, metadata
+        )
         kwargs, index = (actor_kwargs, rank) if is_actor else (rollout_kwargs, rank - ACTOR_RANKS)
         engine.init_process_group(**{key: values[index] for key, values in kwargs.items()})
         if is_actor:
@@ -130,12 +139,16 @@ def _transfer_job(rank: int, world_size: int) -> dict[str, Any]:
                     produced.append(item[0])
                     yield item
 
-            metrics = asyncio.run(engine.send_weights(counted(_collective_weights(rank, actor_group)), global_steps=global_steps))
+            metrics = asyncio.run(
+                engine.send_weights(counted(_collective_weights(rank, actor_group)), global_steps=global_steps)
+            )
             results["syncs"].append({"produced": len(produced), "metrics": metrics})
         else:
 
             async def receive() -> dict[str, torch.Tensor]:
-                return {name: tensor.clone() async for name, tensor in engine.receive_weights(global_steps=global_steps)}
+                return {
+                    name: tensor.clone() async for name, tensor in engine.receive_weights(global_steps=global_steps)
+                }
 
             results["syncs"].append({"received": asyncio.run(receive())})
         engine.finalize()
@@ -162,10 +175,9 @@ def test_cpu_gloo_transfers_a_state_dict_bit_for_bit() -> None:
 def _detach_job(rank: int, world_size: int) -> dict[str, bool]:
     """DetachActorWorker's save/restore handlers on an FSDP2 module over gloo, as separate_async calls them."""
     import torch.distributed as dist
+    import verl.workers.engine.fsdp.transformer_impl  # noqa: F401  (the cpu platform registers its engines, and its save fix)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    import verl.workers.engine.fsdp.transformer_impl  # noqa: F401  (the cpu platform registers its engines, and its save fix)
     from verl.experimental.separation.engine_workers import DetachActorWorker
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -192,7 +204,11 @@ def _detach_job(rank: int, world_size: int) -> dict[str, bool]:
     worker.restore_model_from_cpu(1)
     back = full()
     same = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
-    return {"restored_pi_old": same(restored, saved), "back_to_current": same(back, updated), "moved": not same(updated, saved)}
+    return {
+        "restored_pi_old": same(restored, saved),
+        "back_to_current": same(back, updated),
+        "moved": not same(updated, saved),
+    }
 
 
 def test_detach_actor_worker_restores_saved_fsdp2_weights_on_cpu() -> None:

@@ -66,14 +66,18 @@ def tokenizer() -> Any:
 
 
 def _prompt(tokenizer: Any, digits: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": digits}], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": digits}], add_generation_prompt=True, tokenize=False
+    )
     return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _rollout_config(**overrides: Any) -> Any:
     from verl.workers.config import RolloutConfig
 
-    kwargs: dict[str, Any] = dict(name="hf_cpu", tensor_model_parallel_size=1, prompt_length=16, response_length=8, dtype="float32")
+    kwargs: dict[str, Any] = dict(
+        name="hf_cpu", tensor_model_parallel_size=1, prompt_length=16, response_length=8, dtype="float32"
+    )
     kwargs.update(overrides)
     return RolloutConfig(**kwargs)
 
@@ -90,7 +94,9 @@ def _model_config(model_dir: str) -> Any:
 
 
 def test_sampling_params_follow_vllm_conventions() -> None:
-    spec = sampling_spec_from_params({"temperature": 0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False})
+    spec = sampling_spec_from_params(
+        {"temperature": 0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}
+    )
     assert spec.greedy and spec.top_k == -1 and not spec.want_logprobs
     spec = sampling_spec_from_params({"temperature": 0.7, "top_p": 0.9, "top_k": 5, "logprobs": True, "max_tokens": 3})
     assert (spec.temperature, spec.top_p, spec.top_k, spec.want_logprobs) == (0.7, 0.9, 5, True)
@@ -131,8 +137,13 @@ def test_batched_greedy_matches_unbatched_reference(model: torch.nn.Module, toke
     # prompts of different lengths: exercises left padding, position ids and the KV cache
     prompts = [_prompt(tokenizer, d) for d in ("7", "4071", "123456", "99")]
     results = generate_batch(
-        model, prompts, [6] * len(prompts), SamplingSpec(temperature=0.0, want_logprobs=True),
-        eos_ids=[], pad_id=tokenizer.pad_token_id, logprobs_mode="raw_logprobs",
+        model,
+        prompts,
+        [6] * len(prompts),
+        SamplingSpec(temperature=0.0, want_logprobs=True),
+        eos_ids=[],
+        pad_id=tokenizer.pad_token_id,
+        logprobs_mode="raw_logprobs",
     )
     for prompt, (tokens, logps, finish) in zip(prompts, results, strict=True):
         ref_tokens, ref_logps = _reference_greedy(model, prompt, 6)
@@ -145,8 +156,13 @@ def test_sampled_logprobs_are_the_models(model: torch.nn.Module, tokenizer: Any)
     prompt = _prompt(tokenizer, "4071")
     gen = torch.Generator().manual_seed(0)
     [(tokens, logps, _)] = generate_batch(
-        model, [prompt], [5], SamplingSpec(temperature=1.0, want_logprobs=True),
-        eos_ids=[], pad_id=tokenizer.pad_token_id, generator=gen,
+        model,
+        [prompt],
+        [5],
+        SamplingSpec(temperature=1.0, want_logprobs=True),
+        eos_ids=[],
+        pad_id=tokenizer.pad_token_id,
+        generator=gen,
     )
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
@@ -159,9 +175,13 @@ def test_eos_and_max_tokens(model: torch.nn.Module, tokenizer: Any) -> None:
     [(greedy, _, _)] = generate_batch(model, [prompt], [6], SamplingSpec(temperature=0.0), eos_ids=[], pad_id=0)
     eos = greedy[2]  # declare the 3rd greedy token an EOS id: generation must stop right there
     first = greedy.index(eos)
-    [(tokens, logps, finish)] = generate_batch(model, [prompt], [6], SamplingSpec(temperature=0.0), eos_ids=[eos], pad_id=0)
+    [(tokens, logps, finish)] = generate_batch(
+        model, [prompt], [6], SamplingSpec(temperature=0.0), eos_ids=[eos], pad_id=0
+    )
     assert tokens == greedy[: first + 1] and finish == "stop" and logps is None
-    [(tokens, _, finish)] = generate_batch(model, [prompt], [6], SamplingSpec(temperature=0.0), eos_ids=[eos], pad_id=0, ignore_eos=True)
+    [(tokens, _, finish)] = generate_batch(
+        model, [prompt], [6], SamplingSpec(temperature=0.0), eos_ids=[eos], pad_id=0, ignore_eos=True
+    )
     assert tokens == greedy and finish == "length"
     results = generate_batch(model, [prompt, prompt], [2, 4], SamplingSpec(temperature=0.0), eos_ids=[], pad_id=0)
     assert [len(t) for t, _, _ in results] == [2, 4]
@@ -175,13 +195,17 @@ def test_eos_and_max_tokens(model: torch.nn.Module, tokenizer: Any) -> None:
 def test_server_batches_concurrent_requests(model_dir: str, tokenizer: Any) -> None:
     from verl.workers.rollout.replica import RolloutMode, TokenOutput
 
-    server = hf_server.HFCpuServer(_rollout_config(calculate_log_probs=True), _model_config(model_dir), RolloutMode.HYBRID, 0)
+    server = hf_server.HFCpuServer(
+        _rollout_config(calculate_log_probs=True), _model_config(model_dir), RolloutMode.HYBRID, 0
+    )
     prompt = _prompt(tokenizer, "4071")
     params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
 
     async def run() -> list[TokenOutput]:
         await server.set_global_steps(3)
-        return await asyncio.gather(*[server.generate(prompt_ids=prompt, sampling_params=dict(params), request_id=str(i)) for i in range(32)])
+        return await asyncio.gather(
+            *[server.generate(prompt_ids=prompt, sampling_params=dict(params), request_id=str(i)) for i in range(32)]
+        )
 
     outputs = asyncio.run(run())
     assert server.stats["requests"] == 32 and server.stats["batches"] <= 2  # one wave, batched
@@ -205,7 +229,9 @@ def test_server_honours_a_request_max_tokens_above_response_length(model_dir: st
     rollout.response_length (8 here); the server serves it, within max_model_len."""
     from verl.workers.rollout.replica import RolloutMode
 
-    server = hf_server.HFCpuServer(_rollout_config(ignore_eos=True, max_model_len=40), _model_config(model_dir), RolloutMode.HYBRID, 0)
+    server = hf_server.HFCpuServer(
+        _rollout_config(ignore_eos=True, max_model_len=40), _model_config(model_dir), RolloutMode.HYBRID, 0
+    )
     prompt = _prompt(tokenizer, "4071")
     greedy = {"temperature": 0.0, "top_p": 1.0, "top_k": -1}
 
@@ -229,7 +255,9 @@ def test_greedy_requests_leave_the_sampling_stream_alone(model: torch.nn.Module,
     prompt = _prompt(tokenizer, "4071")
     gen = torch.Generator().manual_seed(7)
     before = gen.get_state().clone()
-    generate_batch(model, [prompt] * 3, [12, 12, 16], SamplingSpec(temperature=0.0), eos_ids=[], pad_id=0, generator=gen)
+    generate_batch(
+        model, [prompt] * 3, [12, 12, 16], SamplingSpec(temperature=0.0), eos_ids=[], pad_id=0, generator=gen
+    )
     assert torch.equal(gen.get_state(), before)
     generate_batch(model, [prompt], [4], SamplingSpec(temperature=1.0), eos_ids=[], pad_id=0, generator=gen)
     assert not torch.equal(gen.get_state(), before)
@@ -251,8 +279,14 @@ def test_generate_batch_stops_at_a_token_boundary(model: torch.nn.Module, tokeni
         return len(asked) > 3
 
     results = generate_batch(
-        model, prompts, [8, 2], SamplingSpec(temperature=0.0, want_logprobs=True), eos_ids=[], pad_id=0,
-        logprobs_mode="raw_logprobs", should_stop=stop_before_the_fourth_step,
+        model,
+        prompts,
+        [8, 2],
+        SamplingSpec(temperature=0.0, want_logprobs=True),
+        eos_ids=[],
+        pad_id=0,
+        logprobs_mode="raw_logprobs",
+        should_stop=stop_before_the_fourth_step,
     )
     (tokens, logps, finish), (short, _, short_finish) = results
     ref_tokens, ref_logps = _reference_greedy(model, prompts[0], 3)
@@ -263,7 +297,9 @@ def test_generate_batch_stops_at_a_token_boundary(model: torch.nn.Module, tokeni
 def _server(model_dir: str, **config: Any) -> Any:
     from verl.workers.rollout.replica import RolloutMode
 
-    return hf_server.HFCpuServer(_rollout_config(ignore_eos=True, **config), _model_config(model_dir), RolloutMode.STANDALONE, 0)
+    return hf_server.HFCpuServer(
+        _rollout_config(ignore_eos=True, **config), _model_config(model_dir), RolloutMode.STANDALONE, 0
+    )
 
 
 def _hold_decoding_at_step(server: Any, step: int) -> threading.Event:
@@ -296,7 +332,9 @@ def _perturbed_weights(model_dir: str, seed: int) -> tuple[dict[str, torch.Tenso
     """New weights (and a model holding them) as an actor update would produce."""
     torch.manual_seed(seed)
     new_model = hf_server.load_hf_model(model_dir, "float32")
-    weights = {k: v + 0.5 * torch.randn_like(v) if v.is_floating_point() else v for k, v in new_model.state_dict().items()}
+    weights = {
+        k: v + 0.5 * torch.randn_like(v) if v.is_floating_point() else v for k, v in new_model.state_dict().items()
+    }
     new_model.load_state_dict(weights)
     return weights, new_model
 
@@ -307,14 +345,20 @@ async def _load_weights(server: Any, weights: dict[str, torch.Tensor], global_st
     await server.finish_weight_update(global_steps)
 
 
-def test_abort_returns_partial_tokens_logprobs_and_version(model_dir: str, model: torch.nn.Module, tokenizer: Any) -> None:
+def test_abort_returns_partial_tokens_logprobs_and_version(
+    model_dir: str, model: torch.nn.Module, tokenizer: Any
+) -> None:
     server = _server(model_dir)
     prompt = _prompt(tokenizer, "4071")
     arrived = _hold_decoding_at_step(server, 3)
 
     async def run() -> tuple[Any, dict[str, Any]]:
         await server.set_global_steps(5)
-        request = asyncio.create_task(server.generate(prompt_ids=prompt, sampling_params={**GREEDY_WITH_LOGPROBS, "max_tokens": 8}, request_id="r0"))
+        request = asyncio.create_task(
+            server.generate(
+                prompt_ids=prompt, sampling_params={**GREEDY_WITH_LOGPROBS, "max_tokens": 8}, request_id="r0"
+            )
+        )
         await _until(arrived)
         aborted = await server.abort_all_requests()
         assert request.done()  # every in-flight request has its answer when the abort returns
@@ -367,7 +411,9 @@ def test_a_request_parked_during_a_weight_update_uses_the_new_weights(model_dir:
     async def run() -> Any:
         await server.set_global_steps(5)
         await server.abort_all_requests()
-        parked = asyncio.create_task(server.generate(prompt_ids=prompt, sampling_params={**GREEDY_WITH_LOGPROBS, "max_tokens": 6}))
+        parked = asyncio.create_task(
+            server.generate(prompt_ids=prompt, sampling_params={**GREEDY_WITH_LOGPROBS, "max_tokens": 6})
+        )
         await asyncio.sleep(0.1)
         await _load_weights(server, new_weights, global_steps=6)
         await server.resume_generation()
@@ -379,7 +425,9 @@ def test_a_request_parked_during_a_weight_update_uses_the_new_weights(model_dir:
     assert output.extra_fields["global_steps"] == 6
 
 
-def test_fully_async_client_merges_a_rollout_across_a_weight_update(model_dir: str, model: torch.nn.Module, tokenizer: Any) -> None:
+def test_fully_async_client_merges_a_rollout_across_a_weight_update(
+    model_dir: str, model: torch.nn.Module, tokenizer: Any
+) -> None:
     """verl's FullyAsyncLLMServerClient (its abort/resume loop, unchanged) against the server: the rollout is
     aborted after 3 tokens, the weights change while generation is paused, and the client's re-sent request
     continues from prompt + partial with the new weights; one response of 8 tokens spans versions 5..6."""
@@ -395,7 +443,9 @@ def test_fully_async_client_merges_a_rollout_across_a_weight_update(model_dir: s
         """The load balancer replaced by the one server (no Ray); the resume loop is verl's."""
 
         async def _acquire_server(self, request_id: str, **extra: Any) -> tuple[str, Any]:
-            return "hf_cpu-replica-0", SimpleNamespace(generate=SimpleNamespace(remote=lambda **kw: server.generate(**kw)))
+            return "hf_cpu-replica-0", SimpleNamespace(
+                generate=SimpleNamespace(remote=lambda **kw: server.generate(**kw))
+            )
 
         def _release_server(self, server_id: str, request_id: Any = None) -> None:
             return None
@@ -405,7 +455,9 @@ def test_fully_async_client_merges_a_rollout_across_a_weight_update(model_dir: s
 
     async def run() -> Any:
         await server.set_global_steps(5)
-        rollout = asyncio.create_task(client.generate("sample-0", prompt_ids=prompt, sampling_params=dict(GREEDY_WITH_LOGPROBS)))
+        rollout = asyncio.create_task(
+            client.generate("sample-0", prompt_ids=prompt, sampling_params=dict(GREEDY_WITH_LOGPROBS))
+        )
         await _until(arrived)
         await server.abort_all_requests()  # colocate_async's on_sample_end
         await _load_weights(server, new_weights, global_steps=6)  # on_step_end: naive weight sync...
@@ -434,17 +486,27 @@ def local_ray() -> Any:
     if ray.is_initialized():
         pytest.skip("a Ray instance is already initialised in this process")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(_ROOT)}})
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(_ROOT)}},
+    )
     try:
         yield ray
     finally:
         ray.shutdown()
 
 
-def test_weight_sync_changes_rollout_outputs(local_ray: Any, model_dir: str, tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_weight_sync_changes_rollout_outputs(
+    local_ray: Any, model_dir: str, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     register_cpu_rollout()
-    replica = hf_cpu.HFCpuReplica(replica_rank=0, config=_rollout_config(), model_config=_model_config(model_dir), gpus_per_node=1)
+    replica = hf_cpu.HFCpuReplica(
+        replica_rank=0, config=_rollout_config(), model_config=_model_config(model_dir), gpus_per_node=1
+    )
     asyncio.run(replica.init_hybrid(SimpleNamespace(workers=[])))  # no actor workers: server on this node
     server = replica.server_handle
     assert replica.server_address.startswith("hf_cpu-replica-0")
@@ -453,7 +515,9 @@ def test_weight_sync_changes_rollout_outputs(local_ray: Any, model_dir: str, tok
     prompts = [_prompt(tokenizer, d) for d in ("4071", "123", "98765")]
 
     def outputs() -> list[list[int]]:
-        return [local_ray.get(server.generate.remote(prompt_ids=p, sampling_params=dict(greedy))).token_ids for p in prompts]
+        return [
+            local_ray.get(server.generate.remote(prompt_ids=p, sampling_params=dict(greedy))).token_ids for p in prompts
+        ]
 
     before = outputs()
     assert before == outputs()  # greedy is deterministic
@@ -528,13 +592,17 @@ def test_cpu_resource_check(monkeypatch: pytest.MonkeyPatch) -> None:
     from verl_ext.cpu import DEVICE_RESOURCE, ray_resources
 
     def nodes(*resources: dict[str, float]) -> None:
-        monkeypatch.setattr(ray._private.state, "available_resources_per_node",
-                            lambda: {f"n{i}": r for i, r in enumerate(resources)})
+        monkeypatch.setattr(
+            ray._private.state, "available_resources_per_node", lambda: {f"n{i}": r for i, r in enumerate(resources)}
+        )
 
     one_node = SimpleNamespace(resource_pool_spec={"global_pool": [2]}, max_colocate_count=3)
     assert ray_resources.required_cpus(one_node.resource_pool_spec, 3) == 7
     nodes({"CPU": 16.0})  # no device resource: a Ray started without it
-    with pytest.raises(ValueError, match=rf"offers 0 '{DEVICE_RESOURCE}' slots.*ray_init.resources=\{{cpu_device:N\}}.*ray start --resources"):
+    with pytest.raises(
+        ValueError,
+        match=rf"offers 0 '{DEVICE_RESOURCE}' slots.*ray_init.resources=\{{cpu_device:N\}}.*ray start --resources",
+    ):
         ray_resources._check_cpu_resources_available(one_node)
     nodes({"CPU": 6.0, DEVICE_RESOURCE: 2.0})
     with pytest.raises(ValueError, match="ray_init.num_cpus"):  # the bundles fit, no CPU spare

@@ -148,48 +148,168 @@ def test_klear_json_array_and_json_lines(tmp_path: Path, container: str) -> None
 
 HUB_LAYOUTS: list[tuple[str, str, list[dict[str, Any]], list[str], str]] = [
     # (dataset, layout name, rows in the upstream layout, expected answers, case id)
-    ("aime24", "problem-answer",
-     [{"id": 60, "problem": "Every morning Aya walks $9$ km.", "solution": "...", "answer": "204",
-       "url": "https://x", "year": "2024"}], ["204"], "HuggingFaceH4/aime_2024"),
-    ("aime24", "Problem-Answer",
-     [{"ID": "2024-I-1", "Problem": "Every morning Aya walks $9$ km.", "Solution": "...", "Answer": 204}],
-     ["204"], "Maxwell-Jia/AIME_2024"),
-    ("aime25", "question-answer",
-     [{"question": "Find the sum of all integer bases $b>9$.", "answer": "70"}], ["70"], "opencompass/AIME2025"),
-    ("aime25", "problem-answer",
-     [{"id": "0", "problem": "Find the sum of all integer bases $b>9$.", "solution": "...", "answer": "70",
-       "url": "u", "year": "2025"}], ["70"], "yentinglin/aime_2025"),
-    ("amc23", "question-answer",
-     [{"id": 0, "question": "How many miles from City $A$?", "answer": 27.0}], ["27"], "math-ai/amc23"),
-    ("amc23", "problem-answer",
-     [{"id": 0, "problem": "What is $x+y$?", "answer": 142.0, "url": "u"},
-      {"id": 1, "problem": "What is $x/y$?", "answer": 2.5, "url": "u"}], ["142", "2.5"], "AI-MO/aimo-validation-amc"),
-    ("math500", "problem-answer",
-     [{"problem": "Convert $(0,3)$ to polar.", "solution": "... \\boxed{(3, \\frac{\\pi}{2})}",
-       "answer": "\\left( 3, \\frac{\\pi}{2} \\right)", "subject": "Precalculus", "level": 2,
-       "unique_id": "test/precalculus/807.json"}], ["\\left( 3, \\frac{\\pi}{2} \\right)"], "HuggingFaceH4/MATH-500"),
-    ("hmmt25", "problem-answer",
-     [{"problem_idx": 1, "problem": "Compute the sum of the divisors of $9!$.", "answer": "103",
-       "problem_type": ["Number Theory"]}], ["103"], "MathArena/hmmt_feb_2025"),
-    ("olympiadbench", "olympiadbench",
-     [{"id": 1606, "question": "Find $x$.", "solution": ["..."], "final_answer": ["$\\frac{1}{2}$"],
-       "context": None, "image_1": None, "is_multiple_answer": False, "unit": None, "answer_type": "Numerical",
-       "subfield": "Algebra", "language": "English"},
-      {"id": 1607, "question": "Find all $x$.", "solution": ["..."], "final_answer": ["$1$", "$-2$"],
-       "context": None, "image_1": None, "is_multiple_answer": True, "unit": None, "answer_type": "Numerical",
-       "subfield": "Algebra", "language": "English"},
-      {"id": 1608, "question": "Prove that $x>0$.", "solution": ["..."], "final_answer": None,
-       "context": None, "image_1": None, "is_multiple_answer": False, "unit": None, "answer_type": None,
-       "subfield": "Algebra", "language": "English"},
-      {"id": 1609, "question": "In the figure, find $x$.", "solution": ["..."], "final_answer": ["$3$"],
-       "context": None, "image_1": "<image bytes>", "is_multiple_answer": False, "unit": None,
-       "answer_type": "Numerical", "subfield": "Geometry", "language": "English"}],
-     ["\\frac{1}{2}", "1, -2"], "Hothan/OlympiadBench"),
+    (
+        "aime24",
+        "problem-answer",
+        [
+            {
+                "id": 60,
+                "problem": "Every morning Aya walks $9$ km.",
+                "solution": "...",
+                "answer": "204",
+                "url": "https://x",
+                "year": "2024",
+            }
+        ],
+        ["204"],
+        "HuggingFaceH4/aime_2024",
+    ),
+    (
+        "aime24",
+        "Problem-Answer",
+        [{"ID": "2024-I-1", "Problem": "Every morning Aya walks $9$ km.", "Solution": "...", "Answer": 204}],
+        ["204"],
+        "Maxwell-Jia/AIME_2024",
+    ),
+    (
+        "aime25",
+        "question-answer",
+        [{"question": "Find the sum of all integer bases $b>9$.", "answer": "70"}],
+        ["70"],
+        "opencompass/AIME2025",
+    ),
+    (
+        "aime25",
+        "problem-answer",
+        [
+            {
+                "id": "0",
+                "problem": "Find the sum of all integer bases $b>9$.",
+                "solution": "...",
+                "answer": "70",
+                "url": "u",
+                "year": "2025",
+            }
+        ],
+        ["70"],
+        "yentinglin/aime_2025",
+    ),
+    (
+        "amc23",
+        "question-answer",
+        [{"id": 0, "question": "How many miles from City $A$?", "answer": 27.0}],
+        ["27"],
+        "math-ai/amc23",
+    ),
+    (
+        "amc23",
+        "problem-answer",
+        [
+            {"id": 0, "problem": "What is $x+y$?", "answer": 142.0, "url": "u"},
+            {"id": 1, "problem": "What is $x/y$?", "answer": 2.5, "url": "u"},
+        ],
+        ["142", "2.5"],
+        "AI-MO/aimo-validation-amc",
+    ),
+    (
+        "math500",
+        "problem-answer",
+        [
+            {
+                "problem": "Convert $(0,3)$ to polar.",
+                "solution": "... \\boxed{(3, \\frac{\\pi}{2})}",
+                "answer": "\\left( 3, \\frac{\\pi}{2} \\right)",
+                "subject": "Precalculus",
+                "level": 2,
+                "unique_id": "test/precalculus/807.json",
+            }
+        ],
+        ["\\left( 3, \\frac{\\pi}{2} \\right)"],
+        "HuggingFaceH4/MATH-500",
+    ),
+    (
+        "hmmt25",
+        "problem-answer",
+        [
+            {
+                "problem_idx": 1,
+                "problem": "Compute the sum of the divisors of $9!$.",
+                "answer": "103",
+                "problem_type": ["Number Theory"],
+            }
+        ],
+        ["103"],
+        "MathArena/hmmt_feb_2025",
+    ),
+    (
+        "olympiadbench",
+        "olympiadbench",
+        [
+            {
+                "id": 1606,
+                "question": "Find $x$.",
+                "solution": ["..."],
+                "final_answer": ["$\\frac{1}{2}$"],
+                "context": None,
+                "image_1": None,
+                "is_multiple_answer": False,
+                "unit": None,
+                "answer_type": "Numerical",
+                "subfield": "Algebra",
+                "language": "English",
+            },
+            {
+                "id": 1607,
+                "question": "Find all $x$.",
+                "solution": ["..."],
+                "final_answer": ["$1$", "$-2$"],
+                "context": None,
+                "image_1": None,
+                "is_multiple_answer": True,
+                "unit": None,
+                "answer_type": "Numerical",
+                "subfield": "Algebra",
+                "language": "English",
+            },
+            {
+                "id": 1608,
+                "question": "Prove that $x>0$.",
+                "solution": ["..."],
+                "final_answer": None,
+                "context": None,
+                "image_1": None,
+                "is_multiple_answer": False,
+                "unit": None,
+                "answer_type": None,
+                "subfield": "Algebra",
+                "language": "English",
+            },
+            {
+                "id": 1609,
+                "question": "In the figure, find $x$.",
+                "solution": ["..."],
+                "final_answer": ["$3$"],
+                "context": None,
+                "image_1": "<image bytes>",
+                "is_multiple_answer": False,
+                "unit": None,
+                "answer_type": "Numerical",
+                "subfield": "Geometry",
+                "language": "English",
+            },
+        ],
+        ["\\frac{1}{2}", "1, -2"],
+        "Hothan/OlympiadBench",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("dataset", "layout", "rows", "answers", "case"), HUB_LAYOUTS, ids=[c[-1] for c in HUB_LAYOUTS])
-def test_hub_layouts(tmp_path: Path, dataset: str, layout: str, rows: list[dict[str, Any]], answers: list[str], case: str) -> None:
+@pytest.mark.parametrize(
+    ("dataset", "layout", "rows", "answers", "case"), HUB_LAYOUTS, ids=[c[-1] for c in HUB_LAYOUTS]
+)
+def test_hub_layouts(
+    tmp_path: Path, dataset: str, layout: str, rows: list[dict[str, Any]], answers: list[str], case: str
+) -> None:
     source = write_parquet(tmp_path / "in.parquet", rows)
     summary = convert(dataset, str(source), tmp_path / "out")
     assert summary.layout == layout
@@ -303,7 +423,9 @@ def test_unknown_layout_lists_columns(tmp_path: Path) -> None:
         ("table.csv", b"problem,answer\n", "unsupported file type"),
     ],
 )
-def test_unusable_files_exit_nonzero(tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, content: bytes, message: str) -> None:
+def test_unusable_files_exit_nonzero(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, content: bytes, message: str
+) -> None:
     path = tmp_path / name
     path.write_bytes(content)
     assert cli_main(["aime24", "--input", str(path), "--output", str(tmp_path / "out")]) == 2
@@ -339,8 +461,21 @@ def test_save_to_disk_folder_and_plain_folder(tmp_path: Path) -> None:
 def test_cli_prints_summary(tmp_path: Path, dapo_fixture) -> None:
     source, expected = dapo_fixture
     result = subprocess.run(
-        [sys.executable, "-m", "data_prep", "dapo-math-17k", "--input", str(source), "--output", str(tmp_path / "o"), "--summary-json"],
-        capture_output=True, text=True, cwd=REPO_ROOT, check=False,
+        [
+            sys.executable,
+            "-m",
+            "data_prep",
+            "dapo-math-17k",
+            "--input",
+            str(source),
+            "--output",
+            str(tmp_path / "o"),
+            "--summary-json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
@@ -365,7 +500,9 @@ def tiny_tokenizer(texts: list[str]) -> Any:
             words.setdefault(word, len(words))
     backend = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
     backend.pre_tokenizer = splitter
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>"
+    )
     tokenizer.chat_template = (
         "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
         "{% if add_generation_prompt %}<assistant> {% endif %}"
@@ -382,8 +519,13 @@ def test_round_trip_through_verl_rlhf_dataset(tmp_path: Path) -> None:
     df = read_output(summary.output)
     tokenizer = tiny_tokenizer([p[0]["content"] for p in df["prompt"]])
     config = OmegaConf.create(
-        {"prompt_key": "prompt", "max_prompt_length": 4096, "filter_overlong_prompts": True,
-         "filter_overlong_prompts_workers": 1, "cache_dir": str(tmp_path / "cache")}
+        {
+            "prompt_key": "prompt",
+            "max_prompt_length": 4096,
+            "filter_overlong_prompts": True,
+            "filter_overlong_prompts_workers": 1,
+            "cache_dir": str(tmp_path / "cache"),
+        }
     )
     dataset = RLHFDataset(data_files=summary.output, tokenizer=tokenizer, config=config)
     assert len(dataset) == summary.rows_written

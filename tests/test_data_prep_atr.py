@@ -53,7 +53,7 @@ def test_aimo_amc_is_its_own_dataset(tmp_path: Path) -> None:
     assert out["prompt"][0][0]["content"].startswith(rows[0]["problem"])
     assert out["prompt"][0][0]["content"].endswith("\\boxed{}.")
     # every answer is the float of the upstream row, as text
-    for row, truth in zip(rows, out["reward_model"]):
+    for row, truth in zip(rows, out["reward_model"], strict=False):
         assert float(truth["ground_truth"]) == row["answer"]
 
 
@@ -100,15 +100,29 @@ def test_aimo_amc_duplicate_problem_is_an_error(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- OpenMathReasoning (SFT set)
 
 from data_prep.openmath import (  # noqa: E402
-    EVAL_OVERLAP, NO_THINK_CLOSE, NO_VERIFIABLE_ANSWER, NOT_COT, OTHER_SOLUTION, TOO_LONG, convert_openmath,
+    EVAL_OVERLAP,
+    NO_THINK_CLOSE,
+    NO_VERIFIABLE_ANSWER,
+    NOT_COT,
+    OTHER_SOLUTION,
+    TOO_LONG,
+    convert_openmath,
 )
 
 #: nvidia/OpenMathReasoning's columns and dtypes (dataset card, splits cot/tir/genselect/additional_problems)
-OMR_SCHEMA = pa.schema([
-    ("expected_answer", pa.string()), ("problem_type", pa.string()), ("problem_source", pa.string()),
-    ("generation_model", pa.string()), ("pass_rate_72b_tir", pa.string()), ("problem", pa.string()),
-    ("generated_solution", pa.string()), ("inference_mode", pa.string()), ("used_in_kaggle", pa.bool_()),
-])
+OMR_SCHEMA = pa.schema(
+    [
+        ("expected_answer", pa.string()),
+        ("problem_type", pa.string()),
+        ("problem_source", pa.string()),
+        ("generation_model", pa.string()),
+        ("pass_rate_72b_tir", pa.string()),
+        ("problem", pa.string()),
+        ("generated_solution", pa.string()),
+        ("inference_mode", pa.string()),
+        ("used_in_kaggle", pa.bool_()),
+    ]
+)
 
 
 def omr_row(problem: str, answer: str | None, solution: str, mode: str = "cot",

@@ -24,8 +24,17 @@ BATCH, ROLLOUT_N, STEPS = 16, 8, 1
 @pytest.fixture(scope="module")
 def released_smoke(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("smoke_released")
-    env = {**os.environ, "PYTHON": sys.executable, "SMOKE_OUT": str(out), "LOSS": "erc_dapo", "STEPS": str(STEPS),
-           "BATCH": str(BATCH), "ROLLOUT_N": str(ROLLOUT_N), "TEST_FREQ": "100", "SAVE_FREQ": "100"}
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "SMOKE_OUT": str(out),
+        "LOSS": "erc_dapo",
+        "STEPS": str(STEPS),
+        "BATCH": str(BATCH),
+        "ROLLOUT_N": str(ROLLOUT_N),
+        "TEST_FREQ": "100",
+        "SAVE_FREQ": "100",
+    }
     env.pop("RAY_ADDRESS", None)
     overrides = [
         "trainer.val_before_train=False",
@@ -38,8 +47,14 @@ def released_smoke(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "actor_rollout_ref.actor.policy_loss.correct_nll_coef=0.1",
         "actor_rollout_ref.actor.policy_loss.correct_nll_norm=micro_batch",
     ]
-    proc = subprocess.run(["bash", str(ROOT / "launch/run_smoke_cpu.sh"), *overrides], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "launch/run_smoke_cpu.sh"), *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SMOKE_TIMEOUT_S,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
@@ -56,7 +71,10 @@ def test_every_trained_group_has_mixed_results(released_smoke: Path) -> None:
 
 
 def test_filtering_dropped_groups_and_the_nll_ran(released_smoke: Path) -> None:
-    metrics = {json.loads(line)["step"]: json.loads(line)["data"] for line in (released_smoke / "metrics.jsonl").read_text().splitlines()}
+    metrics = {
+        json.loads(line)["step"]: json.loads(line)["data"]
+        for line in (released_smoke / "metrics.jsonl").read_text().splitlines()
+    }
     assert set(range(1, STEPS + 1)) <= set(metrics)
     for step in range(1, STEPS + 1):
         data = metrics[step]

@@ -133,7 +133,7 @@ def job_single_rank(rank: int, world_size: int, model_path: str) -> dict[str, An
     scale = [0.8 + 0.4 * torch.rand(n, generator=gen) for n in RESPONSE_LENS]
     batch["old_log_probs"] = olds[True]["old_log_probs"]
     batch["entropy"] = torch.nested.as_nested_tensor(
-        [e * s for e, s in zip(olds[True]["entropy"].unbind(), scale)], layout=torch.jagged
+        [e * s for e, s in zip(olds[True]["entropy"].unbind(), scale, strict=False)], layout=torch.jagged
     )
     out["mask_batch"] = batch
 
@@ -233,7 +233,7 @@ def _response_positions() -> torch.Tensor:
     """Boolean mask over the engine's flat per-position outputs selecting the response predictions:
     response token j of a sample with prompt length p is predicted at position p + j - 1."""
     parts = []
-    for p, r in zip(PROMPT_LENS, RESPONSE_LENS):
+    for p, r in zip(PROMPT_LENS, RESPONSE_LENS, strict=False):
         m = torch.zeros(p + r, dtype=torch.bool)
         m[p - 1 : p - 1 + r] = True
         parts.append(m)

@@ -47,15 +47,19 @@ def module_copies(**engine_attributes: Any) -> dict[str, Any]:
 
     engine_class = type("FSDPEngineWithLMHead", (transformer_impl.FSDPEngineWithLMHead,), {})
     worker_class = type("TrainingWorker", (TrainingWorker,), {})
-    for cls, names in ((engine_class, ("forward_step", "infer_batch")), (worker_class, ("set_loss_fn", "train_mini_batch", "train_batch"))):
+    for cls, names in (
+        (engine_class, ("forward_step", "infer_batch")),
+        (worker_class, ("set_loss_fn", "train_mini_batch", "train_batch")),
+    ):
         for name in names:
             current = getattr(cls, name)
             setattr(cls, name, getattr(current, seam.ORIGINAL_ATTR, current))
     for name, value in engine_attributes.items():
         setattr(engine_class, name, value)
     return {
-        guard.ENGINE_MODULE: types.SimpleNamespace(FSDPEngineWithLMHead=engine_class,
-                                                   logprobs_from_logits=transformer_impl.logprobs_from_logits),
+        guard.ENGINE_MODULE: types.SimpleNamespace(
+            FSDPEngineWithLMHead=engine_class, logprobs_from_logits=transformer_impl.logprobs_from_logits
+        ),
         guard.WORKER_MODULE: types.SimpleNamespace(TrainingWorker=worker_class),
     }
 
@@ -83,11 +87,26 @@ def test_a_missing_method_and_a_missing_config_field_are_named() -> None:
     missing = module_copies()
     engine_class = missing[guard.ENGINE_MODULE].FSDPEngineWithLMHead
     # a class without the private helper the vocabulary pass calls
-    stripped = type("FSDPEngineWithLMHead", (), {name: getattr(engine_class, name) for name in
-                                                 ("forward_step", "infer_batch", "prepare_model_inputs", "prepare_model_outputs",
-                                                  "get_data_parallel_size", "get_data_parallel_rank")})
+    stripped = type(
+        "FSDPEngineWithLMHead",
+        (),
+        {
+            name: getattr(engine_class, name)
+            for name in (
+                "forward_step",
+                "infer_batch",
+                "prepare_model_inputs",
+                "prepare_model_outputs",
+                "get_data_parallel_size",
+                "get_data_parallel_rank",
+            )
+        },
+    )
     missing[guard.ENGINE_MODULE].FSDPEngineWithLMHead = stripped
-    with pytest.raises(guard.VerlMismatchError, match=r"FSDPEngineWithLMHead\._gather_and_unpad_packed .*has no attribute '_gather_and_unpad_packed'"):
+    with pytest.raises(
+        guard.VerlMismatchError,
+        match=r"FSDPEngineWithLMHead\._gather_and_unpad_packed .*has no attribute '_gather_and_unpad_packed'",
+    ):
         seam.install(missing)
 
     import dataclasses
@@ -122,12 +141,18 @@ def test_install_wraps_each_symbol_once_and_keeps_verls_signature() -> None:
     for name in ("set_loss_fn", "train_mini_batch", "train_batch"):
         assert hasattr(getattr(worker_class, name), seam.ORIGINAL_ATTR), name
     # verl's own classes: installed once by the import above, and the guard still passes on them
-    for cls, name in ((FSDPEngineWithLMHead, "forward_step"), (FSDPEngineWithLMHead, "infer_batch"), (TrainingWorker, "set_loss_fn")):
+    for cls, name in (
+        (FSDPEngineWithLMHead, "forward_step"),
+        (FSDPEngineWithLMHead, "infer_batch"),
+        (TrainingWorker, "set_loss_fn"),
+    ):
         inner = getattr(getattr(cls, name), seam.ORIGINAL_ATTR)
         assert not hasattr(inner, seam.ORIGINAL_ATTR), name
     guard.check_symbols()
     # verl's @register dispatch attributes survive the wrap (Ray dispatches set_loss_fn by them)
-    assert vars(TrainingWorker.set_loss_fn).keys() >= vars(getattr(TrainingWorker.set_loss_fn, seam.ORIGINAL_ATTR)).keys() - {"__wrapped__"}
+    assert vars(TrainingWorker.set_loss_fn).keys() >= vars(
+        getattr(TrainingWorker.set_loss_fn, seam.ORIGINAL_ATTR)
+    ).keys() - {"__wrapped__"}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -140,8 +165,9 @@ def assert_names_the_versions(message: str) -> None:
     assert f"Installed verl {guard.verl_version()}" in message and f"supported: verl {guard.SUPPORTED_VERL}" in message
 
 
-def test_an_unsupported_verl_is_refused_unless_the_user_overrides(monkeypatch: pytest.MonkeyPatch,
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_an_unsupported_verl_is_refused_unless_the_user_overrides(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     import verl
 
     monkeypatch.setattr(verl, "__version__", "0.9.2")
@@ -162,8 +188,10 @@ def test_an_unsupported_verl_is_refused_unless_the_user_overrides(monkeypatch: p
     with caplog.at_level("WARNING", logger=guard.__name__):
         seam.install(modules)
     assert hasattr(worker_class.set_loss_fn, seam.ORIGINAL_ATTR)
-    assert any("verl 0.9.2 is installed" in r.getMessage() and f"{guard.ALLOW_UNSUPPORTED_VERL_ENV}=1" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "verl 0.9.2 is installed" in r.getMessage() and f"{guard.ALLOW_UNSUPPORTED_VERL_ENV}=1" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def engine_of(modules: dict[str, Any], **attributes: Any) -> Any:
@@ -174,8 +202,11 @@ def engine_of(modules: dict[str, Any], **attributes: Any) -> Any:
     engine_class = modules[guard.ENGINE_MODULE].FSDPEngineWithLMHead
     engine = engine_class.__new__(engine_class)
     values: dict[str, Any] = dict(
-        engine_config=FSDPEngineConfig(strategy="fsdp2"), model_config=types.SimpleNamespace(use_fused_kernels=False),
-        use_ulysses_sp=False, module=torch.nn.Module(), compute_entropy_from_logits=lambda logits: logits,
+        engine_config=FSDPEngineConfig(strategy="fsdp2"),
+        model_config=types.SimpleNamespace(use_fused_kernels=False),
+        use_ulysses_sp=False,
+        module=torch.nn.Module(),
+        compute_entropy_from_logits=lambda logits: logits,
     )
     values.update(attributes)
     for attribute, value in values.items():
@@ -187,17 +218,26 @@ def engine_of(modules: dict[str, Any], **attributes: Any) -> Any:
 @pytest.mark.parametrize(
     "attributes, named",
     [
-        (dict(use_ulysses_sp=None), r"FSDPEngineWithLMHead\.use_ulysses_sp \(read: pi_old's top-k refuses Ulysses.*"
-                                    r"but the engine instance has no attribute 'use_ulysses_sp'"),
-        (dict(engine_config=types.SimpleNamespace(entropy_checkpointing=False)),
-         r"FSDPEngineWithLMHead\.engine_config\.use_torch_compile \(read: .*but its engine_config \(SimpleNamespace\) has no "
-         r"attribute 'use_torch_compile'"),
-        (dict(model_config=types.SimpleNamespace()),
-         r"FSDPEngineWithLMHead\.model_config\.use_fused_kernels \(read: the vocabulary pass refuses verl's fused kernels\), "
-         r"but its model_config \(SimpleNamespace\) has no attribute 'use_fused_kernels'"),
+        (
+            dict(use_ulysses_sp=None),
+            r"FSDPEngineWithLMHead\.use_ulysses_sp \(read: pi_old's top-k refuses Ulysses.*"
+            r"but the engine instance has no attribute 'use_ulysses_sp'",
+        ),
+        (
+            dict(engine_config=types.SimpleNamespace(entropy_checkpointing=False)),
+            r"FSDPEngineWithLMHead\.engine_config\.use_torch_compile \(read: .*but its engine_config \(SimpleNamespace\) has no "
+            r"attribute 'use_torch_compile'",
+        ),
+        (
+            dict(model_config=types.SimpleNamespace()),
+            r"FSDPEngineWithLMHead\.model_config\.use_fused_kernels \(read: the vocabulary pass refuses verl's fused kernels\), "
+            r"but its model_config \(SimpleNamespace\) has no attribute 'use_fused_kernels'",
+        ),
     ],
 )
-def test_an_engine_attribute_verl_renamed_is_named_when_features_are_set(attributes: dict[str, Any], named: str) -> None:
+def test_an_engine_attribute_verl_renamed_is_named_when_features_are_set(
+    attributes: dict[str, Any], named: str
+) -> None:
     modules = module_copies()
     seam.install(modules)
     assert seam.set_features(engine_of(modules), EngineRequest(vocab_pass=True)).request.vocab_pass  # verl's own: fine
@@ -220,8 +260,11 @@ def test_the_features_read_the_engine_without_a_silent_default() -> None:
         (refuse_ulysses, dict(use_ulysses_sp=None), "use_ulysses_sp"),
         (refuse_fused_kernels, dict(model_config=types.SimpleNamespace()), "use_fused_kernels"),
         (entropy_fn_for, dict(engine_config=types.SimpleNamespace(entropy_checkpointing=False)), "use_torch_compile"),
-        (lambda engine: entropy_swaps(engine, lambda logits: logits), dict(engine_config=types.SimpleNamespace()),
-         "entropy_checkpointing"),
+        (
+            lambda engine: entropy_swaps(engine, lambda logits: logits),
+            dict(engine_config=types.SimpleNamespace()),
+            "entropy_checkpointing",
+        ),
     ):
         with pytest.raises(guard.VerlMismatchError, match=f"has no attribute '{name}'"):
             read(engine_of(modules, **attributes))
@@ -236,16 +279,20 @@ def test_an_infer_batch_result_without_a_key_is_named_at_the_first_call() -> Non
 
     from verl_ext.engine.packing import infer_as_update
 
-    engine = types.SimpleNamespace(engine_config=types.SimpleNamespace(max_token_len_per_gpu=64, micro_batch_size_per_gpu=2))
+    engine = types.SimpleNamespace(
+        engine_config=types.SimpleNamespace(max_token_len_per_gpu=64, micro_batch_size_per_gpu=2)
+    )
     data = TensorDict({"input": torch.zeros(4, 3)}, batch_size=[4])
 
     def renamed_loss(engine: Any, part: Any, loss_function: Any) -> dict[str, Any]:
         return {"model_output": {}, "losses": [], "metrics": {}}
 
-    with pytest.raises(guard.VerlMismatchError,
-                       match=r"FSDPEngineWithLMHead\.infer_batch \(its result's model_output, loss, metrics reassembled by "
-                             r"pack_old_log_prob_as_update\), but its result has no key 'loss' \(it has \['losses', 'metrics', "
-                             r"'model_output'\]\)") as error:
+    with pytest.raises(
+        guard.VerlMismatchError,
+        match=r"FSDPEngineWithLMHead\.infer_batch \(its result's model_output, loss, metrics reassembled by "
+        r"pack_old_log_prob_as_update\), but its result has no key 'loss' \(it has \['losses', 'metrics', "
+        r"'model_output'\]\)",
+    ) as error:
         infer_as_update(engine, data, None, renamed_loss)
     assert_names_the_versions(str(error.value))
     assert infer_as_update(engine, data, None, lambda *_: None) is None  # a rank without outputs
@@ -270,19 +317,29 @@ def job_steps_in_two_threads(rank: int, world_size: int, model_path: str) -> dic
     a time in two threads: ``erc`` overrides verl's module globals for its steps (the fp32 entropy), ``plain_a`` /
     ``plain_b`` (verl's own loss) override nothing but call them. The first step is held inside its model forward
     until the second has run."""
-    from recipe.bench.harness import WorkerOptions, build_actor_worker, compute_log_prob, make_actor_config, make_rollout_batch
+    from verl.workers.utils.losses import ppo_loss
+
+    from recipe.bench.harness import (
+        WorkerOptions,
+        build_actor_worker,
+        compute_log_prob,
+        make_actor_config,
+        make_rollout_batch,
+    )
     from verl_ext.actor_loss import build_actor_loss
     from verl_ext.config import DivClipPolicyLossConfig
-    from verl.workers.utils.losses import ppo_loss
 
     batch = make_rollout_batch([3, 4], [5, 6], 512, seed=1)
     # the padded path: there verl calls the module-global entropy_from_logits (remove-padding calls the engine's own)
-    workers = {name: build_actor_worker(model_path, WorkerOptions(use_remove_padding=False))
-               for name in ("erc", "plain_a", "plain_b")}
+    workers = {
+        name: build_actor_worker(model_path, WorkerOptions(use_remove_padding=False))
+        for name in ("erc", "plain_a", "plain_b")
+    }
     erc = DivClipPolicyLossConfig(loss_mode="clip", erc_beta_low=0.05, erc_beta_high=0.05)
     workers["erc"].set_loss_fn(build_actor_loss(make_actor_config(policy_loss=erc, calculate_entropy=True)))
     for name in ("plain_a", "plain_b"):
         workers[name].set_loss_fn(functools.partial(ppo_loss, config=make_actor_config()))
+
     def log_probs_and_entropy(name: str) -> torch.Tensor:
         out = compute_log_prob(workers[name], batch)
         return torch.cat([out["old_log_probs"].values(), out["entropy"].values()])
@@ -384,10 +441,14 @@ def test_an_uncovered_engine_is_refused_not_marked() -> None:
     def loss(**_: Any) -> None: ...
 
     engine = NotAnFSDPEngine()
-    for asked, keys in ((entropy_as_mask(loss, entropy_coeff=0.0), "erc_beta_low/erc_beta_high"),
-                        (with_vocab_pass(loss), "policy_loss.vocab_pass"),
-                        (declare(loss, pack_old_log_prob_as_update=True), "pack_old_log_prob_as_update")):
-        with pytest.raises(ValueError, match=rf"{keys}.*covers verl's FSDPEngineWithLMHead .*\['fsdp', 'fsdp2'\].*NotAnFSDPEngine"):
+    for asked, keys in (
+        (entropy_as_mask(loss, entropy_coeff=0.0), "erc_beta_low/erc_beta_high"),
+        (with_vocab_pass(loss), "policy_loss.vocab_pass"),
+        (declare(loss, pack_old_log_prob_as_update=True), "pack_old_log_prob_as_update"),
+    ):
+        with pytest.raises(
+            ValueError, match=rf"{keys}.*covers verl's FSDPEngineWithLMHead .*\['fsdp', 'fsdp2'\].*NotAnFSDPEngine"
+        ):
             seam.set_features(engine, request_of(asked))
         assert seam.features_of(engine) is None
     # a loss that asks for nothing (verl's own ppo_loss) runs on any engine
@@ -428,7 +489,9 @@ def test_a_nan_entropy_ratio_is_masked_everywhere() -> None:
     assert outside_band(rho, 0.05, 0.05).tolist() == [[False, True, False]]
     band = entropy_ratio_band(old_entropy, entropy, mask, policy, torch.float32)
     assert band.outside.tolist() == [[False, True, False]] and float(band.n_above) == float(band.n_below) == 1.0
-    gauge = on_policy_gauge(torch.zeros(1, 3), torch.zeros(1, 3), mask, 0.2, 0.28, old_entropy, entropy, (0.05, 0.05, 1e-8))
+    gauge = on_policy_gauge(
+        torch.zeros(1, 3), torch.zeros(1, 3), mask, 0.2, 0.28, old_entropy, entropy, (0.05, 0.05, 1e-8)
+    )
     assert gauge["onpolicy/erc_masked_frac"] == 0.5  # the NaN token of the two valid ones
 
 
@@ -445,7 +508,9 @@ def test_registering_refuses_to_shadow_a_verl_loss() -> None:
 
     POLICY_LOSS_REGISTRY["gppo"] = verls_future_gppo
     try:
-        with pytest.raises(RuntimeError, match=r"already registers a policy loss named 'gppo' .*verls_future_gppo.*would shadow it"):
+        with pytest.raises(
+            RuntimeError, match=r"already registers a policy loss named 'gppo' .*verls_future_gppo.*would shadow it"
+        ):
             registry.register_modes()
         assert POLICY_LOSS_REGISTRY["gppo"] is verls_future_gppo  # left as verl had it
     finally:
@@ -457,5 +522,3 @@ def test_defining_a_constraint_twice_is_refused() -> None:
 
     with pytest.raises(ValueError, match="constraint 'kl3' is already defined"):
         define_constraint("kl3")(lambda inputs: None)
-
-

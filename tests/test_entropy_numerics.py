@@ -181,7 +181,7 @@ class LogprobSpy:
         self.original = verl_function(impl, "logprobs_from_logits")
         self.calls: list[bool] = []
 
-    def __enter__(self) -> "LogprobSpy":
+    def __enter__(self) -> LogprobSpy:
         def spy(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
             self.calls.append(bool(inplace_backward))
             return self.original(logits=logits, labels=labels, inplace_backward=inplace_backward)
@@ -198,8 +198,8 @@ class LogprobSpy:
 
 def on_policy_erc(model_path: str, options: WorkerOptions, batch: Any) -> dict[str, Any]:
     """Old-log-prob pass, then one ERC-DAPO update on the same batch before any optimizer step."""
-    from verl_ext.actor_loss import build_actor_loss
     from recipe.bench.features import entropy_path_of
+    from verl_ext.actor_loss import build_actor_loss
 
     worker = build_actor_worker(model_path, options)
     worker.set_loss_fn(build_actor_loss(erc_actor_config()))
@@ -228,17 +228,18 @@ def job_on_policy(rank: int, world_size: int, model_path: str) -> dict[str, Any]
         "bf16/rmpad": WorkerOptions(mixed_precision=BF16_DEFAULT, **sgd),
         "bf16/padded": WorkerOptions(mixed_precision=BF16_DEFAULT, use_remove_padding=False, **sgd),
         "bf16/chunked": WorkerOptions(mixed_precision=BF16_DEFAULT, entropy_from_logits_with_chunking=True, **sgd),
-        "bf16/entropy_checkpointing": WorkerOptions(
-            mixed_precision=BF16_DEFAULT, entropy_checkpointing=True, **sgd
-        ),
+        "bf16/entropy_checkpointing": WorkerOptions(mixed_precision=BF16_DEFAULT, entropy_checkpointing=True, **sgd),
         "bf16/padded/entropy_checkpointing": WorkerOptions(
             mixed_precision=BF16_DEFAULT, use_remove_padding=False, entropy_checkpointing=True, **sgd
         ),
         # dynamic batching with different budgets: 40 tokens for the update, 64 for the old-log-prob
         # pass, which verl_ext.onpolicy packs as the update (identical micro-batches)
         "bf16/dynamic": WorkerOptions(
-            mixed_precision=BF16_DEFAULT, use_dynamic_bsz=True, max_token_len_per_gpu=40,
-            infer_max_token_len_per_gpu=64, **sgd,
+            mixed_precision=BF16_DEFAULT,
+            use_dynamic_bsz=True,
+            max_token_len_per_gpu=40,
+            infer_max_token_len_per_gpu=64,
+            **sgd,
         ),
         "fp32/rmpad": WorkerOptions(mixed_precision=dict(FP32_MIXED_PRECISION), **sgd),
     }
@@ -293,8 +294,13 @@ def test_on_policy_erc_masks_nothing(on_policy: dict[str, Any], variant: str) ->
     assert float((result["old_entropy"] <= 1e-6).float().mean()) >= 0.3
     assert all(float(v) == 1.0 for v in m["actor/divclip/erc/ratio_min"]), m["actor/divclip/erc/ratio_min"]
     assert all(float(v) == 1.0 for v in m["actor/divclip/erc/ratio_max"]), m["actor/divclip/erc/ratio_max"]
-    for key in ("actor/divclip/erc/clipfrac_upper", "actor/divclip/erc/clipfrac_lower", "actor/divclip/no_grad_frac",
-                "actor/pg_clipfrac", "actor/ppo_kl"):
+    for key in (
+        "actor/divclip/erc/clipfrac_upper",
+        "actor/divclip/erc/clipfrac_lower",
+        "actor/divclip/no_grad_frac",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+    ):
         assert all(float(v) == 0.0 for v in m[key]), (key, m[key])
     assert any((d != 0).any() for d in result["delta"].values()), "the update must still move the policy"
 
@@ -303,9 +309,9 @@ def job_on_policy_ulysses(rank: int, world_size: int, model_path: str) -> dict[s
     """Both ranks form one Ulysses group (data-parallel size 1): each gets the whole batch; verl
     returns the group's outputs from rank 0, which hands pi_old's pass to its peer as the driver
     would."""
+    from recipe.bench.features import entropy_path_of
     from recipe.bench.harness import ppo_loss_fn
     from verl_ext.actor_loss import build_actor_loss
-    from recipe.bench.features import entropy_path_of
 
     batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, SPEC.vocab_size, seed=4)
     options = WorkerOptions(mixed_precision=BF16_DEFAULT, ulysses_sequence_parallel_size=world_size, **EXACT_SGD)
@@ -323,8 +329,9 @@ def job_on_policy_ulysses(rank: int, world_size: int, model_path: str) -> dict[s
     torch.distributed.broadcast_object_list(old_verl, src=0)
     erc_worker = build_actor_worker(model_path, options)
     erc_worker.set_loss_fn(build_actor_loss(erc_actor_config()))
-    control = update_actor(erc_worker, with_old(batch, old_verl[0]), calculate_entropy=True,
-                           global_batch_size=len(PROMPT_LENS))
+    control = update_actor(
+        erc_worker, with_old(batch, old_verl[0]), calculate_entropy=True, global_batch_size=len(PROMPT_LENS)
+    )
     return {
         "metrics": metrics,
         "old_entropy": old[0]["entropy"].values(),
@@ -359,7 +366,10 @@ def test_on_policy_erc_masks_nothing_under_ulysses_sequence_parallelism(confiden
 
 
 def test_entropy_checkpointing_changes_nothing(on_policy: dict[str, Any]) -> None:
-    for plain, ckpt in (("bf16/rmpad", "bf16/entropy_checkpointing"), ("bf16/padded", "bf16/padded/entropy_checkpointing")):
+    for plain, ckpt in (
+        ("bf16/rmpad", "bf16/entropy_checkpointing"),
+        ("bf16/padded", "bf16/padded/entropy_checkpointing"),
+    ):
         a, b = on_policy[plain]["delta"], on_policy[ckpt]["delta"]
         assert all(torch.equal(a[k], b[k]) for k in a), ckpt
 
@@ -367,7 +377,9 @@ def test_entropy_checkpointing_changes_nothing(on_policy: dict[str, Any]) -> Non
 def test_mixed_entropy_functions_mask_on_policy_tokens(on_policy: dict[str, Any]) -> None:
     """The control: with pi_old's entropy from verl's bf16 function, ERC masks on-policy tokens."""
     m = on_policy["mixed_control"]
-    masked = sum(map(float, m["actor/divclip/erc/clipfrac_upper"])) + sum(map(float, m["actor/divclip/erc/clipfrac_lower"]))
+    masked = sum(map(float, m["actor/divclip/erc/clipfrac_upper"])) + sum(
+        map(float, m["actor/divclip/erc/clipfrac_lower"])
+    )
     assert masked > 0.05
     assert max(map(float, m["actor/divclip/erc/ratio_max"])) > 1.05
 
@@ -385,9 +397,15 @@ def test_engine_path_selection_and_fused_kernels() -> None:
     from types import SimpleNamespace
 
     from verl_ext.core.entropy import entropy_fp32
-    from verl_ext.engine.request import EngineRequest, EntropyPath, describe, entropy_as_mask, request_of
+    from verl_ext.engine.request import (
+        EngineRequest,
+        EntropyPath,
+        describe,
+        entropy_as_mask,
+        request_of,
+        resolve_entropy_path,
+    )
     from verl_ext.engine.seam import EngineFeatures, entropy_fn_for
-    from verl_ext.engine.request import resolve_entropy_path
 
     def loss(**_: Any) -> None: ...
 
@@ -402,4 +420,9 @@ def test_engine_path_selection_and_fused_kernels() -> None:
     eager = SimpleNamespace(engine_config=SimpleNamespace(use_torch_compile=False))
     assert entropy_fn_for(eager) is entropy_fp32  # compiled only on CUDA with use_torch_compile
     assert "use_fused_kernels=True" in describe(masked, EntropyPath.FUSED_KERNEL)
-    assert EngineFeatures(masked, EntropyPath.FUSED_KERNEL, None).step_path(pack_old_log_prob_as_update=False)["entropy_fp32"] == 0.0
+    assert (
+        EngineFeatures(masked, EntropyPath.FUSED_KERNEL, None).step_path(pack_old_log_prob_as_update=False)[
+            "entropy_fp32"
+        ]
+        == 0.0
+    )

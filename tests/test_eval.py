@@ -143,7 +143,10 @@ def test_parquet_schema_errors_name_file_and_row(tmp_path: Path, eval_parquets: 
         load_eval_parquet(tmp_path / "junk.parquet")
 
     rows = pq.read_table(eval_parquets[0]).to_pylist()
-    pq.write_table(pa.Table.from_pylist([{k: v for k, v in r.items() if k != "reward_model"} for r in rows]), tmp_path / "a.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{k: v for k, v in r.items() if k != "reward_model"} for r in rows]),
+        tmp_path / "a.parquet",
+    )
     with pytest.raises(ValueError, match=r"a.parquet: missing column\(s\) \['reward_model'\]"):
         load_eval_parquet(tmp_path / "a.parquet")
 
@@ -203,8 +206,15 @@ def test_generate_cli_with_injected_sampler(tmp_path: Path, eval_parquets: list[
     argv = ["generate", "--model", str(model), "--data", *map(str, eval_parquets), "--output", str(out),
             "--preset", "atr", "--max-tokens", "4096", "--k", "1,8"]  # fmt: skip
     assert eval_main(argv, sampler_factory=factory) == 0
-    assert made == [{"model": str(model), "tensor_parallel_size": 1, "seed": 0, "max_model_len": None,
-                     "chat_template_kwargs": {"enable_thinking": False}}]  # the atr preset: non-thinking Qwen3
+    assert made == [
+        {
+            "model": str(model),
+            "tensor_parallel_size": 1,
+            "seed": 0,
+            "max_model_len": None,
+            "chat_template_kwargs": {"enable_thinking": False},
+        }
+    ]  # the atr preset: non-thinking Qwen3
     assert [c[1] for c in sampler.calls] == [SamplingSpec(8, 0.3, 0.95, 4096)] * 2
 
     rows = [json.loads(line) for line in (out / "aime24.jsonl").read_text().splitlines()]
@@ -225,7 +235,9 @@ def test_generate_cli_with_injected_sampler(tmp_path: Path, eval_parquets: list[
     scored = score_runs(load_runs([out]), [1, 8])
     for bench in ("aime24", "math500"):
         cell = scored["results"]["gen"][bench]
-        assert cell["mean@8"] == pytest.approx(1 / 8) and cell["pass@8"] == 1.0 and cell["pass@1"] == pytest.approx(1 / 8)
+        assert (
+            cell["mean@8"] == pytest.approx(1 / 8) and cell["pass@8"] == 1.0 and cell["pass@1"] == pytest.approx(1 / 8)
+        )
         assert cell["maj@8"] == 0.0  # "999" outvotes the right answer 7:1
 
 
@@ -233,8 +245,14 @@ def test_generate_cli_with_injected_sampler(tmp_path: Path, eval_parquets: list[
     "extra,match",
     [
         (["--preset", "erc", "--k", "8"], "'math500': k=8 needs n >= k"),
-        (["--preset", "atr", "--chat-template-kwargs", "enable_thinking=false"], "--chat-template-kwargs must be a JSON object"),
-        (["--preset", "atr", "--chat-template-kwargs", "[1]"], "--chat-template-kwargs must be a JSON object, got list"),
+        (
+            ["--preset", "atr", "--chat-template-kwargs", "enable_thinking=false"],
+            "--chat-template-kwargs must be a JSON object",
+        ),
+        (
+            ["--preset", "atr", "--chat-template-kwargs", "[1]"],
+            "--chat-template-kwargs must be a JSON object, got list",
+        ),
         (["--preset", "erc", "--top-p", "1.2"], "top_p must lie in"),
         (["--preset", "erc", "--tensor-parallel-size", "0"], "--tensor-parallel-size"),
     ],
@@ -249,7 +267,16 @@ def test_generate_cli_validation_before_any_sampler(
     def factory(**kwargs: object) -> Sampler:
         raise AssertionError("the sampler must not be built when validation fails")
 
-    argv = ["generate", "--model", str(model), "--data", *map(str, eval_parquets), "--output", str(tmp_path / "o"), *extra]
+    argv = [
+        "generate",
+        "--model",
+        str(model),
+        "--data",
+        *map(str, eval_parquets),
+        "--output",
+        str(tmp_path / "o"),
+        *extra,
+    ]
     assert eval_main(argv, sampler_factory=factory) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and match in err, err
@@ -297,7 +324,13 @@ def test_fixture_is_verl_exact_format(tmp_path: Path) -> None:
 #: step 0 AIME24 c = 2, 1, 4 (votes: tie won by the right answer, "27" 2:1, unanimous);
 #: MATH-500 c = 1, 2 (tie "5" first; tie "\frac{1}{3}" first, so wrong).
 EXPECTED_STEP0 = {
-    "aime24": {"mean@n": (2 + 1 + 4) / 12, "pass@n": 1.0, "maj@n": 2 / 3, "mean@1": 2 / 3, "pass@2": (5 / 6 + 1 / 2 + 1) / 3},
+    "aime24": {
+        "mean@n": (2 + 1 + 4) / 12,
+        "pass@n": 1.0,
+        "maj@n": 2 / 3,
+        "mean@1": 2 / 3,
+        "pass@2": (5 / 6 + 1 / 2 + 1) / 3,
+    },
     "math500": {"mean@n": 3 / 8, "pass@n": 1.0, "maj@n": 0.5, "mean@1": 0.5, "pass@2": (1 / 2 + 5 / 6) / 2},
 }
 
@@ -423,8 +456,10 @@ def real_erc_parquets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
     from data_prep.convert import convert
 
     out = tmp_path_factory.mktemp("erc_real")
-    return {name: Path(convert(name, str(EVAL_DIR / filename), out).output)
-            for name, (filename, _count) in REAL_ERC_FILES.items()}
+    return {
+        name: Path(convert(name, str(EVAL_DIR / filename), out).output)
+        for name, (filename, _count) in REAL_ERC_FILES.items()
+    }
 
 
 def test_erc_preset_is_the_papers_section_4_1() -> None:
@@ -459,8 +494,10 @@ def test_erc_generate_writes_16k_rows_for_hmmt25_and_amc23(tmp_path: Path, real_
     def sampler(conversations: list[list[dict[str, str]]], spec: SamplingSpec) -> list[list[str]]:
         seen.append(spec)
         gold = {p.messages[-1]["content"]: p.ground_truth for plan in plans for p in plan.problems}
-        return [[f"</think> so \\boxed{{{gold[m[-1]['content']]}}}"] + ["</think> \\boxed{-12345}"] * (spec.n - 1)
-                for m in conversations]
+        return [
+            [f"</think> so \\boxed{{{gold[m[-1]['content']]}}}"] + ["</think> \\boxed{-12345}"] * (spec.n - 1)
+            for m in conversations
+        ]
 
     written = run_generate(plans, sampler, tmp_path / "gen", scorer=reward_scorer(think="required"))
     assert seen == [SamplingSpec(32, 0.6, 0.95, 16384)] * 2

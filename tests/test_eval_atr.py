@@ -53,7 +53,9 @@ class FakeLLM:
     made: list[dict[str, Any]] = []
     prompts: list[str] = []
 
-    def __init__(self, model: str, tensor_parallel_size: int = 1, seed: int = 0, max_model_len: int | None = None) -> None:
+    def __init__(
+        self, model: str, tensor_parallel_size: int = 1, seed: int = 0, max_model_len: int | None = None
+    ) -> None:
         from transformers import AutoTokenizer
 
         FakeLLM.made.append({"model": model, "max_model_len": max_model_len})
@@ -65,7 +67,11 @@ class FakeLLM:
         outputs = []
         for conversation in messages:
             prompt = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
+            )
             FakeLLM.prompts.append(prompt)
             text = "Answer: 0"
             outputs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(text=text)] * sampling_params.n))

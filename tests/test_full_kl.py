@@ -23,10 +23,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_ext.config import DivClipPolicyLossConfig
-from verl_ext.engine.topk_capture import CAPTURE_KEY, capturing_old_topk, old_topk_request
 from verl_ext.core.coarsened_kl import TopKLogMasses, coarsened_kl, log_masses_rows, stored_bytes_per_token, topk_rows
 from verl_ext.core.region import CONSTRAINTS
 from verl_ext.core.surrogate import constrained_policy_loss
+from verl_ext.engine.topk_capture import CAPTURE_KEY, capturing_old_topk, old_topk_request
 
 
 def exact_kl(new_logits: torch.Tensor, old_logits: torch.Tensor, direction: str) -> torch.Tensor:
@@ -99,7 +99,7 @@ def test_smaller_k_never_exceeds_the_exact_kl(case, direction):
 def test_kl_is_monotone_in_k_and_exact_when_the_tail_has_no_mass():
     new, old = logits_pair(3, rows=8, vocab=200, scale=2.0, shift=0.7)
     values = [coarsened_from_logits(new, old, k, "forward") for k in (1, 4, 16, 64, 200)]
-    for smaller, larger in zip(values, values[1:]):
+    for smaller, larger in zip(values, values[1:], strict=False):
         assert (smaller <= larger + 1e-7).all()
     # pi_old and pi_theta both on 3 ids only (others at -inf): k = 3 is exact
     old3 = torch.full((2, 50), -math.inf)
@@ -159,8 +159,15 @@ def operator_batch(seed: int, rows: int = 4, cols: int = 12, vocab: int = 64, k:
 def run_operator(mode, old_lp, new_lp, adv, mask, topk, **policy):
     log_prob = new_lp.clone().requires_grad_(True)
     loss, metrics = constrained_policy_loss(
-        old_lp, log_prob, adv, mask, mode=mode, policy=DivClipPolicyLossConfig(loss_mode=mode, **policy),
-        clip_ratio_low=0.2, clip_ratio_high=0.28, topk=topk,
+        old_lp,
+        log_prob,
+        adv,
+        mask,
+        mode=mode,
+        policy=DivClipPolicyLossConfig(loss_mode=mode, **policy),
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        topk=topk,
     )
     loss.backward()
     return loss.detach(), log_prob.grad, metrics
@@ -187,7 +194,9 @@ def naive_kl_full_loss(old_lp, log_prob, adv, mask, kl, delta):
 def test_kl_full_follows_eq5(direction, seed):
     old_lp, new_lp, adv, mask, topk = operator_batch(seed)
     delta = 0.07
-    loss, grad, metrics = run_operator("kl_full", old_lp, new_lp, adv, mask, topk, delta=delta, kl_full_direction=direction)
+    loss, grad, metrics = run_operator(
+        "kl_full", old_lp, new_lp, adv, mask, topk, delta=delta, kl_full_direction=direction
+    )
     kl = topk.kl(direction)
     ref_lp = new_lp.clone().requires_grad_(True)
     ref = naive_kl_full_loss(old_lp, ref_lp, adv, mask, kl, delta)
@@ -222,11 +231,21 @@ def test_kl_full_without_topk_names_the_fix():
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
     from verl.workers.config import FSDPActorConfig
 
-    config = FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
-                             policy_loss=DivClipPolicyLossConfig(loss_mode="kl_full"))
+    config = FSDPActorConfig(
+        strategy="fsdp2",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        policy_loss=DivClipPolicyLossConfig(loss_mode="kl_full"),
+    )
     with pytest.raises(ValueError, match="recipe.main"):
-        get_policy_loss_fn("kl_full")(old_log_prob=old_lp, log_prob=new_lp, advantages=adv, response_mask=mask,
-                                      loss_agg_mode="token-mean", config=config)
+        get_policy_loss_fn("kl_full")(
+            old_log_prob=old_lp,
+            log_prob=new_lp,
+            advantages=adv,
+            response_mask=mask,
+            loss_agg_mode="token-mean",
+            config=config,
+        )
 
 
 def test_kl_full_is_a_budget_mode_with_its_own_adaptive_metric():
@@ -268,13 +287,17 @@ def test_diagnostic_counts_disagreements(mode):
     full_clipped = (kl > 0.07) & pessimistic & mask
     if mode_clipped is not None:
         assert with_diag["actor/divclip/kl_full_diag/mode_only_frac"] == pytest.approx(
-            float((mode_clipped & ~full_clipped).sum()) / n)
+            float((mode_clipped & ~full_clipped).sum()) / n
+        )
         assert with_diag["actor/divclip/kl_full_diag/full_only_frac"] == pytest.approx(
-            float((full_clipped & ~mode_clipped).sum()) / n)
+            float((full_clipped & ~mode_clipped).sum()) / n
+        )
         assert with_diag["actor/divclip/kl_full_diag/kl_clipped_mean"] == pytest.approx(
-            float(kl[mode_clipped].mean()) if mode_clipped.any() else 0.0)
+            float(kl[mode_clipped].mean()) if mode_clipped.any() else 0.0
+        )
         assert with_diag["actor/divclip/kl_full_diag/kl_unclipped_mean"] == pytest.approx(
-            float(kl[mask & ~mode_clipped].mean()))
+            float(kl[mask & ~mode_clipped].mean())
+        )
     if mode == "kl_full":  # the rule against itself
         assert with_diag["actor/divclip/kl_full_diag/mode_only_frac"] == 0.0
         assert with_diag["actor/divclip/kl_full_diag/full_only_frac"] == 0.0
@@ -282,7 +305,8 @@ def test_diagnostic_counts_disagreements(mode):
         kl3_delta = max(0.8 - 1 - math.log(0.8), 0.28 - math.log(1.28))
         full_at = (kl > kl3_delta) & pessimistic & mask
         assert with_diag["actor/divclip/kl_full_diag/full_only_frac_kl3delta"] == pytest.approx(
-            float((full_at & ~mode_clipped).sum()) / n)
+            float((full_at & ~mode_clipped).sum()) / n
+        )
     if mode in ("kl_full", "dcpo"):  # no scalar ratio bounds: no KL3 budget to compare at
         assert "actor/divclip/kl_full_diag/mode_only_frac_kl3delta" not in with_diag
     # the diagnostic changes no loss value: the same metrics otherwise

@@ -46,7 +46,8 @@ def kl_full_config(mode: str = "kl_full", **policy: Any) -> Any:
 
     return make_actor_config(
         policy_loss=DivClipPolicyLossConfig(loss_mode=mode, kl_full_top_k=K, **policy),
-        clip_ratio_low=0.2, clip_ratio_high=0.28,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
     )
 
 
@@ -73,7 +74,7 @@ def direct_logits(model_path: str, batch: Any) -> list[torch.Tensor]:
     model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
     rows = []
     with torch.no_grad():
-        for ids, response_len in zip(batch["input_ids"].unbind(), RESPONSE_LENS):
+        for ids, response_len in zip(batch["input_ids"].unbind(), RESPONSE_LENS, strict=False):
             logits = model(ids[None]).logits[0]
             rows.append(logits[len(ids) - response_len - 1 : len(ids) - 1])
     return rows
@@ -93,12 +94,21 @@ def job(rank: int, world_size: int, model_path: str, other_path: str) -> dict[st
         out[name] = on_policy(model_path, options, batch, kl_full_config())["metrics"]
     # with ERC the old-log-prob pass is packed as the update (verl_ext.onpolicy) and the top-k fields
     # are put back in the batch's order with the others: dynamic batching at a 2:1 budget
-    dynamic = WorkerOptions(mixed_precision=BF16_DEFAULT, use_dynamic_bsz=True, max_token_len_per_gpu=24,
-                            infer_max_token_len_per_gpu=48, **sgd)
-    out["bf16/erc/dynamic"] = on_policy(model_path, dynamic, batch,
-                                        kl_full_config(erc_beta_low=0.05, erc_beta_high=0.05))["metrics"]
+    dynamic = WorkerOptions(
+        mixed_precision=BF16_DEFAULT,
+        use_dynamic_bsz=True,
+        max_token_len_per_gpu=24,
+        infer_max_token_len_per_gpu=48,
+        **sgd,
+    )
+    out["bf16/erc/dynamic"] = on_policy(
+        model_path, dynamic, batch, kl_full_config(erc_beta_low=0.05, erc_beta_high=0.05)
+    )["metrics"]
     out["bf16/kl3_diagnostic"] = on_policy(
-        model_path, WorkerOptions(mixed_precision=BF16_DEFAULT, **sgd), batch, kl_full_config("kl3", kl_full_diagnostic=True)
+        model_path,
+        WorkerOptions(mixed_precision=BF16_DEFAULT, **sgd),
+        batch,
+        kl_full_config("kl3", kl_full_diagnostic=True),
     )["metrics"]
 
     # k = vocabulary in fp32: the stored log-mass of the sampled token is verl's old log-prob
@@ -119,8 +129,9 @@ def job(rank: int, world_size: int, model_path: str, other_path: str) -> dict[st
     return out
 
 
-def job_vocab_pass(model_path: str, other_path: str, batch: Any, sgd: dict[str, Any], dynamic: WorkerOptions,
-                   fp32: WorkerOptions) -> dict[str, Any]:
+def job_vocab_pass(
+    model_path: str, other_path: str, batch: Any, sgd: dict[str, Any], dynamic: WorkerOptions, fp32: WorkerOptions
+) -> dict[str, Any]:
     """The variants above with ``policy_loss.vocab_pass=true``; counts the pass's bucket evaluations
     (each a chunked sweep of the head: the logits tensor is never built)."""
     import verl_ext.engine.topk_capture as topk_capture  # the pass's buckets, as the seam calls them
@@ -133,11 +144,17 @@ def job_vocab_pass(model_path: str, other_path: str, batch: Any, sgd: dict[str, 
     try:
         for name, options, cfg in (
             ("vp/bf16/rmpad", WorkerOptions(mixed_precision=BF16_DEFAULT, **sgd), kl_full_config(vocab_pass=True)),
-            ("vp/bf16/padded", WorkerOptions(mixed_precision=BF16_DEFAULT, use_remove_padding=False, **sgd),
-             kl_full_config(vocab_pass=True)),
+            (
+                "vp/bf16/padded",
+                WorkerOptions(mixed_precision=BF16_DEFAULT, use_remove_padding=False, **sgd),
+                kl_full_config(vocab_pass=True),
+            ),
             ("vp/bf16/erc/dynamic", dynamic, kl_full_config(vocab_pass=True, erc_beta_low=0.05, erc_beta_high=0.05)),
-            ("vp/bf16/kl3_diagnostic", WorkerOptions(mixed_precision=BF16_DEFAULT, **sgd),
-             kl_full_config("kl3", kl_full_diagnostic=True, vocab_pass=True)),
+            (
+                "vp/bf16/kl3_diagnostic",
+                WorkerOptions(mixed_precision=BF16_DEFAULT, **sgd),
+                kl_full_config("kl3", kl_full_diagnostic=True, vocab_pass=True),
+            ),
         ):
             out[name] = on_policy(model_path, options, batch, cfg)["metrics"]
         worker = build_actor_worker(model_path, fp32)
@@ -163,12 +180,27 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("variant", ["bf16/rmpad", "bf16/padded", "fp32/rmpad", "bf16/erc/dynamic",
-                                     "vp/bf16/rmpad", "vp/bf16/padded", "vp/bf16/erc/dynamic"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "bf16/rmpad",
+        "bf16/padded",
+        "fp32/rmpad",
+        "bf16/erc/dynamic",
+        "vp/bf16/rmpad",
+        "vp/bf16/padded",
+        "vp/bf16/erc/dynamic",
+    ],
+)
 def test_on_policy_kl_full_is_exactly_zero_and_clips_nothing(result: dict[str, Any], variant: str) -> None:
     m = result[variant]
-    for key in ("actor/divclip/kl_full_mean", "actor/divclip/kl_full_max", "actor/pg_clipfrac", "actor/ppo_kl",
-                "actor/divclip/no_grad_frac"):
+    for key in (
+        "actor/divclip/kl_full_mean",
+        "actor/divclip/kl_full_max",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/divclip/no_grad_frac",
+    ):
         assert all(float(v) == 0.0 for v in m[key]), (key, m[key])
     # the tail is a real bucket: k = 16 of 512 ids leave mass outside under both policies, equally
     assert all(0.0 < float(v) < 1.0 for v in m["actor/divclip/kl_full_tail_old"])
@@ -178,9 +210,14 @@ def test_on_policy_kl_full_is_exactly_zero_and_clips_nothing(result: dict[str, A
 @pytest.mark.parametrize("variant", ["bf16/kl3_diagnostic", "vp/bf16/kl3_diagnostic"])
 def test_on_policy_diagnostic_on_kl3_reports_no_disagreement(result: dict[str, Any], variant: str) -> None:
     m = result[variant]
-    for key in ("actor/divclip/kl_full_diag/mode_only_frac", "actor/divclip/kl_full_diag/full_only_frac",
-                "actor/divclip/kl_full_diag/mode_only_frac_kl3delta", "actor/divclip/kl_full_diag/full_only_frac_kl3delta",
-                "actor/divclip/kl_full_mean", "actor/pg_clipfrac"):
+    for key in (
+        "actor/divclip/kl_full_diag/mode_only_frac",
+        "actor/divclip/kl_full_diag/full_only_frac",
+        "actor/divclip/kl_full_diag/mode_only_frac_kl3delta",
+        "actor/divclip/kl_full_diag/full_only_frac_kl3delta",
+        "actor/divclip/kl_full_mean",
+        "actor/pg_clipfrac",
+    ):
         assert all(float(v) == 0.0 for v in m[key]), (key, m[key])
 
 
@@ -205,7 +242,9 @@ def test_vocab_pass_stores_the_materialised_top_k(result: dict[str, Any]) -> Non
     assert torch.equal(ids_vp.sort(-1).values, ids_mat.sort(-1).values)
     order_mat, order_vp = ids_mat.argsort(-1), ids_vp.argsort(-1)
     masses_mat, masses_vp = mat["divclip_old_topk_log_probs"], vp["divclip_old_topk_log_probs"]
-    torch.testing.assert_close(masses_vp[:, :-1].gather(1, order_vp), masses_mat[:, :-1].gather(1, order_mat), rtol=0, atol=2e-5)
+    torch.testing.assert_close(
+        masses_vp[:, :-1].gather(1, order_vp), masses_mat[:, :-1].gather(1, order_mat), rtol=0, atol=2e-5
+    )
     torch.testing.assert_close(masses_vp[:, -1], masses_mat[:, -1], rtol=0, atol=2e-5)
     assert result["bucket_rows_evaluated"] == (4 * 2 + 1 + 1) * sum(RESPONSE_LENS)
 
@@ -218,7 +257,7 @@ def test_off_policy_kl_matches_the_two_models_logits(result: dict[str, Any], var
     batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, SPEC.vocab_size, seed=4)
     old_rows, new_rows = direct_logits(model_path, batch), direct_logits(other_path, batch)
     per_sequence = []
-    for old, new in zip(old_rows, new_rows):
+    for old, new in zip(old_rows, new_rows, strict=False):
         old_masses, ids = topk_rows(old, K)
         per_sequence.append(coarsened_kl(log_masses_rows(new, ids), old_masses, "forward"))
     m = result[variant]

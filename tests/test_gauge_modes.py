@@ -27,8 +27,9 @@ def test_the_gauge_counts_what_the_modes_own_rule_clips(mode: str) -> None:
     knobs = {"kl_full_top_k": 8} if mode == "kl_full" else {}
     gauge = run_installed_loss(actor_config(mode, **knobs), on_policy=True).metrics[GAUGE]
     reference = actor_config(REFERENCE.get(mode, mode), **knobs)
-    pushed = [run_installed_loss(reference, advantage=sign).metrics.get("actor/pg_clipfrac", 0.0)
-              for sign in (1.0, -1.0)]
+    pushed = [
+        run_installed_loss(reference, advantage=sign).metrics.get("actor/pg_clipfrac", 0.0) for sign in (1.0, -1.0)
+    ]
     expected = pushed[0] if mode in SIGN_FREE_CLIPFRAC else sum(pushed)
     assert gauge == pytest.approx(expected, abs=1e-6), (mode, gauge, pushed)
 

@@ -49,9 +49,26 @@ def test_compiled_rows_do_not_depend_on_the_batch() -> None:
 def test_gpu_probe_small_model(tmp_path: Path) -> None:
     out = tmp_path / "probe.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "recipe.bench", "gpu", "--tokens", "4096", "--sequences", "4", "--layers", "2",
-         "--repeats", "2", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=1800,
+        [
+            sys.executable,
+            "-m",
+            "recipe.bench",
+            "gpu",
+            "--tokens",
+            "4096",
+            "--sequences",
+            "4",
+            "--layers",
+            "2",
+            "--repeats",
+            "2",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = {r["variant"]: r for r in json.loads(out.read_text())}
@@ -65,10 +82,30 @@ def test_gpu_probe_small_model(tmp_path: Path) -> None:
 def test_erc_on_policy_under_fsdp1_and_fsdp2(tmp_path: Path) -> None:
     out = tmp_path / "probe.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "recipe.bench", "gpu", "--tokens", "4096", "--sequences", "4", "--layers", "2",
-         "--repeats", "1", "--strategies", "fsdp,fsdp2", "--variants", "divclip_erc,divclip_erc_dynamic",
-         "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=1800,
+        [
+            sys.executable,
+            "-m",
+            "recipe.bench",
+            "gpu",
+            "--tokens",
+            "4096",
+            "--sequences",
+            "4",
+            "--layers",
+            "2",
+            "--repeats",
+            "1",
+            "--strategies",
+            "fsdp,fsdp2",
+            "--variants",
+            "divclip_erc,divclip_erc_dynamic",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -79,7 +116,6 @@ def test_erc_on_policy_under_fsdp1_and_fsdp2(tmp_path: Path) -> None:
         if r["variant"] != "no_entropy":
             assert r["on_policy_invariant"] is True, r
             assert r["first_update"]["actor/divclip/onpolicy/erc_masked_frac"] == [0.0], r
-
 
 
 def test_the_vocabulary_pass_on_tensor_cores_matches_its_float32_path() -> None:
@@ -97,8 +133,12 @@ def test_the_vocabulary_pass_on_tensor_cores_matches_its_float32_path() -> None:
     for name, tensor_cores in (("tf32", None), ("fp32", False)):
         out = vocab_pass(hidden, weight, labels, 0.7, top_k=8, tensor_cores=tensor_cores)
         out.log_probs.sum().backward()
-        runs[name] = (out, hidden.grad.clone(), weight.grad.clone(),
-                      bucket_log_masses(hidden.detach(), weight.detach(), out.top_ids, 0.7, tensor_cores=tensor_cores))
+        runs[name] = (
+            out,
+            hidden.grad.clone(),
+            weight.grad.clone(),
+            bucket_log_masses(hidden.detach(), weight.detach(), out.top_ids, 0.7, tensor_cores=tensor_cores),
+        )
         hidden.grad, weight.grad = None, None
     (tf32, dh_tf32, dw_tf32, buckets_tf32), (fp32, dh_fp32, dw_fp32, buckets_fp32) = runs["tf32"], runs["fp32"]
     torch.testing.assert_close(tf32.log_probs, fp32.log_probs, rtol=1e-5, atol=1e-4)
@@ -117,9 +157,28 @@ def test_acceptance_on_policy_invariant_through_the_tensor_core_pass(tmp_path: P
     figures per phase, the MFU against the device's peak and the searched longest micro-batch are reported."""
     out = tmp_path / "acceptance"
     proc = subprocess.run(
-        [sys.executable, "-m", "recipe.bench", "gpu", "--acceptance", "--tokens", "4096", "--sequences", "4",
-         "--layers", "2", "--search-seconds", "30", "--allow-unmeasured", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=1800,
+        [
+            sys.executable,
+            "-m",
+            "recipe.bench",
+            "gpu",
+            "--acceptance",
+            "--tokens",
+            "4096",
+            "--sequences",
+            "4",
+            "--layers",
+            "2",
+            "--search-seconds",
+            "30",
+            "--allow-unmeasured",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: a target missed, reported
     report = json.loads((out / "acceptance.json").read_text())

@@ -48,7 +48,9 @@ def _clean_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Build the wheel, install it into a fresh venv; returns its python and a scratch cwd."""
-    pytest.importorskip("setuptools", minversion="68", reason="building the wheel offline needs the build backend installed")
+    pytest.importorskip(
+        "setuptools", minversion="68", reason="building the wheel offline needs the build backend installed"
+    )
     base = tmp_path_factory.mktemp("installed_wheel")
     source = base / "source"
     source.mkdir()
@@ -62,7 +64,15 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                           cwd=base, env=env, capture_output=True, text=True, timeout=300))  # fmt: skip
     (wheel,) = (base / "dist").glob("verl_divclip-*.whl")
     venv = base / "venv"
-    _check(subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], env=env, capture_output=True, text=True, timeout=120))
+    _check(
+        subprocess.run(
+            [sys.executable, "-m", "venv", "--without-pip", str(venv)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    )
     python = venv / "bin" / "python"
     _check(subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
                            "--quiet", str(wheel)], cwd=base, env=env, capture_output=True, text=True, timeout=300))  # fmt: skip
@@ -85,13 +95,22 @@ def test_the_wheel_ships_the_three_packages_and_no_tests(installed: dict[str, An
     tops = {name.split("/")[0] for name in names}
     metadata = {top for top in tops if top.startswith("verl_divclip-") and top.endswith(".dist-info")}
     assert len(metadata) == 1 and tops - metadata == set(SHIPPED), sorted(tops)
-    assert {"recipe/bench/harness.py", "recipe/bench/child.py", "data_prep/sft_tokens.py", "verl_ext/cpu/__init__.py"} <= set(names)
+    assert {
+        "recipe/bench/harness.py",
+        "recipe/bench/child.py",
+        "data_prep/sft_tokens.py",
+        "verl_ext/cpu/__init__.py",
+    } <= set(names)
 
 
 def test_every_shipped_module_imports_from_the_wheel_alone(installed: dict[str, Any]) -> None:
     """Each module of the wheel (``__main__`` modules aside: they run their CLI) imports in the fresh
     venv from the wheel, with the checkout off the path and none of its test modules loaded."""
-    out = _check(_run(installed, "-c", f"""
+    out = _check(
+        _run(
+            installed,
+            "-c",
+            f"""
 import importlib, json, pkgutil, sys
 names = []
 for top in {SHIPPED!r}:
@@ -108,19 +127,32 @@ print(json.dumps({{
     "files": {{name: sys.modules[name].__file__ for name in names if name in sys.modules}},
     "project_tests": sorted(m for m in sys.modules if m.split(".")[0] == "tests" and m != "tests"),
 }}))
-"""))
+""",
+        )
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     failed = result["failed"]
     # without vLLM, exactly the modules that subclass verl's vLLM classes fail, and for that reason alone
     assert set(failed) == NEEDS_VLLM, failed
     assert all("vllm version None not supported" in error for error in failed.values()), failed
-    assert {"recipe.bench.harness", "recipe.bench.gpu", "recipe.bench.entropy_memory", "data_prep.sft_tokens", "verl_ext.plugin"} <= set(result["names"])
+    assert {
+        "recipe.bench.harness",
+        "recipe.bench.gpu",
+        "recipe.bench.entropy_memory",
+        "data_prep.sft_tokens",
+        "verl_ext.plugin",
+    } <= set(result["names"])
     assert all(Path(file).is_relative_to(installed["site"]) for file in result["files"].values()), result["files"]
     # the running environment's site-packages may sit inside the checkout (CI's .venv at the repo root):
     # besides those, nothing on the path may come from the checkout
     dependencies = [Path(path).resolve() for path in installed["dependencies"]]
-    from_checkout = [entry for entry in result["path"] if entry and Path(entry).resolve().is_relative_to(ROOT)
-                     and not any(Path(entry).resolve().is_relative_to(dep) for dep in dependencies)]
+    from_checkout = [
+        entry
+        for entry in result["path"]
+        if entry
+        and Path(entry).resolve().is_relative_to(ROOT)
+        and not any(Path(entry).resolve().is_relative_to(dep) for dep in dependencies)
+    ]
     assert not from_checkout, result["path"]
     assert result["project_tests"] == []
 

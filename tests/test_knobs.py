@@ -80,8 +80,14 @@ def _reads_in_source(function: Any) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and is_config(node.value) and node.attr not in ("get", "policy_loss"):
             names.add(node.attr)
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
-                and is_config(node.func.value) and node.args and isinstance(node.args[0], ast.Constant)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "get"
+            and is_config(node.func.value)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
             names.add(node.args[0].value)
     return names
 
@@ -175,20 +181,24 @@ class Run:
     metrics: dict[str, float]
 
 
-def run_installed_loss(actor: Any, delta: float | None = None, advantage: float | None = None,
-                       on_policy: bool = False) -> Run:
+def run_installed_loss(
+    actor: Any, delta: float | None = None, advantage: float | None = None, on_policy: bool = False
+) -> Run:
     """The installed actor loss (:func:`verl_ext.actor_loss.divclip_actor_loss`) on the sweep, as the engine calls
     it: no-padding layout, pi_old's top-k at the config's k when it stores one. ``delta`` replaces the policy's;
     ``advantage`` replaces every advantage; ``on_policy`` marks the micro-batch on-policy (the gauge runs)."""
     from verl_ext.actor_loss import divclip_actor_loss
-    from verl_ext.engine.topk_capture import NEW_TOPK_LOG_PROBS, OLD_TOPK_LOG_PROBS
     from verl_ext.core.coarsened_kl import log_masses_rows, topk_rows
+    from verl_ext.engine.topk_capture import NEW_TOPK_LOG_PROBS, OLD_TOPK_LOG_PROBS
 
     s = sweep()
     old_lp = s.old_logits.log_softmax(-1).gather(-1, s.tokens.unsqueeze(-1)).squeeze(-1)
     new_lp = s.new_logits.log_softmax(-1).gather(-1, s.tokens.unsqueeze(-1)).squeeze(-1)
     data = make_rollout_batch(
-        [PROMPT] * ROWS, [LENGTH] * ROWS, VOCAB, old_log_probs=list(old_lp),
+        [PROMPT] * ROWS,
+        [LENGTH] * ROWS,
+        VOCAB,
+        old_log_probs=list(old_lp),
         advantages=list(s.advantages if advantage is None else torch.full_like(s.advantages, advantage)),
         old_entropy=list(_entropy(s.old_logits)),
     )
@@ -289,7 +299,9 @@ def _adaptive_runs(mode: str, base: dict[str, Any], probe: dict[str, Any]) -> tu
     controllers = [AdaptiveDelta.from_policy(policy) for policy in policies]  # None: a static delta
     runs = None
     for measured in torch.logspace(-4, 0, 81).tolist():
-        deltas = [c.next_delta(measured) if c is not None else p.delta for c, p in zip(controllers, policies)]
+        deltas = [
+            c.next_delta(measured) if c is not None else p.delta for c, p in zip(controllers, policies, strict=False)
+        ]
         if deltas[0] != deltas[1]:
             for advantage in (None, 1.0, -1.0):
                 runs = run_mode(mode, base, deltas[0], advantage), run_mode(mode, probe, deltas[1], advantage)
@@ -308,8 +320,11 @@ def _moved(feature: Feature | None, base: Run, probe: Run) -> bool:
     return not torch.equal(base.grad, probe.grad)
 
 
-@pytest.mark.parametrize(("mode", "name", "feature_name"), declared_cases(),
-                         ids=[f"{m}-{k}" + (f"-{f}" if f else "") for m, k, f in declared_cases()])
+@pytest.mark.parametrize(
+    ("mode", "name", "feature_name"),
+    declared_cases(),
+    ids=[f"{m}-{k}" + (f"-{f}" if f else "") for m, k, f in declared_cases()],
+)
 def test_a_declared_knob_moves_the_installed_loss(mode: str, name: str, feature_name: str) -> None:
     knob = KNOBS[name]
     feature = next((f for f in FEATURES if f.name == feature_name), None)
@@ -371,8 +386,9 @@ def test_an_undeclared_knob_is_refused_and_would_change_nothing(mode: str, name:
 def test_defaults_and_declared_settings_pass() -> None:
     for mode in all_modes():
         check_knobs_read(actor_config(mode))
-        check_knobs_read(actor_config(mode, **{name: KNOBS[name].probe for name in mode_reads(mode)
-                                               if not KNOBS[name].fallback_for}))
+        check_knobs_read(
+            actor_config(mode, **{name: KNOBS[name].probe for name in mode_reads(mode) if not KNOBS[name].fallback_for})
+        )
 
 
 def test_a_fallback_is_refused_where_the_knobs_it_stands_in_for_are_set() -> None:
@@ -414,8 +430,12 @@ def test_the_entry_point_refuses_an_unread_knob_before_ray(overrides: list[str],
 
 
 def test_the_dry_run_command_refuses_it() -> None:
-    proc = subprocess.run([sys.executable, "-m", "recipe.main", "--dry-run", *REFUSED_DRY_RUNS[0][0]],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe.main", "--dry-run", *REFUSED_DRY_RUNS[0][0]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0 and REFUSED_DRY_RUNS[0][1] in proc.stderr, proc.stderr[-2000:]
 
 

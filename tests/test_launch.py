@@ -17,9 +17,27 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
-ENV_KEYS = ("MODEL_PATH", "TRAIN_FILES", "VAL_FILES", "NNODES", "GPUS_PER_NODE", "CKPT_DIR", "PROJECT_NAME",
-            "EXPERIMENT_NAME", "DATA_DIR", "DIVCLIP_DATA_DIR", "ATR_MODEL", "SWEEP_JOBS", "STRATEGY", "VOCAB_PASS",
-            "MODE", "ROLLOUT_GPUS_PER_NODE", "ROLLOUT_NNODES", "CKPT_ENGINE", "PYTHON")
+ENV_KEYS = (
+    "MODEL_PATH",
+    "TRAIN_FILES",
+    "VAL_FILES",
+    "NNODES",
+    "GPUS_PER_NODE",
+    "CKPT_DIR",
+    "PROJECT_NAME",
+    "EXPERIMENT_NAME",
+    "DATA_DIR",
+    "DIVCLIP_DATA_DIR",
+    "ATR_MODEL",
+    "SWEEP_JOBS",
+    "STRATEGY",
+    "VOCAB_PASS",
+    "MODE",
+    "ROLLOUT_GPUS_PER_NODE",
+    "ROLLOUT_NNODES",
+    "CKPT_ENGINE",
+    "PYTHON",
+)
 
 ERC_SCRIPTS = {  # script -> (model, loss_mode, eps_low, eps_high, ERC on)
     "run_grpo_1.5b.sh": ("DeepSeek-R1-Distill-Qwen-1.5B", "clip", 0.2, 0.2, False),
@@ -32,13 +50,18 @@ ERC_SCRIPTS = {  # script -> (model, loss_mode, eps_low, eps_high, ERC on)
     "run_erc_gppo_7b.sh": ("DeepSeek-R1-Distill-Qwen-7B", "gppo", 0.2, 0.2, True),
 }
 ERC_VALIDATION = {  # data_source -> ERC section 4.1's length and samples per problem
-    "aime24": {"response_length": 32768, "n": 32}, "aime25": {"response_length": 32768, "n": 32},
-    "hmmt25": {"response_length": 16384, "n": 32}, "amc23": {"response_length": 16384, "n": 32},
-    "math500": {"response_length": 16384, "n": 4}, "olympiadbench": {"response_length": 16384, "n": 4},
+    "aime24": {"response_length": 32768, "n": 32},
+    "aime25": {"response_length": 32768, "n": 32},
+    "hmmt25": {"response_length": 16384, "n": 32},
+    "amc23": {"response_length": 16384, "n": 32},
+    "math500": {"response_length": 16384, "n": 4},
+    "olympiadbench": {"response_length": 16384, "n": 4},
 }
 # ATR Appendix B: every run starts from the OpenMathReasoning SFT checkpoint (launch/run_sft_openmath_qwen3_*.sh)
-ATR_SCRIPTS = {"run_atr_grpo_qwen3_1.7b.sh": "checkpoints/divclip-sft/sft_openmath_qwen3_1.7b/merged_hf",
-               "run_atr_grpo_qwen3_8b.sh": "checkpoints/divclip-sft/sft_openmath_qwen3_8b/merged_hf"}
+ATR_SCRIPTS = {
+    "run_atr_grpo_qwen3_1.7b.sh": "checkpoints/divclip-sft/sft_openmath_qwen3_1.7b/merged_hf",
+    "run_atr_grpo_qwen3_8b.sh": "checkpoints/divclip-sft/sft_openmath_qwen3_8b/merged_hf",
+}
 
 # sweep row -> the policy-loss settings it must resolve to (ATR Table 2, Table 3, delta ablation)
 SWEEP = {
@@ -92,9 +115,12 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**env, **(extra or {})}
 
 
-def run_script(script: str, *args: str, env: dict[str, str] | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(LAUNCH / script), *args], cwd="/", capture_output=True, text=True,
-                          env=_env(env), timeout=timeout)
+def run_script(
+    script: str, *args: str, env: dict[str, str] | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(LAUNCH / script), *args], cwd="/", capture_output=True, text=True, env=_env(env), timeout=timeout
+    )
 
 
 def _load(proc: subprocess.CompletedProcess) -> Any:
@@ -104,7 +130,7 @@ def _load(proc: subprocess.CompletedProcess) -> Any:
 
 #: A stand-in interpreter for the scripts (``PYTHON=<it>``): prints the data folder the script exported and the
 #: command line it would run, NUL-separated, instead of running Python.
-PRINTER = "#!/bin/sh\nprintf '%s\\0' \"$DIVCLIP_DATA_DIR\" \"$@\"\n"
+PRINTER = '#!/bin/sh\nprintf \'%s\\0\' "$DIVCLIP_DATA_DIR" "$@"\n'
 
 
 @pytest.fixture(scope="module")
@@ -144,16 +170,26 @@ def dry_runs(printer: str) -> dict[str, Any]:
     through :func:`script_config`."""
     jobs = {"run_quickstart_1gpu.sh": ("run_quickstart_1gpu.sh", ("--dry-run",), None)}
     # Hydra's flags pass through, wherever they are given
-    jobs["env"] = ("run_erc_dapo_7b.sh", ("actor_rollout_ref.actor.optim.lr=2e-6", "--dry-run", "--config-name",
-                                          "divclip_trainer", "trainer.nnodes=3"),
-                   OVERRIDE_ENV)
-    jobs["sweep"] = ("sweep_atr_baselines.sh", ("--dry-run", "--only", ",".join(SWEEP_DRY_RUN), "trainer.save_freq=7"),
-                     {"SWEEP_JOBS": "2"})
-    for mode, env in ASYNC_ENV.items():  # the other 7B scripts' async modes: test_erc_7b_scripts_validate_in_each_async_mode
+    jobs["env"] = (
+        "run_erc_dapo_7b.sh",
+        ("actor_rollout_ref.actor.optim.lr=2e-6", "--dry-run", "--config-name", "divclip_trainer", "trainer.nnodes=3"),
+        OVERRIDE_ENV,
+    )
+    jobs["sweep"] = (
+        "sweep_atr_baselines.sh",
+        ("--dry-run", "--only", ",".join(SWEEP_DRY_RUN), "trainer.save_freq=7"),
+        {"SWEEP_JOBS": "2"},
+    )
+    for (
+        mode,
+        env,
+    ) in ASYNC_ENV.items():  # the other 7B scripts' async modes: test_erc_7b_scripts_validate_in_each_async_mode
         jobs[mode] = ("run_erc_dapo_7b.sh", ("--dry-run",), env)
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {key: pool.submit(run_script, script, *args, env=env)
-                   for key, (script, args, env) in sorted(jobs.items(), key=lambda kv: kv[0] != "sweep")}
+        futures = {
+            key: pool.submit(run_script, script, *args, env=env)
+            for key, (script, args, env) in sorted(jobs.items(), key=lambda kv: kv[0] != "sweep")
+        }
         results: dict[str, Any] = {key: future.result() for key, future in futures.items()}
     for script in [*ERC_SCRIPTS, *ATR_SCRIPTS]:
         env = {"DATA_DIR": "/srv/divclip data"} if script == "run_atr_grpo_qwen3_8b.sh" else None
@@ -205,7 +241,13 @@ def test_erc_rows(dry_runs, script):
     assert config["algorithm"]["adv_estimator"] == "grpo" and config["algorithm"]["norm_adv_by_std_in_grpo"] is True
     # validation: six benchmarks, 32 samples (max across sets), T 0.6, top-p 0.95
     assert [Path(f).name for f in data["val_files"]] == [
-        "aime24.parquet", "aime25.parquet", "hmmt25.parquet", "amc23.parquet", "math500.parquet", "olympiadbench.parquet"]
+        "aime24.parquet",
+        "aime25.parquet",
+        "hmmt25.parquet",
+        "amc23.parquet",
+        "math500.parquet",
+        "olympiadbench.parquet",
+    ]
     val = rollout["val_kwargs"]
     assert (val["n"], val["temperature"], val["top_p"], val["do_sample"]) == (32, 0.6, 0.95, True)
     # ERC section 4.1 per benchmark: avg@32 at 32k (AIME), avg@32 at 16k, avg@4 at 16k; within the
@@ -214,18 +256,29 @@ def test_erc_rows(dry_runs, script):
     assert rollout["max_model_len"] == 131072
     assert rollout["name"] == "vllm"
     assert config["reward"]["custom_reward_function"] == {
-        "path": "recipe/reward/score.py", "name": "compute_score", "reward_kwargs": {
-            "think": "required", "correct_score": 1.0, "wrong_score": 0.0, "unparseable_score": 0.0,
-            "truncated_score": -0.5}}  # the ERC runs' scores, stated (tests/test_reward_scores.py scores rows)
-    assert config["trainer"]["experiment_name"] == script[len("run_"):-len(".sh")]
+        "path": "recipe/reward/score.py",
+        "name": "compute_score",
+        "reward_kwargs": {
+            "think": "required",
+            "correct_score": 1.0,
+            "wrong_score": 0.0,
+            "unparseable_score": 0.0,
+            "truncated_score": -0.5,
+        },
+    }  # the ERC runs' scores, stated (tests/test_reward_scores.py scores rows)
+    assert config["trainer"]["experiment_name"] == script[len("run_") : -len(".sh")]
     assert config["trainer"]["project_name"] == "divclip-erc"
 
 
 @pytest.mark.parametrize("script", sorted(ATR_SCRIPTS))
 def test_atr_rows(dry_runs, script):
     config = _config(dry_runs, script)
-    actor, rollout, data, model = (_actor(config), config["actor_rollout_ref"]["rollout"], config["data"],
-                                   config["actor_rollout_ref"]["model"])
+    actor, rollout, data, model = (
+        _actor(config),
+        config["actor_rollout_ref"]["rollout"],
+        config["data"],
+        config["actor_rollout_ref"]["model"],
+    )
     assert model["path"] == ATR_SCRIPTS[script]
     assert (model["lora_rank"], model["lora_alpha"], model["target_modules"]) == (32, 64, "all-linear")
     assert actor["policy_loss"]["loss_mode"] == "kl3" and actor["policy_loss"]["delta"] == 0.07
@@ -339,8 +392,14 @@ def test_sweep_rows():
     assert list(listed) == list(SWEEP)
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
         for name, overrides in listed.items():
-            config = compose(config_name="divclip_trainer", overrides=[
-                "+experiments=atr_grpo_qwen3_1.7b", *overrides.split(), f"trainer.experiment_name=atr_1.7b_{name}"])
+            config = compose(
+                config_name="divclip_trainer",
+                overrides=[
+                    "+experiments=atr_grpo_qwen3_1.7b",
+                    *overrides.split(),
+                    f"trainer.experiment_name=atr_1.7b_{name}",
+                ],
+            )
             validate(config)
             _check_sweep_row(name, OmegaConf.to_container(config, resolve=True))
 
@@ -367,13 +426,22 @@ def check_mode(config: dict[str, Any], mode: str) -> None:
     assert v1["trainer_mode"] == mode and config["trainer"]["nnodes"] == 2 and config["trainer"]["n_gpus_per_node"] == 8
     assert rollout["calculate_log_probs"] is True  # the staleness figures and rollout correction need mu
     if mode == "separate_async":
-        assert (rollout["nnodes"], rollout["n_gpus_per_node"], rollout["checkpoint_engine"]["backend"]) == (1, 8, "nccl")
+        assert (rollout["nnodes"], rollout["n_gpus_per_node"], rollout["checkpoint_engine"]["backend"]) == (
+            1,
+            8,
+            "nccl",
+        )
         sync_step = v1["separate_async"]["parameter_sync_step"]
-        assert config["data"]["train_batch_size"] == sync_step * config["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"]
+        assert (
+            config["data"]["train_batch_size"]
+            == sync_step * config["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"]
+        )
 
 
 @pytest.mark.parametrize("mode", list(ASYNC_ENV))
-def test_the_erc_7b_dry_run_validates_in_each_async_mode(dry_runs: dict[str, subprocess.CompletedProcess], mode: str) -> None:
+def test_the_erc_7b_dry_run_validates_in_each_async_mode(
+    dry_runs: dict[str, subprocess.CompletedProcess], mode: str
+) -> None:
     config = _load(dry_runs[mode])
     check_mode(config, mode)
     assert config["actor_rollout_ref"]["actor"]["policy_loss"]["erc_beta_low"] == 0.05
@@ -388,17 +456,29 @@ def test_erc_7b_scripts_validate_in_each_async_mode(printer: str) -> None:
             check_mode(script_config(printer, script, "--dry-run", env=env), mode)
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"NNODES": "two"}, "NNODES must be a positive integer"),
-    ({"GPUS_PER_NODE": "0"}, "GPUS_PER_NODE must be a positive integer"),
-    ({"MODEL_PATH": "/m/it's"}, "MODEL_PATH: a value with a single quote"),
-    ({"STRATEGY": "fsdp 2"}, "STRATEGY must be a verl strategy name"),
-    ({"MODE": "async"}, "MODE must be sync, colocate_async or separate_async, got 'async'"),
-    ({"MODE": "separate_async"}, "MODE=separate_async generates on a standalone rollout pool: set ROLLOUT_GPUS_PER_NODE"),
-    ({"MODE": "colocate_async", "ROLLOUT_GPUS_PER_NODE": "8"}, "configure MODE=separate_async, not MODE=colocate_async"),
-    ({"ROLLOUT_GPUS_PER_NODE": "8"}, "configure MODE=separate_async; MODE is unset"),
-    ({"MODE": "separate_async", "ROLLOUT_GPUS_PER_NODE": "8", "CKPT_ENGINE": "nc cl"}, "CKPT_ENGINE must be a checkpoint engine name"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"NNODES": "two"}, "NNODES must be a positive integer"),
+        ({"GPUS_PER_NODE": "0"}, "GPUS_PER_NODE must be a positive integer"),
+        ({"MODEL_PATH": "/m/it's"}, "MODEL_PATH: a value with a single quote"),
+        ({"STRATEGY": "fsdp 2"}, "STRATEGY must be a verl strategy name"),
+        ({"MODE": "async"}, "MODE must be sync, colocate_async or separate_async, got 'async'"),
+        (
+            {"MODE": "separate_async"},
+            "MODE=separate_async generates on a standalone rollout pool: set ROLLOUT_GPUS_PER_NODE",
+        ),
+        (
+            {"MODE": "colocate_async", "ROLLOUT_GPUS_PER_NODE": "8"},
+            "configure MODE=separate_async, not MODE=colocate_async",
+        ),
+        ({"ROLLOUT_GPUS_PER_NODE": "8"}, "configure MODE=separate_async; MODE is unset"),
+        (
+            {"MODE": "separate_async", "ROLLOUT_GPUS_PER_NODE": "8", "CKPT_ENGINE": "nc cl"},
+            "CKPT_ENGINE must be a checkpoint engine name",
+        ),
+    ],
+)
 def test_bad_environment_is_a_clear_error(env, message):
     proc = run_script("run_dapo_7b.sh", "--dry-run", env=env)
     assert proc.returncode == 2 and message in proc.stderr and proc.stdout == ""
@@ -406,8 +486,11 @@ def test_bad_environment_is_a_clear_error(env, message):
 
 def test_every_experiment_config_has_its_script_and_doc_row():
     configs = {p.stem for p in (ROOT / "configs" / "experiments").glob("*.yaml")}
-    scripts = {p.name[len("run_"):-len(".sh")] for p in LAUNCH.glob("run_*.sh")
-               if not p.name.startswith(("run_smoke_cpu", "run_sft_"))}  # SFT: test_sft_scripts_and_configs
+    scripts = {
+        p.name[len("run_") : -len(".sh")]
+        for p in LAUNCH.glob("run_*.sh")
+        if not p.name.startswith(("run_smoke_cpu", "run_sft_"))
+    }  # SFT: test_sft_scripts_and_configs
     assert configs == scripts
     doc = (ROOT / "docs" / "experiments.md").read_text()
     for name in scripts:
@@ -442,8 +525,13 @@ RELEASED = {  # key path in the resolved YAML -> the released ERC scripts' value
     "trainer.val_before_train": False,
     "trainer.test_freq": 10,
     "trainer.save_freq": 10,
-    "reward.custom_reward_function.reward_kwargs": {"think": "required", "correct_score": 1.0, "wrong_score": -1.0,
-                                                     "unparseable_score": -1.0, "truncated_score": -0.5},
+    "reward.custom_reward_function.reward_kwargs": {
+        "think": "required",
+        "correct_score": 1.0,
+        "wrong_score": -1.0,
+        "unparseable_score": -1.0,
+        "truncated_score": -0.5,
+    },
     "divclip.profile": "released",
 }
 PAPER_TEXT = {  # the same keys in the default (paper-text) profile
@@ -459,8 +547,13 @@ PAPER_TEXT = {  # the same keys in the default (paper-text) profile
     "trainer.val_before_train": True,
     "trainer.test_freq": 25,
     "trainer.save_freq": 25,
-    "reward.custom_reward_function.reward_kwargs": {"think": "required", "correct_score": 1.0, "wrong_score": 0.0,
-                                                     "unparseable_score": 0.0, "truncated_score": -0.5},
+    "reward.custom_reward_function.reward_kwargs": {
+        "think": "required",
+        "correct_score": 1.0,
+        "wrong_score": 0.0,
+        "unparseable_score": 0.0,
+        "truncated_score": -0.5,
+    },
     "divclip.profile": "paper",
 }
 
@@ -486,16 +579,27 @@ def test_erc_released_profile(released_dry_runs, script):
     model, mode, eps_low, eps_high, erc = ERC_SCRIPTS[script]
     actor, rollout = _actor(config), config["actor_rollout_ref"]["rollout"]
     assert config["actor_rollout_ref"]["model"]["path"] == f"deepseek-ai/{model}"
-    assert actor["policy_loss"]["loss_mode"] == mode and (actor["clip_ratio_low"], actor["clip_ratio_high"]) == (eps_low, eps_high)
+    assert actor["policy_loss"]["loss_mode"] == mode and (actor["clip_ratio_low"], actor["clip_ratio_high"]) == (
+        eps_low,
+        eps_high,
+    )
     assert (actor["policy_loss"]["erc_beta_low"] == 0.05) is erc
     assert actor["ppo_mini_batch_size"] == 16 and rollout["n"] == 8 and actor["optim"]["lr"] == 1e-6
-    assert config["trainer"]["experiment_name"] == script[len("run_"):-len(".sh")]
+    assert config["trainer"]["experiment_name"] == script[len("run_") : -len(".sh")]
     # the released scripts validate on AIME24/AIME25 with 32 samples of up to 32k tokens, training at 16k
     assert [Path(f).name for f in config["data"]["val_files"]] == ["aime24.parquet", "aime25.parquet"]
     assert config["data"]["max_response_length"] == 16384 and rollout["response_length"] == 16384
-    assert rollout["custom"]["validation"] == {"response_length": None, "benchmarks": {
-        "aime24": {"response_length": 32768, "n": 32}, "aime25": {"response_length": 32768, "n": 32},
-        "hmmt25": None, "amc23": None, "math500": None, "olympiadbench": None}}  # null: not validated
+    assert rollout["custom"]["validation"] == {
+        "response_length": None,
+        "benchmarks": {
+            "aime24": {"response_length": 32768, "n": 32},
+            "aime25": {"response_length": 32768, "n": 32},
+            "hmmt25": None,
+            "amc23": None,
+            "math500": None,
+            "olympiadbench": None,
+        },
+    }  # null: not validated
     assert rollout["prompt_length"] == 4096 and rollout["max_model_len"] == 131072  # 4k + 32k fits
 
 
@@ -521,20 +625,32 @@ def test_profile_validation_names_the_key():
     from hydra import compose, initialize_config_dir
     from hydra.errors import MissingConfigException
 
-    from recipe.main import CONFIG_DIR, validate
     from recipe.config_checks import ConfigError
+    from recipe.main import CONFIG_DIR, validate
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
         with pytest.raises(MissingConfigException, match=r"profile/nope"):
             compose(config_name="divclip_trainer", overrides=["+experiments=erc_dapo_7b", "+profile=nope"])
-        atr = compose(config_name="divclip_trainer", overrides=["+experiments=atr_grpo_qwen3_1.7b", "+profile=released"])
+        atr = compose(
+            config_name="divclip_trainer", overrides=["+experiments=atr_grpo_qwen3_1.7b", "+profile=released"]
+        )
         with pytest.raises(ConfigError, match=r"\+profile=released .* is for the ERC experiments"):
             validate(atr)
-        forged = compose(config_name="divclip_trainer", overrides=["+experiments=erc_dapo_7b", "divclip.profile=released2"])
-        with pytest.raises(ConfigError, match=r"divclip.profile='released2' is not a profile; known: \['paper', 'released'\]"):
+        forged = compose(
+            config_name="divclip_trainer", overrides=["+experiments=erc_dapo_7b", "divclip.profile=released2"]
+        )
+        with pytest.raises(
+            ConfigError, match=r"divclip.profile='released2' is not a profile; known: \['paper', 'released'\]"
+        ):
             validate(forged)
-        ignored = compose(config_name="divclip_trainer", overrides=[
-            "+experiments=erc_dapo_7b", "+profile=released", "algorithm.filter_groups.max_num_gen_batches=1"])
+        ignored = compose(
+            config_name="divclip_trainer",
+            overrides=[
+                "+experiments=erc_dapo_7b",
+                "+profile=released",
+                "algorithm.filter_groups.max_num_gen_batches=1",
+            ],
+        )
         with pytest.raises(ConfigError, match=r"algorithm.filter_groups.max_num_gen_batches is ignored"):
             validate(ignored)
         validate(compose(config_name="divclip_trainer", overrides=["+experiments=erc_gppo_7b", "+profile=released"]))
@@ -563,8 +679,13 @@ def test_atr_one_gpu_memory_and_seed(dry_runs, script):
 def test_atr_reward_is_one_or_zero(dry_runs, script):
     """ATR section 6.1: +1 for a correct final answer, 0 otherwise (tests/test_reward_scores.py scores rows)."""
     kwargs = _config(dry_runs, script)["reward"]["custom_reward_function"]["reward_kwargs"]
-    assert kwargs == {"think": "auto", "correct_score": 1.0, "wrong_score": 0.0, "unparseable_score": 0.0,
-                      "truncated_score": 0.0}
+    assert kwargs == {
+        "think": "auto",
+        "correct_score": 1.0,
+        "wrong_score": 0.0,
+        "unparseable_score": 0.0,
+        "truncated_score": 0.0,
+    }
 
 
 def test_atr_gpus_per_node_is_the_one_scaling_knob():
@@ -591,7 +712,9 @@ def test_sweep_seeds():
         _check_sweep_row("atr", {**config, "trainer": {**config["trainer"], "experiment_name": "atr_1.7b_atr"}})
 
 
-@pytest.mark.parametrize("seeds, message", [("1,x", "'x' is not a non-negative integer"), ("1,1", "seed 1 given twice")])
+@pytest.mark.parametrize(
+    "seeds, message", [("1,x", "'x' is not a non-negative integer"), ("1,1", "seed 1 given twice")]
+)
 def test_sweep_bad_seeds(seeds, message):
     proc = run_script("sweep_atr_baselines.sh", "--list", "--seeds", seeds)
     assert proc.returncode == 2 and message in proc.stderr
@@ -599,8 +722,10 @@ def test_sweep_bad_seeds(seeds, message):
 
 # ------------------------------------------------------------------ issue 10, ATR half (item 2: SFT stage)
 
-SFT_SCRIPTS = {"run_sft_openmath_qwen3_1.7b.sh": ("Qwen/Qwen3-1.7B", 16384, False),
-               "run_sft_openmath_qwen3_8b.sh": ("Qwen/Qwen3-8B", 8192, True)}
+SFT_SCRIPTS = {
+    "run_sft_openmath_qwen3_1.7b.sh": ("Qwen/Qwen3-1.7B", 16384, False),
+    "run_sft_openmath_qwen3_8b.sh": ("Qwen/Qwen3-8B", 8192, True),
+}
 
 
 @pytest.fixture(scope="module")
@@ -630,10 +755,13 @@ def test_sft_rows(sft_dry_runs, script):
     assert data["custom_cls"] == {"path": "recipe/sft_dataset.py", "name": "RLPromptSFTDataset"}
     assert data["max_token_len_per_gpu"] == tokens and config["engine"]["param_offload"] is offload
     # the merged model is where the matching ATR config starts
-    name = script[len("run_sft_"):-len(".sh")]
+    name = script[len("run_sft_") : -len(".sh")]
     atr = "run_atr_grpo_qwen3_" + name.rsplit("_", 1)[1] + ".sh"
     assert config["divclip"]["merged_dir"] == ATR_SCRIPTS[atr]
-    assert trainer["experiment_name"] == f"sft_{name}" and trainer["default_local_dir"] == f"checkpoints/divclip-sft/sft_{name}"
+    assert (
+        trainer["experiment_name"] == f"sft_{name}"
+        and trainer["default_local_dir"] == f"checkpoints/divclip-sft/sft_{name}"
+    )
 
 
 def test_sft_environment_overrides(sft_dry_runs):
@@ -645,7 +773,7 @@ def test_sft_environment_overrides(sft_dry_runs):
 
 def test_sft_scripts_and_configs():
     configs = {p.stem for p in (ROOT / "configs" / "sft").glob("*.yaml")}
-    scripts = {p.name[len("run_sft_"):-len(".sh")] for p in LAUNCH.glob("run_sft_*.sh")}
+    scripts = {p.name[len("run_sft_") : -len(".sh")] for p in LAUNCH.glob("run_sft_*.sh")}
     assert configs == scripts == {"openmath_qwen3_1.7b", "openmath_qwen3_8b"}
     doc = (ROOT / "docs" / "experiments.md").read_text()
     for name in scripts:
@@ -674,14 +802,17 @@ def test_vllm_venv_setup_refuses_a_full_disk_before_installing(tmp_path: Path) -
     (shims / "df").write_text(
         "#!/usr/bin/env bash\n"
         f'case "${{@: -1}}" in {scratch}*) free=8191 ;; *) free=999999 ;; esac\n'
-        'printf "Filesystem 1M-blocks Used Available Capacity Mounted on\\nfake 999999 0 %s 0%% /\\n" "$free"\n')
+        'printf "Filesystem 1M-blocks Used Available Capacity Mounted on\\nfake 999999 0 %s 0%% /\\n" "$free"\n'
+    )
     (shims / "df").chmod(0o755)
     env = {**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "TMPDIR": str(scratch)}
-    done = subprocess.run(["bash", str(root / "launch" / "setup_vllm_venv.sh")], env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        ["bash", str(root / "launch" / "setup_vllm_venv.sh")], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 1, done.stderr
-    assert done.stderr.strip() == (f"setup_vllm_venv.sh: building {root}/.venv-vllm needs 8192 MB free on the disk "
-                                   f"of {scratch}; it has 8191 MB")
+    assert done.stderr.strip() == (
+        f"setup_vllm_venv.sh: building {root}/.venv-vllm needs 8192 MB free on the disk of {scratch}; it has 8191 MB"
+    )
     venv = root / ".venv-vllm"
     assert not (venv / "divclip-vllm-constraints.txt").exists() and not (venv / ".divclip-vllm-installed").exists()
     assert not list((venv / "lib").glob("python3*/site-packages/torch"))

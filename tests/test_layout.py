@@ -35,14 +35,23 @@ import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 METHOD_CORE = [
-    "verl_ext.config", "verl_ext.core.surrogate", "verl_ext.core.divergences", "verl_ext.core.erc", "verl_ext.core.entropy",
-    "verl_ext.core.vocab_pass", "verl_ext.core.coarsened_kl", "verl_ext.core.gauge", "verl_ext.registry",
-    "verl_ext.engine.seam", "verl_ext.actor_loss", "verl_ext.plugin",
+    "verl_ext.config",
+    "verl_ext.core.surrogate",
+    "verl_ext.core.divergences",
+    "verl_ext.core.erc",
+    "verl_ext.core.entropy",
+    "verl_ext.core.vocab_pass",
+    "verl_ext.core.coarsened_kl",
+    "verl_ext.core.gauge",
+    "verl_ext.registry",
+    "verl_ext.engine.seam",
+    "verl_ext.actor_loss",
+    "verl_ext.plugin",
 ]
 CPU_MODULES = ("verl_ext.cpu",)
 PRODUCT_PACKAGES = ("verl_ext", "recipe", "data_prep")  # what pyproject.toml ships
@@ -53,7 +62,14 @@ def _run(code: str, **env: str) -> dict:
     environ = {k: v for k, v in os.environ.items() if k != "VERL_PLATFORM"}
     environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     environ.update(env)
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -89,8 +105,13 @@ def test_the_core_imports_no_engine_code_in_its_source() -> None:
     for path in sorted(CORE.glob("*.py")):
         module = _module_name(path)
         names = imported_modules(path.read_text(), module, path.name == "__init__.py")
-        foreign = {n for n in names if n.split(".")[0] not in sys.stdlib_module_names | {"torch"}
-                   and not _within(n, "verl_ext.core", "verl_ext.config") and n not in allowed_verl}
+        foreign = {
+            n
+            for n in names
+            if n.split(".")[0] not in sys.stdlib_module_names | {"torch"}
+            and not _within(n, "verl_ext.core", "verl_ext.config")
+            and n not in allowed_verl
+        }
         if foreign:
             found[module] = foreign
     assert found == {}
@@ -126,13 +147,18 @@ def test_only_the_seam_and_the_cpu_platform_import_verls_engine() -> None:
     verl's engine class for the cpu device, which is its own reason to import it)."""
     imports = product_imports()
     engine_modules = ("verl.workers.engine", "verl.workers.engine_workers")
-    importers = {m for m, names in imports.items() if _within(m, "verl_ext") and any(_within(n, *engine_modules) for n in names)}
+    importers = {
+        m for m, names in imports.items() if _within(m, "verl_ext") and any(_within(n, *engine_modules) for n in names)
+    }
     assert importers and {m for m in importers if not _within(m, "verl_ext.engine", "verl_ext.cpu")} == set(), importers
 
 
 def test_no_source_file_is_over_600_lines() -> None:
-    lengths = {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
-               for package in PRODUCT_PACKAGES for path in (ROOT / package).rglob("*.py")}
+    lengths = {
+        str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+        for package in PRODUCT_PACKAGES
+        for path in (ROOT / package).rglob("*.py")
+    }
     assert len(lengths) > 50
     assert {path: n for path, n in lengths.items() if n > 600} == {}
 
@@ -196,7 +222,7 @@ def imported_modules(source: str, module: str, is_package: bool = False, at_impo
     packages, else ``pkg``."""
     found: set[str] = set()
     tree = ast.parse(source)
-    for node in (_nodes_run_at_import(tree) if at_import_only else ast.walk(tree)):
+    for node in _nodes_run_at_import(tree) if at_import_only else ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -237,7 +263,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
         path.append(node)
         for target in sorted(graph.get(node, ())):
             if state.get(target) == 1:
-                return path[path.index(target):] + [target]
+                return path[path.index(target) :] + [target]
             if target not in state and (cycle := visit(target)):
                 return cycle
         state[node] = 2
@@ -265,9 +291,19 @@ def test_the_import_parser_sees_lazy_and_package_imports() -> None:
         """
     )
     found = imported_modules(source, "verl_ext.config")
-    assert {"verl_ext.registry", "verl_ext.core.divergences", "verl_ext.cpu", "verl_ext.verl_modes", "verl_ext.adaptive_delta"} <= found
+    assert {
+        "verl_ext.registry",
+        "verl_ext.core.divergences",
+        "verl_ext.cpu",
+        "verl_ext.verl_modes",
+        "verl_ext.adaptive_delta",
+    } <= found
     assert "verl_ext.cpu.PLATFORM_NAME" not in found and "__future__" not in found
-    assert imported_modules("from . import registry\nfrom .config import X", "verl_ext.verl_modes") == {"verl_ext", "verl_ext.registry", "verl_ext.config"}
+    assert imported_modules("from . import registry\nfrom .config import X", "verl_ext.verl_modes") == {
+        "verl_ext",
+        "verl_ext.registry",
+        "verl_ext.config",
+    }
     assert imported_modules("from . import erc", "verl_ext.core.surrogate") == {"verl_ext.core", "verl_ext.core.erc"}
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
@@ -275,7 +311,14 @@ def test_the_import_parser_sees_lazy_and_package_imports() -> None:
 
 def test_verl_ext_imports_run_one_way() -> None:
     graph = verl_ext_import_graph()
-    assert {"verl_ext.config", "verl_ext.core", "verl_ext.engine", "verl_ext.registry", "verl_ext.plugin", "verl_ext.cpu"} <= set(graph)
+    assert {
+        "verl_ext.config",
+        "verl_ext.core",
+        "verl_ext.engine",
+        "verl_ext.registry",
+        "verl_ext.plugin",
+        "verl_ext.cpu",
+    } <= set(graph)
     # the edges the method depends on are seen, so an empty graph cannot pass
     assert {"verl_ext.config", "verl_ext.core", "verl_ext.verl_modes"} <= graph["verl_ext.registry"]
     assert {"verl_ext.registry", "verl_ext.engine", "verl_ext.core"} <= graph["verl_ext.actor_loss"]
@@ -365,7 +408,11 @@ def _within(name: str, *packages: str) -> bool:
 
 def importers_of(target: str, imports: dict[str, set[str]]) -> set[str]:
     """The product modules outside ``target`` that import ``target`` or any module below it."""
-    return {module for module, names in imports.items() if not _within(module, target) and any(_within(n, target) for n in names)}
+    return {
+        module
+        for module, names in imports.items()
+        if not _within(module, target) and any(_within(n, target) for n in names)
+    }
 
 
 def test_the_scan_covers_every_package_and_sees_their_imports() -> None:
@@ -373,25 +420,41 @@ def test_the_scan_covers_every_package_and_sees_their_imports() -> None:
     for package in PRODUCT_PACKAGES:
         assert sum(_within(module, package) for module in imports) >= 6, package
     # known edges, so that an empty scan cannot pass the rules below
-    assert "data_prep.sft_tokens" in imports["recipe.sft_dataset"] and "data_prep.convert" in imports["recipe.smoke.task"]
+    assert (
+        "data_prep.sft_tokens" in imports["recipe.sft_dataset"] and "data_prep.convert" in imports["recipe.smoke.task"]
+    )
     assert "data_prep.openmath" in imports["data_prep.__main__"]  # ``from data_prep import openmath``
-    assert "recipe.reward.score" in imports["recipe.eval.metrics"] and "verl_ext.cpu.platform" in imports["recipe.bench.harness"]
+    assert (
+        "recipe.reward.score" in imports["recipe.eval.metrics"]
+        and "verl_ext.cpu.platform" in imports["recipe.bench.harness"]
+    )
 
 
 def test_product_code_never_imports_tests() -> None:
-    offenders = {module: sorted(n for n in names if _within(n, "tests", "conftest")) for module, names in product_imports().items()}
+    offenders = {
+        module: sorted(n for n in names if _within(n, "tests", "conftest"))
+        for module, names in product_imports().items()
+    }
     assert {m: names for m, names in offenders.items() if names} == {}
 
 
 def test_data_prep_imports_neither_recipe_nor_verl_ext_nor_verl() -> None:
     imports = product_imports()
-    offenders = {m: sorted(n for n in names if _within(n, "recipe", "verl_ext", "verl")) for m, names in imports.items() if _within(m, "data_prep")}
+    offenders = {
+        m: sorted(n for n in names if _within(n, "recipe", "verl_ext", "verl"))
+        for m, names in imports.items()
+        if _within(m, "data_prep")
+    }
     assert {m: names for m, names in offenders.items() if names} == {}
 
 
 def test_verl_ext_imports_neither_recipe_nor_data_prep() -> None:
     imports = product_imports()
-    offenders = {m: sorted(n for n in names if _within(n, "recipe", "data_prep")) for m, names in imports.items() if _within(m, "verl_ext")}
+    offenders = {
+        m: sorted(n for n in names if _within(n, "recipe", "data_prep"))
+        for m, names in imports.items()
+        if _within(m, "verl_ext")
+    }
     assert {m: names for m, names in offenders.items() if names} == {}
     assert importers_of("recipe", imports) == set()  # so nothing below recipe imports it
 
@@ -404,7 +467,8 @@ def test_package_inits_import_what_their_docstrings_promise() -> None:
     assert imports["verl_ext"] == set() and imports["recipe"] == set()
     subpackages = [p.parent.name for p in (ROOT / "recipe").glob("*/__init__.py")]
     assert "eval" in subpackages and {name: imports[f"recipe.{name}"] for name in subpackages} == {
-        name: set() for name in subpackages}
+        name: set() for name in subpackages
+    }
     at_import = product_imports(at_import_only=True)["verl_ext.cpu"]
     assert sorted(n for n in at_import if n.split(".")[0] not in sys.stdlib_module_names) == []
     assert {"verl_ext.cpu.platform", "verl_ext.cpu.rollout"} <= imports["verl_ext.cpu"]  # the lazy ones are seen
@@ -418,7 +482,11 @@ def test_verl_ext_cpu_is_imported_by_the_plugin_and_the_cpu_engine_only() -> Non
     importers = importers_of("verl_ext.cpu", imports)
     assert {m for m in importers if _within(m, "verl_ext")} == {"verl_ext.plugin"}
     assert {m for m in importers if not _within(m, "verl_ext", "recipe.bench")} == set(), importers
-    outside = {m: sorted(n for n in names if _within(n, "verl_ext") and not _within(n, "verl_ext.cpu")) for m, names in imports.items() if _within(m, "verl_ext.cpu")}
+    outside = {
+        m: sorted(n for n in names if _within(n, "verl_ext") and not _within(n, "verl_ext.cpu"))
+        for m, names in imports.items()
+        if _within(m, "verl_ext.cpu")
+    }
     assert {m: names for m, names in outside.items() if names} == {}
 
 
@@ -437,8 +505,12 @@ def documented_verl_ext_graph() -> dict[str, set[str]]:
 
 def test_verl_ext_imports_are_the_graph_its_docstring_draws() -> None:
     documented = documented_verl_ext_graph()
-    assert {"verl_ext.config", "verl_ext.core", "verl_ext.engine", "verl_ext.plugin"} <= set(documented) and documented["verl_ext.config"] == set()
-    actual = {node: edges for node, edges in verl_ext_import_graph().items() if node not in ("verl_ext", "verl_ext.cpu")}
+    assert {"verl_ext.config", "verl_ext.core", "verl_ext.engine", "verl_ext.plugin"} <= set(documented) and documented[
+        "verl_ext.config"
+    ] == set()
+    actual = {
+        node: edges for node, edges in verl_ext_import_graph().items() if node not in ("verl_ext", "verl_ext.cpu")
+    }
     assert actual == documented, "update the graph in verl_ext/__init__.py's docstring to what the code imports"
 
 
@@ -455,8 +527,10 @@ def product_import_graph() -> dict[str, set[str]]:
     modules alike and is no choice of ours (``verl_ext.cpu.platform`` reads ``PLATFORM_NAME`` from
     ``verl_ext.cpu``, whose ``setup_cpu_process`` imports the platform when called)."""
     imports = product_imports()
-    return {module: {n for n in names if n in imports and n != module and n not in _ancestors(module)}
-            for module, names in imports.items()}
+    return {
+        module: {n for n in names if n in imports and n != module and n not in _ancestors(module)}
+        for module, names in imports.items()
+    }
 
 
 def test_no_product_module_takes_part_in_an_import_cycle() -> None:
@@ -475,7 +549,13 @@ def test_no_product_module_takes_part_in_an_import_cycle() -> None:
 def test_recipe_bench_is_imported_by_nothing_else_and_imports_only_the_reward_of_recipe() -> None:
     imports = product_imports()
     assert importers_of("recipe.bench", imports) == set()
-    of_recipe = {n for m, names in imports.items() if _within(m, "recipe.bench") for n in names if _within(n, "recipe") and not _within(n, "recipe.bench")}
+    of_recipe = {
+        n
+        for m, names in imports.items()
+        if _within(m, "recipe.bench")
+        for n in names
+        if _within(n, "recipe") and not _within(n, "recipe.bench")
+    }
     assert of_recipe == {"recipe.reward.score"}
 
 
@@ -495,9 +575,15 @@ def test_recipe_eval_modules_import_only_those_above_them_and_never_verl_ext() -
         assert of_eval <= set(order[:position]), (module, sorted(of_eval - set(order[:position])))
     eval_imports = {n for m, names in imports.items() if _within(m, "recipe.eval") for n in names}
     assert not [n for n in eval_imports if _within(n, "verl_ext")]
-    assert {n for n in eval_imports if _within(n, "recipe") and not _within(n, "recipe.eval")} == {"recipe.reward.score"}
-    at_import = {n for m, names in product_imports(at_import_only=True).items() if _within(m, "recipe.eval") for n in names}
-    assert not [n for n in at_import if _within(n, "recipe.reward.score", "vllm")], "the reward and vLLM are imported lazily"
+    assert {n for n in eval_imports if _within(n, "recipe") and not _within(n, "recipe.eval")} == {
+        "recipe.reward.score"
+    }
+    at_import = {
+        n for m, names in product_imports(at_import_only=True).items() if _within(m, "recipe.eval") for n in names
+    }
+    assert not [n for n in at_import if _within(n, "recipe.reward.score", "vllm")], (
+        "the reward and vLLM are imported lazily"
+    )
 
 
 def test_the_reward_worker_module_is_imported_by_the_reward_alone() -> None:
@@ -506,4 +592,6 @@ def test_the_reward_worker_module_is_imported_by_the_reward_alone() -> None:
     imports = product_imports()
     assert not [n for n in imports["recipe.reward.workers"] if _within(n, *PRODUCT_PACKAGES)]
     assert importers_of("recipe.reward.workers", imports) == {"recipe.reward.score"}
-    assert {m for m in importers_of("recipe.reward.score", imports) if not _within(m, "recipe.eval", "recipe.bench")} == set()
+    assert {
+        m for m in importers_of("recipe.reward.score", imports) if not _within(m, "recipe.eval", "recipe.bench")
+    } == set()

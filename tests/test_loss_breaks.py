@@ -39,9 +39,9 @@ from tests.test_ppo_loss_parity import (
     CASES,
     CLIP_RATIOS,
     KL,
-    LossRun,
     PROMPT_LENS,
     RESPONSE_LENS,
+    LossRun,
     ParityCase,
     _nested,
     make_micro_batch,
@@ -56,7 +56,7 @@ def response_positions() -> list[list[int]]:
     """Per response, the flat positions of the engine's output that hold its tokens' values (the output
     at position t predicts token t + 1, so a response sits one to the left of its tokens)."""
     positions, start = [], 0
-    for prompt, response in zip(PROMPT_LENS, RESPONSE_LENS):
+    for prompt, response in zip(PROMPT_LENS, RESPONSE_LENS, strict=False):
         positions.append(list(range(start + prompt - 1, start + prompt - 1 + response)))
         start += prompt + response
     return positions
@@ -64,8 +64,12 @@ def response_positions() -> list[list[int]]:
 
 def valid_positions(data: Any) -> list[int]:
     """Flat positions of the valid (unmasked) response tokens."""
-    return [p for rows, mask in zip(response_positions(), data["response_mask"].unbind())
-            for p, m in zip(rows, mask.tolist()) if m]
+    return [
+        p
+        for rows, mask in zip(response_positions(), data["response_mask"].unbind(), strict=False)
+        for p, m in zip(rows, mask.tolist(), strict=False)
+        if m
+    ]
 
 
 def with_entropy_ratios(data: Any, values: dict[str, torch.Tensor], ratios: tuple[float, ...]) -> list[list[float]]:
@@ -87,10 +91,12 @@ def divclip_config(mode: str, case: ParityCase, **policy: Any) -> Any:
 def run_erc_loss(loss_fn: Any, config: Any, data: Any, values: dict[str, torch.Tensor]) -> LossRun:
     """``run_loss`` with the engine's entropy as a plain (non-leaf) output: ERC without an entropy bonus
     uses it only as a mask, so only the log-probs get a gradient."""
-    offsets = torch.tensor([0] + [p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]).cumsum(0)
+    offsets = torch.tensor([0] + [p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS, strict=False)]).cumsum(0)
     leaf = values["log_probs"].clone().requires_grad_(True)
-    model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(leaf, offsets=offsets),
-                    "entropy": torch.nested.nested_tensor_from_jagged(values["entropy"].clone(), offsets=offsets)}
+    model_output = {
+        "log_probs": torch.nested.nested_tensor_from_jagged(leaf, offsets=offsets),
+        "entropy": torch.nested.nested_tensor_from_jagged(values["entropy"].clone(), offsets=offsets),
+    }
     loss, metrics = loss_fn(config, model_output, data.clone())
     (grad,) = torch.autograd.grad(loss, leaf)
     return LossRun(loss.detach(), {"log_probs": grad}, metrics)
@@ -117,14 +123,18 @@ def test_erc_on_verl_mode_keeps_the_kl_loss_gradient_on_every_token(monkeypatch:
 
     calls: list[str] = []
     entry = core_algos.POLICY_LOSS_REGISTRY[ERC_ON_VERL_MODE]
-    monkeypatch.setitem(core_algos.POLICY_LOSS_REGISTRY, ERC_ON_VERL_MODE,
-                        lambda **kwargs: calls.append(ERC_ON_VERL_MODE) or entry(**kwargs))
+    monkeypatch.setitem(
+        core_algos.POLICY_LOSS_REGISTRY,
+        ERC_ON_VERL_MODE,
+        lambda **kwargs: calls.append(ERC_ON_VERL_MODE) or entry(**kwargs),
+    )
     case = ParityCase("erc_with_kl_loss", actor=dict(KL, kl_loss_type="low_var_kl"), entropy=True, ref_log_prob=True)
     data = make_micro_batch(case)
     values = model_output_values(data)
     with_entropy_ratios(data, values, (1.3, 0.75))  # every token outside (0.99, 1.01)
-    ours = run_erc_loss(divclip_actor_loss, divclip_config("vanilla", case, erc_beta_low=0.01, erc_beta_high=0.01),
-                        data, values)
+    ours = run_erc_loss(
+        divclip_actor_loss, divclip_config("vanilla", case, erc_beta_low=0.01, erc_beta_high=0.01), data, values
+    )
     assert calls == [ERC_ON_VERL_MODE]
     assert metric(ours, "actor/divclip/erc/clipfrac_upper") + metric(ours, "actor/divclip/erc/clipfrac_lower") == 1.0
 
@@ -137,8 +147,9 @@ def test_erc_on_verl_mode_keeps_the_kl_loss_gradient_on_every_token(monkeypatch:
     torch.testing.assert_close(ours.grads["log_probs"], kl_only.grads["log_probs"])
     assert metric(ours, "kl_loss") == metric(kl_only, "kl_loss")
 
-    wide = run_erc_loss(divclip_actor_loss, divclip_config("vanilla", case, erc_beta_low=0.99, erc_beta_high=1e6),
-                        data, values)
+    wide = run_erc_loss(
+        divclip_actor_loss, divclip_config("vanilla", case, erc_beta_low=0.99, erc_beta_high=1e6), data, values
+    )
     assert not torch.allclose(wide.grads["log_probs"], kl_only.grads["log_probs"])
 
 
@@ -175,8 +186,9 @@ def test_loss_scale_factor_scales_kl3_under_seq_mean_token_sum_norm(loss_scale_f
 
     leaf = values["log_probs"].clone().requires_grad_(True)
     mask, old, adv = (padded(data[name]) for name in ("response_mask", "old_log_probs", "advantages"))
-    surrogate = reference_surrogate_matrix(old, padded_from_flat(leaf), adv, mask,
-                                           RefKnobs(mode="kl3", eps_low=0.2, eps_high=0.28, delta=0.07))
+    surrogate = reference_surrogate_matrix(
+        old, padded_from_flat(leaf), adv, mask, RefKnobs(mode="kl3", eps_low=0.2, eps_high=0.28, delta=0.07)
+    )
     factor = loss_scale_factor if loss_scale_factor is not None else mask.shape[-1]
     expected = -surrogate.sum() / len(RESPONSE_LENS) / factor
     (grad,) = torch.autograd.grad(expected, leaf)
@@ -253,12 +265,20 @@ def test_an_asymmetric_erc_band_reaches_the_loss_the_gauge_and_the_dump(mode: st
     values = model_output_values(data)
     rhos = with_entropy_ratios(data, values, RATIOS)
     masks = data["response_mask"].unbind()
-    valid_rhos = [rho for row, mask in zip(rhos, masks) for rho, m in zip(row, mask.tolist()) if m]
+    valid_rhos = [
+        rho for row, mask in zip(rhos, masks, strict=False) for rho, m in zip(row, mask.tolist(), strict=False) if m
+    ]
     n_low, n_high = valid_rhos.count(0.75), valid_rhos.count(1.3)
     assert 0 < n_low < n_high  # the two sides count differently: a swap changes every fraction
     dump = tmp_path / "dump.jsonl"
-    config = divclip_config(mode, case, erc_beta_low=ASYMMETRIC[0], erc_beta_high=ASYMMETRIC[1],
-                            token_dump_path=str(dump), token_dump_every_n_steps=1)
+    config = divclip_config(
+        mode,
+        case,
+        erc_beta_low=ASYMMETRIC[0],
+        erc_beta_high=ASYMMETRIC[1],
+        token_dump_path=str(dump),
+        token_dump_every_n_steps=1,
+    )
     ours = run_erc_loss(divclip_actor_loss, config, data, values)
 
     n = len(valid_rhos)
@@ -312,8 +332,11 @@ def test_the_loss_inputs_are_reset_after_every_call_whatever_ran_before() -> Non
     shape = (2, 3)
     with pytest.raises(ValueError, match="runs only inside the divclip actor loss"):
         core_algos.POLICY_LOSS_REGISTRY[ERC_ON_VERL_MODE](
-            old_log_prob=torch.zeros(shape), log_prob=torch.zeros(shape), advantages=torch.ones(shape),
-            response_mask=torch.ones(shape, dtype=torch.bool), config=config,
+            old_log_prob=torch.zeros(shape),
+            log_prob=torch.zeros(shape),
+            advantages=torch.ones(shape),
+            response_mask=torch.ones(shape, dtype=torch.bool),
+            config=config,
         )
 
 

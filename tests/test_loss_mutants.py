@@ -71,8 +71,9 @@ def test_the_gradient_gate_keeps_a_bf16_log_probs_gradient_bf16() -> None:
 
     old = torch.tensor([[1.0, 3.0, 1.0]])
     new = torch.tensor([[2.0, 1.0, 1.0]])
-    band = entropy_ratio_band(old, new, torch.ones(1, 3), policy(erc_beta_low=0.5, erc_beta_high=0.5, erc_eps=1.0),
-                              torch.float32)
+    band = entropy_ratio_band(
+        old, new, torch.ones(1, 3), policy(erc_beta_low=0.5, erc_beta_high=0.5, erc_eps=1.0), torch.float32
+    )
     log_prob = torch.tensor([[-1.0, -2.0, -3.0]], dtype=torch.bfloat16, requires_grad=True)
     gated = gate_log_prob_gradient(log_prob, band)
     assert torch.equal(gated, log_prob)
@@ -85,8 +86,13 @@ def band_metrics(old: list[float], new: list[float], mask: list[int]) -> dict[st
     """ERC's metrics of one row as the loss finishes them (eps = 1: rho = (H + 1) / (H_old + 1))."""
     from verl_ext.core.erc import entropy_band_sums, entropy_ratio_band, finish_entropy_band_metrics
 
-    band = entropy_ratio_band(torch.tensor([old]), torch.tensor([new]), torch.tensor([mask]),
-                              policy(erc_beta_low=0.5, erc_beta_high=0.5, erc_eps=1.0), torch.float64)
+    band = entropy_ratio_band(
+        torch.tensor([old]),
+        torch.tensor([new]),
+        torch.tensor([mask]),
+        policy(erc_beta_low=0.5, erc_beta_high=0.5, erc_eps=1.0),
+        torch.float64,
+    )
     values = {name: float(value) for name, value in entropy_band_sums(band).items()}
     finish_entropy_band_metrics(values, band, float(sum(mask)))
     return values
@@ -96,11 +102,13 @@ def band_metrics(old: list[float], new: list[float], mask: list[int]) -> dict[st
 def test_erc_extremes_are_the_valid_tokens_with_one_valid_token_or_one_padding_token(n_padding: int) -> None:
     """Padding's ratio 1 hides the valid extreme when every valid ratio is on one side of 1: with a single
     padding token, or a single valid token, the reported min / max are still the valid tokens'."""
-    above = band_metrics([1.0] * 3, [1.4, 2.0, 1.6][: 4 - 1 - n_padding] + [5.0] * n_padding,
-                         [1] * (3 - n_padding) + [0] * n_padding)
+    above = band_metrics(
+        [1.0] * 3, [1.4, 2.0, 1.6][: 4 - 1 - n_padding] + [5.0] * n_padding, [1] * (3 - n_padding) + [0] * n_padding
+    )
     assert above["erc/ratio_min"] == pytest.approx(1.2)
-    below = band_metrics([1.0] * 3, [0.6, 0.8, 0.7][: 4 - 1 - n_padding] + [0.1] * n_padding,
-                         [1] * (3 - n_padding) + [0] * n_padding)
+    below = band_metrics(
+        [1.0] * 3, [0.6, 0.8, 0.7][: 4 - 1 - n_padding] + [0.1] * n_padding, [1] * (3 - n_padding) + [0] * n_padding
+    )
     assert below["erc/ratio_max"] == pytest.approx(0.9 if n_padding == 1 else 0.8)
 
 
@@ -147,8 +155,10 @@ def test_the_gauge_reads_erc_eps_from_the_band_and_needs_both_entropies() -> Non
     assert without_band["onpolicy/erc_ratio_dev_max"] == pytest.approx(1.0)
     assert "onpolicy/erc_masked_frac" not in without_band
     for one in ((None, entropy), (old_entropy, None)):
-        assert set(on_policy_gauge(zeros, zeros, mask, 0.2, 0.2, *one)) == {"onpolicy/log_ratio_abs_max",
-                                                                           "onpolicy/ratio_clipfrac"}
+        assert set(on_policy_gauge(zeros, zeros, mask, 0.2, 0.2, *one)) == {
+            "onpolicy/log_ratio_abs_max",
+            "onpolicy/ratio_clipfrac",
+        }
 
 
 def test_entropy_ratio_of_fp64_entropies_is_computed_in_the_requested_fp32() -> None:

@@ -11,8 +11,8 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.workers.config import FSDPActorConfig
 
 from tests.loss_reference import RefKnobs, reference_bounds_dcpo, reference_loss
-from verl_ext.core import divergences
 from verl_ext.config import DivClipPolicyLossConfig, check_clip_ratios
+from verl_ext.core import divergences
 from verl_ext.core.region import CONSTRAINTS
 from verl_ext.core.surrogate import constrained_policy_loss
 
@@ -34,8 +34,13 @@ def actor_config(mode: str, eps_low: float = 0.2, eps_high: float = 0.28, clip_r
 def run_registry_loss(mode, old, new, adv, mask, config, **kwargs):
     log_prob = new.clone().requires_grad_(True)
     loss, metrics = get_policy_loss_fn(mode)(
-        old_log_prob=old, log_prob=log_prob, advantages=adv, response_mask=mask,
-        loss_agg_mode="token-mean", config=config, **kwargs,
+        old_log_prob=old,
+        log_prob=log_prob,
+        advantages=adv,
+        response_mask=mask,
+        loss_agg_mode="token-mean",
+        config=config,
+        **kwargs,
     )
     loss.backward()
     return loss.detach(), log_prob.grad, metrics
@@ -86,7 +91,15 @@ def boundary_batch(mode: str, knobs: RefKnobs):
     olds, news, advs = [], [], []
     for old in (-0.05, -0.7, -2.5):
         lower, upper = mode_bounds(mode, old, knobs)
-        ratios = [1.0, lower * (1 + 1e-4), lower * (1 - 1e-4), lower * 0.3, upper * (1 - 1e-4), upper * (1 + 1e-4), upper * 4]
+        ratios = [
+            1.0,
+            lower * (1 + 1e-4),
+            lower * (1 - 1e-4),
+            lower * 0.3,
+            upper * (1 - 1e-4),
+            upper * (1 + 1e-4),
+            upper * 4,
+        ]
         for ratio in ratios:
             # keep the new probability a probability (the trgppo upper root can reach 1/q)
             new = min(old + math.log(max(ratio, 1e-30)), 0.0)
@@ -105,8 +118,17 @@ def sequence_boundary_batch(knobs: RefKnobs, cols: int = 7):
     around log s_i, valid lengths 3..cols (masked tails), advantages +, -, and mixed per token,
     plus a fully masked row."""
     lower, upper = divergences.kl3_ratio_bounds(knobs.delta)
-    targets = [1.0, lower * (1 + 1e-4), lower * (1 - 1e-4), lower * 0.3, upper * (1 - 1e-4), upper * (1 + 1e-4),
-               upper * 4, math.exp(-20), math.exp(20)]
+    targets = [
+        1.0,
+        lower * (1 + 1e-4),
+        lower * (1 - 1e-4),
+        lower * 0.3,
+        upper * (1 - 1e-4),
+        upper * (1 + 1e-4),
+        upper * 4,
+        math.exp(-20),
+        math.exp(20),
+    ]
     advantage_rows = ([1.0] * cols, [-1.0] * cols, [0.5, -2.0, 1.5, -0.3, 2.0, -1.0, 0.7][:cols])
     olds, news, advs, masks = [], [], [], []
     for k, target in enumerate(targets):
@@ -144,8 +166,12 @@ def test_theorem_4_1_clip_gradient_equals_ppo_and_vanilla(seed):
     torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-12)
     # verl's vanilla always applies dual-clip; a huge c disables it.
     vanilla = FSDPActorConfig(
-        strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
-        clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=1e12,
+        strategy="fsdp2",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=1e12,
     )
     _, vanilla_grad, _ = run_registry_loss("vanilla", old, new, adv, mask, vanilla)
     torch.testing.assert_close(grad, vanilla_grad, rtol=1e-10, atol=1e-12)
@@ -257,7 +283,7 @@ def test_is_kl3_has_no_lower_bound_beyond_delta_one():
 def test_trgppo_roots_solve_the_bernoulli_kl():
     old = torch.tensor([-0.01, -0.3, -1.0, -4.0], dtype=torch.float64)
     lower, upper = divergences.trgppo_ratio_bounds(old, 0.07)
-    for a, lo, up in zip(old.tolist(), lower.tolist(), upper.tolist()):
+    for a, lo, up in zip(old.tolist(), lower.tolist(), upper.tolist(), strict=False):
         q = math.exp(a)
         kl = lambda w: -q * math.log(w) + (1 - q) * math.log((1 - q) / (1 - q * w))  # noqa: E731
         assert kl(lo) == pytest.approx(0.07, rel=1e-6)
@@ -267,10 +293,10 @@ def test_trgppo_roots_solve_the_bernoulli_kl():
 
 @pytest.mark.parametrize("delta", [0.01, 0.07, 0.3])
 def test_trgppo_interpolated_bounds_match_bisection(delta):
-    old = -torch.rand(5000, generator=torch.Generator().manual_seed(1), dtype=torch.float64) ** 2 * 24.9 - 1e-6
+    old = -(torch.rand(5000, generator=torch.Generator().manual_seed(1), dtype=torch.float64) ** 2) * 24.9 - 1e-6
     exact = divergences.trgppo_ratio_bounds(old, delta, iterations=60)
     interpolated = divergences.trgppo_ratio_bounds_interpolated(old, delta)
-    for e, i in zip(exact, interpolated):
+    for e, i in zip(exact, interpolated, strict=False):
         log_e, log_i = e.log().clamp(-20, 20), i.log()
         assert (log_i - log_e).abs().max() < 1e-2
         moderate = log_e.abs() < 15
@@ -371,15 +397,27 @@ def test_seq_kl3_is_gspo_with_lambert_bounds(seed):
     def grad_of(mode, config):
         log_prob = new.clone().requires_grad_(True)
         loss, _ = get_policy_loss_fn(mode)(
-            old_log_prob=old, log_prob=log_prob, advantages=adv, response_mask=mask,
-            loss_agg_mode="seq-mean-token-mean", config=config,
+            old_log_prob=old,
+            log_prob=log_prob,
+            advantages=adv,
+            response_mask=mask,
+            loss_agg_mode="seq-mean-token-mean",
+            config=config,
         )
         loss.backward()
         return log_prob.grad
 
     ours = grad_of("seq_kl3", actor_config("seq_kl3", delta=0.07))
-    gspo = grad_of("gspo", FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
-                                           clip_ratio_low=1 - lower, clip_ratio_high=upper - 1))
+    gspo = grad_of(
+        "gspo",
+        FSDPActorConfig(
+            strategy="fsdp2",
+            rollout_n=1,
+            ppo_micro_batch_size_per_gpu=1,
+            clip_ratio_low=1 - lower,
+            clip_ratio_high=upper - 1,
+        ),
+    )
     # another implementation (other order of float operations): agreement to ~1e-9 relative
     torch.testing.assert_close(ours, gspo, rtol=1e-7, atol=1e-12)
     assert (ours == 0).any() and (ours != 0).any(), "batch must clip some sequences and keep others"
@@ -464,8 +502,12 @@ def test_erc_masks_exactly_tokens_outside_entropy_band(mode):
     assert (base_grad[outside] != 0).any()
     torch.testing.assert_close(grad[~outside], base_grad[~outside])
     valid = mask.bool()
-    assert metrics["actor/divclip/erc/clipfrac_upper"] == pytest.approx(((rho >= 1.05) & valid).sum().item() / valid.sum().item())
-    assert metrics["actor/divclip/erc/clipfrac_lower"] == pytest.approx(((rho <= 0.95) & valid).sum().item() / valid.sum().item())
+    assert metrics["actor/divclip/erc/clipfrac_upper"] == pytest.approx(
+        ((rho >= 1.05) & valid).sum().item() / valid.sum().item()
+    )
+    assert metrics["actor/divclip/erc/clipfrac_lower"] == pytest.approx(
+        ((rho <= 0.95) & valid).sum().item() / valid.sum().item()
+    )
     assert metrics["actor/divclip/erc/ratio_min"] == pytest.approx(rho[valid].min().item())
     assert metrics["actor/divclip/erc/ratio_max"] == pytest.approx(rho[valid].max().item())
 
@@ -503,15 +545,27 @@ def test_aggregation_uses_verl_agg_loss_with_global_batch_info(agg):
     def grad_of(rows, info):
         log_prob = new[rows].clone().requires_grad_(True)
         loss, _ = constrained_policy_loss(
-            old[rows], log_prob, adv[rows], mask[rows], mode="kl3", policy=policy,
-            clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=agg, global_batch_info=info,
+            old[rows],
+            log_prob,
+            adv[rows],
+            mask[rows],
+            mode="kl3",
+            policy=policy,
+            clip_ratio_low=0.2,
+            clip_ratio_high=0.28,
+            loss_agg_mode=agg,
+            global_batch_info=info,
         )
         loss.backward()
         return log_prob.grad
 
     full = grad_of(slice(None), {})
-    info = {"dp_size": 2, "batch_num_tokens": int(mask.sum()), "global_batch_size": mask.shape[0],
-            "loss_scale_factor": None}
+    info = {
+        "dp_size": 2,
+        "batch_num_tokens": int(mask.sum()),
+        "global_batch_size": mask.shape[0],
+        "loss_scale_factor": None,
+    }
     halves = torch.cat([grad_of(slice(0, 3), info), grad_of(slice(3, 6), info)]) / 2  # DP averages grads
     torch.testing.assert_close(halves, full, rtol=1e-10, atol=1e-12)
 
@@ -531,8 +585,12 @@ def test_metrics_report_bounds_and_fractions():
     assert metrics["actor/divclip/kl3_max"] == pytest.approx(kl3.max().item())
     _, _, trgppo_metrics = run_registry_loss("trgppo", old, new, adv, mask, actor_config("trgppo"))
     tl, tu = divergences.trgppo_ratio_bounds(old[valid], 0.07)  # < 1024 tokens: all of them
-    assert trgppo_metrics["actor/divclip/ratio_lower"] == pytest.approx(torch.clamp(tl, max=0.8).mean().item(), rel=1e-3)
-    assert trgppo_metrics["actor/divclip/ratio_upper"] == pytest.approx(torch.clamp(tu, min=1.28).mean().item(), rel=1e-3)
+    assert trgppo_metrics["actor/divclip/ratio_lower"] == pytest.approx(
+        torch.clamp(tl, max=0.8).mean().item(), rel=1e-3
+    )
+    assert trgppo_metrics["actor/divclip/ratio_upper"] == pytest.approx(
+        torch.clamp(tu, min=1.28).mean().item(), rel=1e-3
+    )
     _, _, dcpo_metrics = run_registry_loss("dcpo", old, new, adv, mask, actor_config("dcpo"))
     dl, du = divergences.dcpo_ratio_bounds(old, 0.2, 0.28, 10.0)  # < 1024 valid tokens: all sampled
     assert dcpo_metrics["actor/divclip/ratio_lower"] == pytest.approx(dl[valid].mean().item())
@@ -557,8 +615,12 @@ def test_bf16_inputs_give_finite_loss_and_bf16_gradient(mode, seed, spread):
     old, new, adv, mask = random_batch(seed, spread=spread)
     log_prob = new.to(torch.bfloat16).requires_grad_(True)
     loss, _ = get_policy_loss_fn(mode)(
-        old_log_prob=old.to(torch.bfloat16), log_prob=log_prob, advantages=adv.float(), response_mask=mask,
-        loss_agg_mode="token-mean", config=actor_config(mode),
+        old_log_prob=old.to(torch.bfloat16),
+        log_prob=log_prob,
+        advantages=adv.float(),
+        response_mask=mask,
+        loss_agg_mode="token-mean",
+        config=actor_config(mode),
     )
     loss.backward()
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
@@ -598,8 +660,10 @@ def test_invalid_config_values_raise_naming_the_key(kwargs, key):
         DivClipPolicyLossConfig(**kwargs)
 
 
-@pytest.mark.parametrize("low, high, key", [(1.0, 0.2, "clip_ratio_low"), (0.2, -0.1, "clip_ratio_high"),
-                                            (0.0, 0.0, "clip_ratio_low/clip_ratio_high")])
+@pytest.mark.parametrize(
+    "low, high, key",
+    [(1.0, 0.2, "clip_ratio_low"), (0.2, -0.1, "clip_ratio_high"), (0.0, 0.0, "clip_ratio_low/clip_ratio_high")],
+)
 def test_invalid_clip_ratios_raise(low, high, key):
     with pytest.raises(ValueError, match=key):
         check_clip_ratios(low, high)
@@ -608,8 +672,9 @@ def test_invalid_clip_ratios_raise(low, high, key):
 def test_divclip_mode_with_verl_policy_config_explains_target():
     from verl.workers.config import PolicyLossConfig
 
-    cfg = FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
-                          policy_loss=PolicyLossConfig(loss_mode="kl3"))
+    cfg = FSDPActorConfig(
+        strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=1, policy_loss=PolicyLossConfig(loss_mode="kl3")
+    )
     old, new, adv, mask = random_batch(0)
     with pytest.raises(TypeError, match=r"_target_=verl_ext\.config\.DivClipPolicyLossConfig"):
         run_registry_loss("kl3", old, new, adv, mask, cfg)
@@ -624,11 +689,14 @@ def test_every_constraint_is_registered_with_verl():
     assert set(CONSTRAINTS) <= set(POLICY_LOSS_REGISTRY)
 
 
-@pytest.mark.parametrize("scale_valid, expect", [
-    (1.2, "min hidden"),  # every valid ratio > 1: padding's neutral 1 would read as the min
-    (0.8, "max hidden"),  # every valid ratio < 1: it would read as the max
-    (1.0, "on-policy"),  # every valid ratio exactly 1
-])
+@pytest.mark.parametrize(
+    "scale_valid, expect",
+    [
+        (1.2, "min hidden"),  # every valid ratio > 1: padding's neutral 1 would read as the min
+        (0.8, "max hidden"),  # every valid ratio < 1: it would read as the max
+        (1.0, "on-policy"),  # every valid ratio exactly 1
+    ],
+)
 def test_erc_extremes_are_exact_over_valid_tokens_whatever_the_padding_holds(scale_valid, expect):
     """The band is computed with padding at rho = 1 (one pass for both extremes); where that hides
     a valid extreme, finish_entropy_band_metrics computes it exactly. Entropies on padding are
@@ -668,8 +736,7 @@ def test_erc_band_counts_and_gate_match_a_naive_band():
 
     policy = DivClipPolicyLossConfig(loss_mode="clip", erc_beta_low=0.25, erc_beta_high=0.5, erc_eps=1e-8)
     old_entropy = torch.full((2, 8), 1.0)
-    entropy = torch.tensor([[0.5, 0.75, 0.76, 1.0, 1.49, 1.5, 1.51, 3.0],
-                            [1.0, 1.0, 0.2, 9.0, 1.0, 1.0, 1.0, 1.0]])
+    entropy = torch.tensor([[0.5, 0.75, 0.76, 1.0, 1.49, 1.5, 1.51, 3.0], [1.0, 1.0, 0.2, 9.0, 1.0, 1.0, 1.0, 1.0]])
     mask = torch.ones(2, 8)
     mask[1, 2:4] = 0  # padding holding out-of-band garbage
     band = entropy_ratio_band(old_entropy, entropy, mask, policy, torch.float32)

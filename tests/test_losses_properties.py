@@ -12,9 +12,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from tests.test_losses import MODES, actor_config
-from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 LOG_PROB = st.one_of(
     st.floats(min_value=-1e4, max_value=0.0, allow_nan=False),
@@ -57,8 +57,13 @@ def test_loss_and_gradient_are_finite(mode, inputs):
     if entropies is not None:
         kwargs = {"old_entropy": entropies[0].to(dtype), "entropy": entropies[1].to(dtype)}
     loss, metrics = get_policy_loss_fn(mode)(
-        old_log_prob=old.to(dtype), log_prob=log_prob, advantages=adv.float(), response_mask=mask,
-        loss_agg_mode="token-mean", config=config, **kwargs,
+        old_log_prob=old.to(dtype),
+        log_prob=log_prob,
+        advantages=adv.float(),
+        response_mask=mask,
+        loss_agg_mode="token-mean",
+        config=config,
+        **kwargs,
     )
     loss.backward()
     assert torch.isfinite(loss), (mode, loss)

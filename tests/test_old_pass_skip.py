@@ -37,8 +37,8 @@ from recipe.bench.harness import (
     shard_for_rank,
     update_actor,
 )
-from verl_ext.engine.topk_capture import OLD_TOPK_IDS
 from tests.test_onpolicy import MODES, PACKINGS, PROMPT_LENS, RESPONSE_LENS, divclip_loss, worker_options
+from verl_ext.engine.topk_capture import OLD_TOPK_IDS
 
 SKIP_MODES = MODES
 EVERY_MODE_PACKING = "dynamic 40/80, 2 shuffled mini-batches, 2 epochs"
@@ -52,6 +52,8 @@ SKIP_PACKINGS: dict[str, dict[str, Any]] = {
 ATR_SHAPE_MODES = ["kl3", "erc", "kl_full", "kl_full+vocab_pass", "vanilla"]
 TWO_RANK_PACKING = EVERY_MODE_PACKING
 SGD = dict(optimizer="SGD", lr=0.05, clip_grad=1e9)  # every update is -lr * grad: parameters compare gradients
+
+
 def is_measured_not_computed(name: str) -> bool:
     """Wall-clock and process-memory figures (``mfu``, ``perf/*``): not the step's numbers."""
     return name == "mfu" or name.startswith("perf/")
@@ -74,19 +76,33 @@ def step(worker: Any, batch: Any, mode: dict[str, Any], packing: dict[str, Any],
     data = batch.clone()
     for key in ("old_log_probs", "entropy", *((OLD_TOPK_LOG_PROBS, OLD_TOPK_IDS) if k else ())):
         data[key] = old[key]
-    metrics = update_actor(worker, data, calculate_entropy="erc_beta_low" in mode, mini_batch_size=packing["mini_batch"],
-                           epochs=packing.get("epochs", 1), shuffle=info.shuffle, seed=info.seed)
+    metrics = update_actor(
+        worker,
+        data,
+        calculate_entropy="erc_beta_low" in mode,
+        mini_batch_size=packing["mini_batch"],
+        epochs=packing.get("epochs", 1),
+        shuffle=info.shuffle,
+        seed=info.seed,
+    )
     if skip:
         old = compute_log_prob(worker, batch, packing=info, old_topk=k, collect=True)
     return {
-        **{key: old[key].values().clone() for key in ("old_log_probs", "entropy", *((OLD_TOPK_LOG_PROBS, OLD_TOPK_IDS) if k else ()))},
-        "metrics": {k: [repr(float(v)) for v in vals] for k, vals in metrics.items()
-                    if isinstance(vals, list) and not is_measured_not_computed(k)},
+        **{
+            key: old[key].values().clone()
+            for key in ("old_log_probs", "entropy", *((OLD_TOPK_LOG_PROBS, OLD_TOPK_IDS) if k else ()))
+        },
+        "metrics": {
+            k: [repr(float(v)) for v in vals]
+            for k, vals in metrics.items()
+            if isinstance(vals, list) and not is_measured_not_computed(k)
+        },
     }
 
 
-def job_with_and_without(rank: int, world_size: int, model_path: str, packing_name: str, modes: list[str],
-                         supplying_mini_batch: int = 0) -> list[dict[str, Any]]:
+def job_with_and_without(
+    rank: int, world_size: int, model_path: str, packing_name: str, modes: list[str], supplying_mini_batch: int = 0
+) -> list[dict[str, Any]]:
     """Two workers from the same checkpoint run the same steps, one with the skip: every mode in turn (they stay
     in lockstep while the skip is exact), the parameters compared after each step."""
     import verl_ext.actor_loss  # noqa: F401  (installs the seam, as unpickling the loss does on a worker)
@@ -103,13 +119,17 @@ def job_with_and_without(rank: int, world_size: int, model_path: str, packing_na
         without = step(plain, batch, SKIP_MODES[name], packing, skip=False)
         with_skip = step(skipping, batch, SKIP_MODES[name], packing, skip=True)
         params = full_params(plain), full_params(skipping)
-        results.append({
-            "mode": name,
-            "without": without,
-            "with": with_skip,
-            "params_equal": all(torch.equal(params[0][n], params[1][n]) for n in params[0]),
-            "params_moved": any(not torch.equal(params[0][n], p) for n, p in full_params_initial(model_path).items()),
-        })
+        results.append(
+            {
+                "mode": name,
+                "without": without,
+                "with": with_skip,
+                "params_equal": all(torch.equal(params[0][n], params[1][n]) for n in params[0]),
+                "params_moved": any(
+                    not torch.equal(params[0][n], p) for n, p in full_params_initial(model_path).items()
+                ),
+            }
+        )
     return results
 
 
@@ -239,11 +259,19 @@ def test_the_erc_shape_runs_seven_eighths_of_the_old_pass(model: str) -> None:
 # ------------------------------------------------------------------------------------------------
 
 BLOCKERS: dict[str, tuple[list[str], str]] = {
-    "packing off": (["actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=false"], "pack_old_log_prob_as_update"),
+    "packing off": (
+        ["actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=false"],
+        "pack_old_log_prob_as_update",
+    ),
     "KL in the reward": (["algorithm.use_kl_in_reward=true"], "use_kl_in_reward"),
     "rollout correction": (["algorithm.rollout_correction.rollout_is=token"], "rollout_is"),
-    "bypass mode": (["algorithm.rollout_correction.bypass_mode=true",
-                     "actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=false"], "pack_old_log_prob_as_update"),
+    "bypass mode": (
+        [
+            "algorithm.rollout_correction.bypass_mode=true",
+            "actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=false",
+        ],
+        "pack_old_log_prob_as_update",
+    ),
     "an estimator reading pi_old": (["algorithm.adv_estimator=optimal_token_baseline"], "optimal_token_baseline"),
     "a Decoupled-PPO cycle": (["trainer.v1.trainer_mode=separate_async"], "separate_async"),
 }
@@ -265,8 +293,13 @@ def test_where_it_is_not_exact_it_is_not_taken(case: str) -> None:
     assert reason is not None and named in reason, reason
 
 
-@pytest.mark.parametrize("overrides", [["actor_rollout_ref.actor.policy_loss.loss_mode=kl_full"],
-                                       ["actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=true"]])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["actor_rollout_ref.actor.policy_loss.loss_mode=kl_full"],
+        ["actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=true"],
+    ],
+)
 def test_kl_fulls_top_k_does_not_block_it(overrides: list[str]) -> None:
     from recipe.config_checks import old_log_prob_from_update_blocker
 

@@ -56,13 +56,13 @@ class PackingRecorder:
         self.impl, self.original = impl, impl.prepare_micro_batches
         self.calls: list[list[list[int]]] = []
 
-    def __enter__(self) -> "PackingRecorder":
+    def __enter__(self) -> PackingRecorder:
         def prepare(*args: Any, **kwargs: Any) -> Any:
             micro_batches, indices = self.original(*args, **kwargs)
             if indices is None:
                 sizes = [len(mb) for mb in micro_batches]
                 starts = [sum(sizes[:i]) for i in range(len(sizes))]
-                indices = [list(range(s, s + n)) for s, n in zip(starts, sizes)]
+                indices = [list(range(s, s + n)) for s, n in zip(starts, sizes, strict=False)]
             self.calls.append([list(map(int, rows)) for rows in indices])
             return micro_batches, indices
 
@@ -75,7 +75,7 @@ class PackingRecorder:
 
 def token_groups(calls: list[list[list[int]]], rows_of_call: list[list[int]]) -> list[list[int]]:
     """Each micro-batch as the batch rows it holds (a call's positions mapped through its rows)."""
-    return [[rows[p] for p in micro] for call, rows in zip(calls, rows_of_call) for micro in call]
+    return [[rows[p] for p in micro] for call, rows in zip(calls, rows_of_call, strict=False) for micro in call]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -86,7 +86,10 @@ ERC = dict(erc_beta_low=0.05, erc_beta_high=0.05)
 TOP_K = 8
 MODES: dict[str, dict[str, Any]] = {
     # the divclip constraints
-    **{mode: dict(loss_mode=mode) for mode in ("clip", "kl3", "kl1", "kl2", "is_kl3", "trgppo", "dcpo", "gppo", "seq_kl3")},
+    **{
+        mode: dict(loss_mode=mode)
+        for mode in ("clip", "kl3", "kl1", "kl2", "is_kl3", "trgppo", "dcpo", "gppo", "seq_kl3")
+    },
     "kl_full": dict(loss_mode="kl_full", kl_full_top_k=TOP_K),
     "kl3+diagnostic": dict(loss_mode="kl3", kl_full_diagnostic=True, kl_full_top_k=TOP_K),
     # verl's own modes through the divclip actor loss
@@ -118,8 +121,9 @@ def worker_options(packing: dict[str, Any]) -> WorkerOptions:
     fixed = dict(mixed_precision=None, optimizer="AdamW", lr=0.0)
     if "budgets" in packing:
         update_budget, infer_budget = packing["budgets"]
-        return WorkerOptions(use_dynamic_bsz=True, max_token_len_per_gpu=update_budget,
-                             infer_max_token_len_per_gpu=infer_budget, **fixed)
+        return WorkerOptions(
+            use_dynamic_bsz=True, max_token_len_per_gpu=update_budget, infer_max_token_len_per_gpu=infer_budget, **fixed
+        )
     update_micro, infer_micro = packing["micro"]
     return WorkerOptions(micro_batch_size_per_gpu=update_micro, infer_micro_batch_size_per_gpu=infer_micro, **fixed)
 
@@ -132,8 +136,14 @@ def divclip_loss(mode: dict[str, Any], aligned: bool = True) -> Any:
     return build_actor_loss(make_actor_config(policy_loss=policy, clip_ratio_low=0.2, clip_ratio_high=0.28))
 
 
-def on_policy_case(worker: Any, batch: Any, mode: dict[str, Any], packing: dict[str, Any], aligned: bool = True,
-                   dp_rank_broadcast: bool = False) -> dict[str, Any]:
+def on_policy_case(
+    worker: Any,
+    batch: Any,
+    mode: dict[str, Any],
+    packing: dict[str, Any],
+    aligned: bool = True,
+    dp_rank_broadcast: bool = False,
+) -> dict[str, Any]:
     """Old-log-prob pass then one update call at lr 0 (the trainer's order); the recorded packings and the
     update's metrics (one value per mini-batch)."""
     from verl_ext.engine.packing import UpdatePacking
@@ -153,8 +163,15 @@ def on_policy_case(worker: Any, batch: Any, mode: dict[str, Any], packing: dict[
     if topk:
         data[OLD_TOPK_LOG_PROBS], data[OLD_TOPK_IDS] = old[OLD_TOPK_LOG_PROBS], old[OLD_TOPK_IDS]
     with PackingRecorder() as new_packing:
-        metrics = update_actor(worker, data, calculate_entropy="erc_beta_low" in mode, mini_batch_size=packing["mini_batch"],
-                               epochs=packing.get("epochs", 1), shuffle=packing_info.shuffle, seed=packing_info.seed)
+        metrics = update_actor(
+            worker,
+            data,
+            calculate_entropy="erc_beta_low" in mode,
+            mini_batch_size=packing["mini_batch"],
+            epochs=packing.get("epochs", 1),
+            shuffle=packing_info.shuffle,
+            seed=packing_info.seed,
+        )
     return {
         "old_calls": old_packing.calls,
         "new_calls": new_packing.calls,
@@ -170,8 +187,14 @@ def job_every_mode(rank: int, world_size: int, model_path: str) -> list[dict[str
         for packing_name, packing in PACKINGS.items():
             worker = build_actor_worker(model_path, worker_options(packing))  # lr 0: one worker serves every mode
             for mode_name, mode in MODES.items():
-                results.append({"threads": threads, "packing": packing_name, "mode": mode_name,
-                                **on_policy_case(worker, batch, mode, packing)})
+                results.append(
+                    {
+                        "threads": threads,
+                        "packing": packing_name,
+                        "mode": mode_name,
+                        **on_policy_case(worker, batch, mode, packing),
+                    }
+                )
             control = on_policy_case(worker, batch, MODES["kl3"], packing, aligned=False)
             results.append({"threads": threads, "packing": packing_name, "mode": "kl3, verl's packing", **control})
     return results
@@ -181,7 +204,9 @@ def job_every_mode(rank: int, world_size: int, model_path: str) -> list[dict[str
 def confident_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     # the head scale makes most tokens' entropy < 1e-3 nats and |top logit| large, as a trained reasoning
     # model's are: one bf16 ulp of a logit is then far outside every clip band
-    return save_tiny_qwen3(Path(tmp_path_factory.mktemp("tiny_qwen3_onpolicy")), TinyQwen3Spec(), seed=0, head_scale=1000.0)
+    return save_tiny_qwen3(
+        Path(tmp_path_factory.mktemp("tiny_qwen3_onpolicy")), TinyQwen3Spec(), seed=0, head_scale=1000.0
+    )
 
 
 @pytest.fixture(scope="module")
@@ -211,9 +236,13 @@ def assert_exactly_on_policy(result: dict[str, Any], mode: dict[str, Any], mini_
     if mode.get("kl_full_diagnostic"):
         for name in ("mode_only_frac", "full_only_frac"):
             assert all(v == 0.0 for v in first(f"actor/divclip/kl_full_diag/{name}")), m
-    assert set(m["actor/divclip/path/pack_old_log_prob_as_update"]) == {1.0} and set(m["actor/divclip/path/seam"]) == {1.0}
+    assert set(m["actor/divclip/path/pack_old_log_prob_as_update"]) == {1.0} and set(m["actor/divclip/path/seam"]) == {
+        1.0
+    }
     assert set(m["actor/divclip/path/vocab_pass"]) == {1.0 if mode.get("vocab_pass") else 0.0}
-    assert set(m["actor/divclip/path/entropy_fp32"]) == {1.0 if mode.get("vocab_pass") or "erc_beta_low" in mode else 0.0}
+    assert set(m["actor/divclip/path/entropy_fp32"]) == {
+        1.0 if mode.get("vocab_pass") or "erc_beta_low" in mode else 0.0
+    }
 
 
 CASE_IDS = [f"{threads}thr-{packing}-{mode}" for threads in THREADS for packing in PACKINGS for mode in MODES]
@@ -227,7 +256,10 @@ def test_every_mode_is_exactly_on_policy_in_every_packing(every_mode: list[dict[
     packing = PACKINGS[result["packing"]]
     # what the code guarantees: each first-epoch update micro-batch is one of the old pass's micro-batches
     old_groups = [micro for call in result["old_calls"] for micro in call]
-    groups = [g.tolist() for g in first_epoch_mini_batches(len(PROMPT_LENS), packing["mini_batch"], 11, packing.get("shuffle", False))]
+    groups = [
+        g.tolist()
+        for g in first_epoch_mini_batches(len(PROMPT_LENS), packing["mini_batch"], 11, packing.get("shuffle", False))
+    ]
     update_groups = token_groups(result["new_calls"][: len(groups)], groups)
     assert update_groups and all(group in token_groups(result["old_calls"], groups) for group in update_groups), result
     assert len(old_groups) == len(update_groups)
@@ -245,23 +277,36 @@ def test_verls_own_packing_is_the_control(every_mode: list[dict[str, Any]], pack
         new_sizes = sorted(len(micro) for call in result["new_calls"] for micro in call)
         assert old_sizes != new_sizes or len(result["old_calls"]) != len(result["new_calls"])
         m = result["metrics"]
-        assert math.isfinite(m[GAUGE + "log_ratio_abs_max"][0]) and set(m["actor/divclip/path/pack_old_log_prob_as_update"]) == {0.0}
+        assert math.isfinite(m[GAUGE + "log_ratio_abs_max"][0]) and set(
+            m["actor/divclip/path/pack_old_log_prob_as_update"]
+        ) == {0.0}
 
 
 def control_case(every_mode: list[dict[str, Any]], packing: str, threads: int) -> dict[str, Any]:
-    return next(r for r in every_mode if r["mode"] == "kl3, verl's packing" and r["packing"] == packing and r["threads"] == threads)
+    return next(
+        r
+        for r in every_mode
+        if r["mode"] == "kl3, verl's packing" and r["packing"] == packing and r["threads"] == threads
+    )
 
 
 @pytest.mark.parametrize("threads", THREADS)
-def test_verls_own_packing_shows_the_noise_the_alignment_removes(every_mode: list[dict[str, Any]], threads: int) -> None:
+def test_verls_own_packing_shows_the_noise_the_alignment_removes(
+    every_mode: list[dict[str, Any]], threads: int
+) -> None:
     """The control's effect: under verl's packing the kernels move on-policy log-ratios away from 0 (the gauge
     reads > 0) in some of the configs' packings, where the aligned arm of the same packings reads exactly 0
     (test_every_mode_is_exactly_on_policy_in_every_packing). Which packings show it depends on the machine's
     kernels (a bf16 rounding boundary crossed by a product's last bits), so the claim is: at least one."""
-    noisy = {packing: control_case(every_mode, packing, threads)["metrics"][GAUGE + "log_ratio_abs_max"][0] for packing in PACKINGS}
+    noisy = {
+        packing: control_case(every_mode, packing, threads)["metrics"][GAUGE + "log_ratio_abs_max"][0]
+        for packing in PACKINGS
+    }
     assert max(noisy.values()) > 0, noisy
     for packing in PACKINGS:
-        aligned = next(r for r in every_mode if r["mode"] == "kl3" and r["packing"] == packing and r["threads"] == threads)
+        aligned = next(
+            r for r in every_mode if r["mode"] == "kl3" and r["packing"] == packing and r["threads"] == threads
+        )
         assert aligned["metrics"][GAUGE + "log_ratio_abs_max"] == [0.0]
 
 
@@ -276,18 +321,30 @@ def job_observed_packing(rank: int, world_size: int, model_path: str) -> dict[st
     from verl_ext.engine.packing import UPDATE_FOLLOWS_OLD_PASS_KEY, PackingMismatchError, UpdatePacking
 
     batch = make_rollout_batch(PROMPT_LENS, RESPONSE_LENS, TinyQwen3Spec().vocab_size, seed=5)
-    worker = build_actor_worker(model_path, worker_options(PACKINGS["dynamic 40/80, 2 shuffled mini-batches, 2 epochs"]))
+    worker = build_actor_worker(
+        model_path, worker_options(PACKINGS["dynamic 40/80, 2 shuffled mini-batches, 2 epochs"])
+    )
     worker.set_loss_fn(divclip_loss(MODES["kl3"]))
 
-    def case(old_packing: Optional[UpdatePacking], update: dict[str, Any], data: Any = None, follows: bool = True,
-             updates: int = 1) -> Any:
+    def case(
+        old_packing: Optional[UpdatePacking],
+        update: dict[str, Any],
+        data: Any = None,
+        follows: bool = True,
+        updates: int = 1,
+    ) -> Any:
         old = compute_log_prob(worker, batch, packing=old_packing)
         trained = (batch if data is None else data).clone()
         trained["old_log_probs"], trained["entropy"] = old["old_log_probs"], old["entropy"]
         try:
             for _ in range(updates):  # each record serves one update call
-                metrics = update_actor(worker, trained, calculate_entropy=False,
-                                       extra_info={UPDATE_FOLLOWS_OLD_PASS_KEY: follows}, **update)
+                metrics = update_actor(
+                    worker,
+                    trained,
+                    calculate_entropy=False,
+                    extra_info={UPDATE_FOLLOWS_OLD_PASS_KEY: follows},
+                    **update,
+                )
         except PackingMismatchError as error:
             return str(error)
         return sorted(set(float(v) for v in metrics["actor/divclip/path/pack_old_log_prob_as_update"]))
@@ -365,7 +422,9 @@ def job_two_ranks(rank: int, world_size: int, model_path: str, ulysses: bool) ->
     worker = build_actor_worker(model_path, options)
     results = []
     for name in ULYSSES_MODES if ulysses else DP_MODES:  # the mini-batch size is global, as the trainer passes it
-        results.append({"mode": name, **on_policy_case(worker, batch, MODES[name], TWO_RANK_PACKING, dp_rank_broadcast=ulysses)})
+        results.append(
+            {"mode": name, **on_policy_case(worker, batch, MODES[name], TWO_RANK_PACKING, dp_rank_broadcast=ulysses)}
+        )
     return results
 
 
@@ -387,7 +446,9 @@ def test_mini_batches_come_from_verls_iterator() -> None:
     from verl_ext.engine.packing import first_epoch_mini_batches
 
     rows = TensorDict({"x": torch.arange(12) * 10}, batch_size=[12])
-    expected = [mb["x"] // 10 for mb in tu.make_iterator(rows, 3, epochs=1, seed=7, dataloader_kwargs={"shuffle": True})]
+    expected = [
+        mb["x"] // 10 for mb in tu.make_iterator(rows, 3, epochs=1, seed=7, dataloader_kwargs={"shuffle": True})
+    ]
     got = first_epoch_mini_batches(12, 3, seed=7, shuffle=True)
     assert [g.tolist() for g in got] == [e.tolist() for e in expected]
     assert sorted(torch.cat(got).tolist()) == list(range(12)) and got[0].tolist() != [0, 1, 2]

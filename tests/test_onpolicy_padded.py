@@ -24,11 +24,17 @@ from typing import Any
 
 import pytest
 
-from recipe.bench.harness import TinyQwen3Spec, WorkerOptions, build_actor_worker, make_rollout_batch, run_ranks, save_tiny_qwen3
+from recipe.bench.harness import (
+    TinyQwen3Spec,
+    WorkerOptions,
+    build_actor_worker,
+    make_rollout_batch,
+    run_ranks,
+    save_tiny_qwen3,
+)
 from tests.test_onpolicy import (
     GAUGE,
     MODES,
-    PACKINGS as REMOVE_PADDING_PACKINGS,
     PROMPT_LENS,
     RESPONSE_LENS,
     assert_exactly_on_policy,
@@ -37,12 +43,21 @@ from tests.test_onpolicy import (
     token_groups,
     worker_options,
 )
+from tests.test_onpolicy import (
+    PACKINGS as REMOVE_PADDING_PACKINGS,
+)
 from verl_ext.engine.packing import first_epoch_mini_batches
 
 PADDED_MODES = ("kl3", "erc", "gspo", "erc+vocab_pass")
-PACKINGS = {name: REMOVE_PADDING_PACKINGS[name] for name in (
-    "dynamic 40/80, 2 shuffled mini-batches, 2 epochs", "dynamic 24/72, 1 mini-batch", "dynamic 64/128, 4 shuffled mini-batches",
-    "fixed 2/4, 1 mini-batch")}
+PACKINGS = {
+    name: REMOVE_PADDING_PACKINGS[name]
+    for name in (
+        "dynamic 40/80, 2 shuffled mini-batches, 2 epochs",
+        "dynamic 24/72, 1 mini-batch",
+        "dynamic 64/128, 4 shuffled mini-batches",
+        "fixed 2/4, 1 mini-batch",
+    )
+}
 
 
 def padded_options(packing: dict[str, Any]) -> WorkerOptions:
@@ -57,7 +72,9 @@ def job_padded(rank: int, world_size: int, model_path: str) -> list[dict[str, An
         worker = build_actor_worker(model_path, padded_options(packing))
         assert worker.engine.model_config.use_remove_padding is False  # the padded path is the one that runs
         for mode in PADDED_MODES:
-            results.append({"packing": packing_name, "mode": mode, **on_policy_case(worker, batch, MODES[mode], packing)})
+            results.append(
+                {"packing": packing_name, "mode": mode, **on_policy_case(worker, batch, MODES[mode], packing)}
+            )
         control = on_policy_case(worker, batch, MODES["kl3"], packing, aligned=False)
         results.append({"packing": packing_name, "mode": "kl3, verl's packing", **control})
     return results
@@ -66,7 +83,9 @@ def job_padded(rank: int, world_size: int, model_path: str) -> list[dict[str, An
 @pytest.fixture(scope="module")
 def padded(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     # the confident model of tests/test_onpolicy.py: one bf16 ulp of a logit is far outside every clip band
-    model = save_tiny_qwen3(Path(tmp_path_factory.mktemp("tiny_qwen3_padded")), TinyQwen3Spec(), seed=0, head_scale=1000.0)
+    model = save_tiny_qwen3(
+        Path(tmp_path_factory.mktemp("tiny_qwen3_padded")), TinyQwen3Spec(), seed=0, head_scale=1000.0
+    )
     return run_ranks(job_padded, 1, model)[0]
 
 
@@ -76,15 +95,22 @@ def case(results: list[dict[str, Any]], packing: str, mode: str) -> dict[str, An
 
 @pytest.mark.parametrize("mode", PADDED_MODES)
 @pytest.mark.parametrize("packing", list(PACKINGS))
-def test_the_padded_path_is_exactly_on_policy_with_the_aligned_packing(padded: list[dict[str, Any]], packing: str, mode: str) -> None:
+def test_the_padded_path_is_exactly_on_policy_with_the_aligned_packing(
+    padded: list[dict[str, Any]], packing: str, mode: str
+) -> None:
     result = case(padded, packing, mode)
     spec = PACKINGS[packing]
-    groups = [g.tolist() for g in first_epoch_mini_batches(len(PROMPT_LENS), spec["mini_batch"], 11, spec.get("shuffle", False))]
+    groups = [
+        g.tolist()
+        for g in first_epoch_mini_batches(len(PROMPT_LENS), spec["mini_batch"], 11, spec.get("shuffle", False))
+    ]
     # the old pass ran once per first-epoch update mini-batch, and each update micro-batch is one it computed
     assert len(result["old_calls"]) == len(groups), (result["old_calls"], groups)
     update_groups = token_groups(result["new_calls"][: len(groups)], groups)
     assert update_groups and update_groups == token_groups(result["old_calls"], groups), result
-    assert_exactly_on_policy(result, MODES[mode], first_epoch_mini_batches_of(spec))  # gauge 0, path/pack_old_log_prob_as_update 1
+    assert_exactly_on_policy(
+        result, MODES[mode], first_epoch_mini_batches_of(spec)
+    )  # gauge 0, path/pack_old_log_prob_as_update 1
 
 
 def test_the_padded_paths_control_is_verls_packing_and_shows_the_noise(padded: list[dict[str, Any]]) -> None:

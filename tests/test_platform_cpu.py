@@ -83,7 +83,12 @@ def probe() -> dict[str, Any]:
 def test_verl_platform_cpu_selects_the_cpu_platform(probe: dict[str, Any]) -> None:
     assert probe["registry_is_cpu_class"]
     assert probe["platform_class"] == "PlatformCPU"
-    assert (probe["device_name"], probe["backend"], probe["device_id"], probe["resource"]) == ("cpu", "gloo", "cpu", "cpu_device")  # a per-node device resource, like GPU
+    assert (probe["device_name"], probe["backend"], probe["device_id"], probe["resource"]) == (
+        "cpu",
+        "gloo",
+        "cpu",
+        "cpu_device",
+    )  # a per-node device resource, like GPU
 
 
 def test_cpu_device_module_reports_host_memory(probe: dict[str, Any]) -> None:

@@ -36,8 +36,9 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -79,7 +80,9 @@ def _string_options(function: Callable[..., Any], variable: str) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare) and isinstance(node.left, ast.Name) and node.left.id == variable:
             for comparator in node.comparators:
-                options |= {c.value for c in ast.walk(comparator) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+                options |= {
+                    c.value for c in ast.walk(comparator) if isinstance(c, ast.Constant) and isinstance(c.value, str)
+                }
     return options
 
 
@@ -129,8 +132,12 @@ class ParityCase:
     @property
     def globally_normalised(self) -> bool:
         """verl's rule for summing the loss metrics over micro-batches instead of averaging them."""
-        return (self.dp_size > 1 or self.batch_num_tokens is not None or self.global_batch_size is not None
-                or self.actor.get("loss_scale_factor") is not None)
+        return (
+            self.dp_size > 1
+            or self.batch_num_tokens is not None
+            or self.global_batch_size is not None
+            or self.actor.get("loss_scale_factor") is not None
+        )
 
 
 #: the actor's clip epsilons unless a case sets its own (DAPO clip-higher)
@@ -142,22 +149,52 @@ CASES: list[ParityCase] = [
     ParityCase("baseline"),
     ParityCase("entropy_bonus", actor=dict(entropy_coeff=0.37), entropy=True),
     ParityCase("entropy_without_bonus", entropy=True),  # entropy_coeff = 0: reported, zero gradient
-    *[ParityCase(f"kl_loss/{kind}", actor=dict(KL, kl_loss_type=kind), ref_log_prob=True) for kind in accepted_kl_loss_types()],
+    *[
+        ParityCase(f"kl_loss/{kind}", actor=dict(KL, kl_loss_type=kind), ref_log_prob=True)
+        for kind in accepted_kl_loss_types()
+    ],
     ParityCase("ref_log_prob_without_kl_loss", ref_log_prob=True),
     ParityCase("loss_scale_factor/token-mean", actor=dict(loss_scale_factor=64)),  # changes the metric aggregation
-    ParityCase("loss_scale_factor/seq-mean-token-sum-norm",
-               actor=dict(loss_scale_factor=64, loss_agg_mode="seq-mean-token-sum-norm")),  # and the value
-    *[ParityCase(f"loss_agg_mode/{agg}", actor=dict(KL, loss_agg_mode=agg, entropy_coeff=0.37), entropy=True,
-                 ref_log_prob=True) for agg in loss_agg_modes()],
+    ParityCase(
+        "loss_scale_factor/seq-mean-token-sum-norm",
+        actor=dict(loss_scale_factor=64, loss_agg_mode="seq-mean-token-sum-norm"),
+    ),  # and the value
+    *[
+        ParityCase(
+            f"loss_agg_mode/{agg}",
+            actor=dict(KL, loss_agg_mode=agg, entropy_coeff=0.37),
+            entropy=True,
+            ref_log_prob=True,
+        )
+        for agg in loss_agg_modes()
+    ],
     ParityCase("rollout_is_weights", rollout_is_weights=True),
-    *[ParityCase(f"global_batch/dp2/{agg}", actor=dict(KL, loss_agg_mode=agg, entropy_coeff=0.37), entropy=True,
-                 ref_log_prob=True, **GLOBAL) for agg in loss_agg_modes()],
+    *[
+        ParityCase(
+            f"global_batch/dp2/{agg}",
+            actor=dict(KL, loss_agg_mode=agg, entropy_coeff=0.37),
+            entropy=True,
+            ref_log_prob=True,
+            **GLOBAL,
+        )
+        for agg in loss_agg_modes()
+    ],
     ParityCase("global_batch/batch_num_tokens_only", batch_num_tokens="global"),
-    ParityCase("global_batch/global_batch_size_only", actor=dict(loss_agg_mode="seq-mean-token-mean"),
-               global_batch_size="global"),
-    ParityCase("everything", actor=dict(KL, kl_loss_type="k3+", entropy_coeff=0.37, loss_scale_factor=64,
-                                        loss_agg_mode="seq-mean-token-sum-norm"),
-               entropy=True, rollout_is_weights=True, ref_log_prob=True, **GLOBAL),
+    ParityCase(
+        "global_batch/global_batch_size_only",
+        actor=dict(loss_agg_mode="seq-mean-token-mean"),
+        global_batch_size="global",
+    ),
+    ParityCase(
+        "everything",
+        actor=dict(
+            KL, kl_loss_type="k3+", entropy_coeff=0.37, loss_scale_factor=64, loss_agg_mode="seq-mean-token-sum-norm"
+        ),
+        entropy=True,
+        rollout_is_weights=True,
+        ref_log_prob=True,
+        **GLOBAL,
+    ),
     ParityCase("on_policy_mark", entropy=True, on_policy_mark=True),
     # verl's modes accept epsilons the divclip modes refuse (CISPO without lower truncation): the gauge of
     # the on-policy mini-batch must measure, not raise (it raised a ValueError before issue 31's fix)
@@ -210,9 +247,11 @@ def model_output_values(data: TensorDict, seed: int = 0) -> dict[str, torch.Tens
     total = sum(PROMPT_LENS) + sum(RESPONSE_LENS)
     log_probs = -4.0 * torch.rand(total, generator=gen)
     start = 0
-    for prompt, response, old in zip(PROMPT_LENS, RESPONSE_LENS, data["old_log_probs"].unbind()):
+    for prompt, response, old in zip(PROMPT_LENS, RESPONSE_LENS, data["old_log_probs"].unbind(), strict=False):
         # the model's output at position t predicts token t + 1: the response sits one to the left
-        log_probs[start + prompt - 1 : start + prompt - 1 + response] = old + 0.35 * torch.randn(response, generator=gen)
+        log_probs[start + prompt - 1 : start + prompt - 1 + response] = old + 0.35 * torch.randn(
+            response, generator=gen
+        )
         start += prompt + response
     return {"log_probs": log_probs, "entropy": 0.2 + 3.0 * torch.rand(total, generator=gen)}
 
@@ -226,16 +265,22 @@ class LossRun:
     metrics: dict[str, Any]
 
 
-def run_loss(loss_fn: Callable[..., Any], config: Any, data: TensorDict, values: dict[str, torch.Tensor],
-             with_entropy: bool) -> LossRun:
+def run_loss(
+    loss_fn: Callable[..., Any], config: Any, data: TensorDict, values: dict[str, torch.Tensor], with_entropy: bool
+) -> LossRun:
     """``loss_fn(config, model_output, data)`` with leaf per-token values, as the engine calls it."""
-    offsets = torch.tensor([0] + [p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]).cumsum(0)
-    leaves = {name: value.clone().requires_grad_(True) for name, value in values.items()
-              if name == "log_probs" or with_entropy}
-    model_output = {name: torch.nested.nested_tensor_from_jagged(leaf, offsets=offsets) for name, leaf in leaves.items()}
+    offsets = torch.tensor([0] + [p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS, strict=False)]).cumsum(0)
+    leaves = {
+        name: value.clone().requires_grad_(True)
+        for name, value in values.items()
+        if name == "log_probs" or with_entropy
+    }
+    model_output = {
+        name: torch.nested.nested_tensor_from_jagged(leaf, offsets=offsets) for name, leaf in leaves.items()
+    }
     torch.manual_seed(0)  # clip_cov draws a random subset of its candidates
     loss, metrics = loss_fn(config, model_output, data.clone())
-    grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+    grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values())), strict=False))
     return LossRun(loss.detach(), grads, metrics)
 
 
@@ -305,8 +350,13 @@ def test_the_parity_runs_every_verl_mode_and_option() -> None:
     modes = set(verl_modes())
     assert REQUIRED_MODES | set(VERL_MODES) <= modes, (REQUIRED_MODES | set(VERL_MODES)) - modes
     assert {"low_var_kl", "k3", "kl", "k1", "abs", "mse", "k2", "k3+", "low_var_kl+"} <= set(accepted_kl_loss_types())
-    assert set(loss_agg_modes()) == {"token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                                     "seq-mean-token-sum-norm"}
+    assert set(loss_agg_modes()) == {
+        "token-mean",
+        "token-sum",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+    }
     assert len(set(CASE_NAMES)) == len(CASE_NAMES)
 
 
@@ -333,8 +383,15 @@ def test_divclip_loss_is_ppo_loss(mode: str, case: ParityCase) -> None:
 DIVCLIP_PARITY_MODES = ("clip", "kl3", "kl1", "kl2", "is_kl3", "trgppo", "dcpo", "gppo", "seq_kl3")
 #: the cases whose inputs reach the divclip registry entry itself (weights, aggregation, global batch, the scale
 #: factor), or verl's terms beside it (KL, bonus)
-DIVCLIP_PARITY_CASES = ("baseline", "entropy_bonus", "loss_scale_factor/seq-mean-token-sum-norm", "rollout_is_weights",
-                        "global_batch/global_batch_size_only", "everything", "on_policy_mark")
+DIVCLIP_PARITY_CASES = (
+    "baseline",
+    "entropy_bonus",
+    "loss_scale_factor/seq-mean-token-sum-norm",
+    "rollout_is_weights",
+    "global_batch/global_batch_size_only",
+    "everything",
+    "on_policy_mark",
+)
 
 
 def paper_formula_entry(mode: str) -> Callable[..., tuple[torch.Tensor, dict[str, Any]]]:
@@ -344,14 +401,22 @@ def paper_formula_entry(mode: str) -> Callable[..., tuple[torch.Tensor, dict[str
     fills in (``loss_scale_factor`` included). No divclip code runs in it."""
     from tests.loss_reference import RefKnobs, reference_surrogate_matrix
 
-    def policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
-                    rollout_is_weights=None):
+    def policy_loss(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode="token-mean",
+        config=None,
+        rollout_is_weights=None,
+    ):
         knobs = RefKnobs(mode=mode, eps_low=config.clip_ratio_low, eps_high=config.clip_ratio_high)
         surrogate = reference_surrogate_matrix(old_log_prob, log_prob, advantages, response_mask, knobs)
         if rollout_is_weights is not None:
             surrogate = surrogate * rollout_is_weights
-        loss = -core_algos.agg_loss(loss_mat=surrogate, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
-                                    **config.global_batch_info)
+        loss = -core_algos.agg_loss(
+            loss_mat=surrogate, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info
+        )
         return loss, {}
 
     return policy_loss
@@ -378,8 +443,9 @@ def test_divclip_modes_run_inside_ppo_loss(mode: str, case: ParityCase, monkeypa
     data = make_micro_batch(case)
     values = model_output_values(data)
     config = make_actor_config(policy_loss=DivClipPolicyLossConfig(loss_mode=mode), **{**CLIP_RATIOS, **case.actor})
-    reference_config = make_actor_config(policy_loss=PolicyLossConfig(loss_mode=reference_mode),
-                                         **{**CLIP_RATIOS, **case.actor})
+    reference_config = make_actor_config(
+        policy_loss=PolicyLossConfig(loss_mode=reference_mode), **{**CLIP_RATIOS, **case.actor}
+    )
     reference = run_loss(verl_losses.ppo_loss, reference_config, data, values, case.entropy)
     ours = run_loss(divclip_actor_loss, config, data, values, case.entropy)
     assert torch.isfinite(reference.loss) and "actor/divclip/kl3_mean" in ours.metrics
@@ -402,15 +468,24 @@ def test_the_options_change_the_loss() -> None:
 
     def run(case: ParityCase) -> LossRun:
         data = make_micro_batch(case)
-        return run_loss(verl_losses.ppo_loss, actor_configs("vanilla", case)["verl"], data, model_output_values(data), case.entropy)
+        return run_loss(
+            verl_losses.ppo_loss, actor_configs("vanilla", case)["verl"], data, model_output_values(data), case.entropy
+        )
 
     reference = run(baseline)
     for case in CASES:
-        if case.name in ("baseline", "ref_log_prob_without_kl_loss", "entropy_without_bonus", "on_policy_mark",
-                         "loss_scale_factor/token-mean"):
+        if case.name in (
+            "baseline",
+            "ref_log_prob_without_kl_loss",
+            "entropy_without_bonus",
+            "on_policy_mark",
+            "loss_scale_factor/token-mean",
+        ):
             continue  # the same loss as the baseline by construction (metrics or no-op options only)
         other = run(case)
-        changed = not torch.equal(other.loss, reference.loss) or not torch.equal(other.grads["log_probs"], reference.grads["log_probs"])
+        changed = not torch.equal(other.loss, reference.loss) or not torch.equal(
+            other.grads["log_probs"], reference.grads["log_probs"]
+        )
         assert changed, case.name
     entropy_run = run(next(case for case in CASES if case.name == "entropy_bonus"))
     assert (entropy_run.grads["entropy"] != 0).any()
@@ -442,8 +517,9 @@ def test_the_gauge_measures_verls_clip_range_without_refusing_it() -> None:
     ours = run_loss(divclip_actor_loss, actor_configs("cispo", case)["verl"], data, values, False)
     log_ratio = values["log_probs"].new_zeros(0)
     start = 0
-    for prompt, response, old, mask in zip(PROMPT_LENS, RESPONSE_LENS, data["old_log_probs"].unbind(),
-                                            data["response_mask"].unbind()):
+    for prompt, response, old, mask in zip(
+        PROMPT_LENS, RESPONSE_LENS, data["old_log_probs"].unbind(), data["response_mask"].unbind(), strict=False
+    ):
         new = values["log_probs"][start + prompt - 1 : start + prompt - 1 + response]
         log_ratio = torch.cat([log_ratio, (new - old)[mask.bool()]])
         start += prompt + response
@@ -487,5 +563,8 @@ def test_verl_modes_get_the_policy_loss_inputs_ppo_loss_hands_them() -> None:
 
     verl_keywords = registry_call_keywords(verl_losses.ppo_loss, "policy_loss_fn")
     ours = registry_call_keywords(verl_modes.verl_policy_loss, "get_policy_loss_fn(mode)")
-    assert verl_keywords == ours == {"old_log_prob", "log_prob", "advantages", "response_mask", "loss_agg_mode",
-                                     "config", "rollout_is_weights"}
+    assert (
+        verl_keywords
+        == ours
+        == {"old_log_prob", "log_prob", "advantages", "response_mask", "loss_agg_mode", "config", "rollout_is_weights"}
+    )

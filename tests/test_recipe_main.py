@@ -4,7 +4,6 @@ the divclip actor loss once, after verl's own on_init_end."""
 from __future__ import annotations
 
 import functools
-import json
 import os
 import subprocess
 import sys
@@ -15,18 +14,25 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 
-from recipe.main import CONFIG_DIR
 from recipe.config_checks import ConfigError, validate_divclip_config
+from recipe.main import CONFIG_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
-ERC = ["actor_rollout_ref.actor.policy_loss.erc_beta_low=0.05", "actor_rollout_ref.actor.policy_loss.erc_beta_high=0.05"]
+ERC = [
+    "actor_rollout_ref.actor.policy_loss.erc_beta_low=0.05",
+    "actor_rollout_ref.actor.policy_loss.erc_beta_high=0.05",
+]
 KL_FULL = ["actor_rollout_ref.actor.policy_loss.loss_mode=kl_full"]
 
 
 def dry_run(*overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "recipe.main", "--dry-run", *overrides],
-        cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=300,
     )
 
 
@@ -36,7 +42,9 @@ def compose_config(*overrides: str) -> Any:
 
 
 def test_dry_run_prints_only_the_resolved_yaml():
-    proc = dry_run("actor_rollout_ref.actor.policy_loss.delta=0.05", "actor_rollout_ref.actor.calculate_entropy=true", *ERC)
+    proc = dry_run(
+        "actor_rollout_ref.actor.policy_loss.delta=0.05", "actor_rollout_ref.actor.calculate_entropy=true", *ERC
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     config = yaml.safe_load(proc.stdout)  # stdout is YAML and nothing else
     policy = config["actor_rollout_ref"]["actor"]["policy_loss"]
@@ -50,32 +58,66 @@ def test_dry_run_prints_only_the_resolved_yaml():
     "overrides, message",
     [
         (ERC, r"set actor_rollout_ref\.actor\.calculate_entropy=True"),
-        ([*ERC, "actor_rollout_ref.actor.calculate_entropy=true", "algorithm.rollout_correction.bypass_mode=true"],
-         r"algorithm\.rollout_correction\.bypass_mode"),
-        ([*ERC, "actor_rollout_ref.actor.calculate_entropy=true", "actor_rollout_ref.actor.entropy_coeff=0.001"],
-         r"actor_rollout_ref\.actor\.entropy_coeff=0\.001 must be 0 with ERC"),
-        ([*ERC, "actor_rollout_ref.actor.calculate_entropy=true", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
-          "actor_rollout_ref.actor.policy_loss._target_=verl.workers.config.PolicyLossConfig"],
-         r"actor_rollout_ref\.actor\.policy_loss\.erc_beta_high=0\.05 is a divclip knob: it needs "
-         r"actor_rollout_ref\.actor\.policy_loss\._target_=verl_ext\.config\.DivClipPolicyLossConfig"),
-        ([*ERC, "actor_rollout_ref.actor.calculate_entropy=true", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
-          "actor_rollout_ref.actor.policy_loss.dual_clip_c=10"],
-         r"policy_loss\.dual_clip_c is the divclip modes' dual-clip cap; verl's loss_mode='gspo'"),
+        (
+            [*ERC, "actor_rollout_ref.actor.calculate_entropy=true", "algorithm.rollout_correction.bypass_mode=true"],
+            r"algorithm\.rollout_correction\.bypass_mode",
+        ),
+        (
+            [*ERC, "actor_rollout_ref.actor.calculate_entropy=true", "actor_rollout_ref.actor.entropy_coeff=0.001"],
+            r"actor_rollout_ref\.actor\.entropy_coeff=0\.001 must be 0 with ERC",
+        ),
+        (
+            [
+                *ERC,
+                "actor_rollout_ref.actor.calculate_entropy=true",
+                "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+                "actor_rollout_ref.actor.policy_loss._target_=verl.workers.config.PolicyLossConfig",
+            ],
+            r"actor_rollout_ref\.actor\.policy_loss\.erc_beta_high=0\.05 is a divclip knob: it needs "
+            r"actor_rollout_ref\.actor\.policy_loss\._target_=verl_ext\.config\.DivClipPolicyLossConfig",
+        ),
+        (
+            [
+                *ERC,
+                "actor_rollout_ref.actor.calculate_entropy=true",
+                "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+                "actor_rollout_ref.actor.policy_loss.dual_clip_c=10",
+            ],
+            r"policy_loss\.dual_clip_c is the divclip modes' dual-clip cap; verl's loss_mode='gspo'",
+        ),
         (["actor_rollout_ref.actor.policy_loss.loss_mode=kl4"], r"policy_loss\.loss_mode='kl4' is not a registered"),
         (["actor_rollout_ref.actor.policy_loss.delta=0"], r"policy_loss\.delta must be"),
         (["actor_rollout_ref.actor.clip_ratio_low=1.5"], r"actor_rollout_ref\.actor\.clip_ratio_low must lie in"),
-        (["actor_rollout_ref.actor.policy_loss._target_=verl.workers.config.PolicyLossConfig"],
-         r"needs actor_rollout_ref\.actor\.policy_loss\._target_=verl_ext\.config\.DivClipPolicyLossConfig"),
+        (
+            ["actor_rollout_ref.actor.policy_loss._target_=verl.workers.config.PolicyLossConfig"],
+            r"needs actor_rollout_ref\.actor\.policy_loss\._target_=verl_ext\.config\.DivClipPolicyLossConfig",
+        ),
         # kl_full: pi_old's top-k must be stored, k within [1, vocabulary], a known direction
         ([*KL_FULL, "algorithm.rollout_correction.bypass_mode=true"], r"algorithm\.rollout_correction\.bypass_mode"),
         ([*KL_FULL, "actor_rollout_ref.model.use_fused_kernels=true"], r"actor_rollout_ref\.model\.use_fused_kernels"),
-        ([*KL_FULL, "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2"],
-         r"actor_rollout_ref\.actor\.fsdp_config\.ulysses_sequence_parallel_size=2 must be 1"),
-        (["actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=true", "actor_rollout_ref.model.use_fused_kernels=true"],
-         r"kl_full_diagnostic=true needs the logits"),
-        ([*KL_FULL, "actor_rollout_ref.actor.policy_loss.kl_full_top_k=0"], r"policy_loss\.kl_full_top_k must be an integer >= 1"),
-        ([*KL_FULL, "actor_rollout_ref.actor.policy_loss.kl_full_top_k=null"], r"policy_loss\.kl_full_top_k must be an integer >= 1"),
-        ([*KL_FULL, "actor_rollout_ref.actor.policy_loss.kl_full_direction=sideways"], r"policy_loss\.kl_full_direction must be one of"),
+        (
+            [*KL_FULL, "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2"],
+            r"actor_rollout_ref\.actor\.fsdp_config\.ulysses_sequence_parallel_size=2 must be 1",
+        ),
+        (
+            [
+                "actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=true",
+                "actor_rollout_ref.model.use_fused_kernels=true",
+            ],
+            r"kl_full_diagnostic=true needs the logits",
+        ),
+        (
+            [*KL_FULL, "actor_rollout_ref.actor.policy_loss.kl_full_top_k=0"],
+            r"policy_loss\.kl_full_top_k must be an integer >= 1",
+        ),
+        (
+            [*KL_FULL, "actor_rollout_ref.actor.policy_loss.kl_full_top_k=null"],
+            r"policy_loss\.kl_full_top_k must be an integer >= 1",
+        ),
+        (
+            [*KL_FULL, "actor_rollout_ref.actor.policy_loss.kl_full_direction=sideways"],
+            r"policy_loss\.kl_full_direction must be one of",
+        ),
     ],
 )
 def test_config_errors_name_the_key(overrides, message):
@@ -94,9 +136,23 @@ PACK_OFF = "actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=fals
         ([MEGATRON, PACK_OFF, *ERC, "actor_rollout_ref.actor.calculate_entropy=true"], ["erc_beta_low/erc_beta_high"]),
         ([MEGATRON, PACK_OFF, *KL_FULL], ["loss_mode=kl_full"]),
         ([MEGATRON, PACK_OFF, "actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=true"], ["kl_full_diagnostic"]),
-        (["actor_rollout_ref.actor.strategy=veomni", PACK_OFF, "actor_rollout_ref.actor.policy_loss.vocab_pass=true"], ["vocab_pass"]),
-        ([MEGATRON, "actor_rollout_ref.actor.policy_loss.loss_mode=gspo", *ERC, "actor_rollout_ref.actor.calculate_entropy=true"],
-         ["erc_beta_low/erc_beta_high", "pack_old_log_prob_as_update"]),
+        (
+            [
+                "actor_rollout_ref.actor.strategy=veomni",
+                PACK_OFF,
+                "actor_rollout_ref.actor.policy_loss.vocab_pass=true",
+            ],
+            ["vocab_pass"],
+        ),
+        (
+            [
+                MEGATRON,
+                "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+                *ERC,
+                "actor_rollout_ref.actor.calculate_entropy=true",
+            ],
+            ["erc_beta_low/erc_beta_high", "pack_old_log_prob_as_update"],
+        ),
     ],
 )
 def test_a_strategy_the_seam_does_not_cover_is_refused_naming_the_keys(overrides, keys):
@@ -126,8 +182,12 @@ def test_kl_full_top_k_beyond_the_vocabulary_names_the_key(tmp_path):
     (tmp_path / "config.json").write_text('{"vocab_size": 512}')
     model = f"actor_rollout_ref.model.path={tmp_path}"
     validate_divclip_config(compose_config(*KL_FULL, model, "actor_rollout_ref.actor.policy_loss.kl_full_top_k=512"))
-    with pytest.raises(ConfigError, match=r"policy_loss\.kl_full_top_k=513 must lie in \[1, vocabulary size 512\] \(the model's"):
-        validate_divclip_config(compose_config(*KL_FULL, model, "actor_rollout_ref.actor.policy_loss.kl_full_top_k=513"))
+    with pytest.raises(
+        ConfigError, match=r"policy_loss\.kl_full_top_k=513 must lie in \[1, vocabulary size 512\] \(the model's"
+    ):
+        validate_divclip_config(
+            compose_config(*KL_FULL, model, "actor_rollout_ref.actor.policy_loss.kl_full_top_k=513")
+        )
 
 
 def test_trainer_stores_the_top_k_in_the_old_log_prob_pass_only(monkeypatch):
@@ -140,12 +200,21 @@ def test_trainer_stores_the_top_k_in_the_old_log_prob_pass_only(monkeypatch):
     from verl_ext.engine.topk_capture import CAPTURE_KEY
 
     seen: list[Any] = []
-    monkeypatch.setattr(PPOTrainerSync, "_compute_old_log_prob", lambda self, batch, metrics: seen.append(
-        dict(batch.extra_info)) or batch)
+    monkeypatch.setattr(
+        PPOTrainerSync,
+        "_compute_old_log_prob",
+        lambda self, batch, metrics: seen.append(dict(batch.extra_info)) or batch,
+    )
     batch = type("Batch", (), {"extra_info": {"temperature": 1.0}, "tags": []})()
     for overrides, expected in (
         (KL_FULL, 32),
-        (["actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=true", "actor_rollout_ref.actor.policy_loss.kl_full_top_k=8"], 8),
+        (
+            [
+                "actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=true",
+                "actor_rollout_ref.actor.policy_loss.kl_full_top_k=8",
+            ],
+            8,
+        ),
         ([], None),
     ):
         trainer = object.__new__(DivClipPPOTrainerSync)
@@ -153,7 +222,12 @@ def test_trainer_stores_the_top_k_in_the_old_log_prob_pass_only(monkeypatch):
         trainer.global_steps = 1
         assert trainer._compute_old_log_prob(batch, metrics={}) is batch
         assert seen[-1].get(CAPTURE_KEY) == expected
-        assert seen[-1][UPDATE_PACKING_KEY] == UpdatePacking.from_actor_config(trainer.config.actor_rollout_ref.actor, 1).as_extra_info()[UPDATE_PACKING_KEY]
+        assert (
+            seen[-1][UPDATE_PACKING_KEY]
+            == UpdatePacking.from_actor_config(trainer.config.actor_rollout_ref.actor, 1).as_extra_info()[
+                UPDATE_PACKING_KEY
+            ]
+        )
         assert CAPTURE_KEY not in batch.extra_info and UPDATE_PACKING_KEY not in batch.extra_info
 
 
@@ -178,7 +252,9 @@ def test_verl_modes_compose_through_the_same_entry_point():
 def test_erc_on_a_verl_mode_goes_through_the_divclip_config():
     from verl_ext.config import DivClipPolicyLossConfig
 
-    config = compose_config("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.calculate_entropy=true", *ERC)
+    config = compose_config(
+        "actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.calculate_entropy=true", *ERC
+    )
     policy = validate_divclip_config(config).policy_loss
     assert isinstance(policy, DivClipPolicyLossConfig) and policy.loss_mode == "gspo" and policy.erc_enabled
 
@@ -186,8 +262,10 @@ def test_erc_on_a_verl_mode_goes_through_the_divclip_config():
 def test_verls_own_policy_loss_class_still_works_without_divclip_knobs():
     from verl.workers.config import PolicyLossConfig
 
-    config = compose_config("actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
-                            "actor_rollout_ref.actor.policy_loss._target_=verl.workers.config.PolicyLossConfig")
+    config = compose_config(
+        "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+        "actor_rollout_ref.actor.policy_loss._target_=verl.workers.config.PolicyLossConfig",
+    )
     policy = validate_divclip_config(config).policy_loss
     assert type(policy) is PolicyLossConfig and policy.loss_mode == "gspo"
     assert "delta" not in config.actor_rollout_ref.actor.policy_loss  # unset divclip knobs were dropped
@@ -214,7 +292,9 @@ def test_trainer_installs_the_actor_loss_once_after_verl_init(monkeypatch, erc):
     trainer.config = compose_config(*overrides)
     trainer.actor_rollout_wg = FakeWorkerGroup()
     calls: list[str] = []
-    monkeypatch.setattr(PPOTrainerSync, "on_init_end", lambda self: calls.append(f"verl:{len(self.actor_rollout_wg.loss_fns)}"))
+    monkeypatch.setattr(
+        PPOTrainerSync, "on_init_end", lambda self: calls.append(f"verl:{len(self.actor_rollout_wg.loss_fns)}")
+    )
     trainer.on_init_end()
     assert calls == ["verl:0"]  # verl's hook (weight sync) ran first, before the loss was installed
     (loss,) = trainer.actor_rollout_wg.loss_fns
@@ -244,8 +324,13 @@ def test_lora_rank_is_checked_without_vllm():
     assert _VLLM_UTILS not in sys.modules  # the stand-in is gone afterwards
 
 
-@pytest.mark.parametrize("fused, expected", [(False, "entropy by divclip entropy_fp32 in both passes"),
-                                             (True, "verl's fused kernel (bf16) for log-probs and entropy in both passes")])
+@pytest.mark.parametrize(
+    "fused, expected",
+    [
+        (False, "entropy by divclip entropy_fp32 in both passes"),
+        (True, "verl's fused kernel (bf16) for log-probs and entropy in both passes"),
+    ],
+)
 def test_trainer_logs_which_entropy_path_is_asked_for(monkeypatch, caplog, fused, expected):
     """The driver's line says what the engine is asked for (the workers' actor/divclip/path/* say what ran)."""
     import logging
@@ -269,43 +354,81 @@ def test_trainer_logs_which_entropy_path_is_asked_for(monkeypatch, caplog, fused
 # verl features the divclip path would drop, and the trainer modes: refused before Ray, naming the key
 # ------------------------------------------------------------------------------------------------
 
-SEPARATE = ["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=1",
-            "actor_rollout_ref.rollout.n_gpus_per_node=1", "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_gloo",
-            "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.n_gpus_per_node=1"]
+SEPARATE = [
+    "trainer.v1.trainer_mode=separate_async",
+    "actor_rollout_ref.rollout.nnodes=1",
+    "actor_rollout_ref.rollout.n_gpus_per_node=1",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_gloo",
+    "data.train_batch_size=16",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "trainer.n_gpus_per_node=1",
+]
 
 
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["distillation.enabled=true"], r"distillation\.enabled=true: verl's actor would train with distillation_ppo_loss"),
+        (
+            ["distillation.enabled=true"],
+            r"distillation\.enabled=true: verl's actor would train with distillation_ppo_loss",
+        ),
         (["trainer.use_v1=false"], r"trainer\.use_v1=false selects verl's legacy trainer"),
-        (["actor_rollout_ref.actor.calculate_sum_pi_squared=true"],
-         r"actor_rollout_ref\.actor\.calculate_sum_pi_squared=true has no effect in verl 0\.9\.1's v1 trainer"),
-        (["trainer.v1.trainer_mode=fully_async"], r"trainer\.v1\.trainer_mode='fully_async': Unknown trainer 'fully_async'"),
-        (["trainer.v1.trainer_mode=colocate_async", "actor_rollout_ref.rollout.calculate_log_probs=false"],
-         r"trainer\.v1\.trainer_mode=colocate_async .*actor_rollout_ref\.rollout\.calculate_log_probs=true is needed"),
-        ([*SEPARATE, "data.train_batch_size=12"],
-         r"data\.train_batch_size=12 must equal trainer\.v1\.separate_async\.parameter_sync_step=4 x "
-         r"actor_rollout_ref\.actor\.ppo_mini_batch_size=4"),
+        (
+            ["actor_rollout_ref.actor.calculate_sum_pi_squared=true"],
+            r"actor_rollout_ref\.actor\.calculate_sum_pi_squared=true has no effect in verl 0\.9\.1's v1 trainer",
+        ),
+        (
+            ["trainer.v1.trainer_mode=fully_async"],
+            r"trainer\.v1\.trainer_mode='fully_async': Unknown trainer 'fully_async'",
+        ),
+        (
+            ["trainer.v1.trainer_mode=colocate_async", "actor_rollout_ref.rollout.calculate_log_probs=false"],
+            r"trainer\.v1\.trainer_mode=colocate_async .*actor_rollout_ref\.rollout\.calculate_log_probs=true is needed",
+        ),
+        (
+            [*SEPARATE, "data.train_batch_size=12"],
+            r"data\.train_batch_size=12 must equal trainer\.v1\.separate_async\.parameter_sync_step=4 x "
+            r"actor_rollout_ref\.actor\.ppo_mini_batch_size=4",
+        ),
         ([*SEPARATE, "actor_rollout_ref.rollout.nnodes=0"], r"actor_rollout_ref\.rollout\.nnodes must be > 0"),
-        ([*SEPARATE, "actor_rollout_ref.rollout.checkpoint_engine.backend=naive"],
-         r"actor_rollout_ref\.rollout\.checkpoint_engine\.backend=naive only serves colocated rollouts"),
-        ([*SEPARATE, "trainer.device=cpu", "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"],
-         r"on the cpu platform \(trainer\.device=cpu\) moves weights with the cpu_gloo checkpoint engine: "
-         r"actor_rollout_ref\.rollout\.checkpoint_engine\.backend=nccl needs GPUs"),
-        ([*SEPARATE, "actor_rollout_ref.hybrid_engine=false"], r"actor_rollout_ref\.hybrid_engine=false fails inside verl"),
-        ([*SEPARATE, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"],
-         r"trains 4 samples per update .* actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu=3 must divide"),
-        ([*SEPARATE, "reward.reward_model.enable=true"],
-         r"separate_async never pauses .* set reward\.reward_model\.enable_resource_pool=true"),
-        ([*SEPARATE, "trainer.v1.separate_async.hybrid_rollout.enable_switch=true",
-          "actor_rollout_ref.rollout.disaggregation.enabled=true"],
-         r"hybrid_rollout\.enable_switch=true does not support actor_rollout_ref\.rollout\.disaggregation\.enabled"),
-        ([*SEPARATE, "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"],
-         r"over 2 data-parallel actor ranks; actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu=4 must divide each "
-         r"rank's 2"),
-        (["algorithm.rollout_correction.bypass_mode=true"],
-         r"bypass_mode=true skips the old-log-prob pass .*pack_old_log_prob_as_update=true has no pass to pack"),
+        (
+            [*SEPARATE, "actor_rollout_ref.rollout.checkpoint_engine.backend=naive"],
+            r"actor_rollout_ref\.rollout\.checkpoint_engine\.backend=naive only serves colocated rollouts",
+        ),
+        (
+            [*SEPARATE, "trainer.device=cpu", "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"],
+            r"on the cpu platform \(trainer\.device=cpu\) moves weights with the cpu_gloo checkpoint engine: "
+            r"actor_rollout_ref\.rollout\.checkpoint_engine\.backend=nccl needs GPUs",
+        ),
+        (
+            [*SEPARATE, "actor_rollout_ref.hybrid_engine=false"],
+            r"actor_rollout_ref\.hybrid_engine=false fails inside verl",
+        ),
+        (
+            [*SEPARATE, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"],
+            r"trains 4 samples per update .* actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu=3 must divide",
+        ),
+        (
+            [*SEPARATE, "reward.reward_model.enable=true"],
+            r"separate_async never pauses .* set reward\.reward_model\.enable_resource_pool=true",
+        ),
+        (
+            [
+                *SEPARATE,
+                "trainer.v1.separate_async.hybrid_rollout.enable_switch=true",
+                "actor_rollout_ref.rollout.disaggregation.enabled=true",
+            ],
+            r"hybrid_rollout\.enable_switch=true does not support actor_rollout_ref\.rollout\.disaggregation\.enabled",
+        ),
+        (
+            [*SEPARATE, "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"],
+            r"over 2 data-parallel actor ranks; actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu=4 must divide each "
+            r"rank's 2",
+        ),
+        (
+            ["algorithm.rollout_correction.bypass_mode=true"],
+            r"bypass_mode=true skips the old-log-prob pass .*pack_old_log_prob_as_update=true has no pass to pack",
+        ),
     ],
 )
 def test_verl_features_the_path_would_drop_are_refused_naming_the_key(overrides: list[str], message: str) -> None:
@@ -313,8 +436,11 @@ def test_verl_features_the_path_would_drop_are_refused_naming_the_key(overrides:
         validate_divclip_config(compose_config(*overrides))
 
 
-VERL_TRAINERS = {"sync": "PPOTrainerSync", "colocate_async": "PPOTrainerColocateAsync",
-                 "separate_async": "PPOTrainerSeparateAsync"}
+VERL_TRAINERS = {
+    "sync": "PPOTrainerSync",
+    "colocate_async": "PPOTrainerColocateAsync",
+    "separate_async": "PPOTrainerSeparateAsync",
+}
 
 
 @pytest.mark.parametrize("mode", ["sync", "colocate_async", "separate_async"])
@@ -343,7 +469,7 @@ def test_the_task_runner_registers_the_divclip_trainers_before_verls_run(monkeyp
     from verl.trainer.ppo.v1 import get_trainer_cls
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
 
-    from recipe.trainer import DIVCLIP_TRAINERS, DivClipTaskRunnerV1, DivClipTaskRunner
+    from recipe.trainer import DIVCLIP_TRAINERS, DivClipTaskRunner, DivClipTaskRunnerV1
 
     verl_runner = TaskRunnerV1.__ray_metadata__.modified_class.__ray_actor_class__
     assert DivClipTaskRunner.__bases__ == (verl_runner,)
@@ -351,8 +477,9 @@ def test_the_task_runner_registers_the_divclip_trainers_before_verls_run(monkeyp
     for mode, name in VERL_TRAINERS.items():  # verl's, as a process that imported recipe.trainer has them
         monkeypatch.setitem(TRAINER_REGISTRY, mode, getattr(v1, name))
     built: dict[str, Any] = {}
-    monkeypatch.setattr(verl_runner, "run",
-                        lambda self, config: built.update({m: get_trainer_cls(m) for m in VERL_TRAINERS}))
+    monkeypatch.setattr(
+        verl_runner, "run", lambda self, config: built.update({m: get_trainer_cls(m) for m in VERL_TRAINERS})
+    )
     DivClipTaskRunner().run(compose_config())
     assert built == DIVCLIP_TRAINERS
 
@@ -370,8 +497,11 @@ def test_the_registry_patch_replaces_only_verls_own_class(monkeypatch: pytest.Mo
     register_divclip_trainers()
     assert {mode: TRAINER_REGISTRY[mode] for mode in DIVCLIP_TRAINERS} == DIVCLIP_TRAINERS
     monkeypatch.setitem(TRAINER_REGISTRY, "sync", PPOTrainerColocateAsync)
-    with pytest.raises(RuntimeError, match=r"trainer\.v1\.trainer_mode='sync': verl's trainer registry holds .*"
-                                           r"PPOTrainerColocateAsync.*not verl's .*PPOTrainerSync"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"trainer\.v1\.trainer_mode='sync': verl's trainer registry holds .*"
+        r"PPOTrainerColocateAsync.*not verl's .*PPOTrainerSync",
+    ):
         register_divclip_trainers()
     monkeypatch.delitem(TRAINER_REGISTRY, "sync")
     with pytest.raises(RuntimeError, match=r"trainer_mode='sync': verl's trainer registry holds None"):
@@ -381,9 +511,14 @@ def test_the_registry_patch_replaces_only_verls_own_class(monkeypatch: pytest.Mo
 def test_separate_async_divides_an_update_among_data_parallel_ranks_not_ulysses_ranks() -> None:
     """Two ranks in one Ulysses group are one data-parallel rank: its 4 samples fit micro-batches of 4 (refused
     above without sequence parallelism, where each of the two ranks holds 2)."""
-    validate_divclip_config(compose_config(*SEPARATE, "trainer.n_gpus_per_node=2",
-                                           "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
-                                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"))
+    validate_divclip_config(
+        compose_config(
+            *SEPARATE,
+            "trainer.n_gpus_per_node=2",
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        )
+    )
 
 
 def test_bypass_mode_runs_non_entropy_modes_with_verls_packing() -> None:
@@ -397,7 +532,9 @@ def test_model_engine_resolves_its_own_strategy_and_is_refused_with_the_seams_fe
     """verl's model_engine switch selects the engine's own actor config; the recipe's FSDP2 default applies to
     verl's ``dp`` engine only, so model_engine=megatron resolves strategy=megatron and meets the strategy check."""
     assert compose_config().actor_rollout_ref.actor.strategy == "fsdp2"
-    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.strategy='megatron'.*pack_old_log_prob_as_update"):
+    with pytest.raises(
+        ConfigError, match=r"actor_rollout_ref\.actor\.strategy='megatron'.*pack_old_log_prob_as_update"
+    ):
         validate_divclip_config(compose_config("model_engine=megatron"))
     config = compose_config("model_engine=megatron", PACK_OFF)
     assert config.actor_rollout_ref.actor.strategy == "megatron" and config.actor_rollout_ref.ref.strategy == "megatron"

@@ -196,7 +196,10 @@ def adversarial_corpus() -> list[tuple[str, Any, Any]]:
     for k in range(40):
         opens = rng.randint(1, 60)
         closes = rng.randint(0, 60)
-        body = "".join(rng.choice(["{", "}", "\\frac", "x", "^", "_", "\\left(", "\\right)", "1"]) for _ in range(rng.randint(1, 80)))
+        body = "".join(
+            rng.choice(["{", "}", "\\frac", "x", "^", "_", "\\left(", "\\right)", "1"])
+            for _ in range(rng.randint(1, 80))
+        )
         items.append(("unbalanced", "\\boxed" + "{" * opens + body + "}" * closes, "1"))
         items.append(("unbalanced-gold", "\\boxed{1}", "{" * opens + body + "}" * closes))
     megabyte = 1024 * 1024
@@ -213,13 +216,31 @@ def adversarial_corpus() -> list[tuple[str, Any, Any]]:
         items.append(("binary", junk, "1"))
         items.append(("binary-boxed", f"\\boxed{{{junk[:200]}}}", "1"))
     for solution, gold in [
-        ("", "1"), ("\\boxed{1}", ""), ("", ""), ("\\boxed{}", "1"), ("\\boxed{1}", None), (None, "1"),
-        (None, None), (12, "12"), ("\\boxed{12}", 12), ("\\boxed{12}", 12.0), (["\\boxed{1}"], "1"),
-        ("\\boxed{1}", ["1"]), ("\\boxed{1}", {"a": 1}), ("\\boxed{1}", float("nan")), ("\\boxed{1}", True),
-        ("\x00\x00\\boxed{\x00}", "\x00"), ("\\boxed{\\undefinedmacro{1}}", "1"), ("$$$$$$", "$"),
-        ("\\boxed{1/0}", "1/0"), ("\\boxed{\\infty - \\infty}", "0"), ("\\boxed{0^0}", "1"),
-        ("\\boxed{\\lim_{x\\to 0} \\frac{\\sin x}{x}}", "1"), ("\\boxed{\\int_0^\\infty e^{-x^{100}} dx}", "1"),
-        ("\\boxed{x = y = z = }", "1"), ("\\boxed{\\begin{matrix} 1 & 2 \\\\ 3 & 4 \\end{matrix}}", "1"),
+        ("", "1"),
+        ("\\boxed{1}", ""),
+        ("", ""),
+        ("\\boxed{}", "1"),
+        ("\\boxed{1}", None),
+        (None, "1"),
+        (None, None),
+        (12, "12"),
+        ("\\boxed{12}", 12),
+        ("\\boxed{12}", 12.0),
+        (["\\boxed{1}"], "1"),
+        ("\\boxed{1}", ["1"]),
+        ("\\boxed{1}", {"a": 1}),
+        ("\\boxed{1}", float("nan")),
+        ("\\boxed{1}", True),
+        ("\x00\x00\\boxed{\x00}", "\x00"),
+        ("\\boxed{\\undefinedmacro{1}}", "1"),
+        ("$$$$$$", "$"),
+        ("\\boxed{1/0}", "1/0"),
+        ("\\boxed{\\infty - \\infty}", "0"),
+        ("\\boxed{0^0}", "1"),
+        ("\\boxed{\\lim_{x\\to 0} \\frac{\\sin x}{x}}", "1"),
+        ("\\boxed{\\int_0^\\infty e^{-x^{100}} dx}", "1"),
+        ("\\boxed{x = y = z = }", "1"),
+        ("\\boxed{\\begin{matrix} 1 & 2 \\\\ 3 & 4 \\end{matrix}}", "1"),
     ]:
         items.append(("degenerate", solution, gold))
     return items
@@ -248,7 +269,9 @@ def test_adversarial_corpus_is_large(adversarial_results: list[tuple[str, float,
     assert len(adversarial_results) >= 200
 
 
-def test_adversarial_corpus_raises_nothing_and_scores_wrong_or_right(adversarial_results: list[tuple[str, float, Any]]) -> None:
+def test_adversarial_corpus_raises_nothing_and_scores_wrong_or_right(
+    adversarial_results: list[tuple[str, float, Any]],
+) -> None:
     raised = [(label, repr(outcome)) for label, _, outcome in adversarial_results if isinstance(outcome, Exception)]
     assert raised == []
     for label, _, outcome in adversarial_results:
@@ -262,10 +285,14 @@ def test_adversarial_corpus_raises_nothing_and_scores_wrong_or_right(adversarial
 def test_adversarial_items_return_within_timeout_plus_one_second(
     reward: Any, adversarial_results: list[tuple[str, float, Any]]
 ) -> None:
-    slow = [(label, round(elapsed, 2)) for label, elapsed, _ in adversarial_results if elapsed > ADVERSARIAL_TIMEOUT_S + 1.0]
+    slow = [
+        (label, round(elapsed, 2)) for label, elapsed, _ in adversarial_results if elapsed > ADVERSARIAL_TIMEOUT_S + 1.0
+    ]
     timeouts = reward.reward_stats()["timeouts"]
-    print(f"adversarial: {len(adversarial_results)} items, {timeouts} hard timeouts, slowest "
-          f"{max(e for _, e, _ in adversarial_results):.2f}s")
+    print(
+        f"adversarial: {len(adversarial_results)} items, {timeouts} hard timeouts, slowest "
+        f"{max(e for _, e, _ in adversarial_results):.2f}s"
+    )
     assert slow == []
     assert timeouts >= 1  # the power tower really did hang and was killed
 
@@ -313,18 +340,27 @@ def real_benchmark_rows(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[
         pytest.fail(f"real eval data absent: {EVAL_DIR}")
     out = tmp_path_factory.mktemp("erc_reward")
     rows = []
-    for dataset, filename in (("aime24", "aime24.klear.jsonl"), ("hmmt25", "hmmt_feb_2025.klear.jsonl"),
-                              ("amc23", "amc23.qwen.jsonl")):
+    for dataset, filename in (
+        ("aime24", "aime24.klear.jsonl"),
+        ("hmmt25", "hmmt_feb_2025.klear.jsonl"),
+        ("amc23", "amc23.qwen.jsonl"),
+    ):
         frame = pd.read_parquet(convert(dataset, str(EVAL_DIR / filename), out).output)
-        rows += [(source, reward_model["ground_truth"]) for source, reward_model in zip(frame["data_source"], frame["reward_model"])]
+        rows += [
+            (source, reward_model["ground_truth"])
+            for source, reward_model in zip(frame["data_source"], frame["reward_model"], strict=False)
+        ]
     assert len(rows) == 100
     return rows
 
 
-@pytest.mark.parametrize(("profile", "want"), [
-    ((), {"right": 1.0, "wrong": 0.0, "no_think": -0.5}),  # paper text (documented choice)
-    (("+profile=released",), {"right": 1.0, "wrong": -1.0, "no_think": -0.5}),  # released scripts
-])
+@pytest.mark.parametrize(
+    ("profile", "want"),
+    [
+        ((), {"right": 1.0, "wrong": 0.0, "no_think": -0.5}),  # paper text (documented choice)
+        (("+profile=released",), {"right": 1.0, "wrong": -1.0, "no_think": -0.5}),  # released scripts
+    ],
+)
 def test_erc_profiles_reward_values_on_real_rows(
     reward: Any, real_benchmark_rows: list[tuple[str, str]], profile: tuple[str, ...], want: dict[str, float]
 ) -> None:

@@ -28,8 +28,21 @@ ERC_SCORES = {"correct": 1.0, "wrong": 0.0, "unparseable": 0.0, "truncated": -0.
 EXPECTED = {
     "atr_grpo_qwen3_1.7b": ("math_dapo", ATR_SCORES),
     "atr_grpo_qwen3_8b": ("math_dapo", ATR_SCORES),
-    **{name: ("math_longcot_math_verify", ERC_SCORES) for name in (
-        "grpo_1.5b", "grpo_7b", "dapo_1.5b", "dapo_7b", "erc_dapo_1.5b", "erc_dapo_7b", "gppo_7b", "erc_gppo_7b", "erc_gspo_7b", "erc_sapo_7b")},
+    **{
+        name: ("math_longcot_math_verify", ERC_SCORES)
+        for name in (
+            "grpo_1.5b",
+            "grpo_7b",
+            "dapo_1.5b",
+            "dapo_7b",
+            "erc_dapo_1.5b",
+            "erc_dapo_7b",
+            "gppo_7b",
+            "erc_gppo_7b",
+            "erc_gspo_7b",
+            "erc_sapo_7b",
+        )
+    },
     "quickstart_1gpu": ("math_dapo", {"correct": 1.0, "wrong": -1.0, "unparseable": -1.0, "truncated": -0.5}),
 }
 
@@ -103,8 +116,9 @@ def test_atr_doubles_nothing_dr_grpo_advantage(reward, reward_kwargs):
     answers gives the right one +7/8, where +-1 gave +14/8."""
     kwargs = reward_kwargs["atr_grpo_qwen3_1.7b"]
     gold = _rows(AMC23)[0]["answer"]
-    scores = [reward.compute_score("math_dapo", f"Answer: {int(gold) + (i > 0)}", gold, **kwargs)["score"]
-              for i in range(8)]
+    scores = [
+        reward.compute_score("math_dapo", f"Answer: {int(gold) + (i > 0)}", gold, **kwargs)["score"] for i in range(8)
+    ]
     assert scores[0] - sum(scores) / 8 == pytest.approx(7 / 8)
 
 
@@ -121,12 +135,16 @@ def test_erc_think_rows_score_as_stated(reward, reward_kwargs):
         none = reward.compute_score(source, "<think>...</think>\nno idea", gold, **kwargs)
         cut = reward.compute_score(source, f"<think>long reasoning \\boxed{{{gold}}}", gold, **kwargs)
         assert [r["score"] for r in (right, wrong, none, cut)] == [
-            want["correct"], want["wrong"], want["unparseable"], want["truncated"]], gold
+            want["correct"],
+            want["wrong"],
+            want["unparseable"],
+            want["truncated"],
+        ], gold
 
 
 def test_docs_table_matches_the_configs():
     doc = (REPO_ROOT / "docs" / "experiments.md").read_text()
-    section = doc[doc.index("### Reward scores of every run"):]
+    section = doc[doc.index("### Reward scores of every run") :]
     for name, (_source, want) in EXPECTED.items():
         line = next((l for l in section.splitlines() if f"`{name}`" in l), None)
         assert line is not None, name

@@ -42,17 +42,37 @@ def weights_for(mask: torch.Tensor, seed: int) -> torch.Tensor:
     return 0.3 + 1.7 * torch.rand(mask.shape, generator=gen, dtype=torch.float64)
 
 
-def run(mode: str, knobs: dict[str, Any], old: torch.Tensor, new: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-        topk: Any, weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+def run(
+    mode: str,
+    knobs: dict[str, Any],
+    old: torch.Tensor,
+    new: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    topk: Any,
+    weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     log_prob = new.clone().requires_grad_(True)
     entropies = {}
     if "erc_beta_low" in knobs:
         gen = torch.Generator().manual_seed(3)
         old_entropy = torch.rand(mask.shape, generator=gen, dtype=torch.float64) + 0.1
-        entropies = dict(old_entropy=old_entropy, entropy=old_entropy * (0.9 + 0.2 * torch.rand(mask.shape, generator=gen, dtype=torch.float64)))
+        entropies = dict(
+            old_entropy=old_entropy,
+            entropy=old_entropy * (0.9 + 0.2 * torch.rand(mask.shape, generator=gen, dtype=torch.float64)),
+        )
     loss, metrics = constrained_policy_loss(
-        old, log_prob, adv, mask, mode=mode, policy=DivClipPolicyLossConfig(loss_mode=mode, **knobs),
-        clip_ratio_low=0.2, clip_ratio_high=0.28, topk=topk, rollout_is_weights=weights, **entropies,
+        old,
+        log_prob,
+        adv,
+        mask,
+        mode=mode,
+        policy=DivClipPolicyLossConfig(loss_mode=mode, **knobs),
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        topk=topk,
+        rollout_is_weights=weights,
+        **entropies,
     )
     loss.backward()
     return loss.detach(), log_prob.grad, metrics
@@ -70,7 +90,9 @@ def test_the_weights_enter_every_mode_as_verl_applies_them_and_the_constraint_st
     torch.testing.assert_close(grad, grad_scaled, rtol=1e-12, atol=1e-15)
     # which tokens the constraint cuts is decided on pi_theta / pi_old alone: the same with or without weights
     _, grad_plain, metrics_plain = run(mode, knobs, old, new, adv, mask, topk, None)
-    decisions = [name for name in metrics_plain if "clipfrac" in name or name.endswith("no_grad_frac") or "masked" in name]
+    decisions = [
+        name for name in metrics_plain if "clipfrac" in name or name.endswith("no_grad_frac") or "masked" in name
+    ]
     assert decisions, sorted(metrics_plain)
     for name in decisions:
         assert metrics[name] == metrics_plain[name] == metrics_scaled[name], name
@@ -82,10 +104,23 @@ def test_with_dual_clip_the_clip_mode_is_verls_vanilla_with_weights_too() -> Non
     weights = weights_for(mask, 6)
     _, grad, _ = run("clip", dict(dual_clip_c=3.0), old, new, adv, mask, None, weights)
     log_prob = new.clone().requires_grad_(True)
-    vanilla = FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio_low=0.2,
-                              clip_ratio_high=0.28, clip_ratio_c=3.0)
-    loss, _ = get_policy_loss_fn("vanilla")(old_log_prob=old, log_prob=log_prob, advantages=adv, response_mask=mask,
-                                            loss_agg_mode="token-mean", config=vanilla, rollout_is_weights=weights)
+    vanilla = FSDPActorConfig(
+        strategy="fsdp2",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+    )
+    loss, _ = get_policy_loss_fn("vanilla")(
+        old_log_prob=old,
+        log_prob=log_prob,
+        advantages=adv,
+        response_mask=mask,
+        loss_agg_mode="token-mean",
+        config=vanilla,
+        rollout_is_weights=weights,
+    )
     loss.backward()
     torch.testing.assert_close(grad, log_prob.grad, rtol=1e-10, atol=1e-12)
 
@@ -104,18 +139,22 @@ def test_the_installed_loss_hands_the_weights_to_the_policy_term(variant: str) -
     each token's gradient is its weight times its gradient without weights (the constraint's decisions do not
     depend on the weights, token-mean's denominator neither), and the divclip modes report the weights' mean
     as their registered function received it."""
-    from tests.test_ppo_loss_parity import (
-        CLIP_RATIOS, PROMPT_LENS, RESPONSE_LENS, ParityCase, make_micro_batch, model_output_values,
-    )
-
     from recipe.bench.harness import make_actor_config
+    from tests.test_ppo_loss_parity import (
+        CLIP_RATIOS,
+        PROMPT_LENS,
+        RESPONSE_LENS,
+        ParityCase,
+        make_micro_batch,
+        model_output_values,
+    )
     from verl_ext.actor_loss import build_actor_loss
 
     mode, knobs = INSTALLED_VARIANTS[variant]
     erc = "erc_beta_low" in knobs
     config = make_actor_config(policy_loss=DivClipPolicyLossConfig(loss_mode=mode, **knobs), **CLIP_RATIOS)
     loss_fn = build_actor_loss(config)
-    offsets = torch.tensor([0] + [p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]).cumsum(0)
+    offsets = torch.tensor([0] + [p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS, strict=False)]).cumsum(0)
     weighted = make_micro_batch(ParityCase("rollout_is_weights", rollout_is_weights=True))
     plain = weighted.clone()
     del plain["rollout_is_weights"]
@@ -124,7 +163,7 @@ def test_the_installed_loss_hands_the_weights_to_the_policy_term(variant: str) -
         gen = torch.Generator().manual_seed(4)
         old_entropy = []
         start = 0
-        for prompt, response in zip(PROMPT_LENS, RESPONSE_LENS):
+        for prompt, response in zip(PROMPT_LENS, RESPONSE_LENS, strict=False):
             current = values["entropy"][start + prompt - 1 : start + prompt - 1 + response]
             old_entropy.append(current * (0.9 + 0.2 * torch.rand(response, generator=gen)))
             start += prompt + response
@@ -132,8 +171,13 @@ def test_the_installed_loss_hands_the_weights_to_the_policy_term(variant: str) -
             batch["entropy"] = torch.nested.as_nested_tensor(old_entropy, layout=torch.jagged)
 
     def gradient(data: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-        leaves = {name: values[name].clone().requires_grad_(True) for name in (("log_probs", "entropy") if erc else ("log_probs",))}
-        model_output = {name: torch.nested.nested_tensor_from_jagged(leaf, offsets=offsets) for name, leaf in leaves.items()}
+        leaves = {
+            name: values[name].clone().requires_grad_(True)
+            for name in (("log_probs", "entropy") if erc else ("log_probs",))
+        }
+        model_output = {
+            name: torch.nested.nested_tensor_from_jagged(leaf, offsets=offsets) for name, leaf in leaves.items()
+        }
         loss, metrics = loss_fn(model_output=model_output, data=data.clone())
         return torch.autograd.grad(loss, leaves["log_probs"])[0], metrics
 
@@ -142,7 +186,7 @@ def test_the_installed_loss_hands_the_weights_to_the_policy_term(variant: str) -
     # the weights per flat position of the engine's output (a response sits one to the left of its tokens)
     weights = torch.ones_like(grad_plain)
     start = 0
-    for prompt, response, row in zip(PROMPT_LENS, RESPONSE_LENS, weighted["rollout_is_weights"].unbind()):
+    for prompt, response, row in zip(PROMPT_LENS, RESPONSE_LENS, weighted["rollout_is_weights"].unbind(), strict=False):
         weights[start + prompt - 1 : start + prompt - 1 + response] = row
         start += prompt + response
     assert (grad_plain != 0).sum() >= 5

@@ -22,16 +22,29 @@ import pandas as pd
 import pytest
 import torch
 
-from tests.test_smoke_cpu import GPU_PACKING, assert_coarsened_kl_from_stored_top_k, assert_on_policy_exact, step_metrics
+from tests.test_smoke_cpu import (
+    GPU_PACKING,
+    assert_coarsened_kl_from_stored_top_k,
+    assert_on_policy_exact,
+    step_metrics,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SFT_STEPS = 48
 RL_STEPS = 2
 CPU_SFT_OVERRIDES = [
-    "trainer.device=cpu", "engine.strategy=fsdp2", "engine.use_torch_compile=False", "engine.model_dtype=fp32",
-    "+model.override_config.attn_implementation=sdpa", "data.train_batch_size=16", "data.num_workers=0",
-    "data.max_length=64", f"trainer.total_training_steps={SFT_STEPS}", "trainer.logger=[console,file]",
-    "optim.lr=1e-2", "optim.lr_warmup_steps_ratio=0",
+    "trainer.device=cpu",
+    "engine.strategy=fsdp2",
+    "engine.use_torch_compile=False",
+    "engine.model_dtype=fp32",
+    "+model.override_config.attn_implementation=sdpa",
+    "data.train_batch_size=16",
+    "data.num_workers=0",
+    "data.max_length=64",
+    f"trainer.total_training_steps={SFT_STEPS}",
+    "trainer.logger=[console,file]",
+    "optim.lr=1e-2",
+    "optim.lr_warmup_steps_ratio=0",
 ]
 
 
@@ -80,9 +93,11 @@ def _greedy_accuracy(model_path: Path, val: pd.DataFrame) -> float:
     right = 0
     for _, row in val.iterrows():
         prompt = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
-        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+            "input_ids"
+        ]
         out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         right += compute_score(row["data_source"], text, row["reward_model"]["ground_truth"])["acc"]
     return right / len(val)
 
@@ -106,7 +121,9 @@ def test_merged_model_is_base_plus_lora(chain: dict[str, Any]) -> None:
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
     # verl's model_merger gathers the shards in bfloat16 (Qwen3's own dtype), so the tiny model's fp32
     # base comes back rounded to bfloat16: compare with the rounded base
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).to(torch.bfloat16).to(torch.float32).eval()
+    base = (
+        AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).to(torch.bfloat16).to(torch.float32).eval()
+    )
     # LoRA moved the linear layers; embeddings and norms are untouched
     m, b = merged.state_dict(), base.state_dict()
     assert not torch.equal(m["model.layers.0.self_attn.q_proj.weight"], b["model.layers.0.self_attn.q_proj.weight"])
@@ -116,7 +133,9 @@ def test_merged_model_is_base_plus_lora(chain: dict[str, Any]) -> None:
     from safetensors.torch import load_file
 
     lora = load_file(merged_dir / "lora_adapter" / "adapter_model.safetensors")
-    targets = sorted({k[len("base_model.model."):-len(".lora_A.weight")] for k in lora if k.endswith(".lora_A.weight")})
+    targets = sorted(
+        {k[len("base_model.model.") : -len(".lora_A.weight")] for k in lora if k.endswith(".lora_A.weight")}
+    )
     assert len(targets) == 2 * 7  # all-linear: q, k, v, o, gate, up, down in both layers
     scale = adapter["lora_alpha"] / adapter["r"]
     for name in targets:

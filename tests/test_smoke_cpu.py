@@ -53,8 +53,12 @@ def run_smoke(out: Path, loss: str, steps: int, *overrides: str, **env: str) -> 
     }
     full_env.pop("RAY_ADDRESS", None)
     proc = subprocess.run(
-        ["bash", str(ROOT / "launch/run_smoke_cpu.sh"), *overrides], cwd=ROOT, env=full_env,
-        capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S,
+        ["bash", str(ROOT / "launch/run_smoke_cpu.sh"), *overrides],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=SMOKE_TIMEOUT_S,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -126,7 +130,9 @@ def write_with_data_source(source: Path, target: Path, data_source: str) -> None
     table = pq.read_table(source)
     index = table.schema.get_field_index("data_source")
     kind = table.schema.field(index).type
-    pq.write_table(table.set_column(index, pa.field("data_source", kind), pa.array([data_source] * table.num_rows, kind)), target)
+    pq.write_table(
+        table.set_column(index, pa.field("data_source", kind), pa.array([data_source] * table.num_rows, kind)), target
+    )
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +141,16 @@ def erc_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (:mod:`tests.process_probe`, imported by each process's ``import verl``)."""
     out = tmp_path_factory.mktemp("smoke_erc")
     args = validation_length_args(out)
-    run_smoke(out, "erc_dapo", 2, *args, SAVE_FREQ="2", TEST_FREQ="2", RESPONSE_LEN=str(TRAIN_LENGTH),
-              **probe_env(out / "probe"))
+    run_smoke(
+        out,
+        "erc_dapo",
+        2,
+        *args,
+        SAVE_FREQ="2",
+        TEST_FREQ="2",
+        RESPONSE_LEN=str(TRAIN_LENGTH),
+        **probe_env(out / "probe"),
+    )
     return out
 
 
@@ -144,8 +158,11 @@ def probe_env(folder: Path) -> dict[str, str]:
     """The environment under which every process of a run imports :mod:`tests.process_probe` (``import verl``
     imports ``VERL_USE_EXTERNAL_MODULES``; local Ray's processes inherit the driver's environment)."""
     python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {"VERL_USE_EXTERNAL_MODULES": "tests.process_probe", "DIVCLIP_PROBE_DIR": str(folder),
-            "PYTHONPATH": python_path}
+    return {
+        "VERL_USE_EXTERNAL_MODULES": "tests.process_probe",
+        "DIVCLIP_PROBE_DIR": str(folder),
+        "PYTHONPATH": python_path,
+    }
 
 
 def test_verl_is_patched_only_in_the_processes_that_build_the_patched_classes(erc_run: Path) -> None:
@@ -159,8 +176,11 @@ def test_verl_is_patched_only_in_the_processes_that_build_the_patched_classes(er
 
     assert ORIGINAL_ATTR == SEAM_ORIGINAL_ATTR  # the probe looks for the seam's own mark
     records = [json.loads(path.read_text()) for path in sorted((erc_run / "probe").glob("*.json"))]
-    verl_trainers = {"sync": "PPOTrainerSync", "colocate_async": "PPOTrainerColocateAsync",
-                     "separate_async": "PPOTrainerSeparateAsync"}
+    verl_trainers = {
+        "sync": "PPOTrainerSync",
+        "colocate_async": "PPOTrainerColocateAsync",
+        "separate_async": "PPOTrainerSeparateAsync",
+    }
     divclip_trainers = {mode: f"DivClip{name}" for mode, name in verl_trainers.items()}
     assert records
     kinds: Counter = Counter()
@@ -185,17 +205,30 @@ def test_verl_is_patched_only_in_the_processes_that_build_the_patched_classes(er
 
 
 #: A substring of each kind's process title (Ray: ``ray::<actor class>``) in the smoke run.
-PROCESS_KINDS = {"driver": "recipe.main", "TaskRunner": "ray::DivClipTaskRunner", "actor worker": "ray::WorkerDict",
-                 "agent-loop worker": "ray::AgentLoopWorker", "reward worker": "ray::RewardLoopWorker",
-                 "rollout server": "ray::HFCpuServer"}
+PROCESS_KINDS = {
+    "driver": "recipe.main",
+    "TaskRunner": "ray::DivClipTaskRunner",
+    "actor worker": "ray::WorkerDict",
+    "agent-loop worker": "ray::AgentLoopWorker",
+    "reward worker": "ray::RewardLoopWorker",
+    "rollout server": "ray::HFCpuServer",
+}
 
 
 @pytest.fixture(scope="module")
 def erc_control(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The erc_run's training, with verl's own packing of the old-log-prob pass."""
     out = tmp_path_factory.mktemp("smoke_erc_control")
-    run_smoke(out, "erc_dapo", 3, "trainer.val_before_train=False", PACK_OLD_LOG_PROB_AS_UPDATE="false",
-              SAVE_FREQ="-1", TEST_FREQ="-1", RESPONSE_LEN=str(TRAIN_LENGTH))
+    run_smoke(
+        out,
+        "erc_dapo",
+        3,
+        "trainer.val_before_train=False",
+        PACK_OLD_LOG_PROB_AS_UPDATE="false",
+        SAVE_FREQ="-1",
+        TEST_FREQ="-1",
+        RESPONSE_LEN=str(TRAIN_LENGTH),
+    )
     return out
 
 
@@ -256,9 +289,16 @@ def test_trainer_runs_kl_full_through_the_vocab_pass_end_to_end(tmp_path: Path) 
     """kl_full through the vocabulary pass (VOCAB_PASS=1: pi_old's top-8 from the pass's slices, no logits
     tensor), stored by verl's old-log-prob pass through TransferQueue, the diagnostic on. (kl3 with the
     diagnostic from verl's logits runs in tests/test_sft_chain_cpu.py, on the SFT model.)"""
-    proc = run_smoke(tmp_path, "kl_full", 1, "actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=True",
-                     "actor_rollout_ref.actor.policy_loss.kl_full_top_k=8", SAVE_FREQ="-1", TEST_FREQ="-1",
-                     VOCAB_PASS="1")
+    proc = run_smoke(
+        tmp_path,
+        "kl_full",
+        1,
+        "actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=True",
+        "actor_rollout_ref.actor.policy_loss.kl_full_top_k=8",
+        SAVE_FREQ="-1",
+        TEST_FREQ="-1",
+        VOCAB_PASS="1",
+    )
     assert "'vocab_pass': True" in proc.stdout  # the config verl's TaskRunner prints
     data = step_metrics(tmp_path)[1]
     assert "actor/divclip/erc/ratio_mean" not in data

@@ -11,8 +11,8 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from recipe.smoke import task as smoke_task  # noqa: E402
 from recipe.reward.score import compute_score  # noqa: E402
+from recipe.smoke import task as smoke_task  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +89,12 @@ def test_model_matches_tokenizer(assets: smoke_task.SmokeAssets) -> None:
 def test_loads_with_verl_rl_dataset(assets: smoke_task.SmokeAssets) -> None:
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
-
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
     tok = AutoTokenizer.from_pretrained(assets.model_path)
-    config = OmegaConf.create({"max_prompt_length": 16, "filter_overlong_prompts": False, "truncation": "error", "return_raw_chat": True})
+    config = OmegaConf.create(
+        {"max_prompt_length": 16, "filter_overlong_prompts": False, "truncation": "error", "return_raw_chat": True}
+    )
     dataset = RLHFDataset(data_files=[assets.train_file], tokenizer=tok, config=config)
     assert len(dataset) == 64
     item = dataset[0]

@@ -74,9 +74,15 @@ def _wait_for_job_agent(address: str, timeout_s: float = 600) -> None:
 @pytest.fixture(scope="module")
 def ray_head():
     temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths are length-limited
-    head = subprocess.Popen([sys.executable, "-c", HEAD, temp_dir], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_ray_env(),
-                            start_new_session=True)
+    head = subprocess.Popen(
+        [sys.executable, "-c", HEAD, temp_dir],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=_ray_env(),
+        start_new_session=True,
+    )
     try:
         ready, _, _ = select.select([head.stdout], [], [], 180)
         line = head.stdout.readline() if ready else ""
@@ -105,11 +111,29 @@ def test_submit_runs_a_dry_run_job(ray_head):
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     submission_id = f"divclip-test-{os.getpid()}"
-    env = {**_ray_env(), "RAY_ADDRESS": ray_head, "PYTHON": sys.executable, "SUBMIT_ID": submission_id,
-           "EXPERIMENT_NAME": "erc dapo $HOME", "NNODES": "2"}
-    proc = subprocess.run(["bash", str(SUBMIT), "run_erc_dapo_7b.sh", "--dry-run",
-                           "trainer.project_name='p q'", "actor_rollout_ref.actor.optim.lr=3e-6"],
-                          cwd="/", capture_output=True, text=True, env=env, timeout=300)
+    env = {
+        **_ray_env(),
+        "RAY_ADDRESS": ray_head,
+        "PYTHON": sys.executable,
+        "SUBMIT_ID": submission_id,
+        "EXPERIMENT_NAME": "erc dapo $HOME",
+        "NNODES": "2",
+    }
+    proc = subprocess.run(
+        [
+            "bash",
+            str(SUBMIT),
+            "run_erc_dapo_7b.sh",
+            "--dry-run",
+            "trainer.project_name='p q'",
+            "actor_rollout_ref.actor.optim.lr=3e-6",
+        ],
+        cwd="/",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     out = proc.stdout
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # the job's output is the dry run's YAML: the script's config, the env and the overrides
@@ -132,8 +156,10 @@ def test_submit_runs_a_dry_run_job(ray_head):
 
 def test_plugin_module_alone_registers_the_losses():
     """What the job's runtime env relies on where the entry point is not installed."""
-    code = ("import verl; from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R; "
-            "assert {'kl3', 'clip', 'gppo', 'is_kl3'} <= set(R), sorted(R)")
+    code = (
+        "import verl; from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R; "
+        "assert {'kl3', 'clip', 'gppo', 'is_kl3'} <= set(R), sorted(R)"
+    )
     env = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "none", "VERL_USE_EXTERNAL_MODULES": "verl_ext.plugin"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -142,13 +168,16 @@ def test_plugin_module_alone_registers_the_losses():
     assert proc.returncode != 0  # the control: without either mechanism the modes are missing
 
 
-@pytest.mark.parametrize("args, env, message", [
-    ([], {"RAY_ADDRESS": "http://127.0.0.1:1"}, "usage: RAY_ADDRESS="),
-    (["run_nope.sh"], {"RAY_ADDRESS": "http://127.0.0.1:1"}, "unknown script 'run_nope.sh'"),
-    (["common.sh"], {"RAY_ADDRESS": "http://127.0.0.1:1"}, "not a training launch script"),
-    (["run_dapo_7b.sh"], {}, "RAY_ADDRESS is not set"),
-    (["run_dapo_7b"], {"RAY_ADDRESS": "http://127.0.0.1:1", "SUBMIT_ENV": "A-B"}, "'A-B' is not a variable name"),
-])
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        ([], {"RAY_ADDRESS": "http://127.0.0.1:1"}, "usage: RAY_ADDRESS="),
+        (["run_nope.sh"], {"RAY_ADDRESS": "http://127.0.0.1:1"}, "unknown script 'run_nope.sh'"),
+        (["common.sh"], {"RAY_ADDRESS": "http://127.0.0.1:1"}, "not a training launch script"),
+        (["run_dapo_7b.sh"], {}, "RAY_ADDRESS is not set"),
+        (["run_dapo_7b"], {"RAY_ADDRESS": "http://127.0.0.1:1", "SUBMIT_ENV": "A-B"}, "'A-B' is not a variable name"),
+    ],
+)
 def test_submit_input_errors(args, env, message):
     base = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "SUBMIT_ENV")}
     proc = subprocess.run(["bash", str(SUBMIT), *args], capture_output=True, text=True, env={**base, **env}, timeout=60)

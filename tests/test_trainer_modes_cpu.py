@@ -42,8 +42,10 @@ from recipe.data_trace import read_trace
 from tests.test_smoke_cpu import VAL_LENGTHS, assert_on_policy_exact, run_smoke, step_metrics, validation_length_args
 
 ASYNC_MODES = ("colocate_async", "separate_async")  # their smoke arguments: MODE_ARGS, shared with the benchmark
-BYPASS = ["algorithm.rollout_correction.bypass_mode=true",
-          "actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=false"]
+BYPASS = [
+    "algorithm.rollout_correction.bypass_mode=true",
+    "actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=false",
+]
 ROLLOUT_CORRECTION = [
     "algorithm.rollout_correction.rollout_is=token",
     "algorithm.rollout_correction.rollout_is_threshold='0.5_2.0'",  # IcePop-style band: weights outside are cut
@@ -66,14 +68,25 @@ def resumed_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     # lr 2e-4: one step moves the policy by a few nats on some tokens, so a sample one version old is off by that
     # much -- IcePop's band masks a quarter of the tokens. (At the smoke's 5e-3 it masked ~95%, and a batch with
     # every token outside the band makes verl 0.9.1's effective-sample-size figure divide by zero.)
-    env = {**env, "DATA_TRACE": str(out / "trace.jsonl"), "SAVE_FREQ": "2", "TEST_FREQ": "2", "RESPONSE_LEN": "8",
-           "LR": "2e-4"}
+    env = {
+        **env,
+        "DATA_TRACE": str(out / "trace.jsonl"),
+        "SAVE_FREQ": "2",
+        "TEST_FREQ": "2",
+        "RESPONSE_LEN": "8",
+        "LR": "2e-4",
+    }
     run_smoke(out, "erc_dapo", FIRST[-1], *overrides, **env)
     first_checkpoint = sorted(p.name for p in (out / "ckpt").iterdir() if p.name.startswith("global_step_"))
     resumed = [*overrides, *(BYPASS if mode == "colocate_async" else [])]
     run_smoke(out, "kl3", RESUMED[-1], *resumed, **env)
-    return {"mode": mode, "out": out, "metrics": step_metrics(out), "first_checkpoint": first_checkpoint,
-            "bypass": RESUMED if mode == "colocate_async" else ()}
+    return {
+        "mode": mode,
+        "out": out,
+        "metrics": step_metrics(out),
+        "first_checkpoint": first_checkpoint,
+        "bypass": RESUMED if mode == "colocate_async" else (),
+    }
 
 
 def test_both_rules_train_validate_and_resume(resumed_run: dict[str, Any]) -> None:
@@ -166,7 +179,7 @@ def test_no_prompt_is_trained_twice_and_none_is_skipped_across_the_resume(resume
     # none skipped by the resumed dataloader: the two attempts fetched the sampler's first prompts of the epoch
     fetched = [index for index, _ in fetched_first + fetched_second]
     order = epoch_order(resumed_run["out"] / "assets" / "data" / "train.parquet")
-    assert len(fetched) <= len(order) and sorted(fetched) == sorted(order[:len(fetched)])
+    assert len(fetched) <= len(order) and sorted(fetched) == sorted(order[: len(fetched)])
 
 
 def epoch_order(train_file: Path) -> list[int]:
@@ -178,7 +191,9 @@ def epoch_order(train_file: Path) -> list[int]:
 
     from tests.test_recipe_main import compose_config
 
-    indices = [row["index"] for row in pq.read_table(train_file, columns=["extra_info"]).column("extra_info").to_pylist()]
+    indices = [
+        row["index"] for row in pq.read_table(train_file, columns=["extra_info"]).column("extra_info").to_pylist()
+    ]
     assert len(set(indices)) == len(indices)  # an index names one prompt
     return [indices[position] for position in create_rl_sampler(compose_config().data, indices)]
 

@@ -48,9 +48,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import pytest
 
@@ -210,16 +211,24 @@ class ClusterProcesses:
             if stat is None or stat[3] == "Z":
                 continue
             try:
-                cmdline = (Path(entry.path) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                cmdline = (
+                    (Path(entry.path) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                )
             except OSError:
                 continue
             table[pid] = (stat[0], stat[1], stat[2], cmdline)
-        members = {pid for pid, (_, _, _, cmdline) in table.items()
-                   if pid == self.launcher_pid or self.temp_dir in cmdline or _refers_to(pid, self.temp_dir)}
+        members = {
+            pid
+            for pid, (_, _, _, cmdline) in table.items()
+            if pid == self.launcher_pid or self.temp_dir in cmdline or _refers_to(pid, self.temp_dir)
+        }
         while True:
             sessions = {table[pid][1] for pid in members} - {self._own_sid, 0, 1}
-            more = {pid for pid, (ppid, sid, _, _) in table.items()
-                    if pid not in members and (ppid in members or sid in sessions)}
+            more = {
+                pid
+                for pid, (ppid, sid, _, _) in table.items()
+                if pid not in members and (ppid in members or sid in sessions)
+            }
             if not more:
                 break
             members |= more
@@ -262,8 +271,11 @@ class ClusterProcesses:
         then, or an idle pool worker given a job's task or actor then (a driver, its workers, the job's
         supervisor). Processes that were only ever idle pool workers belong to no job."""
         with self._lock:
-            return [key for key, record in self.records.items()
-                    if any(since <= seen <= until and not _is_pool_title(title) for title, seen in record.titles.items())]
+            return [
+                key
+                for key, record in self.records.items()
+                if any(since <= seen <= until and not _is_pool_title(title) for title, seen in record.titles.items())
+            ]
 
     def wait_gone(self, keys: list[ProcKey], grace_s: float) -> tuple[list[ProcKey], float]:
         """Wait up to ``grace_s`` for every process in ``keys`` to end: (those still alive, seconds waited)."""
@@ -304,17 +316,25 @@ def two_nodes() -> Iterator[dict[str, Any]]:
     # and read by any bare ray.init there. RAY_TMPDIR moves that folder into the test's own.
     (Path(temp_dir) / "ray").mkdir()
     with launcher_log.open("w") as launcher_err:
-        launcher = subprocess.Popen([sys.executable, "-c", CLUSTER, str(gcs_port), str(dashboard_port), temp_dir, str(agent_port)],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=launcher_err, text=True,
-                                    env={**loopback_env(), "RAY_TMPDIR": temp_dir}, start_new_session=True)
+        launcher = subprocess.Popen(
+            [sys.executable, "-c", CLUSTER, str(gcs_port), str(dashboard_port), temp_dir, str(agent_port)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=launcher_err,
+            text=True,
+            env={**loopback_env(), "RAY_TMPDIR": temp_dir},
+            start_new_session=True,
+        )
     watch = ClusterProcesses(temp_dir, launcher.pid)
     watch.start()
     verdict: list[str] = []
     try:
         ready, _, _ = select.select([launcher.stdout], [], [], 240)
         line = launcher.stdout.readline() if ready else ""
-        assert line.startswith("{"), (f"the two-node cluster did not start within 240 s (exit {launcher.poll()}): "
-                                      + launcher_log.read_text()[-3000:])
+        assert line.startswith("{"), (
+            f"the two-node cluster did not start within 240 s (exit {launcher.poll()}): "
+            + launcher_log.read_text()[-3000:]
+        )
         nodes = json.loads(line)
         address = f"http://127.0.0.1:{dashboard_port}"
         _wait_for_job_agent(address)
@@ -334,10 +354,15 @@ def two_nodes() -> Iterator[dict[str, Any]]:
         if launcher.poll() is None:
             verdict.append(f"the launcher (pid {launcher.pid}) did not return from cluster.shutdown() within 90 s")
         if survivors:
-            verdict.append(f"{len(survivors)} of the cluster's {len(found)} processes outlived its shutdown by "
-                           f"{waited:.0f} s: " + "; ".join(watch.describe(k) for k in survivors))
-        print(f"two-node test: {len(found)} cluster processes before shutdown, all gone {waited:.1f} s after it"
-              if not survivors else verdict[-1])
+            verdict.append(
+                f"{len(survivors)} of the cluster's {len(found)} processes outlived its shutdown by "
+                f"{waited:.0f} s: " + "; ".join(watch.describe(k) for k in survivors)
+            )
+        print(
+            f"two-node test: {len(found)} cluster processes before shutdown, all gone {waited:.1f} s after it"
+            if not survivors
+            else verdict[-1]
+        )
         # 3. Only now, cleanup: the survivors by pid, the launcher's process group (its id is the launcher's
         #    pid), then anything still found.
         _end([k.pid for k in survivors if watch.alive(k)])
@@ -355,13 +380,27 @@ def two_nodes() -> Iterator[dict[str, Any]]:
 def submit(cluster: dict[str, Any], out: Path, submission_id: str, wait: bool) -> subprocess.CompletedProcess:
     """``launch/submit.sh run_smoke_cpu.sh`` in a session of its own, ended by its process group's id (the
     script's pid) if it outlives its timeout or the test fails meanwhile."""
-    env = {**loopback_env(), "RAY_ADDRESS": cluster["address"], "PYTHON": sys.executable, "SMOKE_OUT": str(out),
-           "LOSS": "kl3", "STEPS": str(STEPS), "NNODES": "2", "N_DEVICES": "1", "BATCH": "8", "ROLLOUT_N": "4",
-           "SAVE_FREQ": "1", "TEST_FREQ": str(STEPS), "SUBMIT_ID": submission_id, "SUBMIT_NO_WAIT": "0" if wait else "1"}
+    env = {
+        **loopback_env(),
+        "RAY_ADDRESS": cluster["address"],
+        "PYTHON": sys.executable,
+        "SMOKE_OUT": str(out),
+        "LOSS": "kl3",
+        "STEPS": str(STEPS),
+        "NNODES": "2",
+        "N_DEVICES": "1",
+        "BATCH": "8",
+        "ROLLOUT_N": "4",
+        "SAVE_FREQ": "1",
+        "TEST_FREQ": str(STEPS),
+        "SUBMIT_ID": submission_id,
+        "SUBMIT_NO_WAIT": "0" if wait else "1",
+    }
     env["DATA_TRACE"] = str(out / "trace.jsonl")
     args = ["bash", str(SUBMIT), "run_smoke_cpu.sh", *RUN_ARGS]
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=SMOKE_TIMEOUT_S * 4 // 3)  # two nodes: 1200 s where one took 900
     finally:
@@ -396,13 +435,23 @@ def actor_ranks(cluster: dict[str, Any]) -> list[Any]:
     """verl's actor worker group (``WorkerDict`` actors) as Ray's state API reports them: pid and node."""
     from ray.util.state import list_actors
 
-    return [a for a in list_actors(address=cluster["address"], filters=[("state", "=", "ALIVE")], limit=1000)
-            if a.class_name.endswith("WorkerDict")]
+    return [
+        a
+        for a in list_actors(address=cluster["address"], filters=[("state", "=", "ALIVE")], limit=1000)
+        if a.class_name.endswith("WorkerDict")
+    ]
 
 
 _SEP = r"(?:\s|\\[nt])+"  # a line break and tab, or their escapes where the error is shown by repr
-DEATH_REPORT = re.compile(r"The actor died unexpectedly before finishing this task\." + _SEP + r"class_name: (?P<class_name>[^\s\\]+)"
-                          + _SEP + r"actor_id: (?P<actor_id>[0-9a-f]+)(?:" + _SEP + r"pid: (?P<pid>\d+))?")
+DEATH_REPORT = re.compile(
+    r"The actor died unexpectedly before finishing this task\."
+    + _SEP
+    + r"class_name: (?P<class_name>[^\s\\]+)"
+    + _SEP
+    + r"actor_id: (?P<actor_id>[0-9a-f]+)(?:"
+    + _SEP
+    + r"pid: (?P<pid>\d+))?"
+)
 
 
 def death_reports(logs: str) -> list[dict[str, str]]:
@@ -425,8 +474,11 @@ def complete(step_folder: Path) -> bool:
     """Both ranks' model, optimizer and extra-state shards, the dataloader's state, the controller's state."""
     actor = step_folder / "actor"
     shards = [f"{kind}_world_size_2_rank_{rank}.pt" for kind in ("model", "optim", "extra_state") for rank in (0, 1)]
-    return all((actor / name).is_file() for name in shards) and (step_folder / "data.pt").is_file() \
+    return (
+        all((actor / name).is_file() for name in shards)
+        and (step_folder / "data.pt").is_file()
         and (step_folder / "divclip_adaptive_delta.json").is_file()
+    )
 
 
 def assert_only_complete_checkpoints(ckpt: Path) -> int:
@@ -457,8 +509,10 @@ def load_shards(step_folder: Path, rank: int) -> tuple[dict[str, Any], dict[str,
     level = mesh_log.level
     mesh_log.setLevel(logging.ERROR)
     try:
-        return (torch.load(actor / f"optim_world_size_2_rank_{rank}.pt", weights_only=False, map_location="cpu"),
-                torch.load(actor / f"model_world_size_2_rank_{rank}.pt", weights_only=False, map_location="cpu"))
+        return (
+            torch.load(actor / f"optim_world_size_2_rank_{rank}.pt", weights_only=False, map_location="cpu"),
+            torch.load(actor / f"model_world_size_2_rank_{rank}.pt", weights_only=False, map_location="cpu"),
+        )
     finally:
         mesh_log.setLevel(level)
 
@@ -468,8 +522,9 @@ def _f64(value: Any) -> Any:
     return (value.to_local() if hasattr(value, "to_local") else value).double()
 
 
-def adam_misfits(before: tuple[dict[str, Any], dict[str, Any]], after: tuple[dict[str, Any], dict[str, Any]],
-                 prior: str = "saved") -> tuple[int, int]:
+def adam_misfits(
+    before: tuple[dict[str, Any], dict[str, Any]], after: tuple[dict[str, Any], dict[str, Any]], prior: str = "saved"
+) -> tuple[int, int]:
     """How many parameter elements of ``after`` (a rank's optimizer and model shards one training step
     later, i.e. two AdamW updates) do not follow from ``before`` -- (misfits, elements).
 
@@ -546,14 +601,18 @@ def runs(two_nodes: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) ->
     proc = submit(two_nodes, straight, "divclip-two-nodes-straight", wait=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     while not (straight / "ckpt" / "latest_checkpointed_iteration.txt").exists():
-        assert job_status(two_nodes, "divclip-two-nodes-straight") not in (JobStatus.FAILED, JobStatus.STOPPED), \
+        assert job_status(two_nodes, "divclip-two-nodes-straight") not in (JobStatus.FAILED, JobStatus.STOPPED), (
             client.get_job_logs("divclip-two-nodes-straight")[-4000:]
+        )
         placements = actor_ranks(two_nodes) or placements
         time.sleep(1)
     placements = actor_ranks(two_nodes) or placements
-    result["straight"] = {"out": straight, "placements": placements,
-                          "status": wait_for_status(two_nodes, "divclip-two-nodes-straight", 900)[0],
-                          "logs": client.get_job_logs("divclip-two-nodes-straight")}
+    result["straight"] = {
+        "out": straight,
+        "placements": placements,
+        "status": wait_for_status(two_nodes, "divclip-two-nodes-straight", 900)[0],
+        "logs": client.get_job_logs("divclip-two-nodes-straight"),
+    }
     result["straight"]["leftovers"] = job_leftovers(watch, submitted_at)
     (straight / "job.log").write_text(result["straight"]["logs"])
 
@@ -566,24 +625,34 @@ def runs(two_nodes: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) ->
     deadline = time.monotonic() + 900
     while not (tracker.exists() and tracker.read_text().strip()):
         assert time.monotonic() < deadline and job_status(two_nodes, "divclip-two-nodes-crash") in (
-            JobStatus.PENDING, JobStatus.RUNNING), client.get_job_logs("divclip-two-nodes-crash")[-4000:]
+            JobStatus.PENDING,
+            JobStatus.RUNNING,
+        ), client.get_job_logs("divclip-two-nodes-crash")[-4000:]
         time.sleep(0.5)
     ranks = actor_ranks(two_nodes)
     victim = next(a for a in ranks if a.node_id == two_nodes["nodes"]["second"])
     os.kill(victim.pid, signal.SIGKILL)
     status, seconds = wait_for_status(two_nodes, "divclip-two-nodes-crash", FAIL_WITHIN_S)
-    result["crashed"] = {"out": crashed, "status": status, "seconds_to_fail": seconds, "victim": victim,
-                         "survivor": next(a for a in ranks if a.actor_id != victim.actor_id),
-                         "logs": client.get_job_logs("divclip-two-nodes-crash")}
+    result["crashed"] = {
+        "out": crashed,
+        "status": status,
+        "seconds_to_fail": seconds,
+        "victim": victim,
+        "survivor": next(a for a in ranks if a.actor_id != victim.actor_id),
+        "logs": client.get_job_logs("divclip-two-nodes-crash"),
+    }
     result["crashed"]["leftovers"] = job_leftovers(watch, submitted_at)
     (crashed / "job-crashed.log").write_text(result["crashed"]["logs"])
 
     # 3. resumed: the same submission again
     submitted_at = time.time()
     proc = submit(two_nodes, crashed, "divclip-two-nodes-resume", wait=True)
-    result["resumed"] = {"status": wait_for_status(two_nodes, "divclip-two-nodes-resume", 900)[0],
-                         "logs": client.get_job_logs("divclip-two-nodes-resume"), "submit": proc,
-                         "submitted_at": submitted_at}
+    result["resumed"] = {
+        "status": wait_for_status(two_nodes, "divclip-two-nodes-resume", 900)[0],
+        "logs": client.get_job_logs("divclip-two-nodes-resume"),
+        "submit": proc,
+        "submitted_at": submitted_at,
+    }
     result["resumed"]["leftovers"] = job_leftovers(watch, submitted_at)
     (crashed / "job-resumed.log").write_text(result["resumed"]["logs"])
     result["seconds"] = time.monotonic() - started
@@ -593,8 +662,10 @@ def runs(two_nodes: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) ->
 def assert_no_leftovers(job: dict[str, Any]) -> None:
     leftovers = job["leftovers"]
     assert leftovers["processes"] > 0  # the job's driver and workers were seen while it ran
-    assert leftovers["left"] == [], (f"{len(leftovers['left'])} of the job's {leftovers['processes']} processes "
-                                     f"outlived it by {leftovers['seconds']:.0f} s: {leftovers['left']}")
+    assert leftovers["left"] == [], (
+        f"{len(leftovers['left'])} of the job's {leftovers['processes']} processes "
+        f"outlived it by {leftovers['seconds']:.0f} s: {leftovers['left']}"
+    )
 
 
 def test_training_is_submitted_to_two_nodes_and_succeeds(runs: dict[str, Any], two_nodes: dict[str, Any]) -> None:
@@ -613,7 +684,9 @@ def test_training_is_submitted_to_two_nodes_and_succeeds(runs: dict[str, Any], t
     assert any(k.startswith("val-core/") for k in metrics[STEPS])  # validated at the last step
     assert assert_only_complete_checkpoints(straight["out"] / "ckpt") == STEPS
     for step in range(1, STEPS + 1):  # the controller's state saved with each checkpoint is the delta it set next
-        state = json.loads((straight["out"] / "ckpt" / f"global_step_{step}" / "divclip_adaptive_delta.json").read_text())
+        state = json.loads(
+            (straight["out"] / "ckpt" / f"global_step_{step}" / "divclip_adaptive_delta.json").read_text()
+        )
         assert state["delta"] == pytest.approx(metrics[step]["actor/divclip/delta_next"], rel=1e-12)
         assert state["metric"] == "actor/divclip/kl3_mean"
     assert_no_leftovers(straight)
@@ -630,15 +703,17 @@ def test_a_killed_rank_fails_the_job_in_bounded_time_leaving_complete_checkpoint
     # reported dead.
     reports = death_reports(logs)
     assert {"actor_id": victim.actor_id, "pid": str(victim.pid)} in [
-        {"actor_id": r["actor_id"], "pid": r["pid"]} for r in reports], (victim.actor_id, victim.pid, reports, logs[-4000:])
+        {"actor_id": r["actor_id"], "pid": r["pid"]} for r in reports
+    ], (victim.actor_id, victim.pid, reports, logs[-4000:])
     assert all(r["class_name"].endswith("WorkerDict") for r in reports if r["actor_id"] == victim.actor_id)
     assert survivor.actor_id not in {r["actor_id"] for r in reports}, reports
     assert_no_leftovers(crashed)
 
 
 def test_resume_continues_from_the_last_complete_checkpoint_and_repeats_no_prompt(runs: dict[str, Any]) -> None:
-    from recipe.data_trace import read_trace
     from ray.job_submission import JobStatus
+
+    from recipe.data_trace import read_trace
 
     resumed, crashed_out, straight_out = runs["resumed"], runs["crashed"]["out"], runs["straight"]["out"]
     assert resumed["status"] == JobStatus.SUCCEEDED, resumed["logs"][-4000:]
@@ -661,7 +736,10 @@ def test_resume_continues_from_the_last_complete_checkpoint_and_repeats_no_promp
     # optimizer not been restored (a fresh AdamW: zero moments, step 0), or restored from other values,
     # the step counters would read 2 fewer and the moments and parameters would not fit: the controls below
     # show that on this very data a fresh or a foreign prior state misfits nearly every element.
-    saved, written = crashed_out / "ckpt" / f"global_step_{resumed_from}", crashed_out / "ckpt" / f"global_step_{resumed_from + 1}"
+    saved, written = (
+        crashed_out / "ckpt" / f"global_step_{resumed_from}",
+        crashed_out / "ckpt" / f"global_step_{resumed_from + 1}",
+    )
     for rank in (0, 1):
         assert (written / "actor" / f"optim_world_size_2_rank_{rank}.pt").stat().st_mtime >= resumed["submitted_at"]
         before, after = load_shards(saved, rank), load_shards(written, rank)
@@ -669,9 +747,16 @@ def test_resume_continues_from_the_last_complete_checkpoint_and_repeats_no_promp
         misfits, elements = adam_misfits(before, after)
         assert misfits == 0, f"rank {rank}: {misfits} of {elements} elements do not continue the saved optimizer state"
         steps = {int(s["step"]) for s in after[0]["state"].values()}
-        assert steps == {int(s["step"]) + UPDATES_PER_STEP for s in before[0]["state"].values()} \
-            == {int(s["step"]) for s in reference[0]["state"].values()} == {UPDATES_PER_STEP * (resumed_from + 1)}, rank
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in (before[0]["param_groups"][0], after[0]["param_groups"][0])]
+        assert (
+            steps
+            == {int(s["step"]) + UPDATES_PER_STEP for s in before[0]["state"].values()}
+            == {int(s["step"]) for s in reference[0]["state"].values()}
+            == {UPDATES_PER_STEP * (resumed_from + 1)}
+        ), rank
+        hyper = [
+            {k: v for k, v in g.items() if k != "params"}
+            for g in (before[0]["param_groups"][0], after[0]["param_groups"][0])
+        ]
         assert hyper[0] == hyper[1], rank  # the same lr (constant schedule), betas, eps and weight decay
         # the check's controls: the uninterrupted run's own update passes it; a fresh optimizer and the
         # uninterrupted run's saved state (a real AdamW state, not the one loaded) fail it nearly everywhere
@@ -680,10 +765,14 @@ def test_resume_continues_from_the_last_complete_checkpoint_and_repeats_no_promp
         fresh = adam_misfits(before, after, prior="fresh")[0]
         foreign = adam_misfits(straight_saved, after)[0]
         assert min(fresh, foreign) > elements / 2, (rank, fresh, foreign, elements)
-        print(f"two-node test: rank {rank}: 0 of {elements} elements misfit the saved optimizer state; "
-              f"{fresh} misfit a fresh one, {foreign} the uninterrupted run's")
+        print(
+            f"two-node test: rank {rank}: 0 of {elements} elements misfit the saved optimizer state; "
+            f"{fresh} misfit a fresh one, {foreign} the uninterrupted run's"
+        )
         # and each rank loaded its own shard of that checkpoint (one rank on each node)
-        assert f"[Rank {rank}] Loaded optimizer from {saved}/actor/optim_world_size_2_rank_{rank}.pt" in resumed["logs"], rank
+        assert (
+            f"[Rank {rank}] Loaded optimizer from {saved}/actor/optim_world_size_2_rank_{rank}.pt" in resumed["logs"]
+        ), rank
     # the prompts kept (the crashed attempt up to the checkpoint, then the resumed one) are, step by step,
     # the uninterrupted run's: none skipped, none seen twice
     kept = {line["step"]: line["prompts"] for line in first if line["step"] <= resumed_from}
@@ -693,12 +782,16 @@ def test_resume_continues_from_the_last_complete_checkpoint_and_repeats_no_promp
     assert kept == reference_trace
     # the adaptive delta continued from the checkpoint's controller state, not from its initial value
     metrics = step_metrics(crashed_out)
-    assert metrics[resumed_from + 1]["actor/divclip/delta"] == pytest.approx(expected_delta(resumed_from + 1), rel=1e-12)
+    assert metrics[resumed_from + 1]["actor/divclip/delta"] == pytest.approx(
+        expected_delta(resumed_from + 1), rel=1e-12
+    )
     assert expected_delta(resumed_from + 1) != ADAPTIVE["delta"]
     for data in metrics.values():
         assert_on_policy_exact(data, erc=True)
     assert_no_leftovers(resumed)
     jobs = {name: runs[name]["leftovers"] for name in ("straight", "crashed", "resumed")}
-    print(f"two-node test: {runs['seconds']:.0f} s for the three jobs; failed {runs['crashed']['seconds_to_fail']:.0f} s "
-          f"after the kill; processes per job (all ended, seconds after the job's end): "
-          + ", ".join(f"{n} {j['processes']} ({j['seconds']:.1f} s)" for n, j in jobs.items()))
+    print(
+        f"two-node test: {runs['seconds']:.0f} s for the three jobs; failed {runs['crashed']['seconds_to_fail']:.0f} s "
+        f"after the kill; processes per job (all ended, seconds after the job's end): "
+        + ", ".join(f"{n} {j['processes']} ({j['seconds']:.1f} s)" for n, j in jobs.items())
+    )

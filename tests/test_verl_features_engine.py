@@ -41,9 +41,10 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 from unittest import mock
 
 import pytest
@@ -79,7 +80,9 @@ FUSED = dict(use_fused_kernels=True, fused_kernels_backend="torch")
 #: verl's default bf16 (mixed_precision=None), dynamic batching with the log-prob pass at twice the update's budget
 #: (24/48 tokens: where verl's own packing of the old pass shows the kernels' noise under LoRA on the CPU this was
 #: written on, see the control in job_lora)
-BF16_DYNAMIC_2_TO_1 = dict(mixed_precision=None, use_dynamic_bsz=True, max_token_len_per_gpu=24, infer_max_token_len_per_gpu=48)
+BF16_DYNAMIC_2_TO_1 = dict(
+    mixed_precision=None, use_dynamic_bsz=True, max_token_len_per_gpu=24, infer_max_token_len_per_gpu=48
+)
 #: more token budgets (update / log-prob pass) for the controls: on the 2-core CPU these were written on, verl's own
 #: packing showed the noise under LoRA at 24/48 and 24/72 on the trained adapter's step (0.03125), not at 40/80;
 #: with the fused kernel at every one (1e-4 to 4e-3)
@@ -92,8 +95,9 @@ def verl_ppo_loss() -> Any:
     """verl's own ``ppo_loss`` in ``vanilla`` mode with the same clip range."""
     from verl.workers.config import PolicyLossConfig
 
-    return ppo_loss_fn(make_actor_config(policy_loss=PolicyLossConfig(loss_mode="vanilla"), clip_ratio_low=0.2,
-                                         clip_ratio_high=0.28))
+    return ppo_loss_fn(
+        make_actor_config(policy_loss=PolicyLossConfig(loss_mode="vanilla"), clip_ratio_low=0.2, clip_ratio_high=0.28)
+    )
 
 
 def with_old(batch: Any, old: dict[str, torch.Tensor], noise: float = 0.0, seed: int = 0) -> Any:
@@ -103,7 +107,8 @@ def with_old(batch: Any, old: dict[str, torch.Tensor], noise: float = 0.0, seed:
     if noise:
         gen = torch.Generator().manual_seed(seed)
         log_probs = torch.nested.as_nested_tensor(
-            [lp + noise * torch.randn(lp.shape, generator=gen) for lp in log_probs.unbind()], layout=torch.jagged)
+            [lp + noise * torch.randn(lp.shape, generator=gen) for lp in log_probs.unbind()], layout=torch.jagged
+        )
     data["old_log_probs"], data["entropy"] = log_probs, old["entropy"]
     return data
 
@@ -147,8 +152,14 @@ def parity_pair(model_path: str, options: WorkerOptions) -> dict[str, dict[str, 
     }
 
 
-def on_policy_step(worker: Any, batch: Any, erc: bool, ref_pass: bool = False, aligned: bool = True,
-                   phase: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+def on_policy_step(
+    worker: Any,
+    batch: Any,
+    erc: bool,
+    ref_pass: bool = False,
+    aligned: bool = True,
+    phase: Optional[Callable[[str], None]] = None,
+) -> dict[str, Any]:
     """One training step in the trainer's order: the old-log-prob pass with the update's packing key, the
     reference pass (``ref_pass``), then the update told it follows that pass (``aligned``; without it the
     trainer's opt-out, verl's own packing: no key, nothing to follow)."""
@@ -162,8 +173,15 @@ def on_policy_step(worker: Any, batch: Any, erc: bool, ref_pass: bool = False, a
     mark("update")
     found = {"old_log_probs": old["old_log_probs"].values(), "ref_log_probs": None if ref is None else ref.values()}
     try:
-        metrics = update_actor(worker, with_old(batch, old), calculate_entropy=erc, mini_batch_size=MINI_BATCH,
-                               shuffle=True, seed=LOADER_SEED, extra_info={UPDATE_FOLLOWS_OLD_PASS_KEY: aligned})
+        metrics = update_actor(
+            worker,
+            with_old(batch, old),
+            calculate_entropy=erc,
+            mini_batch_size=MINI_BATCH,
+            shuffle=True,
+            seed=LOADER_SEED,
+            extra_info={UPDATE_FOLLOWS_OLD_PASS_KEY: aligned},
+        )
     except PackingMismatchError as error:  # the update found no (or another) packing record: reported by the test
         return {**found, "metrics": {}, "mismatch": str(error)}
     finally:
@@ -173,12 +191,17 @@ def on_policy_step(worker: Any, batch: Any, erc: bool, ref_pass: bool = False, a
 
 def bf16_dynamic(budgets: tuple[int, int]) -> dict[str, Any]:
     """verl's default bf16 with dynamic batching at ``budgets`` (update, log-prob pass) tokens per micro-batch."""
-    return dict(mixed_precision=None, use_dynamic_bsz=True, max_token_len_per_gpu=budgets[0],
-                infer_max_token_len_per_gpu=budgets[1])
+    return dict(
+        mixed_precision=None,
+        use_dynamic_bsz=True,
+        max_token_len_per_gpu=budgets[0],
+        infer_max_token_len_per_gpu=budgets[1],
+    )
 
 
-def aligned_and_control(model_path: str, features: dict[str, Any], budgets: tuple[int, int], batch: Any,
-                        steps: int) -> dict[str, list[dict[str, Any]]]:
+def aligned_and_control(
+    model_path: str, features: dict[str, Any], budgets: tuple[int, int], batch: Any, steps: int
+) -> dict[str, list[dict[str, Any]]]:
     """``steps`` kl3 steps of a fresh worker (``features`` at ``budgets``), once with pack_old_log_prob_as_update and once
     with verl's own packing of the old pass (the control), from the same initialisation."""
     out = {}
@@ -207,18 +230,25 @@ def job_lora(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
         worker.set_loss_fn(divclip_loss(mode))
         erc = "erc_beta_low" in mode
         # the adapter at its initialisation (lora_B = 0), trained once, and trained twice with the ref pass in between
-        out[name] = [on_policy_step(worker, batch, erc), on_policy_step(worker, batch, erc),
-                     on_policy_step(worker, batch, erc, ref_pass=True)]
+        out[name] = [
+            on_policy_step(worker, batch, erc),
+            on_policy_step(worker, batch, erc),
+            on_policy_step(worker, batch, erc, ref_pass=True),
+        ]
     # the control: the same three kl3 steps with verl's own packing of the old pass (the opt-out)
     torch.manual_seed(1)
     worker = build_actor_worker(model_path, bf16)
     worker.set_loss_fn(divclip_loss(dict(loss_mode="kl3"), aligned=False))
     out["control"] = [on_policy_step(worker, batch, False, ref_pass=step == 2, aligned=False) for step in range(3)]
     # the two arms at more token budgets (the adapter at init and trained once)
-    out["packings"] = {name: aligned_and_control(model_path, LORA, budgets, batch, steps=2)
-                       for name, budgets in LORA_CONTROL_BUDGETS.items()}
+    out["packings"] = {
+        name: aligned_and_control(model_path, LORA, budgets, batch, steps=2)
+        for name, budgets in LORA_CONTROL_BUDGETS.items()
+    }
     base = build_actor_worker(model_path, WorkerOptions(**BF16_DYNAMIC_2_TO_1, **EXACT_SGD))  # no adapter
-    base.set_loss_fn(divclip_loss(dict(loss_mode="kl3")))  # packs a keyless pass as the LoRA worker's ref pass: one in-order mini-batch
+    base.set_loss_fn(
+        divclip_loss(dict(loss_mode="kl3"))
+    )  # packs a keyless pass as the LoRA worker's ref pass: one in-order mini-batch
     out["base_log_probs"] = ref_log_prob(base, batch, no_lora_adapter=False).values()
     return out
 
@@ -254,8 +284,10 @@ def job_fused(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
             step = on_policy_step(worker, batch, "erc_beta_low" in mode, phase=lambda name: phase.__setitem__(0, name))
         out[name] = {**step, "fused_calls": calls, "entropy_path": entropy_path_of(worker.engine).value}
     # the control: one kl3 step with verl's own packing of the old pass, beside the aligned arm, per token budget
-    out["packings"] = {name: aligned_and_control(model_path, FUSED, budgets, batch, steps=1)
-                       for name, budgets in FUSED_CONTROL_BUDGETS.items()}
+    out["packings"] = {
+        name: aligned_and_control(model_path, FUSED, budgets, batch, steps=1)
+        for name, budgets in FUSED_CONTROL_BUDGETS.items()
+    }
     return out
 
 
@@ -266,8 +298,9 @@ def critic_config() -> Any:
     """The critic's config as verl's trainer binds it into ``value_loss`` (fsdp2, token-mean, value clip 0.5)."""
     from verl.workers.config import FSDPCriticConfig
 
-    return FSDPCriticConfig(strategy="fsdp2", ppo_mini_batch_size=CRITIC_MINI_BATCH, ppo_micro_batch_size_per_gpu=2,
-                            cliprange_value=0.5)
+    return FSDPCriticConfig(
+        strategy="fsdp2", ppo_mini_batch_size=CRITIC_MINI_BATCH, ppo_micro_batch_size_per_gpu=2, cliprange_value=0.5
+    )
 
 
 def compute_values(worker: Any, batch: Any) -> torch.Tensor:
@@ -285,8 +318,15 @@ def update_critic(worker: Any, batch: Any) -> dict[str, Any]:
     from verl.utils import tensordict_utils as tu
 
     data = batch.clone()
-    tu.assign_non_tensor(data, global_batch_size=CRITIC_MINI_BATCH, mini_batch_size=CRITIC_MINI_BATCH, epochs=1, seed=0,
-                         dataloader_kwargs={"shuffle": False}, temperature=1.0)
+    tu.assign_non_tensor(
+        data,
+        global_batch_size=CRITIC_MINI_BATCH,
+        mini_batch_size=CRITIC_MINI_BATCH,
+        epochs=1,
+        seed=0,
+        dataloader_kwargs={"shuffle": False},
+        temperature=1.0,
+    )
     return dict(tu.get(worker.train_mini_batch(data), "metrics"))
 
 
@@ -295,8 +335,9 @@ def seam_wrapped() -> list[tuple[type, str]]:
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     from verl.workers.engine_workers import TrainingWorker
 
-    return [(TrainingWorker, name) for name in ("set_loss_fn", "train_mini_batch", "train_batch")] + \
-           [(FSDPEngineWithLMHead, name) for name in ("infer_batch", "forward_step")]
+    return [(TrainingWorker, name) for name in ("set_loss_fn", "train_mini_batch", "train_batch")] + [
+        (FSDPEngineWithLMHead, name) for name in ("infer_batch", "forward_step")
+    ]
 
 
 @contextmanager
@@ -305,8 +346,12 @@ def verls_own_functions() -> Iterator[None]:
     function as ``__divclip_original__``), the wrappers re-installed after it."""
     from verl_ext.engine.seam import ORIGINAL_ATTR
 
-    with swapped([Swap(owner, name, getattr(vars(owner)[name], ORIGINAL_ATTR), "verl's own function")
-                  for owner, name in seam_wrapped()]):
+    with swapped(
+        [
+            Swap(owner, name, getattr(vars(owner)[name], ORIGINAL_ATTR), "verl's own function")
+            for owner, name in seam_wrapped()
+        ]
+    ):
         yield
 
 
@@ -348,10 +393,17 @@ def job_critic(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
             data["values"], data["returns"] = values, returns
             before = full_params(worker)
             metrics = update_critic(worker, data)
-        out[arm] = {"engine": type(worker.engine).__name__, "wrapped": wrapped, "seam_steps": steps[0],
-                    "values": values.values(), "initial": before, "delta": param_delta(before, full_params(worker)),
-                    "metrics": {k: [float(v) for v in vals] if isinstance(vals, list) else float(vals)
-                                for k, vals in metrics.items()}}
+        out[arm] = {
+            "engine": type(worker.engine).__name__,
+            "wrapped": wrapped,
+            "seam_steps": steps[0],
+            "values": values.values(),
+            "initial": before,
+            "delta": param_delta(before, full_params(worker)),
+            "metrics": {
+                k: [float(v) for v in vals] if isinstance(vals, list) else float(vals) for k, vals in metrics.items()
+            },
+        }
     out["reinstalled"] = all(hasattr(getattr(owner, name), ORIGINAL_ATTR) for owner, name in seam_wrapped())
     return out
 
@@ -434,7 +486,7 @@ def assert_control_shows_the_noise(arms: dict[str, dict[str, list[dict[str, Any]
     once: the kernels' noise, which the aligned arm of the same packings does not show. Returns the control's gauges."""
     noise = {}
     for packing, arm in arms.items():
-        for step, (aligned, control) in enumerate(zip(arm["aligned"], arm["control"])):
+        for step, (aligned, control) in enumerate(zip(arm["aligned"], arm["control"], strict=False)):
             assert_on_policy(aligned, erc=False)
             assert "mismatch" not in control, control["mismatch"]
             assert set(control["metrics"][PATH + "pack_old_log_prob_as_update"]) == {0.0}, control["metrics"]

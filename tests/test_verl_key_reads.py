@@ -23,8 +23,11 @@ READ_CLASSES = (KeyClass.HONOURED, KeyClass.REPLACED, KeyClass.REFUSED)
 def test_every_recorded_key_has_its_row_and_none_is_verl_reads() -> None:
     keys = read_keys()
     assert len(keys) > 50, f"{READ_KEYS_PATH} records {len(keys)} keys: rerun python -m recipe.verl_key_reads"
-    unrowed = {key: modules for key, modules in keys.items() if key not in verl_keys.NOT_CONFIG_KEYS
-               and (row_of(key) is None or row_of(key).key_class not in READ_CLASSES)}
+    unrowed = {
+        key: modules
+        for key, modules in keys.items()
+        if key not in verl_keys.NOT_CONFIG_KEYS and (row_of(key) is None or row_of(key).key_class not in READ_CLASSES)
+    }
     assert not unrowed, (
         "the product reads these verl keys, yet their row says verl reads them alone (or no row covers them): "
         f"give each an honoured / replaced / refused row in recipe/verl_keys.py: {unrowed}"
@@ -37,7 +40,8 @@ def test_every_recorded_key_is_a_key_of_verls_schema() -> None:
     for key in read_keys():
         assert not verl_keys.is_divclip_key(key), key
         assert key in schema or any(key_under(key, r) for r in read_in) or key in verl_keys.NOT_CONFIG_KEYS, (
-            f"{key}: recorded, but no leaf of verl's ppo_trainer schema (a row with read_in, or NOT_CONFIG_KEYS)")
+            f"{key}: recorded, but no leaf of verl's ppo_trainer schema (a row with read_in, or NOT_CONFIG_KEYS)"
+        )
 
 
 def test_no_row_says_verl_reads_what_the_product_never_reads_is_verls_alone() -> None:
@@ -49,9 +53,16 @@ def test_no_row_says_verl_reads_what_the_product_never_reads_is_verls_alone() ->
 #: What a dry run of the default config with ERC must read (recipe.config_checks and the checks of the key
 #: table, on the driver): the trainer mode and v1 switch, the strategy, the loss, the clip range, the entropy.
 DRY_RUN_CORE = {
-    "trainer.use_v1", "trainer.v1.trainer_mode", f"{ACTOR}.strategy", f"{ACTOR}.policy_loss.loss_mode",
-    f"{ACTOR}.clip_ratio_low", f"{ACTOR}.clip_ratio_high", f"{ACTOR}.calculate_entropy", f"{ACTOR}.entropy_coeff",
-    f"{ACTOR}.fsdp_config.entropy_checkpointing", "algorithm.rollout_correction.bypass_mode",
+    "trainer.use_v1",
+    "trainer.v1.trainer_mode",
+    f"{ACTOR}.strategy",
+    f"{ACTOR}.policy_loss.loss_mode",
+    f"{ACTOR}.clip_ratio_low",
+    f"{ACTOR}.clip_ratio_high",
+    f"{ACTOR}.calculate_entropy",
+    f"{ACTOR}.entropy_coeff",
+    f"{ACTOR}.fsdp_config.entropy_checkpointing",
+    "algorithm.rollout_correction.bypass_mode",
 }
 
 
@@ -71,8 +82,9 @@ def test_nothing_is_recorded_without_the_variable(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("compile_on", [True, False])
-def test_the_fp32_entropy_is_compiled_where_the_engine_compiles(compile_on: bool,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_fp32_entropy_is_compiled_where_the_engine_compiles(
+    compile_on: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """actor.fsdp_config.use_torch_compile (honoured): the seam reads it to choose the fp32 entropy."""
     import torch
 

@@ -129,39 +129,81 @@ def test_replaced_rows_name_the_replacing_key() -> None:
 REFUSED = [
     # clip_ratio_c on a divclip mode: its dual clip is policy_loss.dual_clip_c alone
     ([f"{ACTOR}.clip_ratio_c=2.0"], [f"{ACTOR}.clip_ratio_c=2.0", f"{POLICY}.dual_clip_c"]),
-    ([f"{ACTOR}.clip_ratio_c=2.0", f"{POLICY}.dual_clip_c=5.0"], [f"{ACTOR}.clip_ratio_c=2.0", f"{POLICY}.dual_clip_c"]),
+    (
+        [f"{ACTOR}.clip_ratio_c=2.0", f"{POLICY}.dual_clip_c=5.0"],
+        [f"{ACTOR}.clip_ratio_c=2.0", f"{POLICY}.dual_clip_c"],
+    ),
     # rollout correction without the rollout's log-probs: verl skips it silently
-    ([f"{CORRECTION}.rollout_is=token", f"{ROLLOUT}.calculate_log_probs=false"],
-     [f"{CORRECTION}.rollout_is='token'", f"{ROLLOUT}.calculate_log_probs=false"]),
-    ([f"{CORRECTION}.rollout_rs=seq_mean_k1", f"{ROLLOUT}.calculate_log_probs=false"],
-     [f"{CORRECTION}.rollout_rs='seq_mean_k1'", f"{ROLLOUT}.calculate_log_probs=false"]),
+    (
+        [f"{CORRECTION}.rollout_is=token", f"{ROLLOUT}.calculate_log_probs=false"],
+        [f"{CORRECTION}.rollout_is='token'", f"{ROLLOUT}.calculate_log_probs=false"],
+    ),
+    (
+        [f"{CORRECTION}.rollout_rs=seq_mean_k1", f"{ROLLOUT}.calculate_log_probs=false"],
+        [f"{CORRECTION}.rollout_rs='seq_mean_k1'", f"{ROLLOUT}.calculate_log_probs=false"],
+    ),
     # loss_type: read only by verl's legacy trainer
     ([f"{CORRECTION}.loss_type=reinforce"], [f"{CORRECTION}.loss_type='reinforce'", f"{POLICY}.loss_mode"]),
     # parameter_sync_step outside separate_async
-    (["+trainer.v1.sync.parameter_sync_step=2"],
-     ["trainer.v1.sync.parameter_sync_step=2", "trainer.v1.separate_async.parameter_sync_step", "honours it"]),
-    (["trainer.v1.trainer_mode=colocate_async", "+trainer.v1.colocate_async.parameter_sync_step=2"],
-     ["trainer.v1.colocate_async.parameter_sync_step=2", "trainer.v1.separate_async.parameter_sync_step"]),
+    (
+        ["+trainer.v1.sync.parameter_sync_step=2"],
+        ["trainer.v1.sync.parameter_sync_step=2", "trainer.v1.separate_async.parameter_sync_step", "honours it"],
+    ),
+    (
+        ["trainer.v1.trainer_mode=colocate_async", "+trainer.v1.colocate_async.parameter_sync_step=2"],
+        ["trainer.v1.colocate_async.parameter_sync_step=2", "trainer.v1.separate_async.parameter_sync_step"],
+    ),
     # the old-log-prob pass's packing, replaced by the update's
-    ([f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu=8"],
-     [f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu=8", f"{ACTOR}.ppo_micro_batch_size_per_gpu=4", "pack_old_log_prob_as_update=false"]),
-    ([*VERL_GSPO, f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu=8"],  # verl's plain policy-loss config packs too
-     [f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu=8", f"{ACTOR}.ppo_micro_batch_size_per_gpu=4"]),
-    ([*DYNAMIC, f"{ROLLOUT}.log_prob_max_token_len_per_gpu=32768"],
-     [f"{ROLLOUT}.log_prob_max_token_len_per_gpu=32768", f"{ACTOR}.ppo_max_token_len_per_gpu=16384", "pack_old_log_prob_as_update=false"]),
-    ([f"{ROLLOUT}.log_prob_use_dynamic_bsz=true"],
-     [f"{ROLLOUT}.log_prob_use_dynamic_bsz=True", f"{ACTOR}.use_dynamic_bsz=False"]),
-    ([f"{ROLLOUT}.log_prob_micro_batch_size=8"], [f"{ROLLOUT}.log_prob_micro_batch_size=8", f"{ACTOR}.ppo_micro_batch_size_per_gpu"]),
+    (
+        [f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu=8"],
+        [
+            f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu=8",
+            f"{ACTOR}.ppo_micro_batch_size_per_gpu=4",
+            "pack_old_log_prob_as_update=false",
+        ],
+    ),
+    (
+        [*VERL_GSPO, f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu=8"],  # verl's plain policy-loss config packs too
+        [f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu=8", f"{ACTOR}.ppo_micro_batch_size_per_gpu=4"],
+    ),
+    (
+        [*DYNAMIC, f"{ROLLOUT}.log_prob_max_token_len_per_gpu=32768"],
+        [
+            f"{ROLLOUT}.log_prob_max_token_len_per_gpu=32768",
+            f"{ACTOR}.ppo_max_token_len_per_gpu=16384",
+            "pack_old_log_prob_as_update=false",
+        ],
+    ),
+    (
+        [f"{ROLLOUT}.log_prob_use_dynamic_bsz=true"],
+        [f"{ROLLOUT}.log_prob_use_dynamic_bsz=True", f"{ACTOR}.use_dynamic_bsz=False"],
+    ),
+    (
+        [f"{ROLLOUT}.log_prob_micro_batch_size=8"],
+        [f"{ROLLOUT}.log_prob_micro_batch_size=8", f"{ACTOR}.ppo_micro_batch_size_per_gpu"],
+    ),
     # verl's entropy settings under ERC / the vocabulary pass
-    ([*ERC_ON, f"{ACTOR}.fsdp_config.entropy_checkpointing=true"],
-     [f"{ACTOR}.fsdp_config.entropy_checkpointing=True", f"{POLICY}.erc_beta_low/erc_beta_high"]),
-    ([*ERC_ON, f"{ACTOR}.entropy_from_logits_with_chunking=true"],
-     [f"{ACTOR}.entropy_from_logits_with_chunking=True", f"{POLICY}.erc_beta_low/erc_beta_high"]),
-    ([f"{POLICY}.vocab_pass=true", f"{ACTOR}.fsdp_config.entropy_from_logits_with_chunking=true"],
-     [f"{ACTOR}.fsdp_config.entropy_from_logits_with_chunking=True", f"{POLICY}.vocab_pass=true"]),
+    (
+        [*ERC_ON, f"{ACTOR}.fsdp_config.entropy_checkpointing=true"],
+        [f"{ACTOR}.fsdp_config.entropy_checkpointing=True", f"{POLICY}.erc_beta_low/erc_beta_high"],
+    ),
+    (
+        [*ERC_ON, f"{ACTOR}.entropy_from_logits_with_chunking=true"],
+        [f"{ACTOR}.entropy_from_logits_with_chunking=True", f"{POLICY}.erc_beta_low/erc_beta_high"],
+    ),
+    (
+        [f"{POLICY}.vocab_pass=true", f"{ACTOR}.fsdp_config.entropy_from_logits_with_chunking=true"],
+        [f"{ACTOR}.fsdp_config.entropy_from_logits_with_chunking=True", f"{POLICY}.vocab_pass=true"],
+    ),
     # dynamic sampling's generation batch, replaced by 1 in verl's v1 trainer
-    (["algorithm.filter_groups.enable=true", "data.gen_batch_size=8"],
-     ["data.gen_batch_size=8", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_inflight_gen_batches"]),
+    (
+        ["algorithm.filter_groups.enable=true", "data.gen_batch_size=8"],
+        [
+            "data.gen_batch_size=8",
+            "algorithm.filter_groups.enable=true",
+            "algorithm.filter_groups.max_inflight_gen_batches",
+        ],
+    ),
 ]
 
 

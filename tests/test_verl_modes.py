@@ -67,8 +67,15 @@ def loss_inputs(seed: int = 0) -> dict[str, torch.Tensor]:
     scale = torch.ones(b, t)
     scale.view(-1)[::3] = 1.3  # every third token: rho = 1.3, above the band
     scale.view(-1)[1::7] = 0.7  # and some below it
-    return {"old": old, "new": new, "adv": adv, "mask": mask, "old_entropy": old_entropy,
-            "entropy": old_entropy * scale, "outside": (scale != 1.0) & mask}
+    return {
+        "old": old,
+        "new": new,
+        "adv": adv,
+        "mask": mask,
+        "old_entropy": old_entropy,
+        "entropy": old_entropy * scale,
+        "outside": (scale != 1.0) & mask,
+    }
 
 
 def run_loss(mode: str, inputs: dict[str, torch.Tensor], policy_knobs: Optional[dict[str, Any]]) -> tuple:
@@ -79,9 +86,16 @@ def run_loss(mode: str, inputs: dict[str, torch.Tensor], policy_knobs: Optional[
     log_prob = inputs["new"].clone().requires_grad_(True)
     torch.manual_seed(0)  # clip_cov draws a random subset
     loss, metrics = verl_policy_loss(
-        mode, old_log_prob=inputs["old"], log_prob=log_prob, advantages=inputs["adv"], response_mask=inputs["mask"],
-        loss_agg_mode="token-mean", config=cfg, policy=cfg.policy_loss if policy_knobs is not None else None,
-        old_entropy=inputs["old_entropy"], entropy=inputs["entropy"],
+        mode,
+        old_log_prob=inputs["old"],
+        log_prob=log_prob,
+        advantages=inputs["adv"],
+        response_mask=inputs["mask"],
+        loss_agg_mode="token-mean",
+        config=cfg,
+        policy=cfg.policy_loss if policy_knobs is not None else None,
+        old_entropy=inputs["old_entropy"],
+        entropy=inputs["entropy"],
     )
     (grad,) = torch.autograd.grad(loss, log_prob)
     return loss.detach(), grad, metrics
@@ -107,7 +121,9 @@ def test_out_of_band_tokens_lose_exactly_their_own_gradient(mode: str) -> None:
     assert torch.equal(grad[~outside], plain_grad[~outside])
     assert (plain_grad[outside] != 0).any(), "the test must mask tokens that had a gradient"
     n = inputs["mask"].sum()
-    assert metrics["actor/divclip/erc/clipfrac_upper"] == pytest.approx(float(((inputs["entropy"] > inputs["old_entropy"] * 1.05) & inputs["mask"]).sum() / n))
+    assert metrics["actor/divclip/erc/clipfrac_upper"] == pytest.approx(
+        float(((inputs["entropy"] > inputs["old_entropy"] * 1.05) & inputs["mask"]).sum() / n)
+    )
     assert metrics["actor/divclip/erc/ratio_max"] == pytest.approx(1.3, rel=1e-6)
     assert metrics["actor/divclip/erc/ratio_min"] == pytest.approx(0.7, rel=1e-6)
 
@@ -116,8 +132,11 @@ def test_out_of_band_tokens_lose_exactly_their_own_gradient(mode: str) -> None:
 def test_dual_clip_c_is_refused_on_verls_modes(mode: str) -> None:
     """One name per mode family: verl's modes read verl's actor.clip_ratio_c (vanilla applies it), the divclip
     modes policy_loss.dual_clip_c."""
-    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.policy_loss\.dual_clip_c is the divclip modes' "
-                                         r"dual-clip cap; verl's loss_mode=.*actor_rollout_ref\.actor\.clip_ratio_c"):
+    with pytest.raises(
+        ValueError,
+        match=r"actor_rollout_ref\.actor\.policy_loss\.dual_clip_c is the divclip modes' "
+        r"dual-clip cap; verl's loss_mode=.*actor_rollout_ref\.actor\.clip_ratio_c",
+    ):
         policy_config(mode, dual_clip_c=10.0)
 
 
@@ -159,8 +178,9 @@ def job_engine(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
     n = sum(RESPONSE_LENS)
     rho = RHO.repeat(n // len(RHO) + 1)[:n]
     batch["old_log_probs"] = old["old_log_probs"]
-    batch["entropy"] = torch.nested.as_nested_tensor(list((old["entropy"].values() / rho).split(RESPONSE_LENS)),
-                                                     layout=torch.jagged)
+    batch["entropy"] = torch.nested.as_nested_tensor(
+        list((old["entropy"].values() / rho).split(RESPONSE_LENS)), layout=torch.jagged
+    )
     outside = (rho <= 0.95) | (rho >= 1.05)
     zeroed = batch.clone()
     adv = batch["advantages"].values().clone()
@@ -168,7 +188,9 @@ def job_engine(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
     zeroed["advantages"] = torch.nested.as_nested_tensor(list(adv.split(RESPONSE_LENS)), layout=torch.jagged)
     out: dict[str, Any] = {"outside_frac": float(outside.float().mean())}
     for mode in ENGINE_MODES:
-        plain = make_actor_config(policy_loss=PolicyLossConfig(loss_mode=mode), clip_ratio_low=0.2, clip_ratio_high=0.28)
+        plain = make_actor_config(
+            policy_loss=PolicyLossConfig(loss_mode=mode), clip_ratio_low=0.2, clip_ratio_high=0.28
+        )
         out[f"{mode}/plain"] = engine_update(model_path, plain, batch)
         out[f"{mode}/wide"] = engine_update(model_path, actor(mode, **WIDE), batch)
         out[f"{mode}/erc"] = engine_update(model_path, actor(mode, **NARROW), batch)
@@ -195,7 +217,9 @@ def test_engine_erc_drops_the_out_of_band_tokens(engine: dict[str, Any], mode: s
         torch.testing.assert_close(erc["delta"][k], zeroed["delta"][k], rtol=1e-5, atol=1e-8)
     assert any(not torch.allclose(erc["delta"][k], plain["delta"][k]) for k in plain["delta"])
     m = erc["metrics"]
-    masked = sum(map(float, m["actor/divclip/erc/clipfrac_upper"])) + sum(map(float, m["actor/divclip/erc/clipfrac_lower"]))
+    masked = sum(map(float, m["actor/divclip/erc/clipfrac_upper"])) + sum(
+        map(float, m["actor/divclip/erc/clipfrac_lower"])
+    )
     assert masked == pytest.approx(engine["outside_frac"], rel=1e-6)
     assert max(map(float, m["actor/divclip/erc/ratio_max"])) == pytest.approx(1.5, rel=1e-5)
 
@@ -207,10 +231,20 @@ def test_extremes_aggregate_as_extremes_across_micro_batches_and_ranks() -> None
 
     from verl_ext.actor_loss import _aggregation_of
 
-    micro_batches = [{"actor/divclip/erc/ratio_min": 0.9, "actor/divclip/erc/ratio_max": 1.1, "actor/divclip/kl3_max": 0.2,
-                      "actor/divclip/erc/clipfrac_upper": 0.1},
-                     {"actor/divclip/erc/ratio_min": 0.7, "actor/divclip/erc/ratio_max": 1.3, "actor/divclip/kl3_max": 0.4,
-                      "actor/divclip/erc/clipfrac_upper": 0.3}]
+    micro_batches = [
+        {
+            "actor/divclip/erc/ratio_min": 0.9,
+            "actor/divclip/erc/ratio_max": 1.1,
+            "actor/divclip/kl3_max": 0.2,
+            "actor/divclip/erc/clipfrac_upper": 0.1,
+        },
+        {
+            "actor/divclip/erc/ratio_min": 0.7,
+            "actor/divclip/erc/ratio_max": 1.3,
+            "actor/divclip/kl3_max": 0.4,
+            "actor/divclip/erc/clipfrac_upper": 0.3,
+        },
+    ]
     per_rank = []
     for rank in range(2):
         merged = {k: Metric(aggregation=_aggregation_of(k)) for k in micro_batches[0]}

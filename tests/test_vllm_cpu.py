@@ -34,8 +34,15 @@ from typing import Any
 
 import pytest
 
-from tests.test_smoke_cpu import (SMOKE_TIMEOUT_S, TRAIN_LENGTH, VAL_LENGTHS, assert_on_policy_exact, step_metrics,
-                                  validation_length_args, write_with_data_source)
+from tests.test_smoke_cpu import (
+    SMOKE_TIMEOUT_S,
+    TRAIN_LENGTH,
+    VAL_LENGTHS,
+    assert_on_policy_exact,
+    step_metrics,
+    validation_length_args,
+    write_with_data_source,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -100,8 +107,15 @@ def _probe(out_json: str, model_dir: str, extension: str) -> None:
     seq = FIXED_SEQUENCE
     result: dict[str, object] = {"hf_a": _hf_logprobs(model_a, seq), "hf_b": _hf_logprobs(model_b, seq)}
 
-    llm = LLM(model=model_a, load_format="dummy", dtype="bfloat16", enforce_eager=True, max_model_len=64, seed=0,
-              worker_extension_cls=extension)
+    llm = LLM(
+        model=model_a,
+        load_format="dummy",
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=64,
+        seed=0,
+        worker_extension_cls=extension,
+    )
     handle = f"ipc:///tmp/rl-colocate-zmq-{os.environ['VERL_RAY_JOB_ID']}-replica-0-rank-0.sock"
 
     def vllm_logprobs() -> list[float]:
@@ -146,7 +160,7 @@ def _probe(out_json: str, model_dir: str, extension: str) -> None:
 
 def _max_abs_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b)
-    return max(abs(x - y) for x, y in zip(a, b))
+    return max(abs(x - y) for x, y in zip(a, b, strict=False))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,7 +178,11 @@ def _run_probe(tmp_path: Path, extension: str) -> dict:
     with open(log, "w") as sink:
         proc = subprocess.Popen(
             [str(VLLM_PYTHON), str(Path(__file__).resolve()), "probe", str(out), str(tmp_path / "models"), extension],
-            cwd=ROOT, env=_env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=ROOT,
+            env=_env(),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         try:
             rc = proc.wait(timeout=900)
@@ -207,8 +225,11 @@ def test_the_device_query_handle_answers_verls_query_and_runs_any_other_function
             if isinstance(const, types.CodeType):
                 yield from code_objects(const)
 
-    queries = [code for code in code_objects(compile(source.read_text(), str(source), "exec"))
-               if code.co_name == "<lambda>" and "get_accelerator_ids" in code.co_names]
+    queries = [
+        code
+        for code in code_objects(compile(source.read_text(), str(source), "exec"))
+        if code.co_name == "<lambda>" and "get_accelerator_ids" in code.co_names
+    ]
     assert len(queries) == 1, queries  # verl's one query of a worker's device
     verls_query = types.FunctionType(queries[0], {})
 
@@ -246,8 +267,14 @@ def test_refuses_what_cpu_vllm_lacks() -> None:
 
     from verl_ext.cpu.vllm_checks import check_cpu_vllm_config
 
-    ok = SimpleNamespace(free_cache_engine=False, enable_sleep_mode=False, tensor_model_parallel_size=1,
-                         data_parallel_size=1, pipeline_model_parallel_size=1, disaggregation=SimpleNamespace(enabled=False))
+    ok = SimpleNamespace(
+        free_cache_engine=False,
+        enable_sleep_mode=False,
+        tensor_model_parallel_size=1,
+        data_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        disaggregation=SimpleNamespace(enabled=False),
+    )
     check_cpu_vllm_config(ok)
     for key, value in (("free_cache_engine", True), ("enable_sleep_mode", True), ("tensor_model_parallel_size", 2)):
         with pytest.raises(NotImplementedError, match=key):
@@ -300,13 +327,28 @@ def _vllm_smoke(out: Path, loss: str, steps: int, *overrides: str, **env: str) -
     """``ROLLOUT=vllm bash launch/run_smoke_cpu.sh`` at bf16 with dynamic batching, as GPU users train, with the
     request recorder on and verl's dumps of the training rollouts (``trainer.rollout_data_dir``)."""
     assert VLLM_PYTHON.exists(), _REASON
-    full_env = _env(ROLLOUT="vllm", LOSS=loss, STEPS=str(steps), SMOKE_OUT=str(out), PRECISION="bf16",
-                    DYNAMIC_BSZ="256", TEST_FREQ=str(steps), SAVE_FREQ="100", PYTHON=str(VLLM_PYTHON),
-                    PYTHONPATH=str(ROOT / "tests" / "vllm_recorder"), VLLM_REQUEST_LOG=str(out / "requests.jsonl"),
-                    **env)
-    proc = subprocess.run(["bash", str(ROOT / "launch/run_smoke_cpu.sh"), f"trainer.rollout_data_dir={out}/rollouts",
-                           *overrides], cwd=ROOT, env=full_env, capture_output=True, text=True,
-                          timeout=SMOKE_TIMEOUT_S * 5 // 3)  # vLLM runs took 1500 s where the others took 900
+    full_env = _env(
+        ROLLOUT="vllm",
+        LOSS=loss,
+        STEPS=str(steps),
+        SMOKE_OUT=str(out),
+        PRECISION="bf16",
+        DYNAMIC_BSZ="256",
+        TEST_FREQ=str(steps),
+        SAVE_FREQ="100",
+        PYTHON=str(VLLM_PYTHON),
+        PYTHONPATH=str(ROOT / "tests" / "vllm_recorder"),
+        VLLM_REQUEST_LOG=str(out / "requests.jsonl"),
+        **env,
+    )
+    proc = subprocess.run(
+        ["bash", str(ROOT / "launch/run_smoke_cpu.sh"), f"trainer.rollout_data_dir={out}/rollouts", *overrides],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=SMOKE_TIMEOUT_S * 5 // 3,
+    )  # vLLM runs took 1500 s where the others took 900
     log = proc.stdout + proc.stderr
     (out / "smoke.log").write_text(log)
     assert proc.returncode == 0, log[-12000:]
@@ -349,9 +391,15 @@ def colocate_async_run(tmp_path_factory: pytest.TempPathFactory) -> VllmRun:
     the trainer came late to steps 1 and 2 and found everything generated (no abort in 2 steps, seen in CI runs),
     while generating a batch (128 x 16 tokens, two at a time) outlasts a step's update, so later steps find vLLM
     busy. Two running sequences: one alone could be in its prefill, with no token to resume from."""
-    return _vllm_smoke(tmp_path_factory.mktemp("vllm_colocate_async"), "kl3", len(ASYNC_STEPS),
-                       "trainer.v1.trainer_mode=colocate_async", "trainer.v1.colocate_async.num_warmup_batches=3",
-                       "actor_rollout_ref.rollout.max_num_seqs=2", RESPONSE_LEN="16")
+    return _vllm_smoke(
+        tmp_path_factory.mktemp("vllm_colocate_async"),
+        "kl3",
+        len(ASYNC_STEPS),
+        "trainer.v1.trainer_mode=colocate_async",
+        "trainer.v1.colocate_async.num_warmup_batches=3",
+        "actor_rollout_ref.rollout.max_num_seqs=2",
+        RESPONSE_LEN="16",
+    )
 
 
 def _assert_served_by_vllm(run: VllmRun) -> None:
@@ -381,7 +429,7 @@ def _assert_rewards_are_vllms(run: VllmRun, steps: tuple[int, ...]) -> None:
     per_step = len(sampled) // len(steps)
     for index, step in enumerate(steps):
         rows = run.dump("rollouts", step)
-        block = sampled[index * per_step:(index + 1) * per_step]
+        block = sampled[index * per_step : (index + 1) * per_step]
         generated = Counter((run.decode(r["prompt_ids"]), run.decode(r["token_ids"])) for r in block)
         assert Counter((row["input"], row["output"]) for row in rows) == generated, step
         for row in rows:
@@ -424,10 +472,12 @@ def test_validation_asks_vllm_for_each_benchmarks_length(erc_run: VllmRun) -> No
     (short, n_short), (long, n_long) = VAL_LENGTHS["smoke_echo"], VAL_LENGTHS["smoke_echo_long"]
     assert Counter(r["max_tokens"] for r in val) == {short: 2 * 20 * n_short, long: 2 * 20 * n_long}
     assert Counter(r["max_tokens"] for r in train) == {TRAIN_LENGTH: 2 * 128}
-    assert all(r["ignore_eos"] and r["finish_reason"] == "length" and len(r["token_ids"]) == r["max_tokens"]
-               for r in erc_run.requests)
+    assert all(
+        r["ignore_eos"] and r["finish_reason"] == "length" and len(r["token_ids"]) == r["max_tokens"]
+        for r in erc_run.requests
+    )
     for index, step in enumerate((0, 2)):  # validation before training, and after step 2
-        asked = val[index * len(val) // 2:(index + 1) * len(val) // 2]
+        asked = val[index * len(val) // 2 : (index + 1) * len(val) // 2]
         rows = erc_run.dump("validation", step)
         assert Counter(row["output"] for row in rows) == Counter(erc_run.decode(r["token_ids"]) for r in asked)
         for source, (length, _) in VAL_LENGTHS.items():
@@ -449,7 +499,7 @@ def test_colocate_async_aborts_and_resumes_on_vllm(colocate_async_run: VllmRun) 
     resumed, merged_trained = 0, 0
     for index, part in aborted:
         prompt, partial = run.decode(part["prompt_ids"]), run.decode(part["token_ids"])
-        resumed_by = [r for r in run.requests[index + 1:] if r["prompt_ids"] == part["prompt_ids"] + part["token_ids"]]
+        resumed_by = [r for r in run.requests[index + 1 :] if r["prompt_ids"] == part["prompt_ids"] + part["token_ids"]]
         assert len(resumed_by) <= 1, resumed_by
         merged = None  # stays None where the part was aborted at the run's end: nothing left to resume it
         for rest in resumed_by:
@@ -472,7 +522,11 @@ def test_colocate_async_aborts_and_resumes_on_vllm(colocate_async_run: VllmRun) 
 
 if __name__ == "__main__":
     if len(sys.argv) >= 4 and sys.argv[1] == "probe":
-        _probe(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else "verl_ext.cpu.vllm_worker.CpuVLLMWorkerExtension")
+        _probe(
+            sys.argv[2],
+            sys.argv[3],
+            sys.argv[4] if len(sys.argv) > 4 else "verl_ext.cpu.vllm_worker.CpuVLLMWorkerExtension",
+        )
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # the result is written; do not wait on vLLM's engine shutdown or a blocked sender

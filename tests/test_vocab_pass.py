@@ -183,7 +183,7 @@ def test_fp32_top_k_matches_reference(vocab_slices: str) -> None:
 def test_tied_head_gradients_match_reference() -> None:
     """One weight as embedding and head: hidden = RMS-free toy ``E[ids] * s``; logits ``E h``."""
     gen = torch.Generator().manual_seed(3)
-    embedding = (torch.randn(VOCAB, HIDDEN, generator=gen) / HIDDEN**0.5)
+    embedding = torch.randn(VOCAB, HIDDEN, generator=gen) / HIDDEN**0.5
     ids = torch.randint(0, VOCAB, (TOKENS,), generator=gen)
     labels = torch.roll(ids, -1)
     scale = torch.logspace(0, 2, TOKENS).unsqueeze(1)
@@ -224,7 +224,9 @@ def test_bf16_error_is_at_most_the_materialised_bf16_paths(entropy_coeff: float,
         "grad_weight": (norm_rel_err(gw, ref_gw), norm_rel_err(w.grad, ref_gw)),
     }
     for name, (pass_error, materialised_error) in errors.items():
-        assert pass_error <= materialised_error, f"{name}: pass {pass_error:.3e} > materialised bf16 {materialised_error:.3e}"
+        assert pass_error <= materialised_error, (
+            f"{name}: pass {pass_error:.3e} > materialised bf16 {materialised_error:.3e}"
+        )
     # the pass only rounds its outputs: log-probs and entropies at fp32 accuracy on bf16 inputs
     assert rel_err(out.log_probs, ref_lp) <= 1e-5
     big = ref_h >= 1e-6
@@ -239,7 +241,7 @@ def test_rows_do_not_depend_on_the_chunking(vocab_slices: str) -> None:
     hidden, weight, labels = exact_logit_inputs()
     g = torch.randn(TOKENS, generator=torch.Generator().manual_seed(2))
     results = [ours(hidden, weight, labels, 0.9, 0.0, g, chunk_bytes=rows * VOCAB * 4) for rows in (1, 7, TOKENS)]
-    for out, gh, gw in results[1:]:  
+    for out, gh, gw in results[1:]:
         assert torch.equal(out.entropy, results[0][0].entropy)
         assert torch.equal(out.log_probs, results[0][0].log_probs)
         assert norm_rel_err(gh, results[0][1].double()) <= 1e-6
@@ -276,7 +278,9 @@ def test_entropy_is_graph_free_unless_asked_and_bad_input_is_named() -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def reference_buckets(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+def reference_buckets(
+    hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """fp64 log-masses on ``ids`` plus the tail (every other id), from the full log-softmax."""
     import math
 
@@ -306,8 +310,11 @@ def test_bucket_log_masses_match_fp64_and_k_equal_vocab_is_the_exact_kl(temperat
         if k == VOCAB:
             assert torch.isneginf(old[:, -1]).all()
             for direction in ("forward", "reverse"):
-                exact = coarsened_kl(reference_buckets(new_hidden, weight, ids, temperature),
-                                     reference_buckets(old_hidden, weight, ids, temperature), direction)
+                exact = coarsened_kl(
+                    reference_buckets(new_hidden, weight, ids, temperature),
+                    reference_buckets(old_hidden, weight, ids, temperature),
+                    direction,
+                )
                 assert rel_err(coarsened_kl(new, old, direction), exact) <= 1e-6
 
 

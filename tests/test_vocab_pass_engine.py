@@ -47,11 +47,13 @@ RESPONSE_LENS = [12, 9, 14, 6, 10, 8]
 BF16: Optional[dict[str, str]] = None  # WorkerOptions(mixed_precision=None): verl's default bf16
 
 
-def run_both(model_path: str, options: WorkerOptions, batch: Any, entropy_coeff: float = 0.0, **update: Any) -> dict[str, Any]:
+def run_both(
+    model_path: str, options: WorkerOptions, batch: Any, entropy_coeff: float = 0.0, **update: Any
+) -> dict[str, Any]:
     """Old-log-prob pass and one update, materialised (verl's ppo_loss) and through the pass."""
     import verl_ext.engine.vocab_pass_step as engine_hook
-    from verl_ext.engine import seam
     from recipe.bench.features import uses_vocab_pass, with_vocab_pass
+    from verl_ext.engine import seam
 
     seam.install()
     original = engine_hook.vocab_pass
@@ -115,7 +117,9 @@ def max_delta_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> flo
     return max(rel(a[k], b[k]) for k in b if b[k].abs().max() > 0)
 
 
-@pytest.mark.parametrize("variant", ["fp32/rmpad", "fp32/padded", "fp32/tied", "fp32/entropy_bonus", "fp32/temperature"])
+@pytest.mark.parametrize(
+    "variant", ["fp32/rmpad", "fp32/padded", "fp32/tied", "fp32/entropy_bonus", "fp32/temperature"]
+)
 def test_fp32_equals_materialised_path(single_rank: dict[str, Any], variant: str) -> None:
     mat, ours = single_rank[variant]["materialised"], single_rank[variant]["vocab_pass"]
     assert mat["pass_calls"] == 0 and ours["pass_calls"] >= 2  # old-log-prob pass + update
@@ -184,8 +188,12 @@ def test_erc_on_policy_ratio_is_exactly_one_through_the_pass(tmp_path: Path) -> 
         assert float((result["old_entropy"] <= 1e-6).float().mean()) >= 0.3, name  # a confident policy
         for key in ("actor/divclip/erc/ratio_min", "actor/divclip/erc/ratio_max"):
             assert all(float(v) == 1.0 for v in m[key]), (name, key, m[key])
-        for key in ("actor/divclip/erc/clipfrac_upper", "actor/divclip/erc/clipfrac_lower", "actor/pg_clipfrac",
-                    "actor/ppo_kl"):
+        for key in (
+            "actor/divclip/erc/clipfrac_upper",
+            "actor/divclip/erc/clipfrac_lower",
+            "actor/pg_clipfrac",
+            "actor/ppo_kl",
+        ):
             assert all(float(v) == 0.0 for v in m[key]), (name, key, m[key])
         assert any((d != 0).any() for d in result["delta"].values()), name
 
@@ -209,7 +217,9 @@ def job_two_ranks(rank: int, world_size: int, model_path: str) -> dict[str, Any]
     dp = run_both(model_path, options, shard_for_rank(batch, rank, world_size), global_batch_size=len(PROMPT_LENS))
     ulysses = run_both(
         model_path,
-        WorkerOptions(mixed_precision=dict(FP32_MIXED_PRECISION), ulysses_sequence_parallel_size=world_size, **EXACT_SGD),
+        WorkerOptions(
+            mixed_precision=dict(FP32_MIXED_PRECISION), ulysses_sequence_parallel_size=world_size, **EXACT_SGD
+        ),
         batch,
         global_batch_size=len(PROMPT_LENS),
     )
@@ -290,9 +300,14 @@ def job_model_output_keys(rank: int, world_size: int, model_path: str) -> dict[s
             for calculate_entropy in (True, False):
                 data = batch.clone()
                 tu.assign_non_tensor(  # what TrainingWorker.infer_batch and the trainer set (one micro-batch)
-                    data, use_remove_padding=options.use_remove_padding, use_dynamic_bsz=False, use_fused_kernels=False,
-                    max_token_len_per_gpu=options.max_token_len_per_gpu, micro_batch_size_per_gpu=len(PROMPT_LENS),
-                    calculate_entropy=calculate_entropy, temperature=1.0,
+                    data,
+                    use_remove_padding=options.use_remove_padding,
+                    use_dynamic_bsz=False,
+                    use_fused_kernels=False,
+                    max_token_len_per_gpu=options.max_token_len_per_gpu,
+                    micro_batch_size_per_gpu=len(PROMPT_LENS),
+                    calculate_entropy=calculate_entropy,
+                    temperature=1.0,
                 )
                 if task == "capture":
                     tu.assign_non_tensor(data, **{CAPTURE_KEY: 4})
@@ -311,7 +326,9 @@ def job_model_output_keys(rank: int, world_size: int, model_path: str) -> dict[s
                     model_output = output["model_output"]
                     result[path] = sorted(model_output)
                     result[f"{path}/log_probs"] = model_output["log_probs"].values()
-                    result[f"{path}/marked"] = tu.get_non_tensor_data(data=micro_batch, key=STEP_PATH_KEY, default={})["vocab_pass"]
+                    result[f"{path}/marked"] = tu.get_non_tensor_data(data=micro_batch, key=STEP_PATH_KEY, default={})[
+                        "vocab_pass"
+                    ]
                     if task == "capture" and path == "verl":
                         stored_ids = model_output[OLD_TOPK_IDS]
                 out[f"{padding}/{task}/entropy={calculate_entropy}"] = result
@@ -329,7 +346,9 @@ def test_the_pass_writes_the_keys_verls_prepare_model_outputs_writes(models: tup
     for variant, result in results.items():
         padding, task, entropy = variant.split("/")
         expected = {"log_probs"} | ({"entropy"} if entropy == "entropy=True" else set())
-        expected |= {"capture": {OLD_TOPK_LOG_PROBS, OLD_TOPK_IDS}, "evaluate": {NEW_TOPK_LOG_PROBS}, "none": set()}[task]
+        expected |= {"capture": {OLD_TOPK_LOG_PROBS, OLD_TOPK_IDS}, "evaluate": {NEW_TOPK_LOG_PROBS}, "none": set()}[
+            task
+        ]
         assert set(result["verl"]) == expected, (variant, result["verl"])
         assert result["vocab_pass"] == result["verl"], variant
         assert result["verl/marked"] == 0.0 and result["vocab_pass/marked"] == 1.0, variant  # the pass did run
@@ -359,8 +378,11 @@ def test_config_key_is_declared_and_reaches_the_loss() -> None:
 
     off = validate_divclip_config(compose_config())
     assert off.policy_loss.vocab_pass is False and not request_of(build_actor_loss(off)).vocab_pass
-    erc = ["actor_rollout_ref.actor.policy_loss.erc_beta_low=0.05", "actor_rollout_ref.actor.policy_loss.erc_beta_high=0.05",
-           "actor_rollout_ref.actor.calculate_entropy=true"]
+    erc = [
+        "actor_rollout_ref.actor.policy_loss.erc_beta_low=0.05",
+        "actor_rollout_ref.actor.policy_loss.erc_beta_high=0.05",
+        "actor_rollout_ref.actor.calculate_entropy=true",
+    ]
     on = validate_divclip_config(compose_config(VOCAB_PASS_ON, *erc))
     loss = build_actor_loss(on)
     assert request_of(loss).vocab_pass
@@ -370,21 +392,35 @@ def test_config_key_is_declared_and_reaches_the_loss() -> None:
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["actor_rollout_ref.model.use_fused_kernels=true"], r"vocab_pass=true and actor_rollout_ref\.model\.use_fused_kernels"),
-        (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj,lm_head]"],
-         r"target_modules=\['q_proj', 'lm_head'\] puts a LoRA adapter on lm_head"),
+        (
+            ["actor_rollout_ref.model.use_fused_kernels=true"],
+            r"vocab_pass=true and actor_rollout_ref\.model\.use_fused_kernels",
+        ),
+        (
+            ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj,lm_head]"],
+            r"target_modules=\['q_proj', 'lm_head'\] puts a LoRA adapter on lm_head",
+        ),
     ],
 )
 def test_refused_combinations_name_the_key(overrides: list[str], message: str) -> None:
     from recipe.config_checks import ConfigError, validate_divclip_config
 
-    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.policy_loss\.vocab_pass=true.*" + message if
-                       not message.startswith("vocab_pass") else message):
+    with pytest.raises(
+        ConfigError,
+        match=r"actor_rollout_ref\.actor\.policy_loss\.vocab_pass=true.*" + message
+        if not message.startswith("vocab_pass")
+        else message,
+    ):
         validate_divclip_config(compose_config(VOCAB_PASS_ON, *overrides))
 
 
-@pytest.mark.parametrize("store_topk", ["actor_rollout_ref.actor.policy_loss.loss_mode=kl_full",
-                                        "actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=true"])
+@pytest.mark.parametrize(
+    "store_topk",
+    [
+        "actor_rollout_ref.actor.policy_loss.loss_mode=kl_full",
+        "actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=true",
+    ],
+)
 def test_stored_topk_is_accepted_with_the_pass(store_topk: str) -> None:
     """kl_full's top-k comes from the pass's slices (tests/test_full_kl_engine.py runs it)."""
     from recipe.config_checks import validate_divclip_config
@@ -411,15 +447,29 @@ def test_every_launch_script_passes_vocab_pass_through() -> None:
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "VOCAB_PASS": "1", "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(root / "launch/run_erc_dapo_1.5b.sh"), "--dry-run"], cwd="/", env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        ["bash", str(root / "launch/run_erc_dapo_1.5b.sh"), "--dry-run"],
+        cwd="/",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert yaml.safe_load(proc.stdout)["actor_rollout_ref"]["actor"]["policy_loss"]["vocab_pass"] is True
     for script in ("run_grpo_7b.sh", "run_smoke_cpu.sh"):
-        bad = subprocess.run(["bash", str(root / "launch" / script), "--dry-run"], cwd="/",
-                             env={**env, "VOCAB_PASS": "yes", "PYTHON": "/bin/false"}, capture_output=True, text=True,
-                             timeout=60)
-        assert bad.returncode == 2 and "VOCAB_PASS must be 1, true, 0 or false, got 'yes'" in bad.stderr, (script, bad.stderr)
+        bad = subprocess.run(
+            ["bash", str(root / "launch" / script), "--dry-run"],
+            cwd="/",
+            env={**env, "VOCAB_PASS": "yes", "PYTHON": "/bin/false"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert bad.returncode == 2 and "VOCAB_PASS must be 1, true, 0 or false, got 'yes'" in bad.stderr, (
+            script,
+            bad.stderr,
+        )
     scripts = [p for p in (root / "launch").glob("run_*.sh") if "sft" not in p.name]
     for path in scripts:  # the RL scripts: through divclip_launch, or the smoke script's own case
         text = path.read_text()

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import math
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -90,7 +91,11 @@ def test_the_gradients_tf32_rounding_stays_within_its_bound() -> None:
     dz = torch.randn(48, 300, generator=gen) * 1e-3
     hidden, weight = half_valued((48, 64), torch.bfloat16, seed=7), half_valued((300, 64), torch.bfloat16, seed=8)
     for tf32_result, exact, bound in (
-        (tf32_round(dz).t() @ hidden, (dz.double().t() @ hidden.double()), dz.abs().double().t() @ hidden.abs().double()),
+        (
+            tf32_round(dz).t() @ hidden,
+            (dz.double().t() @ hidden.double()),
+            dz.abs().double().t() @ hidden.abs().double(),
+        ),
         (tf32_round(dz) @ weight, (dz.double() @ weight.double()), dz.abs().double() @ weight.abs().double()),
     ):
         error = (tf32_result.double() - exact).abs()
@@ -117,8 +122,11 @@ class EmulatedTF32:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.rounded = 0
         decide = vp.tensor_core_matmuls
-        monkeypatch.setattr(vp, "tensor_core_matmuls", lambda hidden, weight, requested=None:
-                            decide(cuda_like(hidden.dtype), cuda_like(weight.dtype), requested))
+        monkeypatch.setattr(
+            vp,
+            "tensor_core_matmuls",
+            lambda hidden, weight, requested=None: decide(cuda_like(hidden.dtype), cuda_like(weight.dtype), requested),
+        )
         for owner, name in ((torch, "mm"), (torch.Tensor, "__matmul__"), (torch.Tensor, "addmm_")):
             monkeypatch.setattr(owner, name, self._rounding(getattr(owner, name), name == "addmm_"))
 
@@ -134,13 +142,15 @@ class EmulatedTF32:
             a, b = args[first], args[first + 1]
             if MATMUL.fp32_precision == "tf32" and a.dtype == b.dtype == torch.float32:
                 self.rounded += 1
-                args = (*args[:first], self._round_in_layout(a), self._round_in_layout(b), *args[first + 2:])
+                args = (*args[:first], self._round_in_layout(a), self._round_in_layout(b), *args[first + 2 :])
             return original(*args, **kwargs)
 
         return matmul
 
 
-def exact_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float) -> tuple[torch.Tensor, ...]:
+def exact_log_probs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, ...]:
     """float64 ``log softmax(hidden @ weight^T / T)`` at ``labels`` from the exact logits (:func:`exact_matmul`),
     and per token the bound of the logits' float32 summation error, ``gamma_n * max_j sum_k |h_k w_jk| / T``."""
     exact = exact_matmul(hidden.float(), weight.float()) / temperature
@@ -150,7 +160,9 @@ def exact_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_pass_under_tf32_computes_the_exact_logits_up_to_float32_summation(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+def test_the_pass_under_tf32_computes_the_exact_logits_up_to_float32_summation(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
     """The product's logit matmul (``_float32_logits_into``) and the whole pass with half-precision operands on
     the emulated TF32 device: the pass takes the TF32 path, and since TF32 keeps bf16/fp16 values the logits are
     the exact (fsum) ones up to float32 summation -- within gamma_n, not equal -- and the pass's log-probs,
@@ -167,7 +179,10 @@ def test_the_pass_under_tf32_computes_the_exact_logits_up_to_float32_summation(m
     assert error.max() > 0  # float32 accumulation does round: a bound, not an identity
     assert device.rounded == 1  # and it ran as one TF32 matmul
 
-    hidden, weight = half_valued((40, 32), dtype, seed=9).to(dtype), (half_valued((700, 32), dtype, seed=10) * 1e-2).to(dtype)
+    hidden, weight = (
+        half_valued((40, 32), dtype, seed=9).to(dtype),
+        (half_valued((700, 32), dtype, seed=10) * 1e-2).to(dtype),
+    )
     labels = torch.randint(0, 700, (40,), generator=torch.Generator().manual_seed(11))
     before = device.rounded
     out = vp.vocab_pass(hidden, weight, labels, 0.7, top_k=4, chunk_bytes=4096)
@@ -192,7 +207,11 @@ def test_general_float32_operands_are_refused_tf32_by_the_product(monkeypatch: p
     assert not vp.tensor_core_matmuls(hidden, weight) and not vp.tensor_core_matmuls(hidden.bfloat16(), weight)
     out = vp.vocab_pass(hidden, weight, labels, 0.7, top_k=4)
     float32 = vp.vocab_pass(hidden, weight, labels, 0.7, top_k=4, tensor_cores=False)
-    assert device.rounded == 0 and torch.equal(out.log_probs, float32.log_probs) and torch.equal(out.entropy, float32.entropy)
+    assert (
+        device.rounded == 0
+        and torch.equal(out.log_probs, float32.log_probs)
+        and torch.equal(out.entropy, float32.entropy)
+    )
     exact, magnitude = exact_matmul(hidden, weight), exact_matmul(hidden.abs(), weight.abs())
     bound = gamma(96, UNIT_ROUNDOFF_FP32) * magnitude
     for tf32, within in ((False, True), (True, False)):
@@ -259,7 +278,9 @@ def pass_inputs() -> tuple[torch.Tensor, ...]:
     return hidden, weight, labels
 
 
-def test_every_matmul_of_the_pass_runs_under_tf32_and_nothing_else(restored_precision: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_matmul_of_the_pass_runs_under_tf32_and_nothing_else(
+    restored_precision: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On CPU the setting changes no arithmetic, so the path can be forced here to see *where* it applies."""
     MATMUL.fp32_precision = "ieee"  # the user's
     monkeypatch.setattr(vp, "tensor_core_matmuls", lambda hidden, weight, requested=None: requested is not False)
@@ -276,7 +297,9 @@ def test_every_matmul_of_the_pass_runs_under_tf32_and_nothing_else(restored_prec
     assert spy.settings[calls:] == ["ieee"]
 
 
-def test_a_matmul_that_raises_inside_the_pass_restores_the_users_setting(restored_precision: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_matmul_that_raises_inside_the_pass_restores_the_users_setting(
+    restored_precision: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     MATMUL.fp32_precision = "none"
     monkeypatch.setattr(vp, "tensor_core_matmuls", lambda hidden, weight, requested=None: True)
     hidden, weight, labels = pass_inputs()

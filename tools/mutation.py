@@ -82,15 +82,27 @@ EQUIVALENT: dict[str, str] = {
 }
 
 #: mutmut's verdicts (``mutmut.stats.status_by_exit_code``) as the table groups them
-GROUP = {"killed": "killed", "caught by type check": "killed", "survived": "survived", "timeout": "timeout",
-         "no tests": "no_tests", "not checked": "not_run", "check was interrupted by user": "not_run"}
+GROUP = {
+    "killed": "killed",
+    "caught by type check": "killed",
+    "survived": "survived",
+    "timeout": "timeout",
+    "no tests": "no_tests",
+    "not checked": "not_run",
+    "check was interrupted by user": "not_run",
+}
 COLUMNS = ("killed", "survived", "timeout", "no_tests", "other", "not_run")
 
 
 def source_files() -> list[str]:
     """The checkout's files: tracked and untracked, less what git ignores."""
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return [name for name in out.split("\0") if name and (ROOT / name).is_file()]
 
 
@@ -112,8 +124,15 @@ def undecorate(source: str) -> str:
             for name in reversed(names):
                 applied = f"({name})({applied})"
             indent = " " * node.col_offset
-            edits.append((node.decorator_list[0].lineno, node.lineno, node.end_lineno, indent,
-                          f"{indent}{node.name} = {applied}\n"))
+            edits.append(
+                (
+                    node.decorator_list[0].lineno,
+                    node.lineno,
+                    node.end_lineno,
+                    indent,
+                    f"{indent}{node.name} = {applied}\n",
+                )
+            )
     for first, def_line, end, _, assignment in sorted(edits, reverse=True):
         lines[end:end] = [assignment]
         del lines[first - 1 : def_line - 1]
@@ -146,8 +165,9 @@ def prepare(work: Path, tests_from: str | None, mutated: list[str], tests: list[
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, target)
     if tests_from is not None:
-        archive = subprocess.run(["git", "archive", tests_from, "tests"], cwd=ROOT, check=True,
-                                 capture_output=True).stdout
+        archive = subprocess.run(
+            ["git", "archive", tests_from, "tests"], cwd=ROOT, check=True, capture_output=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", str(work)], input=archive, check=True)
     missing = [test for test in tests if not (work / test.split("::")[0]).exists()]
     if missing:
@@ -165,8 +185,14 @@ def run_mutmut(work: Path, budget_s: float, log: Path) -> float:
     start = time.monotonic()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     with open(log, "a", encoding="utf-8") as out:
-        process = subprocess.Popen([sys.executable, "-m", "mutmut", "run", "--max-children", "1"], cwd=work,
-                                   stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "mutmut", "run", "--max-children", "1"],
+            cwd=work,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         try:
             process.wait(timeout=budget_s)
         except subprocess.TimeoutExpired:
@@ -187,8 +213,10 @@ def verdicts(work: Path) -> dict[str, dict[str, str]]:
     for meta in sorted((work / "mutants").rglob("*.py.meta")):
         module = str(meta.relative_to(work / "mutants"))[: -len(".meta")]
         data = json.loads(meta.read_text())
-        out[module] = {name: GROUP.get(status_by_exit_code[code], "other")
-                       for name, code in data.get("exit_code_by_key", {}).items()}
+        out[module] = {
+            name: GROUP.get(status_by_exit_code[code], "other")
+            for name, code in data.get("exit_code_by_key", {}).items()
+        }
     return out
 
 
@@ -212,8 +240,12 @@ def _row(name: str, counts: Counter[str]) -> str:
 
 
 def survivors(found: dict[str, dict[str, str]]) -> list[str]:
-    return [name for by_name in found.values() for name, verdict in by_name.items()
-            if verdict in ("survived", "no_tests") and name not in EQUIVALENT]
+    return [
+        name
+        for by_name in found.values()
+        for name, verdict in by_name.items()
+        if verdict in ("survived", "no_tests") and name not in EQUIVALENT
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

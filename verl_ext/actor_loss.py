@@ -28,8 +28,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Mapping
+from typing import Any, Optional
 
 import torch
 from tensordict import TensorDict
@@ -48,7 +48,7 @@ from verl_ext.core.gauge import on_policy_gauge
 from verl_ext.core.region import CONSTRAINTS
 from verl_ext.core.surrogate import outside_trust_region
 from verl_ext.engine.packing import is_on_policy
-from verl_ext.engine.request import STEP_PATH_KEY, declare, entropy_as_mask, request_of
+from verl_ext.engine.request import STEP_PATH_KEY, declare, entropy_as_mask
 from verl_ext.engine.topk_capture import NEW_TOPK_LOG_PROBS, OLD_TOPK_LOG_PROBS
 from verl_ext.registry import ERC_ON_VERL_MODE, LossInputs, resolve_policy_config, supplying
 from verl_ext.token_dump import TokenDumpWriter
@@ -104,7 +104,9 @@ def divclip_actor_loss(
         # verl's v1 trainer stores the rule reward as rm_scores and writes token_level_rewards back
         # only with algorithm.use_kl_in_reward (then it holds the KL-penalised reward).
         reward_field = "token_level_rewards" if "token_level_rewards" in data else "rm_scores"
-        fields.append(_require(data, reward_field, "policy_loss.correct_nll_coef > 0 needs token_level_rewards or rm_scores"))
+        fields.append(
+            _require(data, reward_field, "policy_loss.correct_nll_coef > 0 needs token_level_rewards or rm_scores")
+        )
 
     padded = data.select(*fields).to_padded_tensor() if (erc or on_policy or needs_rewards or topk_stored) else None
     log_prob = entropy = None
@@ -162,7 +164,9 @@ def divclip_actor_loss(
     metrics.update({name: Metric(value=value, aggregation=_aggregation_of(name)) for name, value in extra.items()})
 
     if needs_rewards:
-        nll_loss, correct_fraction = _correct_response_nll(log_prob, padded[reward_field], response_mask, policy, config)
+        nll_loss, correct_fraction = _correct_response_nll(
+            log_prob, padded[reward_field], response_mask, policy, config
+        )
         policy_loss = policy_loss + policy.correct_nll_coef * nll_loss
         metrics["actor/divclip/correct_nll"] = Metric(value=nll_loss, aggregation=metrics["actor/pg_loss"].aggregation)
         metrics["actor/divclip/correct_fraction"] = Metric(value=correct_fraction, aggregation=AggregationType.MEAN)
@@ -249,8 +253,14 @@ def outside_mode_rule(
     for a verl mode without a declaration, the actor's clip interval (None)."""
     if mode in CONSTRAINTS:
         return outside_trust_region(
-            mode, old_log_prob, log_prob, response_mask, policy=policy, clip_ratio_low=clip_low,
-            clip_ratio_high=clip_high, topk=topk,
+            mode,
+            old_log_prob,
+            log_prob,
+            response_mask,
+            policy=policy,
+            clip_ratio_low=clip_low,
+            clip_ratio_high=clip_high,
+            topk=topk,
         )
     declared = VERL_MODE_READS.get(mode)
     if declared is None:

@@ -57,7 +57,7 @@ class AdaptiveDelta:
     updates: int = 0
 
     @classmethod
-    def from_policy(cls, policy: DivClipPolicyLossConfig) -> Optional["AdaptiveDelta"]:
+    def from_policy(cls, policy: DivClipPolicyLossConfig) -> Optional[AdaptiveDelta]:
         """The controller configured by ``policy``, or ``None`` when delta is static. Raises
         ``ValueError`` naming the key if ``loss_mode`` has no KL budget to adapt."""
         check_policy_config(policy)
@@ -76,7 +76,9 @@ class AdaptiveDelta:
     def next_delta(self, measured: float) -> float:
         """The rule of the module docstring, without changing the state."""
         if not math.isfinite(measured) or measured < 0:
-            raise ValueError(f"adaptive delta: the measured mean KL3 ({self.metric}) must be finite and >= 0, got {measured!r}")
+            raise ValueError(
+                f"adaptive delta: the measured mean KL3 ({self.metric}) must be finite and >= 0, got {measured!r}"
+            )
         if measured > self.target * self.tolerance:
             return max(self.delta / self.rate, self.minimum)
         if measured < self.target / self.tolerance:

@@ -23,8 +23,9 @@ with it the plugin, hence the losses) fails at construction, naming the key.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from verl.workers.config import PolicyLossConfig
 
@@ -39,12 +40,12 @@ KL_FULL_DIRECTIONS = ("forward", "reverse")
 
 #: Checks that need the loss-mode registry, run by ``DivClipPolicyLossConfig.__post_init__``
 #: with ``(config, key_prefix)``; filled by :func:`register_mode_check`.
-_MODE_CHECKS: list[Callable[["DivClipPolicyLossConfig", str], None]] = []
+_MODE_CHECKS: list[Callable[[DivClipPolicyLossConfig, str], None]] = []
 
 
 def register_mode_check(
-    check: Callable[["DivClipPolicyLossConfig", str], None],
-) -> Callable[["DivClipPolicyLossConfig", str], None]:
+    check: Callable[[DivClipPolicyLossConfig, str], None],
+) -> Callable[[DivClipPolicyLossConfig, str], None]:
     """Run ``check(config, prefix)`` at the end of every ``DivClipPolicyLossConfig.__post_init__``
     from now on (idempotent). :mod:`verl_ext.registry` registers its :func:`check_policy_config`
     here, so the mode registry's checks fire at construction without this module importing it.
@@ -258,9 +259,13 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
                 f"got {self.adaptive_delta_target!r}"
             )
         if not (_finite(self.adaptive_delta_tolerance) and self.adaptive_delta_tolerance >= 1):
-            raise ValueError(f"{prefix}.adaptive_delta_tolerance must be a finite number >= 1, got {self.adaptive_delta_tolerance!r}")
+            raise ValueError(
+                f"{prefix}.adaptive_delta_tolerance must be a finite number >= 1, got {self.adaptive_delta_tolerance!r}"
+            )
         if not (_finite(self.adaptive_delta_rate) and self.adaptive_delta_rate > 1):
-            raise ValueError(f"{prefix}.adaptive_delta_rate must be a finite number > 1, got {self.adaptive_delta_rate!r}")
+            raise ValueError(
+                f"{prefix}.adaptive_delta_rate must be a finite number > 1, got {self.adaptive_delta_rate!r}"
+            )
         for key in ("adaptive_delta_min", "adaptive_delta_max"):
             value = getattr(self, key)
             if not (_finite(value) and value > 0):
@@ -270,8 +275,10 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
                 f"{prefix}.adaptive_delta_min ({self.adaptive_delta_min}) must not exceed "
                 f"adaptive_delta_max ({self.adaptive_delta_max})"
             )
-        if self.adaptive_delta_enabled and _finite(self.delta) and not (
-            self.adaptive_delta_min <= self.delta <= self.adaptive_delta_max
+        if (
+            self.adaptive_delta_enabled
+            and _finite(self.delta)
+            and not (self.adaptive_delta_min <= self.delta <= self.adaptive_delta_max)
         ):
             raise ValueError(
                 f"{prefix}.delta={self.delta} (the adaptive controller's initial delta) must lie within "

@@ -86,15 +86,38 @@ KNOBS: dict[str, Knob] = {
     "clip_ratio": Knob("clip_ratio", "actor", 0.4, fallback_for=("clip_ratio_low", "clip_ratio_high")),
     "clip_ratio_c": Knob("clip_ratio_c", "actor", 5.0, same_as="dual_clip_c"),
     # verl's PolicyLossConfig
-    **_knobs("policy_loss", clip_cov_ratio=0.2, clip_cov_lb=-1.0, clip_cov_ub=0.5, kl_cov_ratio=0.2, ppo_kl_coef=1.0,
-             dro_beta=0.5),
+    **_knobs(
+        "policy_loss",
+        clip_cov_ratio=0.2,
+        clip_cov_lb=-1.0,
+        clip_cov_ub=0.5,
+        kl_cov_ratio=0.2,
+        ppo_kl_coef=1.0,
+        dro_beta=0.5,
+    ),
     # the project's DivClipPolicyLossConfig
-    **_knobs("policy_loss", delta=0.2, gppo_beta_low=0.3, gppo_beta_high=0.3, dcpo_cap=3.0, dual_clip_c=3.0,
-             kl_full_top_k=2, kl_full_direction="reverse", kl_full_diagnostic=True,
-             erc_beta_low=0.2, erc_beta_high=0.2, erc_eps=1.0,
-             adaptive_delta_target=0.02, adaptive_delta_tolerance=3.0, adaptive_delta_rate=2.0,
-             adaptive_delta_min=0.06, adaptive_delta_max=0.08,
-             correct_nll_coef=0.1, correct_reward=0.5, correct_nll_norm="micro_batch"),
+    **_knobs(
+        "policy_loss",
+        delta=0.2,
+        gppo_beta_low=0.3,
+        gppo_beta_high=0.3,
+        dcpo_cap=3.0,
+        dual_clip_c=3.0,
+        kl_full_top_k=2,
+        kl_full_direction="reverse",
+        kl_full_diagnostic=True,
+        erc_beta_low=0.2,
+        erc_beta_high=0.2,
+        erc_eps=1.0,
+        adaptive_delta_target=0.02,
+        adaptive_delta_tolerance=3.0,
+        adaptive_delta_rate=2.0,
+        adaptive_delta_min=0.06,
+        adaptive_delta_max=0.08,
+        correct_nll_coef=0.1,
+        correct_reward=0.5,
+        correct_nll_norm="micro_batch",
+    ),
 }
 
 
@@ -138,25 +161,53 @@ def _erc_stacks_on(mode: str) -> bool:
 
 
 FEATURES: tuple[Feature, ...] = (
-    Feature("ERC", ("erc_beta_low", "erc_beta_high"), ("erc_beta_low", "erc_beta_high", "erc_eps"), _erc_stacks_on,
-            on={"erc_beta_low": 0.05, "erc_beta_high": 0.05},
-            summary="1 − β_l < H_new/H_old < 1 + β_h, hard (any advantage sign); both entropies from one fp32 "
-                    "function"),
-    Feature("dual-clip", ("dual_clip_c",), ("dual_clip_c",), _is_divclip, on={"dual_clip_c": 3.0},
-            summary="w ≤ c for A < 0 (verl's own modes: verl's `actor.clip_ratio_c`, where they read it)"),
-    Feature("adaptive delta", ("adaptive_delta_target",),
-            ("adaptive_delta_target", "adaptive_delta_tolerance", "adaptive_delta_rate", "adaptive_delta_min",
-             "adaptive_delta_max"),
-            _has_budget, on={"adaptive_delta_target": 0.01},
-            summary="δ moves between updates so the update's mean KL3 tracks a target (opt-in; off = the paper's "
-                    "static δ)"),
-    Feature("correct-response NLL", ("correct_nll_coef",), ("correct_nll_coef", "correct_reward", "correct_nll_norm"),
-            lambda mode: True, on={"correct_nll_coef": 0.1},
-            summary="+ coef × NLL of the responses whose summed reward is `correct_reward` (released ERC scripts)"),
-    Feature("kl_full diagnostic", ("kl_full_diagnostic",), ("kl_full_diagnostic", "kl_full_top_k", "kl_full_direction",
-                                                             "delta"),
-            _is_divclip, on={"kl_full_diagnostic": True}, moves="metrics:actor/divclip/kl_full",
-            summary="where the mode's clip decisions and the full-KL rule's (at δ) disagree (opt-in, metrics only)"),
+    Feature(
+        "ERC",
+        ("erc_beta_low", "erc_beta_high"),
+        ("erc_beta_low", "erc_beta_high", "erc_eps"),
+        _erc_stacks_on,
+        on={"erc_beta_low": 0.05, "erc_beta_high": 0.05},
+        summary="1 − β_l < H_new/H_old < 1 + β_h, hard (any advantage sign); both entropies from one fp32 function",
+    ),
+    Feature(
+        "dual-clip",
+        ("dual_clip_c",),
+        ("dual_clip_c",),
+        _is_divclip,
+        on={"dual_clip_c": 3.0},
+        summary="w ≤ c for A < 0 (verl's own modes: verl's `actor.clip_ratio_c`, where they read it)",
+    ),
+    Feature(
+        "adaptive delta",
+        ("adaptive_delta_target",),
+        (
+            "adaptive_delta_target",
+            "adaptive_delta_tolerance",
+            "adaptive_delta_rate",
+            "adaptive_delta_min",
+            "adaptive_delta_max",
+        ),
+        _has_budget,
+        on={"adaptive_delta_target": 0.01},
+        summary="δ moves between updates so the update's mean KL3 tracks a target (opt-in; off = the paper's static δ)",
+    ),
+    Feature(
+        "correct-response NLL",
+        ("correct_nll_coef",),
+        ("correct_nll_coef", "correct_reward", "correct_nll_norm"),
+        lambda mode: True,
+        on={"correct_nll_coef": 0.1},
+        summary="+ coef × NLL of the responses whose summed reward is `correct_reward` (released ERC scripts)",
+    ),
+    Feature(
+        "kl_full diagnostic",
+        ("kl_full_diagnostic",),
+        ("kl_full_diagnostic", "kl_full_top_k", "kl_full_direction", "delta"),
+        _is_divclip,
+        on={"kl_full_diagnostic": True},
+        moves="metrics:actor/divclip/kl_full",
+        summary="where the mode's clip decisions and the full-KL rule's (at δ) disagree (opt-in, metrics only)",
+    ),
 )
 FEATURES_BY_NAME = {feature.name: feature for feature in FEATURES}
 
@@ -241,9 +292,7 @@ def unread_knobs(actor: Any) -> list[str]:
             continue
         readers_text = f"the loss modes that read it: {modes}" if modes else "no loss mode reads it itself"
         if features:
-            switches = [
-                f"{name} (switched on by {' / '.join(FEATURES_BY_NAME[name].switch)})" for name in features
-            ]
+            switches = [f"{name} (switched on by {' / '.join(FEATURES_BY_NAME[name].switch)})" for name in features]
             readers_text += f"; the features that read it: {', '.join(switches)}"
         same = f" (or at {KNOBS[knob.same_as].key}'s value, which says the same)" if knob.same_as else ""
         problems.append(

@@ -49,7 +49,6 @@ def require_registered() -> None:
 
     # imported here, not only by verl's plugin loader: a failure to register (a verl entry the project would
     # shadow) raises with its own message instead of the loader's DEBUG line
-    import verl_ext.registry  # noqa: F401
     from verl_ext.core.region import CONSTRAINTS
 
     missing = sorted(set(CONSTRAINTS) - set(POLICY_LOSS_REGISTRY))

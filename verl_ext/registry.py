@@ -32,7 +32,13 @@ from typing import Any, Optional
 import torch
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
-from verl_ext.config import CONFIG_TARGET, POLICY_LOSS_KEY, DivClipPolicyLossConfig, actor_clip_ratios, register_mode_check
+from verl_ext.config import (
+    CONFIG_TARGET,
+    POLICY_LOSS_KEY,
+    DivClipPolicyLossConfig,
+    actor_clip_ratios,
+    register_mode_check,
+)
 from verl_ext.core.coarsened_kl import TopKLogMasses
 from verl_ext.core.constraints import KL_FULL_NEEDS_TOPK
 from verl_ext.core.region import CONSTRAINTS
@@ -260,7 +266,9 @@ def _erc_on_verl_mode(
 
     supplied = supplied_inputs()
     if supplied is None or supplied.verl_mode is None:
-        raise ValueError(f"policy loss {ERC_ON_VERL_MODE!r} runs only inside the divclip actor loss (verl_ext.actor_loss)")
+        raise ValueError(
+            f"policy loss {ERC_ON_VERL_MODE!r} runs only inside the divclip actor loss (verl_ext.actor_loss)"
+        )
     actor_config = supplied.verl_config
     loss, metrics = verl_policy_loss(
         supplied.verl_mode,

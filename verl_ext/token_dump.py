@@ -121,7 +121,7 @@ class TokenDumpWriter:
             clipped = clipped_mask.detach().reshape(-1).cpu()[index].bool().tolist()
 
         lines = []
-        for prob, ratio, clip in zip(probs, ratios, clipped):
+        for prob, ratio, clip in zip(probs, ratios, clipped, strict=False):
             if not (math.isfinite(prob) and math.isfinite(ratio)):
                 self.skipped_nonfinite += 1
                 continue

@@ -26,8 +26,9 @@ validation refuses any other knob set away from its default (:mod:`verl_ext.knob
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
@@ -40,7 +41,6 @@ from verl_ext.core.erc import (
     finish_entropy_band_metrics,
     gate_log_prob_gradient,
 )
-
 
 #: ``outside(log_ratio, old_log_prob, mask, eps_low, eps_high)``: the valid tokens a mode's clip rule puts
 #: outside its trust region, whatever the advantage's sign (detached tensors; the on-policy gauge counts them).
@@ -189,7 +189,7 @@ def _erc_metrics(band: EntropyBand, response_mask: torch.Tensor) -> dict[str, fl
     with one host sync."""
     with torch.no_grad():  # every sum is a float of the band's dtype: one stack, one host sync
         sums = {"n_valid": response_mask.sum(dtype=band.rho.dtype), **entropy_band_sums(band)}
-        values = dict(zip(sums, torch.stack(list(sums.values())).tolist()))
+        values = dict(zip(sums, torch.stack(list(sums.values())).tolist(), strict=False))
     n = values.pop("n_valid")
     if n == 0:
         return {}

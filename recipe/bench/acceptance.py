@@ -95,7 +95,14 @@ from recipe.bench.gpu_workload import (
     update_memory,
 )
 
-LOSSES = ("no_entropy", "divclip_erc", "divclip_erc_vocab_pass", "divclip_kl3", "divclip_kl_full", "divclip_kl_full_vocab_pass")
+LOSSES = (
+    "no_entropy",
+    "divclip_erc",
+    "divclip_erc_vocab_pass",
+    "divclip_kl3",
+    "divclip_kl_full",
+    "divclip_kl_full_vocab_pass",
+)
 SEARCH_LOSSES = ("no_entropy", "divclip_erc_vocab_pass")
 """The losses whose longest micro-batch is searched by default: the target's pair (``--search-losses all``
 searches every loss, at about 30 s each on one H200)."""
@@ -127,7 +134,7 @@ class _Clock:
     def __init__(self, meter: MemoryMeter) -> None:
         self.meter = meter
 
-    def __enter__(self) -> "_Clock":
+    def __enter__(self) -> _Clock:
         self.meter.sync()
         self.start = time.perf_counter()
         return self
@@ -146,9 +153,16 @@ def spread(values: list[float]) -> dict[str, float]:
 def _gauge(metrics: dict[str, Any]) -> dict[str, Any]:
     """The first update's on-policy figures (one value per mini-batch): they all read 0 when the check
     holds. ``holds`` is None for verl's own loss, which logs no gauge."""
-    first = {k: [float(v) for v in metrics[k]] for k in metrics if isinstance(metrics[k], list)
-             and (k.startswith(GAUGE) or k in ("actor/divclip/kl_full_max", "actor/pg_clipfrac", "actor/ppo_kl")
-                  or k.startswith("actor/divclip/erc/clipfrac"))}
+    first = {
+        k: [float(v) for v in metrics[k]]
+        for k in metrics
+        if isinstance(metrics[k], list)
+        and (
+            k.startswith(GAUGE)
+            or k in ("actor/divclip/kl_full_max", "actor/pg_clipfrac", "actor/ppo_kl")
+            or k.startswith("actor/divclip/erc/clipfrac")
+        )
+    }
     if f"{GAUGE}log_ratio_abs_max" not in first:
         return {"first_update": first, "holds": None}
     return {"first_update": first, "holds": all(v == 0.0 for values in first.values() for v in values)}
@@ -196,8 +210,15 @@ class _WorkerBroken(RuntimeError):
     may not have recovered from that exception, so the searches stop there (reported, not a figure)."""
 
 
-def search_longest(worker: Any, phases: UpdatePhases, meter: MemoryMeter, name: str, args: argparse.Namespace,
-                   seconds: float, state: dict[str, bool]) -> dict[str, Any]:
+def search_longest(
+    worker: Any,
+    phases: UpdatePhases,
+    meter: MemoryMeter,
+    name: str,
+    args: argparse.Namespace,
+    seconds: float,
+    state: dict[str, bool],
+) -> dict[str, Any]:
     """The longest micro-batch (tokens) that one update of loss ``name`` fits, at the configs' sequence
     length: :func:`longest_fitting` over the number of sequences in one micro-batch (``--sequences`` fitted
     in the timed rounds), an update not fitting when it raises ``torch.OutOfMemoryError`` (its memory then
@@ -221,8 +242,12 @@ def search_longest(worker: Any, phases: UpdatePhases, meter: MemoryMeter, name: 
             batch = make_rollout_batch([prompt_len] * n, [seq_len - prompt_len] * n, args.vocab, seed=n)
             if "kl_full" in name:  # the update reads pi_old's top-k from the pass
                 batch = _with_old(batch, compute_log_prob(worker, batch, old_topk=args.k))
-            update_actor(worker, batch, calculate_entropy=name.startswith("divclip_erc"),
-                         extra_info={"micro_batch_size_per_gpu": n, "max_token_len_per_gpu": n * seq_len})
+            update_actor(
+                worker,
+                batch,
+                calculate_entropy=name.startswith("divclip_erc"),
+                extra_info={"micro_batch_size_per_gpu": n, "max_token_len_per_gpu": n * seq_len},
+            )
         except Exception as error:  # noqa: BLE001 - only running out of memory means "does not fit"
             if not _out_of_memory(error):
                 if not (state["out_of_memory"] or broken):
@@ -242,21 +267,39 @@ def search_longest(worker: Any, phases: UpdatePhases, meter: MemoryMeter, name: 
     started = time.monotonic()
     limit = max(args.sequences, args.search_max_tokens // seq_len)
     try:
-        found = longest_fitting(fits, min(2 * args.sequences, limit), limit=limit, resolution=args.search_resolution,
-                                deadline=started + seconds, known_fit=args.sequences)
+        found = longest_fitting(
+            fits,
+            min(2 * args.sequences, limit),
+            limit=limit,
+            resolution=args.search_resolution,
+            deadline=started + seconds,
+            known_fit=args.sequences,
+        )
     except _WorkerBroken as error:
         return {"broken": f"the worker failed after running out of memory: {error}"}
     worker.set_loss_fn(_loss(name, args.sequences, args.k))
-    return {"tokens": found.fits * seq_len, "fails_at_tokens": None if found.fails is None else found.fails * seq_len,
-            "stopped": found.stopped, "tries": [[n * seq_len, ok] for n, ok in found.tries],
-            "peak_bytes_by_tokens": {str(n * seq_len): b for n, b in sorted(peaks.items())},
-            "budget_bytes": budget, "seconds": round(time.monotonic() - started, 2)}
+    return {
+        "tokens": found.fits * seq_len,
+        "fails_at_tokens": None if found.fails is None else found.fails * seq_len,
+        "stopped": found.stopped,
+        "tries": [[n * seq_len, ok] for n, ok in found.tries],
+        "peak_bytes_by_tokens": {str(n * seq_len): b for n, b in sorted(peaks.items())},
+        "budget_bytes": budget,
+        "seconds": round(time.monotonic() - started, 2),
+    }
 
 
 def run_losses(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     """Child: every loss of :data:`LOSSES` on one worker at one micro-batch of ``--tokens``: warm-up, the
     interleaved timed rounds, then the longest-micro-batch search of ``--search-losses``."""
-    from recipe.bench.harness import WorkerOptions, build_actor_worker, compute_log_prob, make_rollout_batch, single_rank_env, update_actor
+    from recipe.bench.harness import (
+        WorkerOptions,
+        build_actor_worker,
+        compute_log_prob,
+        make_rollout_batch,
+        single_rank_env,
+        update_actor,
+    )
 
     single_rank_env(device=args.device)
     cuda = args.device == "cuda"
@@ -265,11 +308,23 @@ def run_losses(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     tensor_core_calls = _recording_tensor_cores()
     seq_len = args.tokens // args.sequences
     prompt_len = max(1, seq_len // 8)
-    worker = build_actor_worker(model_path, WorkerOptions(
-        device=args.device, strategy=args.strategy, mixed_precision=None, micro_batch_size_per_gpu=args.sequences,
-        max_token_len_per_gpu=args.tokens, enable_gradient_checkpointing=True, use_torch_compile=cuda, lr=1e-6))
+    worker = build_actor_worker(
+        model_path,
+        WorkerOptions(
+            device=args.device,
+            strategy=args.strategy,
+            mixed_precision=None,
+            micro_batch_size_per_gpu=args.sequences,
+            max_token_len_per_gpu=args.tokens,
+            enable_gradient_checkpointing=True,
+            use_torch_compile=cuda,
+            lr=1e-6,
+        ),
+    )
     phases = UpdatePhases(worker.engine, meter)
-    batch = make_rollout_batch([prompt_len] * args.sequences, [seq_len - prompt_len] * args.sequences, args.vocab, seed=0)
+    batch = make_rollout_batch(
+        [prompt_len] * args.sequences, [seq_len - prompt_len] * args.sequences, args.vocab, seed=0
+    )
     losses = {name: _loss(name, args.sequences, args.k) for name in LOSSES}
     worker.set_loss_fn(losses["no_entropy"])
     update_actor(worker, batch, calculate_entropy=False)  # AdamW's state exists before anything is measured
@@ -315,31 +370,44 @@ def run_losses(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
             "update_seconds": seconds[name],
             **{f"update_seconds_{key}": value for key, value in times.items()},
             **{key: max(m[key] for m in memory[name]) for key in memory[name][0]},
-            "old_seconds": round(old[name]["seconds"], 4), "old_peak_bytes": old[name]["peak_bytes"],
-            "update_flops": flops, "update_flops_per_second": flops / times["median"],
+            "old_seconds": round(old[name]["seconds"], 4),
+            "old_peak_bytes": old[name]["peak_bytes"],
+            "update_flops": flops,
+            "update_flops_per_second": flops / times["median"],
             "mfu": None if peak_flops is None else flops / times["median"] / peak_flops,
-            "tensor_cores": tensor_cores[name], **gauges[name],
+            "tensor_cores": tensor_cores[name],
+            **gauges[name],
         }
     stages["rounds"] = time.perf_counter()
     search_losses = [n for n in LOSSES if n in args.search_losses]
     searches = {"out_of_memory": False}
     for name in search_losses:  # last: an out-of-memory try cannot touch the figures above
         if any("broken" in figures[n].get("longest", {}) for n in search_losses):
-            figures[name]["longest"] = {"broken": "not searched: the worker failed after an earlier try ran out of memory"}
+            figures[name]["longest"] = {
+                "broken": "not searched: the worker failed after an earlier try ran out of memory"
+            }
             continue
         try:
-            figures[name]["longest"] = search_longest(worker, phases, meter, name, args,
-                                                      args.search_seconds / len(search_losses), searches)
+            figures[name]["longest"] = search_longest(
+                worker, phases, meter, name, args, args.search_seconds / len(search_losses), searches
+            )
         except Exception as error:  # noqa: BLE001 - reported as a failed run by the parent, the figures kept
             figures[name]["longest"] = {"error": f"{type(error).__name__}: {str(error)[:400]}"}
     stages["search"] = time.perf_counter()
-    return {"strategy": args.strategy, "run": "losses", "figures": figures, "rounds": rounds,
-            "stage_seconds": _stages(stages), "peak_flops": peak_flops, "peak_flops_device": device_name}
+    return {
+        "strategy": args.strategy,
+        "run": "losses",
+        "figures": figures,
+        "rounds": rounds,
+        "stage_seconds": _stages(stages),
+        "peak_flops": peak_flops,
+        "peak_flops_device": device_name,
+    }
 
 
 def rotated(names: tuple[str, ...], by: int) -> list[str]:
     """``names`` rotated left by ``by`` (a round's order: each loss starts one round)."""
-    return list(names[by % len(names):] + names[:by % len(names)])
+    return list(names[by % len(names) :] + names[: by % len(names)])
 
 
 def _stages(marks: dict[str, float]) -> dict[str, float]:
@@ -351,7 +419,14 @@ def _stages(marks: dict[str, float]) -> dict[str, float]:
 def run_packing(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     """Child: the configs' 2:1 dynamic packing over responses of varied, long-tailed lengths, the old pass
     aligned and with verl's packing, alternating."""
-    from recipe.bench.harness import WorkerOptions, build_actor_worker, compute_log_prob, make_rollout_batch, single_rank_env, update_actor
+    from recipe.bench.harness import (
+        WorkerOptions,
+        build_actor_worker,
+        compute_log_prob,
+        make_rollout_batch,
+        single_rank_env,
+        update_actor,
+    )
     from verl_ext.engine.packing import UpdatePacking
     from verl_ext.engine.seam import set_pack_old_log_prob_as_update
 
@@ -361,12 +436,23 @@ def run_packing(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     stages = {"start": time.perf_counter()}
     prompt_len = max(1, args.tokens // args.sequences // 8)
     count = PACKING_RESPONSES_PER_SEQUENCE * args.sequences
-    lengths = response_lengths(count, mean=args.tokens / count - prompt_len, max_len=args.tokens // 2 - prompt_len,
-                               seed=args.seed)
-    worker = build_actor_worker(model_path, WorkerOptions(
-        device=args.device, strategy=args.strategy, mixed_precision=None, use_dynamic_bsz=True,
-        max_token_len_per_gpu=args.tokens // 2, infer_max_token_len_per_gpu=args.tokens,
-        enable_gradient_checkpointing=True, use_torch_compile=cuda, lr=1e-6))
+    lengths = response_lengths(
+        count, mean=args.tokens / count - prompt_len, max_len=args.tokens // 2 - prompt_len, seed=args.seed
+    )
+    worker = build_actor_worker(
+        model_path,
+        WorkerOptions(
+            device=args.device,
+            strategy=args.strategy,
+            mixed_precision=None,
+            use_dynamic_bsz=True,
+            max_token_len_per_gpu=args.tokens // 2,
+            infer_max_token_len_per_gpu=args.tokens,
+            enable_gradient_checkpointing=True,
+            use_torch_compile=cuda,
+            lr=1e-6,
+        ),
+    )
     phases = UpdatePhases(worker.engine, meter)
     batch = make_rollout_batch([prompt_len] * count, lengths, args.vocab, seed=0)
     worker.set_loss_fn(_loss("divclip_erc", count, args.k))
@@ -387,23 +473,42 @@ def run_packing(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
             if arm not in gauges:
                 data = _with_old(batch, {"old_log_probs": old["old_log_probs"], "entropy": old["entropy"]})
                 gauges[arm] = _gauge(update_actor(worker, data, calculate_entropy=True, mini_batch_size=count))
-    figures = {arm: {**{f"old_seconds_{key}": value for key, value in spread(seconds[arm]).items()},
-                     "old_peak_bytes": max(peaks[arm]), **gauges[arm]} for arm in PACKING_ARMS}
+    figures = {
+        arm: {
+            **{f"old_seconds_{key}": value for key, value in spread(seconds[arm]).items()},
+            "old_peak_bytes": max(peaks[arm]),
+            **gauges[arm],
+        }
+        for arm in PACKING_ARMS
+    }
     stages["rounds"] = time.perf_counter()
-    return {"strategy": args.strategy, "run": "packing", "figures": figures, "response_lengths": lengths,
-            "stage_seconds": _stages(stages)}
+    return {
+        "strategy": args.strategy,
+        "run": "packing",
+        "figures": figures,
+        "response_lengths": lengths,
+        "stage_seconds": _stages(stages),
+    }
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m recipe.bench gpu --acceptance", description=__doc__.split("\n")[0],
+        prog="python -m recipe.bench gpu --acceptance",
+        description=__doc__.split("\n")[0],
         epilog="exit codes: 0 every target measured and met (with --allow-unmeasured: every measured one); "
-               "1 a target missed, a run failed or an on-policy check broken; 2 bad options or no CUDA device; "
-               "3 nothing failed but a target unmeasured, without --allow-unmeasured")
-    p.add_argument("--out", type=Path, default=None, help="folder for acceptance.json / acceptance.md "
-                   "(default outputs/gpu_acceptance/<date>)")
+        "1 a target missed, a run failed or an on-policy check broken; 2 bad options or no CUDA device; "
+        "3 nothing failed but a target unmeasured, without --allow-unmeasured",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for acceptance.json / acceptance.md (default outputs/gpu_acceptance/<date>)",
+    )
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--strategies", default=None, help=f"subset of {list(STRATEGIES)} (default: both on cuda, fsdp2 on cpu)")
+    p.add_argument(
+        "--strategies", default=None, help=f"subset of {list(STRATEGIES)} (default: both on cuda, fsdp2 on cpu)"
+    )
     p.add_argument("--tokens", type=int, default=16_384, help="tokens per micro-batch")
     p.add_argument("--sequences", type=int, default=8)
     p.add_argument("--vocab", type=int, default=R1_DISTILL_QWEN_1_5B["vocab_size"])
@@ -411,37 +516,71 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=None, help="override the model's hidden size (small runs)")
     p.add_argument("--head-scale", type=float, default=50.0)
     p.add_argument("--k", type=int, default=32, help="kl_full_top_k")
-    p.add_argument("--warmup", type=int, default=1, help="untimed updates per loss after its old pass (the first: the gauge)")
-    p.add_argument("--repeats", type=int, default=5,
-                   help="timed rounds, every loss once per round, interleaved (>= 5 for the acceptance: the median)")
-    p.add_argument("--time-every-loss", action="store_true",
-                   help="time every loss in every round (default: the baseline and the losses with a time target; "
-                        "the others in the first round only)")
+    p.add_argument(
+        "--warmup", type=int, default=1, help="untimed updates per loss after its old pass (the first: the gauge)"
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed rounds, every loss once per round, interleaved (>= 5 for the acceptance: the median)",
+    )
+    p.add_argument(
+        "--time-every-loss",
+        action="store_true",
+        help="time every loss in every round (default: the baseline and the losses with a time target; "
+        "the others in the first round only)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the packing run's response lengths")
-    p.add_argument("--search-losses", default=",".join(SEARCH_LOSSES),
-                   help=f"losses whose longest micro-batch is searched: a subset of {list(LOSSES)}, 'all' or '' (none)")
-    p.add_argument("--search-seconds", type=float, default=60.0,
-                   help="time bound of the longest-micro-batch search per strategy, split evenly over the losses "
-                        "(no try starts after it; 0: no search)")
+    p.add_argument(
+        "--search-losses",
+        default=",".join(SEARCH_LOSSES),
+        help=f"losses whose longest micro-batch is searched: a subset of {list(LOSSES)}, 'all' or '' (none)",
+    )
+    p.add_argument(
+        "--search-seconds",
+        type=float,
+        default=60.0,
+        help="time bound of the longest-micro-batch search per strategy, split evenly over the losses "
+        "(no try starts after it; 0: no search)",
+    )
     p.add_argument("--search-max-tokens", type=int, default=262_144, help="the largest micro-batch the search tries")
-    p.add_argument("--search-resolution", type=float, default=0.25,
-                   help="bisection stops once the smallest failure is within this share of the largest fit")
-    p.add_argument("--search-budget-mib", type=float, default=None,
-                   help="a declared memory budget: an update whose loss-phase or optimizer-step peak exceeds it does "
-                        "not fit (default on cuda: only running out of device memory; --device cpu needs it)")
-    p.add_argument("--allow-unmeasured", action="store_true",
-                   help="accept targets this run cannot measure (--device cpu: FSDP1; a --strategies subset: the other "
-                        "strategy's; a search stopped by its time bound): they are reported as unmeasured and the exit "
-                        "code is 0 when every measured target is met. Without it an unmeasured target exits 3. "
-                        "A missed target, a failed run or a broken on-policy check exits 1 either way")
+    p.add_argument(
+        "--search-resolution",
+        type=float,
+        default=0.25,
+        help="bisection stops once the smallest failure is within this share of the largest fit",
+    )
+    p.add_argument(
+        "--search-budget-mib",
+        type=float,
+        default=None,
+        help="a declared memory budget: an update whose loss-phase or optimizer-step peak exceeds it does "
+        "not fit (default on cuda: only running out of device memory; --device cpu needs it)",
+    )
+    p.add_argument(
+        "--allow-unmeasured",
+        action="store_true",
+        help="accept targets this run cannot measure (--device cpu: FSDP1; a --strategies subset: the other "
+        "strategy's; a search stopped by its time bound): they are reported as unmeasured and the exit "
+        "code is 0 when every measured target is met. Without it an unmeasured target exits 3. "
+        "A missed target, a failed run or a broken on-policy check exits 1 either way",
+    )
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_model", default=None, help=argparse.SUPPRESS)
     return p
 
 
-def _report(args: argparse.Namespace, child_argv: list[str], strategies: list[str], finished: list[str],
-            results: dict[str, dict[str, Any]], errors: dict[str, str], extras: dict[str, dict[str, Any]],
-            stage_seconds: dict[str, dict[str, float]]) -> dict[str, Any]:
+def _report(
+    args: argparse.Namespace,
+    child_argv: list[str],
+    strategies: list[str],
+    finished: list[str],
+    results: dict[str, dict[str, Any]],
+    errors: dict[str, str],
+    extras: dict[str, dict[str, Any]],
+    stage_seconds: dict[str, dict[str, float]],
+) -> dict[str, Any]:
     """The report of the strategies run so far (``finished``): figures, ratios, targets, gauges, errors."""
     import torch
 
@@ -449,40 +588,66 @@ def _report(args: argparse.Namespace, child_argv: list[str], strategies: list[st
         "date": _dt.date.today().isoformat(),
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "CPU platform",
         "command": "python -m recipe.bench gpu --acceptance " + " ".join(child_argv),
-        "shape": (f"{args.layers or R1_DISTILL_QWEN_1_5B['num_hidden_layers']} layers, hidden "
-                  f"{args.hidden or R1_DISTILL_QWEN_1_5B['hidden_size']}, vocabulary {args.vocab}, {args.tokens} tokens "
-                  f"per micro-batch in {args.sequences} sequences, k = {args.k}"),
-        "timing": (f"{args.warmup} warm-up update(s) per loss, then {args.repeats} rounds with the losses interleaved; "
-                   f"longest micro-batch of {', '.join(args.search_losses) or 'no loss'} searched in at most "
-                   f"{args.search_seconds:.0f} s per strategy up to {args.search_max_tokens} tokens"
-                   + (f" within {args.search_budget_mib:g} MiB" if args.search_budget_mib is not None else "")),
-        "peak_flops": "; ".join(sorted({f"{e['peak_flops_device']}: " + ("unknown to verl's table" if e["peak_flops"] is None
-                                                                          else f"{e['peak_flops'] / 1e12:g} TFLOP/s")
-                                        for e in extras.values() if "peak_flops_device" in e}))
+        "shape": (
+            f"{args.layers or R1_DISTILL_QWEN_1_5B['num_hidden_layers']} layers, hidden "
+            f"{args.hidden or R1_DISTILL_QWEN_1_5B['hidden_size']}, vocabulary {args.vocab}, {args.tokens} tokens "
+            f"per micro-batch in {args.sequences} sequences, k = {args.k}"
+        ),
+        "timing": (
+            f"{args.warmup} warm-up update(s) per loss, then {args.repeats} rounds with the losses interleaved; "
+            f"longest micro-batch of {', '.join(args.search_losses) or 'no loss'} searched in at most "
+            f"{args.search_seconds:.0f} s per strategy up to {args.search_max_tokens} tokens"
+            + (f" within {args.search_budget_mib:g} MiB" if args.search_budget_mib is not None else "")
+        ),
+        "peak_flops": "; ".join(
+            sorted(
+                {
+                    f"{e['peak_flops_device']}: "
+                    + ("unknown to verl's table" if e["peak_flops"] is None else f"{e['peak_flops'] / 1e12:g} TFLOP/s")
+                    for e in extras.values()
+                    if "peak_flops_device" in e
+                }
+            )
+        )
         + " (dense bf16, verl.utils.flops_counter.get_device_flops; NVIDIA's H100/H200 datasheets: 1,979 TFLOP/s "
-          "with sparsity, half of it dense)",
-        "packing_lengths": {s_: f"{len(e['response_lengths'])} lengths, median {statistics.median(e['response_lengths']):g}, "
-                                f"min {min(e['response_lengths'])}, max {max(e['response_lengths'])}"
-                            for s_, e in extras.items() if "response_lengths" in e},
+        "with sparsity, half of it dense)",
+        "packing_lengths": {
+            s_: f"{len(e['response_lengths'])} lengths, median {statistics.median(e['response_lengths']):g}, "
+            f"min {min(e['response_lengths'])}, max {max(e['response_lengths'])}"
+            for s_, e in extras.items()
+            if "response_lengths" in e
+        },
         "response_lengths": {s_: e["response_lengths"] for s_, e in extras.items() if "response_lengths" in e},
         "rounds": {s_: e["rounds"] for s_, e in extras.items() if "rounds" in e},
         "stage_seconds": stage_seconds,
-        "figures": results, "ratios": {}, "targets": {}, "on_policy": {}, "errors": errors,
+        "figures": results,
+        "ratios": {},
+        "targets": {},
+        "on_policy": {},
+        "errors": errors,
     }
     for strategy in STRATEGIES:
         got = results.get(strategy, {})
         if "losses" in got and "packing" in got:
             report["ratios"][strategy] = ratios(got["losses"], got["packing"])
             report["targets"][strategy] = judge(report["ratios"][strategy], "the run reported no figure")
-            report["on_policy"][strategy] = {**{n: {k: f[k] for k in ("holds", "first_update", "tensor_cores")}
-                                                for n, f in got["losses"].items()},
-                                             **{f"divclip_erc_dynamic ({arm})": {k: f[k] for k in ("holds", "first_update")}
-                                                for arm, f in got["packing"].items()}}
+            report["on_policy"][strategy] = {
+                **{n: {k: f[k] for k in ("holds", "first_update", "tensor_cores")} for n, f in got["losses"].items()},
+                **{
+                    f"divclip_erc_dynamic ({arm})": {k: f[k] for k in ("holds", "first_update")}
+                    for arm, f in got["packing"].items()
+                },
+            }
         else:
-            why = ("FSDP1 needs CUDA" if strategy == "fsdp" and args.device == "cpu" else
-                   "not requested" if strategy not in strategies else
-                   "not run yet: a partial report, written before this strategy ran" if strategy not in finished else
-                   f"the run failed: {errors}")
+            why = (
+                "FSDP1 needs CUDA"
+                if strategy == "fsdp" and args.device == "cpu"
+                else "not requested"
+                if strategy not in strategies
+                else "not run yet: a partial report, written before this strategy ran"
+                if strategy not in finished
+                else f"the run failed: {errors}"
+            )
             report["targets"][strategy] = judge(None, why)
     return report
 
@@ -491,18 +656,24 @@ def main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.tokens % args.sequences or args.tokens // args.sequences < 4:
-        parser.error(f"--tokens ({args.tokens}) must split into --sequences ({args.sequences}) sequences of >= 4 tokens")
+        parser.error(
+            f"--tokens ({args.tokens}) must split into --sequences ({args.sequences}) sequences of >= 4 tokens"
+        )
     if args.warmup < 1 or args.repeats < 1:
         parser.error("--warmup and --repeats must be >= 1 (the first update is the on-policy check)")
     chosen = [n for n in (LOSSES if args.search_losses == "all" else args.search_losses.split(",")) if n]
     if sorted(set(chosen) - set(LOSSES)):
-        parser.error(f"unknown --search-losses {sorted(set(chosen) - set(LOSSES))}; choose from {list(LOSSES)} or 'all'")
+        parser.error(
+            f"unknown --search-losses {sorted(set(chosen) - set(LOSSES))}; choose from {list(LOSSES)} or 'all'"
+        )
     args.search_losses = chosen if args.search_seconds > 0 else []
     if args.search_losses and "no_entropy" not in args.search_losses:
         parser.error("--search-losses must include no_entropy: the longest micro-batch is a ratio against it")
     if args.device == "cpu" and args.search_losses and args.search_budget_mib is None:
-        parser.error("--device cpu searches against a declared budget: give --search-budget-mib "
-                     "(or --search-seconds 0 for no search); running out of host memory would end the run")
+        parser.error(
+            "--device cpu searches against a declared budget: give --search-budget-mib "
+            "(or --search-seconds 0 for no search); running out of host memory would end the run"
+        )
     strategies = chosen_strategies(parser, args)
     if args._child is not None:
         run, args.strategy = args._child.split(":")
@@ -516,8 +687,15 @@ def main(argv: list[str]) -> int:
     out = args.out or Path("outputs") / "gpu_acceptance" / _dt.date.today().isoformat()
     out.mkdir(parents=True, exist_ok=True)
     child_argv = [a for a in argv if a != "--acceptance"]
-    child_argv = [a for i, a in enumerate(child_argv) if not (a in ("--out", "--strategies") or
-                  (i and child_argv[i - 1] in ("--out", "--strategies")) or a.startswith(("--out=", "--strategies=")))]
+    child_argv = [
+        a
+        for i, a in enumerate(child_argv)
+        if not (
+            a in ("--out", "--strategies")
+            or (i and child_argv[i - 1] in ("--out", "--strategies"))
+            or a.startswith(("--out=", "--strategies="))
+        )
+    ]
     results: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
     extras: dict[str, dict[str, Any]] = {}
@@ -528,16 +706,27 @@ def main(argv: list[str]) -> int:
         for strategy in strategies:
             for run in ("losses", "packing"):
                 run_started = time.perf_counter()
-                child = run_child("recipe.bench.acceptance", [*child_argv, "--_child", f"{run}:{strategy}", "--_model", tmp],
-                                  env=dict(LIVE_RSS_ENV) if args.device == "cpu" else None)  # RSS tracks live memory
+                child = run_child(
+                    "recipe.bench.acceptance",
+                    [*child_argv, "--_child", f"{run}:{strategy}", "--_model", tmp],
+                    env=dict(LIVE_RSS_ENV) if args.device == "cpu" else None,
+                )  # RSS tracks live memory
                 if child.ok:
                     results.setdefault(strategy, {})[run] = child.result["figures"]
-                    extras.setdefault(strategy, {}).update({k: v for k, v in child.result.items()
-                                                            if k not in ("figures", "stage_seconds")})
-                    stage_seconds[f"{strategy}/{run}"] = {**child.result.get("stage_seconds", {}),
-                                                          "process": round(time.perf_counter() - run_started, 1)}
-                    errors.update({f"{strategy}/search {name}": f["longest"]["error"]
-                                   for name, f in child.result["figures"].items() if "error" in f.get("longest", {})})
+                    extras.setdefault(strategy, {}).update(
+                        {k: v for k, v in child.result.items() if k not in ("figures", "stage_seconds")}
+                    )
+                    stage_seconds[f"{strategy}/{run}"] = {
+                        **child.result.get("stage_seconds", {}),
+                        "process": round(time.perf_counter() - run_started, 1),
+                    }
+                    errors.update(
+                        {
+                            f"{strategy}/search {name}": f["longest"]["error"]
+                            for name, f in child.result["figures"].items()
+                            if "error" in f.get("longest", {})
+                        }
+                    )
                 else:
                     sys.stderr.write(child.stderr[-6000:])
                     errors[f"{strategy}/{run}"] = f"exit code {child.returncode}: {child.last_error_line()}"

@@ -27,8 +27,13 @@ class Target:
 TARGETS = (
     Target("vocabulary pass (ERC): loss-phase peak", "divclip_erc_vocab_pass", "loss_peak_vs_no_entropy", 0.50),
     Target("vocabulary pass (ERC): update time", "divclip_erc_vocab_pass", "update_time_vs_no_entropy", 1.05),
-    Target("vocabulary pass (ERC): longest micro-batch", "divclip_erc_vocab_pass", "longest_vs_no_entropy", 1.5,
-           at_least=True),
+    Target(
+        "vocabulary pass (ERC): longest micro-batch",
+        "divclip_erc_vocab_pass",
+        "longest_vs_no_entropy",
+        1.5,
+        at_least=True,
+    ),
     Target("ERC on the logits: loss-phase peak", "divclip_erc", "loss_peak_vs_no_entropy", 1.00),
     Target("ERC on the logits: update time", "divclip_erc", "update_time_vs_no_entropy", 1.05),
     Target("kl_full on the logits: loss-phase peak", "divclip_kl_full", "loss_peak_vs_no_entropy", 1.05),
@@ -72,7 +77,7 @@ def ratios(losses: dict[str, Any], packing: dict[str, Any]) -> dict[str, dict[st
     base = losses["no_entropy"]
     out: dict[str, dict[str, Any]] = {}
     for name, f in losses.items():
-        rounds = [_ratio(t, b) for t, b in zip(f["update_seconds"], base["update_seconds"])]
+        rounds = [_ratio(t, b) for t, b in zip(f["update_seconds"], base["update_seconds"], strict=False)]
         longest, why = _longest_ratio(f.get("longest"), base.get("longest"))
         out[name] = {
             "update_time_vs_no_entropy": _ratio(f["update_seconds_median"], base["update_seconds_median"]),
@@ -86,8 +91,11 @@ def ratios(losses: dict[str, Any], packing: dict[str, Any]) -> dict[str, dict[st
             "why": {"longest_vs_no_entropy": why} if longest is None else {},
         }
     own, aligned = packing["own"], packing["aligned"]
-    out["aligned"] = {"old_time_vs_own": _ratio(aligned["old_seconds_median"], own["old_seconds_median"]),
-                      "old_peak_vs_own": _ratio(aligned["old_peak_bytes"], own["old_peak_bytes"]), "why": {}}
+    out["aligned"] = {
+        "old_time_vs_own": _ratio(aligned["old_seconds_median"], own["old_seconds_median"]),
+        "old_peak_vs_own": _ratio(aligned["old_peak_bytes"], own["old_peak_bytes"]),
+        "why": {},
+    }
     return out
 
 
@@ -116,9 +124,14 @@ def _gib(n: Optional[int]) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = [f"# GPU acceptance ({report['date']}, {report['device_name']})", "",
-             f"`{report['command']}`: {report['shape']}; {report['timing']}; wall time {report['wall_seconds']:.0f} s.",
-             "", f"MFU against {report['peak_flops']}.", ""]
+    lines = [
+        f"# GPU acceptance ({report['date']}, {report['device_name']})",
+        "",
+        f"`{report['command']}`: {report['shape']}; {report['timing']}; wall time {report['wall_seconds']:.0f} s.",
+        "",
+        f"MFU against {report['peak_flops']}.",
+        "",
+    ]
     for strategy, rows in report["targets"].items():
         lines += [f"## {strategy}", "", "| target | figure | limit | status |", "| --- | --- | --- | --- |"]
         for row in rows:
@@ -130,33 +143,57 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {row['name']} | {value} | {bound} {row['limit']:.2f}x | {status} |")
         losses = report["figures"].get(strategy, {}).get("losses", {})
         if losses:
-            lines += ["", "| loss | update s: median [min-max] | held GiB | loss-phase peak GiB | optimizer-step peak GiB "
-                      "| update peak GiB | TFLOP/s | MFU | longest micro-batch (tokens) |",
-                      "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            lines += [
+                "",
+                "| loss | update s: median [min-max] | held GiB | loss-phase peak GiB | optimizer-step peak GiB "
+                "| update peak GiB | TFLOP/s | MFU | longest micro-batch (tokens) |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            ]
             for name, f in losses.items():
                 longest = f.get("longest")
-                reach = "-" if longest is None else longest.get("error") or longest.get("broken") or (
-                    f"{longest['tokens']} ({longest['stopped']}" + (f", fails at {longest['fails_at_tokens']}"
-                                                                    if longest["fails_at_tokens"] else "") + ")")
+                reach = (
+                    "-"
+                    if longest is None
+                    else longest.get("error")
+                    or longest.get("broken")
+                    or (
+                        f"{longest['tokens']} ({longest['stopped']}"
+                        + (f", fails at {longest['fails_at_tokens']}" if longest["fails_at_tokens"] else "")
+                        + ")"
+                    )
+                )
                 mfu = "-" if f["mfu"] is None else f"{100 * f['mfu']:.1f} %"
-                lines.append(f"| {name} | {f['update_seconds_median']:.3f} [{f['update_seconds_min']:.3f}-"
-                             f"{f['update_seconds_max']:.3f}] | {_gib(f['held_bytes'])} | {_gib(f['loss_peak_bytes'])} "
-                             f"| {_gib(f['optimizer_peak_bytes'])} | {_gib(f['update_peak_bytes'])} "
-                             f"| {f['update_flops_per_second'] / 1e12:.3g} | {mfu} | {reach} |")
+                lines.append(
+                    f"| {name} | {f['update_seconds_median']:.3f} [{f['update_seconds_min']:.3f}-"
+                    f"{f['update_seconds_max']:.3f}] | {_gib(f['held_bytes'])} | {_gib(f['loss_peak_bytes'])} "
+                    f"| {_gib(f['optimizer_peak_bytes'])} | {_gib(f['update_peak_bytes'])} "
+                    f"| {f['update_flops_per_second'] / 1e12:.3g} | {mfu} | {reach} |"
+                )
         gauge = report["on_policy"].get(strategy, {})
         if gauge:
-            lines += ["", "| on-policy (first update) | holds | max \\|log w\\| | ratio clip | ERC masked | tensor cores |",
-                      "| --- | --- | --- | --- | --- | --- |"]
+            lines += [
+                "",
+                "| on-policy (first update) | holds | max \\|log w\\| | ratio clip | ERC masked | tensor cores |",
+                "| --- | --- | --- | --- | --- | --- |",
+            ]
             for name, g in gauge.items():
                 first = g.get("first_update", {})
                 pick = lambda key: "-" if key not in first else f"{max(first[key]):.3g}"  # noqa: E731
-                lines.append(f"| {name} | {g['holds']} | {pick(GAUGE + 'log_ratio_abs_max')} | {pick(GAUGE + 'ratio_clipfrac')} "
-                             f"| {pick(GAUGE + 'erc_masked_frac')} | {g.get('tensor_cores', '-')} |")
+                lines.append(
+                    f"| {name} | {g['holds']} | {pick(GAUGE + 'log_ratio_abs_max')} | {pick(GAUGE + 'ratio_clipfrac')} "
+                    f"| {pick(GAUGE + 'erc_masked_frac')} | {g.get('tensor_cores', '-')} |"
+                )
             own = gauge.get("divclip_erc_dynamic (own)")
             if own is not None:
-                lines += ["", f"verl's own packing (responses of {report['packing_lengths'].get(strategy, '?')}): "
-                          + ("**shows its noise**: the first update is not exactly on-policy." if own["holds"] is False
-                             else "shows **no** noise here: the first update is exactly on-policy.")]
+                lines += [
+                    "",
+                    f"verl's own packing (responses of {report['packing_lengths'].get(strategy, '?')}): "
+                    + (
+                        "**shows its noise**: the first update is not exactly on-policy."
+                        if own["holds"] is False
+                        else "shows **no** noise here: the first update is exactly on-policy."
+                    ),
+                ]
         lines.append("")
     return "\n".join(lines)
 
@@ -180,11 +217,14 @@ class Verdict:
 
     def summary(self) -> str:
         """One paragraph naming what the exit code stands for, every target behind it included."""
-        lines = [f"exit code {self.exit_code}: " + {
-            EXIT_MET: "every target met" + (" that was measured" if self.unmeasured else ""),
-            EXIT_FAILED: "failed",
-            EXIT_UNMEASURED: "targets unmeasured (--allow-unmeasured accepts them)",
-        }[self.exit_code]]
+        lines = [
+            f"exit code {self.exit_code}: "
+            + {
+                EXIT_MET: "every target met" + (" that was measured" if self.unmeasured else ""),
+                EXIT_FAILED: "failed",
+                EXIT_UNMEASURED: "targets unmeasured (--allow-unmeasured accepts them)",
+            }[self.exit_code]
+        ]
         lines += [f"  failed: {item}" for item in self.failed]
         lines += [f"  unmeasured{' (allowed)' if self.allow_unmeasured else ''}: {item}" for item in self.unmeasured]
         return "\n".join(lines)
@@ -209,11 +249,17 @@ def verdict(report: dict[str, Any], allow_unmeasured: bool = False) -> Verdict:
     for strategy, rows in report["targets"].items():
         for row in rows:
             if row["status"] == "fail":
-                failed.append(f"{strategy}: {row['name']} ({row['value']:.3f}x {'<' if row.get('at_least') else '>'} "
-                              f"{row['limit']:.2f}x)")
+                failed.append(
+                    f"{strategy}: {row['name']} ({row['value']:.3f}x {'<' if row.get('at_least') else '>'} "
+                    f"{row['limit']:.2f}x)"
+                )
             elif row["status"] == "unmeasured":
                 unmeasured.append(f"{strategy}: {row['name']} ({row.get('why') or 'no figure'})")
-    failed += [f"on-policy check: {strategy}/{name}" for strategy, gauges in report["on_policy"].items()
-               for name, gauge in gauges.items() if gauge["holds"] is False and "(own)" not in name]
+    failed += [
+        f"on-policy check: {strategy}/{name}"
+        for strategy, gauges in report["on_policy"].items()
+        for name, gauge in gauges.items()
+        if gauge["holds"] is False and "(own)" not in name
+    ]
     code = EXIT_FAILED if failed else EXIT_UNMEASURED if unmeasured and not allow_unmeasured else EXIT_MET
     return Verdict(code, failed, unmeasured, allow_unmeasured)

@@ -50,6 +50,7 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
     import tempfile
     import time
 
+    from recipe.bench.features import packed_as_update, with_vocab_pass
     from recipe.bench.harness import (
         WorkerOptions,
         bench_micro_batch,
@@ -62,7 +63,6 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
         single_rank_env,
         update_actor,
     )
-    from recipe.bench.features import packed_as_update, with_vocab_pass
 
     single_rank_env()
     shape = bench_micro_batch(tokens, sequences, vocab, hidden)
@@ -108,8 +108,18 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
 
 
 def _spawn(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    argv = ["--_child", variant, "--tokens", str(args.tokens), "--vocab", str(args.vocab),
-            "--hidden", str(args.hidden), "--sequences", str(args.sequences)]
+    argv = [
+        "--_child",
+        variant,
+        "--tokens",
+        str(args.tokens),
+        "--vocab",
+        str(args.vocab),
+        "--hidden",
+        str(args.hidden),
+        "--sequences",
+        str(args.sequences),
+    ]
     return run_memory_child("recipe.bench.entropy_memory", argv, variant)
 
 

@@ -7,7 +7,8 @@ benchmarks and tests also declare them on verl's plain ``ppo_loss`` (:func:`with
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def with_vocab_pass(loss_function: Callable[..., Any]) -> Callable[..., Any]:

@@ -50,14 +50,20 @@ def stored_bytes(k: int) -> dict[str, Any]:
     per_token = stored_bytes_per_token(k)
     per_step = {name: per_token * prompts * n * length for name, (prompts, n, length) in STEP_TOKENS.items()}
     old_log_probs = {name: 4 * prompts * n * length for name, (prompts, n, length) in STEP_TOKENS.items()}
-    return {"k": k, "bytes_per_token": per_token, "bytes_per_step_max": per_step, "old_log_probs_bytes_per_step_max": old_log_probs}
+    return {
+        "k": k,
+        "bytes_per_token": per_token,
+        "bytes_per_step_max": per_step,
+        "old_log_probs_bytes_per_step_max": old_log_probs,
+    }
 
 
 PHASES: tuple[str, ...] = ("update", "old")
 
 
-def _run_variant(variant: str, phase: str, vocab_pass: bool, tokens: int, vocab: int, hidden: int, sequences: int,
-                 k: int) -> dict[str, Any]:
+def _run_variant(
+    variant: str, phase: str, vocab_pass: bool, tokens: int, vocab: int, hidden: int, sequences: int, k: int
+) -> dict[str, Any]:
     """Inside the child process: build the actor, run the measured pass, return the figures."""
     import tempfile
     import time
@@ -68,11 +74,11 @@ def _run_variant(variant: str, phase: str, vocab_pass: bool, tokens: int, vocab:
         WorkerOptions,
         bench_micro_batch,
         build_actor_worker,
+        compute_log_prob,
         make_actor_config,
         make_rollout_batch,
         save_tiny_qwen3,
         single_rank_env,
-        compute_log_prob,
         update_actor,
     )
 
@@ -99,14 +105,26 @@ def _run_variant(variant: str, phase: str, vocab_pass: bool, tokens: int, vocab:
             old = compute_log_prob(worker, batch, old_topk=k if variant == "kl_full" else 0)
             seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
             assert old is not None and (variant != "kl_full" or OLD_TOPK_IDS in old)
-            return _figures(variant, phase, vocab_pass, tokens, vocab, k, rss_before, seconds, cpu_seconds,
-                            float(old["old_log_probs"].values().float().mean()))
+            return _figures(
+                variant,
+                phase,
+                vocab_pass,
+                tokens,
+                vocab,
+                k,
+                rss_before,
+                seconds,
+                cpu_seconds,
+                float(old["old_log_probs"].values().float().mean()),
+            )
         if variant == "kl_full":
             # pi_old's stored top-k: any k distinct ids and normalised log-masses cost the same
             gen = torch.Generator().manual_seed(0)
             masses = [torch.log_softmax(torch.randn(response_len, k + 1, generator=gen), -1) for _ in range(sequences)]
-            ids = [torch.randperm(vocab, generator=gen)[:k].to(torch.int32).expand(response_len, k).clone()
-                   for _ in range(sequences)]
+            ids = [
+                torch.randperm(vocab, generator=gen)[:k].to(torch.int32).expand(response_len, k).clone()
+                for _ in range(sequences)
+            ]
             batch[OLD_TOPK_LOG_PROBS] = torch.nested.as_nested_tensor(masses, layout=torch.jagged)
             batch[OLD_TOPK_IDS] = torch.nested.as_nested_tensor(ids, layout=torch.jagged)
 
@@ -114,11 +132,23 @@ def _run_variant(variant: str, phase: str, vocab_pass: bool, tokens: int, vocab:
         start, cpu_start = time.perf_counter(), time.process_time()
         metrics = update_actor(worker, batch, calculate_entropy=False)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    return _figures(variant, phase, vocab_pass, tokens, vocab, k, rss_before, seconds, cpu_seconds, float(metrics["loss"][0]))
+    return _figures(
+        variant, phase, vocab_pass, tokens, vocab, k, rss_before, seconds, cpu_seconds, float(metrics["loss"][0])
+    )
 
 
-def _figures(variant: str, phase: str, vocab_pass: bool, tokens: int, vocab: int, k: int, rss_before: int,
-             seconds: float, cpu_seconds: float, check: float) -> dict[str, Any]:
+def _figures(
+    variant: str,
+    phase: str,
+    vocab_pass: bool,
+    tokens: int,
+    vocab: int,
+    k: int,
+    rss_before: int,
+    seconds: float,
+    cpu_seconds: float,
+    check: float,
+) -> dict[str, Any]:
     return {
         "variant": variant,
         "phase": phase,
@@ -135,8 +165,23 @@ def _figures(variant: str, phase: str, vocab_pass: bool, tokens: int, vocab: int
 
 
 def _spawn(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    argv = ["--_child", variant, "--phase", args.phase, *(["--vocab-pass"] if args.vocab_pass else []), "--tokens", str(args.tokens), "--vocab", str(args.vocab),
-            "--hidden", str(args.hidden), "--sequences", str(args.sequences), "--k", str(args.k)]
+    argv = [
+        "--_child",
+        variant,
+        "--phase",
+        args.phase,
+        *(["--vocab-pass"] if args.vocab_pass else []),
+        "--tokens",
+        str(args.tokens),
+        "--vocab",
+        str(args.vocab),
+        "--hidden",
+        str(args.hidden),
+        "--sequences",
+        str(args.sequences),
+        "--k",
+        str(args.k),
+    ]
     return run_memory_child("recipe.bench.full_kl", argv, variant)
 
 
@@ -155,8 +200,20 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     if args._child is not None:
-        print(json.dumps(_run_variant(args._child, args.phase, args.vocab_pass, args.tokens, args.vocab, args.hidden,
-                                      args.sequences, args.k)))
+        print(
+            json.dumps(
+                _run_variant(
+                    args._child,
+                    args.phase,
+                    args.vocab_pass,
+                    args.tokens,
+                    args.vocab,
+                    args.hidden,
+                    args.sequences,
+                    args.k,
+                )
+            )
+        )
         return 0
 
     date = _dt.date.today().isoformat()
@@ -165,8 +222,12 @@ def main(argv: list[str]) -> int:
         runs = {v: _spawn(v, args) for v in VARIANTS}
         base = runs["kl3"]
         for r in runs.values():
-            r.update(date=date, repeat=repeat, peak_rss_gib=gib(r["peak_rss_bytes"]),
-                     pass_increment_gib=gib(r["peak_rss_bytes"] - r["rss_before_pass_bytes"]))
+            r.update(
+                date=date,
+                repeat=repeat,
+                peak_rss_gib=gib(r["peak_rss_bytes"]),
+                pass_increment_gib=gib(r["peak_rss_bytes"] - r["rss_before_pass_bytes"]),
+            )
             r["peak_ratio_vs_kl3"] = round(r["peak_rss_bytes"] / base["peak_rss_bytes"], 3)
             r["time_ratio_vs_kl3"] = round(r["pass_seconds"] / base["pass_seconds"], 3)
             # CPU time of the process: less sensitive than wall time to other jobs on a shared machine
@@ -179,18 +240,23 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"stored_topk": sizes}))
         return 0
     path = "the vocabulary pass" if args.vocab_pass else "verl's materialised logits"
-    print(f"pass: {args.phase}, {path}, "
-          f"{args.tokens} tokens, vocabulary {args.vocab}, k={args.k}")
-    print(f"{'variant':<8} {'rep':>3} {'peak RSS GiB':>12} {'pass +GiB':>9} {'peak/kl3':>8} {'seconds':>8} "
-          f"{'time/kl3':>8} {'CPU s':>7} {'CPU/kl3':>7}")
+    print(f"pass: {args.phase}, {path}, {args.tokens} tokens, vocabulary {args.vocab}, k={args.k}")
+    print(
+        f"{'variant':<8} {'rep':>3} {'peak RSS GiB':>12} {'pass +GiB':>9} {'peak/kl3':>8} {'seconds':>8} "
+        f"{'time/kl3':>8} {'CPU s':>7} {'CPU/kl3':>7}"
+    )
     for r in results:
-        print(f"{r['variant']:<8} {r['repeat']:>3} {r['peak_rss_gib']:>12.3f} {r['pass_increment_gib']:>9.3f} "
-              f"{r['peak_ratio_vs_kl3']:>8.3f} {r['pass_seconds']:>8.1f} {r['time_ratio_vs_kl3']:>8.3f} "
-              f"{r['pass_cpu_seconds']:>7.1f} {r['cpu_time_ratio_vs_kl3']:>7.3f}")
+        print(
+            f"{r['variant']:<8} {r['repeat']:>3} {r['peak_rss_gib']:>12.3f} {r['pass_increment_gib']:>9.3f} "
+            f"{r['peak_ratio_vs_kl3']:>8.3f} {r['pass_seconds']:>8.1f} {r['time_ratio_vs_kl3']:>8.3f} "
+            f"{r['pass_cpu_seconds']:>7.1f} {r['cpu_time_ratio_vs_kl3']:>7.3f}"
+        )
     print(f"stored top-k, k={sizes['k']}: {sizes['bytes_per_token']} bytes per response token")
     for name, n in sizes["bytes_per_step_max"].items():
-        print(f"  {name}: {n / 2**20:,.1f} MiB per step at the maximum response length "
-              f"(old_log_probs: {sizes['old_log_probs_bytes_per_step_max'][name] / 2**20:,.1f} MiB)")
+        print(
+            f"  {name}: {n / 2**20:,.1f} MiB per step at the maximum response length "
+            f"(old_log_probs: {sizes['old_log_probs_bytes_per_step_max'][name] / 2**20:,.1f} MiB)"
+        )
     return 0
 
 

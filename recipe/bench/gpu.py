@@ -67,7 +67,6 @@ from recipe.bench.gpu_workload import (
     erc_actor_config,
 )
 
-
 VARIANTS: dict[str, dict[str, Any]] = {
     "no_entropy": dict(erc=False, entropy=False, compile=True, fused=False),
     "verl_compiled": dict(erc=False, entropy=True, compile=True, fused=False),
@@ -81,17 +80,38 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # ATR-GRPO's kl3 and the exact trust region over pi_old's stored top-k (Eq. 4), without entropy
     "divclip_kl3": dict(erc=False, entropy=False, compile=True, fused=False, mode="kl3"),
     "divclip_kl_full": dict(erc=False, entropy=False, compile=True, fused=False, mode="kl_full"),
-    "divclip_kl_full_vocab_pass": dict(erc=False, entropy=False, compile=True, fused=False, mode="kl_full",
-                                       vocab_pass=True),
+    "divclip_kl_full_vocab_pass": dict(
+        erc=False, entropy=False, compile=True, fused=False, mode="kl_full", vocab_pass=True
+    ),
 }
-DEFAULT_VARIANTS = ("no_entropy", "verl_compiled", "verl_eager", "divclip_erc", "divclip_erc_eager", "divclip_erc_dynamic",
-                    "divclip_erc_vocab_pass")
-ERC_METRICS = ("actor/divclip/erc/ratio_min", "actor/divclip/erc/ratio_max", "actor/divclip/erc/clipfrac_upper",
-               "actor/divclip/erc/clipfrac_lower", "actor/ppo_kl")
-KL_FULL_METRICS = ("actor/divclip/kl_full_mean", "actor/divclip/kl_full_max", "actor/divclip/kl_full_tail_old",
-                   "actor/pg_clipfrac")
-GAUGE_METRICS = ("actor/divclip/onpolicy/log_ratio_abs_max", "actor/divclip/onpolicy/ratio_clipfrac",
-                 "actor/divclip/onpolicy/erc_ratio_dev_max", "actor/divclip/onpolicy/erc_masked_frac")
+DEFAULT_VARIANTS = (
+    "no_entropy",
+    "verl_compiled",
+    "verl_eager",
+    "divclip_erc",
+    "divclip_erc_eager",
+    "divclip_erc_dynamic",
+    "divclip_erc_vocab_pass",
+)
+ERC_METRICS = (
+    "actor/divclip/erc/ratio_min",
+    "actor/divclip/erc/ratio_max",
+    "actor/divclip/erc/clipfrac_upper",
+    "actor/divclip/erc/clipfrac_lower",
+    "actor/ppo_kl",
+)
+KL_FULL_METRICS = (
+    "actor/divclip/kl_full_mean",
+    "actor/divclip/kl_full_max",
+    "actor/divclip/kl_full_tail_old",
+    "actor/pg_clipfrac",
+)
+GAUGE_METRICS = (
+    "actor/divclip/onpolicy/log_ratio_abs_max",
+    "actor/divclip/onpolicy/ratio_clipfrac",
+    "actor/divclip/onpolicy/erc_ratio_dev_max",
+    "actor/divclip/onpolicy/erc_masked_frac",
+)
 
 
 def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -111,36 +131,41 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
     single_rank_env(device=args.device)
     import torch
 
-    from verl_ext.actor_loss import build_actor_loss
     from recipe.bench.features import entropy_path_of, uses_vocab_pass
+    from verl_ext.actor_loss import build_actor_loss
 
     seq_len = args.tokens // args.sequences
     prompt_len = max(1, seq_len // 8)
     dynamic = spec.get("dynamic", False)
-    worker = build_actor_worker(model_path, WorkerOptions(
-        device=args.device,
-        strategy=args.strategy,
-        mixed_precision=None,  # verl's default: bf16 compute, fp32 reduce
-        micro_batch_size_per_gpu=args.sequences,  # the update is one micro-batch of --tokens
-        use_dynamic_bsz=dynamic,  # dynamic: the update in micro-batches of --tokens/2, the log-prob pass of --tokens
-        max_token_len_per_gpu=args.tokens // 2 if dynamic else args.tokens,
-        infer_max_token_len_per_gpu=args.tokens if dynamic else None,
-        enable_gradient_checkpointing=True,
-        use_torch_compile=spec["compile"] and args.device == "cuda",  # inductor on CPU: minutes of C++
-        use_fused_kernels=spec["fused"],
-        lr=1e-6,
-    ))
+    worker = build_actor_worker(
+        model_path,
+        WorkerOptions(
+            device=args.device,
+            strategy=args.strategy,
+            mixed_precision=None,  # verl's default: bf16 compute, fp32 reduce
+            micro_batch_size_per_gpu=args.sequences,  # the update is one micro-batch of --tokens
+            use_dynamic_bsz=dynamic,  # dynamic: the update in micro-batches of --tokens/2, the log-prob pass of --tokens
+            max_token_len_per_gpu=args.tokens // 2 if dynamic else args.tokens,
+            infer_max_token_len_per_gpu=args.tokens if dynamic else None,
+            enable_gradient_checkpointing=True,
+            use_torch_compile=spec["compile"] and args.device == "cuda",  # inductor on CPU: minutes of C++
+            use_fused_kernels=spec["fused"],
+            lr=1e-6,
+        ),
+    )
     mode = spec.get("mode")
     if spec["erc"]:
         loss = build_actor_loss(erc_actor_config(args.sequences, vocab_pass=spec.get("vocab_pass", False)))
     elif mode is not None:
         loss = build_actor_loss(divclip_actor_config(mode, args.sequences, args.k, spec.get("vocab_pass", False)))
     else:
-        loss = ppo_loss_fn(make_actor_config(ppo_mini_batch_size=args.sequences,
-                                             ppo_micro_batch_size_per_gpu=args.sequences))
+        loss = ppo_loss_fn(
+            make_actor_config(ppo_mini_batch_size=args.sequences, ppo_micro_batch_size_per_gpu=args.sequences)
+        )
     worker.set_loss_fn(loss)
-    batch = make_rollout_batch([prompt_len] * args.sequences, [seq_len - prompt_len] * args.sequences,
-                               args.vocab, seed=0)
+    batch = make_rollout_batch(
+        [prompt_len] * args.sequences, [seq_len - prompt_len] * args.sequences, args.vocab, seed=0
+    )
     cuda = args.device == "cuda"
 
     def sync() -> None:
@@ -169,8 +194,9 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
         metrics = update_actor(worker, batch, calculate_entropy=spec["entropy"])
         sync()
         if step == 0:
-            first = {k: [float(v) for v in metrics[k]] for k in ERC_METRICS + KL_FULL_METRICS + GAUGE_METRICS
-                     if k in metrics}
+            first = {
+                k: [float(v) for v in metrics[k]] for k in ERC_METRICS + KL_FULL_METRICS + GAUGE_METRICS if k in metrics
+            }
         if step >= args.warmup:
             seconds.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
@@ -191,13 +217,19 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
         result["first_update"] = first
         result["on_policy_invariant"] = bool(
             all(v == 1.0 for v in first["actor/divclip/erc/ratio_min"] + first["actor/divclip/erc/ratio_max"])
-            and all(v == 0.0 for v in first["actor/divclip/erc/clipfrac_upper"] + first["actor/divclip/erc/clipfrac_lower"])
+            and all(
+                v == 0.0 for v in first["actor/divclip/erc/clipfrac_upper"] + first["actor/divclip/erc/clipfrac_lower"]
+            )
         )
     if mode == "kl_full":
         result["first_update"] = first
         result["on_policy_invariant"] = bool(
-            all(v == 0.0 for v in first["actor/divclip/kl_full_mean"] + first["actor/divclip/kl_full_max"]
-                + first["actor/pg_clipfrac"])
+            all(
+                v == 0.0
+                for v in first["actor/divclip/kl_full_mean"]
+                + first["actor/divclip/kl_full_max"]
+                + first["actor/pg_clipfrac"]
+            )
         )
     return result
 
@@ -216,15 +248,21 @@ def _spawn(name: str, strategy: str, model_path: str, args: argparse.Namespace) 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipe.bench gpu", description=__doc__.split("\n")[0])
-    p.add_argument("--acceptance", action="store_true",
-                   help="every GPU figure in one call, each beside its target (recipe/bench/acceptance.py, its own options: "
-                        "python -m recipe.bench gpu --acceptance --help)")
+    p.add_argument(
+        "--acceptance",
+        action="store_true",
+        help="every GPU figure in one call, each beside its target (recipe/bench/acceptance.py, its own options: "
+        "python -m recipe.bench gpu --acceptance --help)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per variant")
     p.add_argument("--out", type=Path, default=None, help="also write all results to this JSON file")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"subset of {list(VARIANTS)}")
-    p.add_argument("--strategies", default=None,
-                   help=f"comma-separated subset of {list(STRATEGIES)} (default: both on cuda, fsdp2 on cpu)")
+    p.add_argument(
+        "--strategies",
+        default=None,
+        help=f"comma-separated subset of {list(STRATEGIES)} (default: both on cuda, fsdp2 on cpu)",
+    )
     p.add_argument("--tokens", type=int, default=16_384, help="tokens in the update's micro-batch")
     p.add_argument("--sequences", type=int, default=8, help="sequences the tokens are split into")
     p.add_argument("--vocab", type=int, default=R1_DISTILL_QWEN_1_5B["vocab_size"])
@@ -286,13 +324,25 @@ def main(argv: list[str]) -> int:
         results = [_spawn(name, strategy, tmp, args) for strategy in strategies for name in chosen]
     for r in results:
         r["date"] = _dt.date.today().isoformat()
-        base = next((b for b in results if b["variant"] == "no_entropy" and b["strategy"] == r["strategy"]
-                     and "error" not in b), None)
+        base = next(
+            (
+                b
+                for b in results
+                if b["variant"] == "no_entropy" and b["strategy"] == r["strategy"] and "error" not in b
+            ),
+            None,
+        )
         if base is not None and "update_seconds_median" in r:
             r["time_vs_no_entropy"] = round(r["update_seconds_median"] / base["update_seconds_median"], 3)
             r["peak_vs_no_entropy"] = round(r["peak_bytes"] / base["peak_bytes"], 3)
-        kl3 = next((b for b in results if b["variant"] == "divclip_kl3" and b["strategy"] == r["strategy"]
-                    and "error" not in b), None)
+        kl3 = next(
+            (
+                b
+                for b in results
+                if b["variant"] == "divclip_kl3" and b["strategy"] == r["strategy"] and "error" not in b
+            ),
+            None,
+        )
         if kl3 is not None and VARIANTS[r["variant"]].get("mode") and "update_seconds_median" in r:
             r["time_vs_kl3"] = round(r["update_seconds_median"] / kl3["update_seconds_median"], 3)
             r["peak_vs_kl3"] = round(r["peak_bytes"] / kl3["peak_bytes"], 3)
@@ -303,7 +353,9 @@ def main(argv: list[str]) -> int:
         for r in results:
             print(json.dumps(r))
     else:
-        print(f"{'strategy':<8} {'variant':<20} {'path':<13} {'peak GiB':>8} {'x base':>7} {'update s':>9} {'x base':>7}  on-policy")
+        print(
+            f"{'strategy':<8} {'variant':<20} {'path':<13} {'peak GiB':>8} {'x base':>7} {'update s':>9} {'x base':>7}  on-policy"
+        )
         for r in results:
             print(f"{r['strategy']:<8} ", end="")
             if "error" in r:
@@ -312,19 +364,27 @@ def main(argv: list[str]) -> int:
             if r.get("out_of_memory"):
                 print(f"{r['variant']:<20} out of memory (verl's path): {r['error_line']}")
                 continue
-            holds = "KL 0, nothing clipped" if VARIANTS[r["variant"]].get("mode") == "kl_full" else "ratio 1, nothing masked"
-            invariant = {True: holds, False: f"VIOLATED {r.get('first_update')}"}.get(
-                r.get("on_policy_invariant"), "-")
-            print(f"{r['variant']:<20} {r['entropy_path']:<13} {r['peak_bytes'] / 2**30:>8.2f} "
-                  f"{r.get('peak_vs_no_entropy', float('nan')):>7.3f} {r['update_seconds_median']:>9.3f} "
-                  f"{r.get('time_vs_no_entropy', float('nan')):>7.3f}  {invariant}", end="")
+            holds = (
+                "KL 0, nothing clipped"
+                if VARIANTS[r["variant"]].get("mode") == "kl_full"
+                else "ratio 1, nothing masked"
+            )
+            invariant = {True: holds, False: f"VIOLATED {r.get('first_update')}"}.get(r.get("on_policy_invariant"), "-")
+            print(
+                f"{r['variant']:<20} {r['entropy_path']:<13} {r['peak_bytes'] / 2**30:>8.2f} "
+                f"{r.get('peak_vs_no_entropy', float('nan')):>7.3f} {r['update_seconds_median']:>9.3f} "
+                f"{r.get('time_vs_no_entropy', float('nan')):>7.3f}  {invariant}",
+                end="",
+            )
             if "time_vs_kl3" in r:
-                print(f"  vs kl3: peak {r['peak_vs_kl3']:.3f}, update {r['time_vs_kl3']:.3f}, "
-                      f"old-log-prob pass {r['old_log_prob_time_vs_kl3']:.3f}", end="")
+                print(
+                    f"  vs kl3: peak {r['peak_vs_kl3']:.3f}, update {r['time_vs_kl3']:.3f}, "
+                    f"old-log-prob pass {r['old_log_prob_time_vs_kl3']:.3f}",
+                    end="",
+                )
             print()
     return 1 if any("error" in r for r in results) or any(r.get("on_policy_invariant") is False for r in results) else 0
 
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
-

@@ -16,9 +16,10 @@ import gc
 import math
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 STRATEGIES = ("fsdp", "fsdp2")
 """``actor.strategy``: verl 0.9.1 builds ``fsdp`` (what the launch scripts resolve to) as FSDP1 and
@@ -54,8 +55,12 @@ def build_model(path: Path, args: argparse.Namespace) -> None:
     if args.layers is not None:
         shape["num_hidden_layers"] = args.layers
     if args.hidden is not None:
-        shape.update(hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                     num_attention_heads=max(1, args.hidden // 128), num_key_value_heads=1)
+        shape.update(
+            hidden_size=args.hidden,
+            intermediate_size=4 * args.hidden,
+            num_attention_heads=max(1, args.hidden // 128),
+            num_key_value_heads=1,
+        )
     shape["vocab_size"] = args.vocab
     torch.manual_seed(0)
     device = "cuda" if args.device == "cuda" else "cpu"
@@ -80,9 +85,13 @@ def chosen_strategies(parser: argparse.ArgumentParser, args: argparse.Namespace)
     Returns:
         The strategies to run, in the order given.
     """
-    strategies = [s for s in (args.strategies or ",".join(STRATEGIES if args.device == "cuda" else ("fsdp2",))).split(",") if s]
+    strategies = [
+        s for s in (args.strategies or ",".join(STRATEGIES if args.device == "cuda" else ("fsdp2",))).split(",") if s
+    ]
     if sorted(set(strategies) - set(STRATEGIES)):
-        parser.error(f"unknown --strategies {sorted(set(strategies) - set(STRATEGIES))}; choose from {list(STRATEGIES)}")
+        parser.error(
+            f"unknown --strategies {sorted(set(strategies) - set(STRATEGIES))}; choose from {list(STRATEGIES)}"
+        )
     if args.device == "cpu" and "fsdp" in strategies:
         parser.error("--strategies fsdp (FSDP1) needs --device cuda: verl 0.9.1 runs only FSDP2 on the CPU platform")
     return strategies
@@ -96,8 +105,14 @@ def erc_actor_config(sequences: int, vocab_pass: bool = False) -> Any:
     from verl_ext.config import DivClipPolicyLossConfig
 
     policy = DivClipPolicyLossConfig(loss_mode="clip", erc_beta_low=0.05, erc_beta_high=0.05, vocab_pass=vocab_pass)
-    return make_actor_config(policy_loss=policy, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0,
-                             ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences)
+    return make_actor_config(
+        policy_loss=policy,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=10.0,
+        ppo_mini_batch_size=sequences,
+        ppo_micro_batch_size_per_gpu=sequences,
+    )
 
 
 def divclip_actor_config(mode: str, sequences: int, k: int, vocab_pass: bool) -> Any:
@@ -239,8 +254,10 @@ class UpdatePhases:
             return out
 
         def forward_backward_batch(data: Any, loss_function: Any, forward_only: bool = False) -> Any:
-            return measured("forward" if forward_only else "forward_backward",
-                            lambda: forward_backward(data, loss_function, forward_only=forward_only))
+            return measured(
+                "forward" if forward_only else "forward_backward",
+                lambda: forward_backward(data, loss_function, forward_only=forward_only),
+            )
 
         engine.forward_backward_batch = forward_backward_batch
         engine.optimizer_step = lambda: measured("optimizer_step", optimizer_step)
@@ -268,12 +285,17 @@ def update_memory(phases: Sequence[Phase]) -> dict[str, int]:
     forward = [p for p in phases if p.name == "forward_backward"]
     step = [p for p in phases if p.name == "optimizer_step"]
     if len(forward) != 1 or len(step) != 1:
-        raise ValueError(f"one update must have one forward/backward and one optimizer step, got {[p.name for p in phases]}")
+        raise ValueError(
+            f"one update must have one forward/backward and one optimizer step, got {[p.name for p in phases]}"
+        )
     held = forward[0].held_bytes
-    return {"held_bytes": held, "loss_peak_bytes": forward[0].peak_bytes - held,
-            "optimizer_peak_bytes": step[0].peak_bytes - held,
-            "update_peak_bytes": max(forward[0].peak_bytes, step[0].peak_bytes),
-            "gradient_bytes": forward[0].gradient_bytes}
+    return {
+        "held_bytes": held,
+        "loss_peak_bytes": forward[0].peak_bytes - held,
+        "optimizer_peak_bytes": step[0].peak_bytes - held,
+        "update_peak_bytes": max(forward[0].peak_bytes, step[0].peak_bytes),
+        "gradient_bytes": forward[0].gradient_bytes,
+    }
 
 
 def pass_memory(phases: Sequence[Phase]) -> int:
@@ -303,8 +325,16 @@ class Search:
     stopped: str = "time"
 
 
-def longest_fitting(fits: Callable[[int], bool], start: int, *, limit: int, resolution: float, deadline: float,
-                    known_fit: int = 0, clock: Callable[[], float] = time.monotonic) -> Search:
+def longest_fitting(
+    fits: Callable[[int], bool],
+    start: int,
+    *,
+    limit: int,
+    resolution: float,
+    deadline: float,
+    known_fit: int = 0,
+    clock: Callable[[], float] = time.monotonic,
+) -> Search:
     """The largest ``n`` in ``[1, limit]`` with ``fits(n)``, by doubling from ``start`` then bisection.
 
     Assumes ``fits`` is monotone (a size fits when a larger one does). Doubling tries ``start``,

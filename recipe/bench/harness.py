@@ -34,11 +34,11 @@ import functools
 import os
 import socket
 import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
-
+from typing import Any, Optional
 
 import torch
 from tensordict import TensorDict
@@ -114,8 +114,10 @@ def bench_micro_batch(tokens: int, sequences: int, vocab: int, hidden: int) -> B
         raise ValueError(f"--tokens ({tokens}) must be divisible by --sequences ({sequences})")
     seq_len = tokens // sequences
     if seq_len < 2:
-        raise ValueError(f"--tokens ({tokens}) / --sequences ({sequences}) leaves fewer than 2 tokens per sequence "
-                         "(one prompt and one response token at least)")
+        raise ValueError(
+            f"--tokens ({tokens}) / --sequences ({sequences}) leaves fewer than 2 tokens per sequence "
+            "(one prompt and one response token at least)"
+        )
     prompt_len = max(1, seq_len // 4)
     spec = TinyQwen3Spec(
         vocab_size=vocab,
@@ -176,7 +178,9 @@ class WorkerOptions:
     device: str = "cpu"  # verl platform the worker must run on ("cuda" for the GPU probe)
     use_torch_compile: bool = False  # actor.fsdp_config.use_torch_compile (verl's GPU default: True)
     use_fused_kernels: bool = False  # actor_rollout_ref.model.use_fused_kernels
-    fused_kernels_backend: str = "torch"  # actor_rollout_ref.model.fused_kernel_options.impl_backend (verl's yaml default)
+    fused_kernels_backend: str = (
+        "torch"  # actor_rollout_ref.model.fused_kernel_options.impl_backend (verl's yaml default)
+    )
     ulysses_sequence_parallel_size: int = 1  # actor.fsdp_config.ulysses_sequence_parallel_size
     strategy: str = "fsdp2"  # actor.strategy: "fsdp" is FSDP1 (GPU only in verl 0.9.1), "fsdp2" FSDP2
     lora_rank: int = 0  # actor_rollout_ref.model.lora_rank (> 0: verl wraps the model in a peft LoRA adapter)
@@ -366,8 +370,8 @@ def make_rollout_batch(
         {
             "prompts": _nested(prompts),
             "responses": _nested(responses),
-            "input_ids": _nested([torch.cat([p, r]) for p, r in zip(prompts, responses)]),
-            "position_ids": _nested([torch.arange(p + r) for p, r in zip(prompt_lens, response_lens)]),
+            "input_ids": _nested([torch.cat([p, r]) for p, r in zip(prompts, responses, strict=False)]),
+            "position_ids": _nested([torch.arange(p + r) for p, r in zip(prompt_lens, response_lens, strict=False)]),
             "response_mask": _nested(masks),
             "loss_mask": _nested([m.clone() for m in masks]),
             "old_log_probs": _nested([t.float() for t in old_log_probs]),
@@ -435,8 +439,13 @@ def update_actor(
 
 
 def compute_log_prob(
-    worker: Any, batch: TensorDict, temperature: float = 1.0, packing: Any = None, old_topk: int = 0,
-    old_from_update: bool = False, collect: bool = False,
+    worker: Any,
+    batch: TensorDict,
+    temperature: float = 1.0,
+    packing: Any = None,
+    old_topk: int = 0,
+    old_from_update: bool = False,
+    collect: bool = False,
 ) -> Optional[dict[str, torch.Tensor]]:
     """pi_old pass, mirroring ``_compute_old_log_prob``: returns response-layout nested
     ``old_log_probs`` and ``entropy`` for this rank's shard (no loss, no gradient); None on a rank

@@ -95,7 +95,9 @@ def _variants() -> dict[str, tuple[str, FSDPActorConfig, bool]]:
     return variants
 
 
-def _make_step(shape: tuple[int, int], mode: str, config: FSDPActorConfig, with_entropy: bool, seed: int) -> Callable[[], None]:
+def _make_step(
+    shape: tuple[int, int], mode: str, config: FSDPActorConfig, with_entropy: bool, seed: int
+) -> Callable[[], None]:
     gen = torch.Generator().manual_seed(seed)
     rows, cols = shape
     old = -torch.rand(rows, cols, generator=gen) * 3 - 0.01
@@ -113,8 +115,13 @@ def _make_step(shape: tuple[int, int], mode: str, config: FSDPActorConfig, with_
     def step() -> None:
         log_prob = new.clone().requires_grad_(True)
         loss, _ = loss_fn(
-            old_log_prob=old, log_prob=log_prob, advantages=adv, response_mask=mask,
-            loss_agg_mode="token-mean", config=config, **extra,
+            old_log_prob=old,
+            log_prob=log_prob,
+            advantages=adv,
+            response_mask=mask,
+            loss_agg_mode="token-mean",
+            config=config,
+            **extra,
         )
         loss.backward()
 
@@ -146,21 +153,23 @@ def run(rounds: int, warmup: int, shapes: tuple[tuple[int, int], ...] = SHAPES, 
         base_cpu = statistics.median(cpu["vanilla"])
         for name in steps:
             median_wall, median_cpu = statistics.median(wall[name]), statistics.median(cpu[name])
-            results.append({
-                "mode": name,
-                "shape": list(shape),
-                "median_ms": round(median_wall * 1e3, 3),
-                "vanilla_median_ms": round(base_wall * 1e3, 3),
-                "ratio_vs_vanilla": round(median_wall / base_wall, 3),
-                # process CPU time: less sensitive to other load on the machine
-                "cpu_ratio_vs_vanilla": round(median_cpu / base_cpu, 3),
-                "target": TARGET_RATIO,
-                "meets_target": median_wall / base_wall <= TARGET_RATIO,
-                "rounds": rounds,
-                "threads": torch.get_num_threads(),
-                "heap": heap,
-                "minor_faults_per_step": statistics.median(faults[name]),
-            })
+            results.append(
+                {
+                    "mode": name,
+                    "shape": list(shape),
+                    "median_ms": round(median_wall * 1e3, 3),
+                    "vanilla_median_ms": round(base_wall * 1e3, 3),
+                    "ratio_vs_vanilla": round(median_wall / base_wall, 3),
+                    # process CPU time: less sensitive to other load on the machine
+                    "cpu_ratio_vs_vanilla": round(median_cpu / base_cpu, 3),
+                    "target": TARGET_RATIO,
+                    "meets_target": median_wall / base_wall <= TARGET_RATIO,
+                    "rounds": rounds,
+                    "threads": torch.get_num_threads(),
+                    "heap": heap,
+                    "minor_faults_per_step": statistics.median(faults[name]),
+                }
+            )
     return results
 
 
@@ -169,8 +178,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object per (mode, shape)")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--heap", choices=("steady", "glibc-default"), default="steady",
-                        help="hold glibc's heap steady (default) or keep its defaults (see the module doc)")
+    parser.add_argument(
+        "--heap",
+        choices=("steady", "glibc-default"),
+        default="steady",
+        help="hold glibc's heap steady (default) or keep its defaults (see the module doc)",
+    )
     args = parser.parse_args(argv)
     results = run(args.rounds, args.warmup, heap=args.heap)
     if args.json:

@@ -63,7 +63,9 @@ def _run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
     shape = SHAPES[shape_name]
     micro = bench_micro_batch(args.tokens, args.sequences, args.vocab, hidden=args.hidden)
     if args.sequences % shape["mini_batches"]:
-        raise ValueError(f"--sequences ({args.sequences}) must split into the {shape_name} shape's {shape['mini_batches']} mini-batches")
+        raise ValueError(
+            f"--sequences ({args.sequences}) must split into the {shape_name} shape's {shape['mini_batches']} mini-batches"
+        )
     mini_batch = args.sequences // shape["mini_batches"]
     spec = dataclasses.replace(micro.spec, num_hidden_layers=args.layers)
     erc = "erc_beta_low" in shape["mode"]
@@ -71,8 +73,14 @@ def _run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
         model_path = save_tiny_qwen3(tmp, spec, seed=0)
         # bf16 (verl's default); dynamic batching with one update mini-batch's tokens per micro-batch at most
         budget = max(args.tokens // args.sequences, args.tokens // max(shape["mini_batches"], 4))
-        options = WorkerOptions(mixed_precision=None, use_dynamic_bsz=True, max_token_len_per_gpu=budget,
-                                infer_max_token_len_per_gpu=2 * budget, lr=0.0, device=args.device)
+        options = WorkerOptions(
+            mixed_precision=None,
+            use_dynamic_bsz=True,
+            max_token_len_per_gpu=budget,
+            infer_max_token_len_per_gpu=2 * budget,
+            lr=0.0,
+            device=args.device,
+        )
         worker = build_actor_worker(model_path, options)
         policy = DivClipPolicyLossConfig(**shape["mode"])
         worker.set_loss_fn(build_actor_loss(make_actor_config(policy_loss=policy, calculate_entropy=erc)))
@@ -94,8 +102,15 @@ def _run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
             data = batch.clone()
             data["old_log_probs"], data["entropy"] = old["old_log_probs"], old["entropy"]
             start = time.perf_counter()
-            update_actor(worker, data, calculate_entropy=erc, mini_batch_size=mini_batch, epochs=shape["epochs"],
-                         shuffle=True, seed=1)
+            update_actor(
+                worker,
+                data,
+                calculate_entropy=erc,
+                mini_batch_size=mini_batch,
+                epochs=shape["epochs"],
+                shuffle=True,
+                seed=1,
+            )
             if skip:
                 compute_log_prob(worker, batch, packing=packing, collect=True)
             sync()
@@ -109,10 +124,19 @@ def _run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
                 times = one_step(skip)
                 if round_:  # the first round warms up (and compiles, on a GPU)
                     rounds[skip].append(times)
-    row: dict[str, Any] = {"shape": shape_name, "device": args.device, "tokens": args.tokens, "sequences": args.sequences,
-                           "mini_batches": shape["mini_batches"], "epochs": shape["epochs"], "vocab": args.vocab,
-                           "hidden": args.hidden, "layers": args.layers, "rounds": args.rounds,
-                           "threads": torch.get_num_threads()}
+    row: dict[str, Any] = {
+        "shape": shape_name,
+        "device": args.device,
+        "tokens": args.tokens,
+        "sequences": args.sequences,
+        "mini_batches": shape["mini_batches"],
+        "epochs": shape["epochs"],
+        "vocab": args.vocab,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "rounds": args.rounds,
+        "threads": torch.get_num_threads(),
+    }
     for skip, name in ((False, "without"), (True, "with")):
         for key in ("old_pass_s", "update_s", "actor_s", "old_pass_rows"):
             row[f"{key}_{name}"] = round(statistics.median(t[key] for t in rounds[skip]), 4)
@@ -140,9 +164,22 @@ def main(argv: list[str]) -> int:
     if args._child is not None:
         print(json.dumps({"rows": [_run_shape(args._child, args)]}))
         return 0
-    options = ["--device", args.device, "--tokens", str(args.tokens), "--sequences", str(args.sequences),
-               "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--layers", str(args.layers),
-               "--rounds", str(args.rounds)]
+    options = [
+        "--device",
+        args.device,
+        "--tokens",
+        str(args.tokens),
+        "--sequences",
+        str(args.sequences),
+        "--vocab",
+        str(args.vocab),
+        "--hidden",
+        str(args.hidden),
+        "--layers",
+        str(args.layers),
+        "--rounds",
+        str(args.rounds),
+    ]
     rows = []
     for shape in shapes:  # one process per shape: a fresh process group and allocator
         child = run_child("recipe.bench.old_pass_skip", ["--_child", shape, *options])
@@ -153,12 +190,15 @@ def main(argv: list[str]) -> int:
     date = _dt.date.today().isoformat()
     for row in rows:
         row["date"] = date
-        print(json.dumps(row) if args.json else
-              f"{row['shape']}: actor {row['actor_s_without']:.3f} s -> {row['actor_s_with']:.3f} s "
-              f"({row['actor_s_with_vs_without']:.3f}x); old pass {row['old_pass_s_without']:.3f} s "
-              f"({row['old_pass_rows_without']:.0f} rows) -> {row['old_pass_s_with']:.3f} s "
-              f"({row['old_pass_rows_with']:.0f} rows); update {row['update_s_without']:.3f} s -> "
-              f"{row['update_s_with']:.3f} s (with the collect); {row['device']}, {row['threads']} threads, {date}")
+        print(
+            json.dumps(row)
+            if args.json
+            else f"{row['shape']}: actor {row['actor_s_without']:.3f} s -> {row['actor_s_with']:.3f} s "
+            f"({row['actor_s_with_vs_without']:.3f}x); old pass {row['old_pass_s_without']:.3f} s "
+            f"({row['old_pass_rows_without']:.0f} rows) -> {row['old_pass_s_with']:.3f} s "
+            f"({row['old_pass_rows_with']:.0f} rows); update {row['update_s_without']:.3f} s -> "
+            f"{row['update_s_with']:.3f} s (with the collect); {row['device']}, {row['threads']} threads, {date}"
+        )
     return 0
 
 

@@ -87,10 +87,14 @@ class _HeadCapture:
         self.forwards: list[tuple[Any, Any]] = []
         self.orders: list[list[int]] = []
 
-    def __enter__(self) -> "_HeadCapture":
+    def __enter__(self) -> _HeadCapture:
         def record(module: Any, args: tuple, output: Any) -> None:
-            self.forwards.append((args[0].detach().reshape(-1, args[0].shape[-1]).clone(),
-                                  output.detach().reshape(-1, output.shape[-1]).clone()))
+            self.forwards.append(
+                (
+                    args[0].detach().reshape(-1, args[0].shape[-1]).clone(),
+                    output.detach().reshape(-1, output.shape[-1]).clone(),
+                )
+            )
 
         def prepare(*args: Any, **kwargs: Any) -> Any:
             micro_batches, indices = self.original(*args, **kwargs)
@@ -111,7 +115,7 @@ class _HeadCapture:
 
         hidden: dict[int, Any] = {}
         logits: dict[int, Any] = {}
-        for (h, x), rows in zip(self.forwards, self.orders):
+        for (h, x), rows in zip(self.forwards, self.orders, strict=False):
             start = 0
             for row in rows:
                 end = start + seq_lens[row]
@@ -122,7 +126,9 @@ class _HeadCapture:
         return torch.cat([hidden[i] for i in order]), torch.cat([logits[i] for i in order])
 
 
-def _case(model_path: str, mode: str, update_budget: int, infer_budget: int, seed: int, aligned: bool, source: bool) -> dict[str, Any]:
+def _case(
+    model_path: str, mode: str, update_budget: int, infer_budget: int, seed: int, aligned: bool, source: bool
+) -> dict[str, Any]:
     import torch
 
     from recipe.bench.harness import (
@@ -137,8 +143,15 @@ def _case(model_path: str, mode: str, update_budget: int, infer_budget: int, see
     from verl_ext.core.erc import entropy_ratio, outside_band
     from verl_ext.engine.seam import set_pack_old_log_prob_as_update
 
-    options = WorkerOptions(mixed_precision=None, use_dynamic_bsz=True, max_token_len_per_gpu=update_budget,
-                            infer_max_token_len_per_gpu=infer_budget, optimizer="SGD", lr=0.5, clip_grad=1e9)
+    options = WorkerOptions(
+        mixed_precision=None,
+        use_dynamic_bsz=True,
+        max_token_len_per_gpu=update_budget,
+        infer_max_token_len_per_gpu=infer_budget,
+        optimizer="SGD",
+        lr=0.5,
+        clip_grad=1e9,
+    )
     worker = build_actor_worker(model_path, options)
     worker.set_loss_fn(_loss(mode))
     set_pack_old_log_prob_as_update(worker.engine, aligned)
@@ -169,28 +182,34 @@ def _case(model_path: str, mode: str, update_budget: int, infer_budget: int, see
         "confident_frac": float((old["entropy"].values() < 1e-3).float().mean()),
     }
     if mode == "erc":
-        row.update({
-            "erc_ratio_min": min(map(float, m["actor/divclip/erc/ratio_min"])),
-            "erc_ratio_max": max(map(float, m["actor/divclip/erc/ratio_max"])),
-            "erc_masked_frac": (sum(map(float, m["actor/divclip/erc/clipfrac_upper"] + m["actor/divclip/erc/clipfrac_lower"]))
-                                / len(m["actor/divclip/erc/clipfrac_upper"])),
-        })
+        row.update(
+            {
+                "erc_ratio_min": min(map(float, m["actor/divclip/erc/ratio_min"])),
+                "erc_ratio_max": max(map(float, m["actor/divclip/erc/ratio_max"])),
+                "erc_masked_frac": (
+                    sum(map(float, m["actor/divclip/erc/clipfrac_upper"] + m["actor/divclip/erc/clipfrac_lower"]))
+                    / len(m["actor/divclip/erc/clipfrac_upper"])
+                ),
+            }
+        )
     if source:
-        seq_lens = [p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]
+        seq_lens = [p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS, strict=False)]
         h_old, x_old = old_capture.per_response_token(seq_lens, PROMPT_LENS)
         h_new, x_new = new_capture.per_response_token(seq_lens, PROMPT_LENS)
         assert h_old.shape[0] == n_tokens, (h_old.shape, n_tokens)
         fp32_old = entropy_fp32(h_old.float() @ weight.float().T)
         fp32_new = entropy_fp32(h_new.float() @ weight.float().T)
         rho_fp32 = entropy_ratio(fp32_old, fp32_new, torch.ones_like(fp32_old), eps=1e-8)
-        row.update({
-            "hidden_rows_differing": float((h_old != h_new).any(-1).float().mean()),
-            "hidden_max_abs_diff": float((h_old.float() - h_new.float()).abs().max()),
-            "logits_max_abs_diff_bf16": float((x_old.float() - x_new.float()).abs().max()),
-            "fp32_head_erc_ratio_min": float(rho_fp32.min()),
-            "fp32_head_erc_ratio_max": float(rho_fp32.max()),
-            "fp32_head_erc_masked_frac": float(outside_band(rho_fp32, ERC_BETA, ERC_BETA).float().mean()),
-        })
+        row.update(
+            {
+                "hidden_rows_differing": float((h_old != h_new).any(-1).float().mean()),
+                "hidden_max_abs_diff": float((h_old.float() - h_new.float()).abs().max()),
+                "logits_max_abs_diff_bf16": float((x_old.float() - x_new.float()).abs().max()),
+                "fp32_head_erc_ratio_min": float(rho_fp32.min()),
+                "fp32_head_erc_ratio_max": float(rho_fp32.max()),
+                "fp32_head_erc_masked_frac": float(outside_band(rho_fp32, ERC_BETA, ERC_BETA).float().mean()),
+            }
+        )
     return row
 
 
@@ -237,12 +256,22 @@ def _run_cost(arm: str, mode: str, tokens: int, vocab: int, sequences: int, roun
     with tempfile.TemporaryDirectory(prefix="onpolicy_cost_") as tmp:
         model_path = save_tiny_qwen3(tmp, shape.spec, seed=0)
         # the ERC configs' budgets, scaled: the log-prob pass holds the whole batch, the update half
-        options = WorkerOptions(mixed_precision=None, use_dynamic_bsz=True, max_token_len_per_gpu=tokens // 2,
-                                infer_max_token_len_per_gpu=tokens)
+        options = WorkerOptions(
+            mixed_precision=None,
+            use_dynamic_bsz=True,
+            max_token_len_per_gpu=tokens // 2,
+            infer_max_token_len_per_gpu=tokens,
+        )
         worker = build_actor_worker(model_path, options)
         worker.set_loss_fn(_loss(mode))
         batch = make_rollout_batch(shape.prompt_lens, shape.response_lens, vocab, seed=0)
-        row: dict[str, Any] = {"arm": arm, "mode": mode, "tokens": tokens, "vocab_size": vocab, "threads": torch.get_num_threads()}
+        row: dict[str, Any] = {
+            "arm": arm,
+            "mode": mode,
+            "tokens": tokens,
+            "vocab_size": vocab,
+            "threads": torch.get_num_threads(),
+        }
         if arm != "time":
             set_pack_old_log_prob_as_update(worker.engine, arm == "aligned")
             compute_log_prob(worker, batch)
@@ -267,8 +296,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object per row")
     parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts (one child each)")
     parser.add_argument("--seeds", default="4,5,6,7,8", help="comma-separated batch seeds")
-    parser.add_argument("--modes", default="erc", help=f"comma-separated losses, of {', '.join(MODES)} (--cost: each measured)")
-    parser.add_argument("--cost", action="store_true", help="time the old-log-prob pass, own vs pack_old_log_prob_as_update")
+    parser.add_argument(
+        "--modes", default="erc", help=f"comma-separated losses, of {', '.join(MODES)} (--cost: each measured)"
+    )
+    parser.add_argument(
+        "--cost", action="store_true", help="time the old-log-prob pass, own vs pack_old_log_prob_as_update"
+    )
     parser.add_argument("--tokens", type=int, default=4096, help="--cost: tokens in the batch")
     parser.add_argument("--vocab", type=int, default=151_936, help="--cost: vocabulary size")
     parser.add_argument("--sequences", type=int, default=8, help="--cost: sequences in the batch")
@@ -317,14 +350,18 @@ def main(argv: list[str]) -> int:
         for row in rows:
             print(row)
         return 0
-    print(f"{'mode':<5} {'packing':<8} {'budgets':>8} {'seed':>4} {'thr':>3} {'same':>5} {'clipfrac':>8} {'rho min':>8} "
-          f"{'rho max':>8} {'masked':>7} {'|log w|':>9} {'h rows diff':>11} {'fp32 rho min':>12} {'fp32 rho max':>12}")
+    print(
+        f"{'mode':<5} {'packing':<8} {'budgets':>8} {'seed':>4} {'thr':>3} {'same':>5} {'clipfrac':>8} {'rho min':>8} "
+        f"{'rho max':>8} {'masked':>7} {'|log w|':>9} {'h rows diff':>11} {'fp32 rho min':>12} {'fp32 rho max':>12}"
+    )
     for r in rows:
-        print(f"{r['mode']:<5} {r['packing']:<8} {r['budgets']:>8} {r['seed']:>4} {r['threads']:>3} {str(r['same_packing']):>5} "
-              f"{r['ratio_clipfrac']:>8.3f} {r.get('erc_ratio_min', float('nan')):>8.4f} "
-              f"{r.get('erc_ratio_max', float('nan')):>8.4f} {r.get('erc_masked_frac', float('nan')):>7.3f} "
-              f"{r['log_ratio_abs_max']:>9.2e} {r.get('hidden_rows_differing', float('nan')):>11.3f} "
-              f"{r.get('fp32_head_erc_ratio_min', float('nan')):>12.4f} {r.get('fp32_head_erc_ratio_max', float('nan')):>12.4f}")
+        print(
+            f"{r['mode']:<5} {r['packing']:<8} {r['budgets']:>8} {r['seed']:>4} {r['threads']:>3} {str(r['same_packing']):>5} "
+            f"{r['ratio_clipfrac']:>8.3f} {r.get('erc_ratio_min', float('nan')):>8.4f} "
+            f"{r.get('erc_ratio_max', float('nan')):>8.4f} {r.get('erc_masked_frac', float('nan')):>7.3f} "
+            f"{r['log_ratio_abs_max']:>9.2e} {r.get('hidden_rows_differing', float('nan')):>11.3f} "
+            f"{r.get('fp32_head_erc_ratio_min', float('nan')):>12.4f} {r.get('fp32_head_erc_ratio_max', float('nan')):>12.4f}"
+        )
     return 0
 
 

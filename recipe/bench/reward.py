@@ -49,8 +49,9 @@ def synthetic_cot(rng: random.Random, answer: str, target_chars: int) -> str:
 
 def load_math500(path: Path) -> list[dict[str, str]]:
     """The ``solution``/``answer`` rows of a MATH-500 JSONL file; a bad line is named with its number."""
-    numbered = [(number, line) for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-                if line.strip()]
+    numbered = [
+        (number, line) for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()
+    ]
     rows = []
     for number, line in numbered:
         try:
@@ -58,7 +59,9 @@ def load_math500(path: Path) -> list[dict[str, str]]:
         except json.JSONDecodeError:
             row = None
         if not (isinstance(row, dict) and all(isinstance(row.get(key), str) for key in ("solution", "answer"))):
-            raise ValueError(f"--math500 {path}: line {number} is not a JSON object with string 'solution' and 'answer'")
+            raise ValueError(
+                f"--math500 {path}: line {number} is not a JSON object with string 'solution' and 'answer'"
+            )
         rows.append(row)
     if not rows:
         raise ValueError(f"--math500 {path}: no rows")
@@ -111,14 +114,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--synthetic", type=int, default=200, help="long synthetic CoT items")
     parser.add_argument("--synthetic-chars", type=int, default=40_000, help="length of each (~10k tokens)")
     parser.add_argument("--threads", type=int, default=8, help="calling threads (verl's reward loop uses many)")
-    parser.add_argument("--math500", type=Path, default=None,
-                        help=f"MATH-500 JSONL with 'solution' and 'answer' per line (default: {MATH500})")
+    parser.add_argument(
+        "--math500",
+        type=Path,
+        default=None,
+        help=f"MATH-500 JSONL with 'solution' and 'answer' per line (default: {MATH500})",
+    )
     args = parser.parse_args(argv)
     math500: Path = args.math500 if args.math500 is not None else MATH500
     if not math500.is_file():
         where = "the given" if args.math500 is not None else "the default"
-        print(f"error: --math500 {math500} ({where} path) is not a file; the benchmark needs the real MATH-500 "
-              "solutions: pass --math500 PATH", file=sys.stderr)
+        print(
+            f"error: --math500 {math500} ({where} path) is not a file; the benchmark needs the real MATH-500 "
+            "solutions: pass --math500 PATH",
+            file=sys.stderr,
+        )
         return 2
     try:
         rows = load_math500(math500)
@@ -148,10 +158,17 @@ def main(argv: list[str]) -> int:
     report = {
         "cpu_count": os.cpu_count(),
         "threads": args.threads,
-        "corpus": {"math500": str(math500), "math500_self": len(rows), "math500_shifted": len(rows),
-                   "synthetic": args.synthetic, "synthetic_chars": args.synthetic_chars},
+        "corpus": {
+            "math500": str(math500),
+            "math500_self": len(rows),
+            "math500_shifted": len(rows),
+            "synthetic": args.synthetic,
+            "synthetic_chars": args.synthetic_chars,
+        },
         "results": results,
-        "ratio_vs_verl_math_verify": round(by_name["ours"]["items_per_s"] / by_name["verl_math_verify"]["items_per_s"], 2),
+        "ratio_vs_verl_math_verify": round(
+            by_name["ours"]["items_per_s"] / by_name["verl_math_verify"]["items_per_s"], 2
+        ),
         "ratio_vs_verl_math_dapo": round(by_name["ours"]["items_per_s"] / by_name["verl_math_dapo"]["items_per_s"], 3),
         "ours_timeouts": stats["timeouts"],
         "ours_stats": stats,
@@ -161,8 +178,12 @@ def main(argv: list[str]) -> int:
         print(json.dumps(report))
     else:
         for r in results:
-            print(f"{r['name']:>18}: {r['items_per_s']:>9.1f} items/s  p50 {r['p50_ms']} ms  max {r['max_s']} s  "
-                  f"correct {r['correct']}/{r['items']}")
-        print(f"ours / verl math_verify: {report['ratio_vs_verl_math_verify']}x; "
-              f"ours / verl math_dapo: {report['ratio_vs_verl_math_dapo']}x; our timeouts: {stats['timeouts']}")
+            print(
+                f"{r['name']:>18}: {r['items_per_s']:>9.1f} items/s  p50 {r['p50_ms']} ms  max {r['max_s']} s  "
+                f"correct {r['correct']}/{r['items']}"
+            )
+        print(
+            f"ours / verl math_verify: {report['ratio_vs_verl_math_verify']}x; "
+            f"ours / verl math_dapo: {report['ratio_vs_verl_math_dapo']}x; our timeouts: {stats['timeouts']}"
+        )
     return 0

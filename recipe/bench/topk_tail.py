@@ -47,7 +47,9 @@ def read_rows(path: Path, prompt_key: str, response_key: str) -> list[tuple[str,
             raise ValueError(f"--data {path}:{line_no} is not a JSON object")
         for key in (prompt_key, response_key):
             if not isinstance(row.get(key), str) or not row[key]:
-                raise ValueError(f"--data {path}:{line_no} has no non-empty string {key!r} (--prompt-key/--response-key)")
+                raise ValueError(
+                    f"--data {path}:{line_no} has no non-empty string {key!r} (--prompt-key/--response-key)"
+                )
         rows.append((row[prompt_key], row[response_key]))
     if not rows:
         raise ValueError(f"--data {path} holds no rows")
@@ -74,8 +76,14 @@ def tail_log_masses(log_probs: Any, ks: list[int]) -> Any:
     return torch.cat(out) if out else log_probs.new_zeros((0, len(ks)), dtype=torch.float64)
 
 
-def measure(model_path: str, rows: list[tuple[str, str]], ks: list[int], temperature: float, max_tokens: int,
-            max_response_tokens: int) -> dict[str, Any]:
+def measure(
+    model_path: str,
+    rows: list[tuple[str, str]],
+    ks: list[int],
+    temperature: float,
+    max_tokens: int,
+    max_response_tokens: int,
+) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -91,8 +99,9 @@ def measure(model_path: str, rows: list[tuple[str, str]], ks: list[int], tempera
     with torch.no_grad():
         for prompt, response in rows:
             if tokenizer.chat_template:
-                prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                           tokenize=True, return_dict=False)
+                prompt_ids = tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+                )
             else:
                 prompt_ids = tokenizer(prompt).input_ids
             response_ids = tokenizer(response, add_special_tokens=False).input_ids[:max_response_tokens]
@@ -115,18 +124,28 @@ def measure(model_path: str, rows: list[tuple[str, str]], ks: list[int], tempera
     per_k = []
     for column, k in enumerate(ks):
         t = tail_mass[:, column]
-        per_k.append({
-            "k": k,
-            "tail_mean": float(t.mean()),
-            **{f"tail_p{round(q * 100)}": float(torch.quantile(t, q)) for q in QUANTILES},
-            "tail_max": float(t.max()),
-            "frac_tail_over_1e-3": float((t > 1e-3).double().mean()),
-            "frac_tail_over_1e-2": float((t > 1e-2).double().mean()),
-            "bytes_per_token": stored_bytes_per_token(k),
-        })
-    return {"model": model_path, "device": device, "dtype": str(dtype).replace("torch.", ""), "vocab_size": vocab,
-            "temperature": temperature, "sequences": sequences, "tokens": int(tail_mass.shape[0]),
-            "entropy_mean": float(entropy.mean()), "per_k": per_k}
+        per_k.append(
+            {
+                "k": k,
+                "tail_mean": float(t.mean()),
+                **{f"tail_p{round(q * 100)}": float(torch.quantile(t, q)) for q in QUANTILES},
+                "tail_max": float(t.max()),
+                "frac_tail_over_1e-3": float((t > 1e-3).double().mean()),
+                "frac_tail_over_1e-2": float((t > 1e-2).double().mean()),
+                "bytes_per_token": stored_bytes_per_token(k),
+            }
+        )
+    return {
+        "model": model_path,
+        "device": device,
+        "dtype": str(dtype).replace("torch.", ""),
+        "vocab_size": vocab,
+        "temperature": temperature,
+        "sequences": sequences,
+        "tokens": int(tail_mass.shape[0]),
+        "entropy_mean": float(entropy.mean()),
+        "per_k": per_k,
+    }
 
 
 def smallest_k(result: dict[str, Any], quantile_key: str, target: float) -> int | None:
@@ -137,15 +156,23 @@ def smallest_k(result: dict[str, Any], quantile_key: str, target: float) -> int 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipe.bench topk-tail", description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="local Hugging Face checkpoint directory (model + tokenizer)")
-    parser.add_argument("--data", required=True, type=Path,
-                        help="JSON-lines file of (prompt, response) texts, e.g. MATH-500 (problem, solution)")
+    parser.add_argument(
+        "--data",
+        required=True,
+        type=Path,
+        help="JSON-lines file of (prompt, response) texts, e.g. MATH-500 (problem, solution)",
+    )
     parser.add_argument("--prompt-key", default="problem", help="prompt field of each row")
     parser.add_argument("--response-key", default="solution", help="response field of each row")
     parser.add_argument("--k", default=DEFAULT_KS, help="comma-separated k values")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the run")
     parser.add_argument("--max-tokens", type=int, default=20_000, help="stop after this many response tokens")
-    parser.add_argument("--max-response-tokens", type=int, default=4096, help="truncate each response to this many tokens")
-    parser.add_argument("--target", type=float, default=1e-2, help="tail mass the suggested k keeps the p99 token below")
+    parser.add_argument(
+        "--max-response-tokens", type=int, default=4096, help="truncate each response to this many tokens"
+    )
+    parser.add_argument(
+        "--target", type=float, default=1e-2, help="tail mass the suggested k keeps the p99 token below"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     try:
@@ -160,21 +187,33 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"--model {args.model}: not a local checkpoint directory (this probe never downloads)")
     rows = read_rows(args.data, args.prompt_key, args.response_key)
     result = measure(args.model, rows, ks, args.temperature, args.max_tokens, args.max_response_tokens)
-    result.update(date=_dt.date.today().isoformat(), data=str(args.data), target=args.target,
-                  suggested_k=smallest_k(result, "tail_p99", args.target))
+    result.update(
+        date=_dt.date.today().isoformat(),
+        data=str(args.data),
+        target=args.target,
+        suggested_k=smallest_k(result, "tail_p99", args.target),
+    )
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{result['model']} ({result['device']}, {result['dtype']}, vocabulary {result['vocab_size']}), "
-          f"{result['tokens']} response tokens of {result['sequences']} rows of {args.data}, T={args.temperature}, "
-          f"mean entropy {result['entropy_mean']:.3f} nats")
-    print(f"{'k':>5} {'tail mean':>10} {'p50':>10} {'p90':>10} {'p99':>10} {'max':>10} {'>1e-3':>7} {'>1e-2':>7} {'B/token':>8}")
+    print(
+        f"{result['model']} ({result['device']}, {result['dtype']}, vocabulary {result['vocab_size']}), "
+        f"{result['tokens']} response tokens of {result['sequences']} rows of {args.data}, T={args.temperature}, "
+        f"mean entropy {result['entropy_mean']:.3f} nats"
+    )
+    print(
+        f"{'k':>5} {'tail mean':>10} {'p50':>10} {'p90':>10} {'p99':>10} {'max':>10} {'>1e-3':>7} {'>1e-2':>7} {'B/token':>8}"
+    )
     for row in result["per_k"]:
-        print(f"{row['k']:>5} {row['tail_mean']:>10.2e} {row['tail_p50']:>10.2e} {row['tail_p90']:>10.2e} "
-              f"{row['tail_p99']:>10.2e} {row['tail_max']:>10.2e} {row['frac_tail_over_1e-3']:>7.3f} "
-              f"{row['frac_tail_over_1e-2']:>7.3f} {row['bytes_per_token']:>8}")
+        print(
+            f"{row['k']:>5} {row['tail_mean']:>10.2e} {row['tail_p50']:>10.2e} {row['tail_p90']:>10.2e} "
+            f"{row['tail_p99']:>10.2e} {row['tail_max']:>10.2e} {row['frac_tail_over_1e-3']:>7.3f} "
+            f"{row['frac_tail_over_1e-2']:>7.3f} {row['bytes_per_token']:>8}"
+        )
     suggested = result["suggested_k"]
-    print(f"smallest k with p99 tail mass <= {args.target:g}: {suggested if suggested is not None else 'none in the sweep'}")
+    print(
+        f"smallest k with p99 tail mass <= {args.target:g}: {suggested if suggested is not None else 'none in the sweep'}"
+    )
     return 0
 
 

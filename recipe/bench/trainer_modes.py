@@ -47,8 +47,14 @@ SPANS = "training/off_policy/trajectory_spans/max"
 MODE_ARGS: dict[str, tuple[list[str], dict[str, str]]] = {
     "sync": ([], {}),
     "colocate_async": (["trainer.v1.trainer_mode=colocate_async"], {}),
-    "separate_async": (["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=2",
-                        "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_gloo"], {"ROLLOUT_DEVICES": "1"}),
+    "separate_async": (
+        [
+            "trainer.v1.trainer_mode=separate_async",
+            "trainer.v1.separate_async.parameter_sync_step=2",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_gloo",
+        ],
+        {"ROLLOUT_DEVICES": "1"},
+    ),
 }
 
 
@@ -57,15 +63,33 @@ def run_mode(mode: str, out: Path, steps: int, response_len: int, loss: str) -> 
     on failure."""
     overrides, extra_env = MODE_ARGS[mode]
     trace = out / "trace.jsonl"
-    env = {**os.environ, "PYTHON": sys.executable, "SMOKE_OUT": str(out), "LOSS": loss, "STEPS": str(steps),
-           "TEST_FREQ": "-1", "SAVE_FREQ": "-1", "RESPONSE_LEN": str(response_len), "BATCH": str(BATCH),
-           "ROLLOUT_N": str(ROLLOUT_N), "DATA_TRACE": str(trace), **extra_env}
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "SMOKE_OUT": str(out),
+        "LOSS": loss,
+        "STEPS": str(steps),
+        "TEST_FREQ": "-1",
+        "SAVE_FREQ": "-1",
+        "RESPONSE_LEN": str(response_len),
+        "BATCH": str(BATCH),
+        "ROLLOUT_N": str(ROLLOUT_N),
+        "DATA_TRACE": str(trace),
+        **extra_env,
+    }
     env.pop("RAY_ADDRESS", None)
-    args = ["bash", str(ROOT / "launch" / "run_smoke_cpu.sh"), "trainer.val_before_train=False",
-            "actor_rollout_ref.rollout.max_num_seqs=1", *overrides]
+    args = [
+        "bash",
+        str(ROOT / "launch" / "run_smoke_cpu.sh"),
+        "trainer.val_before_train=False",
+        "actor_rollout_ref.rollout.max_num_seqs=1",
+        *overrides,
+    ]
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
-        raise RuntimeError(f"{mode}: the smoke run failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        raise RuntimeError(
+            f"{mode}: the smoke run failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        )
     return out / "metrics.jsonl", trace
 
 
@@ -143,9 +167,11 @@ def main(argv: list[str]) -> int:
         if args.json:
             print(json.dumps({**row, "date": stamp, "loss": args.loss, "response_len": args.response_len}))
         else:
-            print(f"{row['mode']:>15}: {row['samples_per_second']:8.2f} samples/s over {row['steps']} steps "
-                  f"(x{row['vs_sync']} of sync), responses mean {row['response_length_mean']} max "
-                  f"{row['response_length_max']}, version lag {row['version_lag_mean']}, spans max {row['trajectory_spans_max']}")
+            print(
+                f"{row['mode']:>15}: {row['samples_per_second']:8.2f} samples/s over {row['steps']} steps "
+                f"(x{row['vs_sync']} of sync), responses mean {row['response_length_mean']} max "
+                f"{row['response_length_max']}, version lag {row['version_lag_mean']}, spans max {row['trajectory_spans_max']}"
+            )
     return 0
 
 

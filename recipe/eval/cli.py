@@ -13,7 +13,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from recipe.eval.generate import Sampler, check_model_path, plan_generation, refuse_existing_outputs, run_generate, vllm_sampler
+from recipe.eval.generate import (
+    Sampler,
+    check_model_path,
+    plan_generation,
+    refuse_existing_outputs,
+    run_generate,
+    vllm_sampler,
+)
 from recipe.eval.metrics import Checkpoint
 from recipe.eval.presets import PRESETS, parse_k_list, resolve_chat_template_kwargs
 from recipe.eval.problems import reward_scorer
@@ -36,8 +43,10 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float)
     gen.add_argument("--top-p", type=float)
     gen.add_argument("--max-tokens", type=int, help="generation length (overrides the preset)")
-    gen.add_argument("--chat-template-kwargs", help="JSON object for the chat template (default: the preset's; "
-                     "atr: {\"enable_thinking\": false})")
+    gen.add_argument(
+        "--chat-template-kwargs",
+        help='JSON object for the chat template (default: the preset\'s; atr: {"enable_thinking": false})',
+    )
     gen.add_argument("--k", default="n", help="k-values you will score, checked against n (e.g. 1,8,32)")
     gen.add_argument("--think", default="auto", choices=("auto", "required", "off"), help="reward think mode")
     gen.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -51,11 +60,16 @@ def _build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--data", nargs="*", default=[], help="eval parquets to map verl dump prompts to benchmarks")
     sc.add_argument("--benchmark", help="benchmark name for a single-benchmark verl dump (instead of --data)")
     sc.add_argument("--labels", help="comma list of row labels, one per checkpoint (with --aggregate: one per run)")
-    sc.add_argument("--aggregate", action="store_true",
-                    help="each path is one run (e.g. one seed); runs with the same label (default: the folder name "
-                         "without _seed<S>) form one row, reported as mean ± std over runs for the final and best "
-                         "checkpoint (ATR Table 3)")
-    sc.add_argument("--think", default="auto", choices=("auto", "required", "off"), help="reward think mode for re-scoring")
+    sc.add_argument(
+        "--aggregate",
+        action="store_true",
+        help="each path is one run (e.g. one seed); runs with the same label (default: the folder name "
+        "without _seed<S>) form one row, reported as mean ± std over runs for the final and best "
+        "checkpoint (ATR Table 3)",
+    )
+    sc.add_argument(
+        "--think", default="auto", choices=("auto", "required", "off"), help="reward think mode for re-scoring"
+    )
     sc.add_argument("--output", help="also write the Markdown here")
     sc.add_argument("--json", help="write all numbers as JSON here")
     return parser
@@ -88,11 +102,16 @@ def _generate_cli(args: argparse.Namespace, sampler_factory: Callable[..., Sampl
         refuse_existing_outputs([out / f"{p.benchmark}.jsonl" for p in plans])
     for plan in plans:
         s = plan.sampling
-        print(f"{plan.benchmark}: {len(plan.problems)} problems, n={s.n}, T={s.temperature}, top_p={s.top_p}, max_tokens={s.max_tokens}")
+        print(
+            f"{plan.benchmark}: {len(plan.problems)} problems, n={s.n}, T={s.temperature}, top_p={s.top_p}, max_tokens={s.max_tokens}"
+        )
     chat_kwargs = resolve_chat_template_kwargs(args.preset, args.chat_template_kwargs)
     print(f"chat_template_kwargs: {json.dumps(chat_kwargs)}")
     sampler = sampler_factory(
-        model=str(model), tensor_parallel_size=args.tensor_parallel_size, seed=args.seed, max_model_len=args.max_model_len,
+        model=str(model),
+        tensor_parallel_size=args.tensor_parallel_size,
+        seed=args.seed,
+        max_model_len=args.max_model_len,
         chat_template_kwargs=chat_kwargs,
     )
     written = run_generate(plans, sampler, out, reward_scorer(args.think), model=str(model), overwrite=args.overwrite)
@@ -110,7 +129,7 @@ def _score_cli(args: argparse.Namespace) -> int:
         labels = [s.strip() for s in args.labels.split(",")]
         if len(labels) != len(runs):
             raise ValueError(f"--labels has {len(labels)} names for {len(runs)} checkpoints ({[r[0] for r in runs]})")
-        runs = [(label, checkpoint) for label, (_, checkpoint) in zip(labels, runs)]
+        runs = [(label, checkpoint) for label, (_, checkpoint) in zip(labels, runs, strict=False)]
     scored = score_runs(runs, k_values)
     _emit(render_tables(scored, k_values), scored, args)
     return 0
@@ -123,7 +142,7 @@ def _aggregate_cli(args: argparse.Namespace, k_values: list[int | str]) -> int:
         if len(labels) != len(args.runs):
             raise ValueError(f"--labels has {len(labels)} names for {len(args.runs)} runs")
     grouped: dict[str, list[list[tuple[str, Checkpoint]]]] = {}
-    for label, path in zip(labels, args.runs):
+    for label, path in zip(labels, args.runs, strict=False):
         grouped.setdefault(label, []).append(load_runs([path], args.data, args.benchmark, args.think))
     aggregated = aggregate_runs(list(grouped.items()), k_values)
     _emit(render_aggregate(aggregated, k_values), aggregated, args)

@@ -18,7 +18,6 @@ from typing import Any
 from recipe.eval.presets import SamplingSpec, resolve_sampling
 from recipe.eval.problems import Problem, Scorer, expand_files, load_eval_parquet, reward_scorer
 
-
 #: The sampler seam: (conversations, sampling) -> one list of ``sampling.n`` texts per
 #: conversation, in input order. :func:`vllm_sampler` builds the real one.
 Sampler = Callable[[list[list[dict[str, str]]], SamplingSpec], list[list[str]]]
@@ -138,14 +137,16 @@ def run_generate(
     if not overwrite:
         refuse_existing_outputs(targets)
     out.mkdir(parents=True, exist_ok=True)
-    for plan, target in zip(plans, targets):
+    for plan, target in zip(plans, targets, strict=False):
         conversations = [p.messages for p in plan.problems]
         samples = sampler(conversations, plan.sampling)
         if len(samples) != len(conversations):
-            raise RuntimeError(f"{plan.benchmark}: sampler returned {len(samples)} results for {len(conversations)} prompts")
+            raise RuntimeError(
+                f"{plan.benchmark}: sampler returned {len(samples)} results for {len(conversations)} prompts"
+            )
         tmp = target.with_suffix(".jsonl.tmp")
         with open(tmp, "w", encoding="utf-8") as handle:
-            for problem, responses in zip(plan.problems, samples):
+            for problem, responses in zip(plan.problems, samples, strict=False):
                 if len(responses) != plan.sampling.n:
                     raise RuntimeError(
                         f"{plan.benchmark} problem {problem.problem_id}: sampler returned "

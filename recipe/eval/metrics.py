@@ -77,7 +77,7 @@ def majority_vote(preds: Sequence[str | None], correct: Sequence[bool], k: int) 
         raise ValueError(f"majority_vote: {len(preds)} preds but {len(correct)} correctness flags")
     counts: dict[str, int] = {}
     first_seen: dict[str, int] = {}
-    for position, (pred, ok) in enumerate(zip(preds[:k], correct[:k])):
+    for position, (pred, ok) in enumerate(zip(preds[:k], correct[:k], strict=False)):
         if ok:
             key = "\x00correct"
         elif pred:

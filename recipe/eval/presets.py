@@ -89,7 +89,9 @@ def resolve_chat_template_kwargs(preset: str | None, given: str | None) -> dict[
     try:
         value = json.loads(given)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--chat-template-kwargs must be a JSON object, e.g. '{{\"enable_thinking\": false}}': {exc.msg}") from exc
+        raise ValueError(
+            f"--chat-template-kwargs must be a JSON object, e.g. '{{\"enable_thinking\": false}}': {exc.msg}"
+        ) from exc
     if not isinstance(value, dict):
         raise ValueError(f"--chat-template-kwargs must be a JSON object, got {type(value).__name__}: {given!r}")
     return value
@@ -125,7 +127,9 @@ def resolve_sampling(
     base: SamplingSpec | None = None
     if preset is not None:
         if preset not in PRESETS:
-            raise ValueError(f"unknown --preset {preset!r}; known: {sorted(PRESETS)} (or omit it and give all settings)")
+            raise ValueError(
+                f"unknown --preset {preset!r}; known: {sorted(PRESETS)} (or omit it and give all settings)"
+            )
         base = PRESETS[preset].get(benchmark)
     chosen = {
         "n": n if n is not None else (base.n if base else None),

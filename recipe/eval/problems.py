@@ -56,7 +56,9 @@ def load_eval_parquet(path: str | os.PathLike[str]) -> tuple[str, list[Problem]]
     rows = table.select(list(REQUIRED_COLUMNS)).to_pylist()
     sources = {row["data_source"] for row in rows}
     if len(sources) != 1 or not all(isinstance(s, str) and s for s in sources):
-        raise ValueError(f"{path}: expected one non-empty data_source per evaluation file, got {sorted(map(str, sources))}")
+        raise ValueError(
+            f"{path}: expected one non-empty data_source per evaluation file, got {sorted(map(str, sources))}"
+        )
     benchmark = canonical_benchmark(next(iter(sources)))
     problems: list[Problem] = []
     seen: set[int] = set()

@@ -20,7 +20,6 @@ from recipe.eval.metrics import Checkpoint, ProblemSamples
 from recipe.eval.presets import canonical_benchmark
 from recipe.eval.problems import Scorer, expand_files, load_eval_parquet, reward_scorer
 
-
 _DUMP_KEYS = ("input", "output", "gts", "score", "step")
 
 
@@ -142,7 +141,9 @@ def parse_verl_dump(
     dump has it, else the response is re-scored with our reward.
     """
     if index is None and benchmark is None:
-        raise ValueError(f"{path}: a verl validation dump has no data_source; pass --data PARQUET... or --benchmark NAME")
+        raise ValueError(
+            f"{path}: a verl validation dump has no data_source; pass --data PARQUET... or --benchmark NAME"
+        )
     steps = {row.get("step") for row in rows}
     if len(steps) != 1 or not isinstance(next(iter(steps)), int):
         raise ValueError(f"{path}: expected one integer 'step' in a validation dump, got {sorted(map(str, steps))}")
@@ -223,6 +224,8 @@ def load_runs(
                     checkpoint[bench] = problems
             runs.append((path.stem if path.is_file() else path.name, checkpoint))
         else:
-            steps = sorted((parse_verl_dump(f, rows, scorer, index, benchmark) for f, rows in loaded), key=lambda s: s[0])
+            steps = sorted(
+                (parse_verl_dump(f, rows, scorer, index, benchmark) for f, rows in loaded), key=lambda s: s[0]
+            )
             runs.extend((f"step {step}", checkpoint) for step, checkpoint in steps)
     return runs

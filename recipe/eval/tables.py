@@ -57,7 +57,10 @@ def render_tables(scored: dict[str, Any], k_values: Sequence[int | str]) -> str:
             key = f"{metric}@{k}"
             ks = {results[lab][b][f"k_of_{k}"] for lab in labels for b in results[lab]}
             k_text = str(next(iter(ks))) if len(ks) == 1 else "n"
-            header = [f"{display_name(b)}" + (f" (@{_k_of(results, labels, b, k)})" if k_text == "n" else "") for b in benchmarks]
+            header = [
+                f"{display_name(b)}" + (f" (@{_k_of(results, labels, b, k)})" if k_text == "n" else "")
+                for b in benchmarks
+            ]
             lines.append(f"### {metric}@{k_text}" + (" (k = each benchmark's n)" if k_text == "n" and k == "n" else ""))
             lines.append("")
             lines.append("| checkpoint | " + " | ".join(header) + " | Avg |")
@@ -143,13 +146,19 @@ def aggregate_runs(
                     if which == "final":
                         picked.append(sr["results"][labels[-1]])
                     else:
-                        picked.append(max((sr["results"][lab] for lab in labels),
-                                          key=lambda cells: _avg(cells, key, benchmarks) or 0.0))
+                        picked.append(
+                            max(
+                                (sr["results"][lab] for lab in labels),
+                                key=lambda cells: _avg(cells, key, benchmarks) or 0.0,
+                            )
+                        )
                 cell: dict[str, dict[str, Any]] = {}
                 for column in [*benchmarks, "avg"]:
                     values = [(_avg(c, key, benchmarks) if column == "avg" else c[column][key]) for c in picked]
                     mean = sum(values) / len(values)
-                    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+                    std = (
+                        math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+                    )
                     cell[column] = {"mean": mean, "std": std, "values": values}
                 row[which][key] = cell
         results[label] = row

@@ -269,8 +269,12 @@ def score_table(
         wrong_score = DAPO_DEFAULT_WRONG_SCORE if data_source in DAPO_DATA_SOURCES else 0.0
     wrong = _check_score("wrong_score", wrong_score)
     unparseable = wrong if unparseable_score is None else _check_score("unparseable_score", unparseable_score)
-    return ScoreTable(_check_score("correct_score", correct_score), wrong, unparseable,
-                      _check_score("truncated_score", truncated_score))
+    return ScoreTable(
+        _check_score("correct_score", correct_score),
+        wrong,
+        unparseable,
+        _check_score("truncated_score", truncated_score),
+    )
 
 
 def _score_math_verify(answer: str | None, gold: str, timeout_s: float, scores: ScoreTable) -> dict[str, Any]:
@@ -360,8 +364,13 @@ def compute_score(
     truncated = next((v for v in (truncated_score, no_think_close_score) if v is not None), -0.5)
 
     source = data_source if isinstance(data_source, str) else ""
-    scores = score_table(source, correct_score=correct_score, wrong_score=wrong_score,
-                         unparseable_score=unparseable_score, truncated_score=truncated)
+    scores = score_table(
+        source,
+        correct_score=correct_score,
+        wrong_score=wrong_score,
+        unparseable_score=unparseable_score,
+        truncated_score=truncated,
+    )
     STATS.bump("calls")
     gold = _normalise_gold(ground_truth)
     if not isinstance(solution_str, str) or gold is None:

@@ -161,8 +161,16 @@ class RewardStats:
     """Counters kept per process, for logging and the benchmark (one instance: :data:`STATS`)."""
 
     NAMES = (
-        "calls", "fast_path", "worker_jobs", "timeouts", "worker_crashes", "worker_errors",
-        "workers_replaced", "no_worker", "invalid_inputs", "too_complex",
+        "calls",
+        "fast_path",
+        "worker_jobs",
+        "timeouts",
+        "worker_crashes",
+        "worker_errors",
+        "workers_replaced",
+        "no_worker",
+        "invalid_inputs",
+        "too_complex",
     )
 
     def __init__(self) -> None:

@@ -60,14 +60,25 @@ def margin_test(rewards: list[float], window: int = WINDOW) -> dict[str, float]:
     margin = statistics.fmean(last) - statistics.fmean(first)
     stderr = math.sqrt(statistics.variance(first) / window + statistics.variance(last) / window)
     t = margin / stderr if stderr > 0 else (math.inf if margin > 0 else 0.0)
-    return {"first_mean": statistics.fmean(first), "last_mean": statistics.fmean(last), "margin": margin,
-            "stderr": stderr, "t": t}
+    return {
+        "first_mean": statistics.fmean(first),
+        "last_mean": statistics.fmean(last),
+        "margin": margin,
+        "stderr": stderr,
+        "t": t,
+    }
 
 
 def _loss_activity(metrics: dict[int, dict[str, Any]]) -> dict[str, float]:
     """Mean over steps of the divclip metrics that show the loss was active."""
-    keys = ("actor/divclip/no_grad_frac", "actor/divclip/erc/clipfrac_upper", "actor/divclip/erc/clipfrac_lower",
-            "actor/divclip/clipfrac_upper", "actor/divclip/clipfrac_lower", "actor/divclip/kl3_mean")
+    keys = (
+        "actor/divclip/no_grad_frac",
+        "actor/divclip/erc/clipfrac_upper",
+        "actor/divclip/erc/clipfrac_lower",
+        "actor/divclip/clipfrac_upper",
+        "actor/divclip/clipfrac_lower",
+        "actor/divclip/kl3_mean",
+    )
     activity = {}
     for key in keys:
         values = [float(m[key]) for m in metrics.values() if m.get(key) is not None]

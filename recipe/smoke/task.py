@@ -47,9 +47,10 @@ import json
 import os
 import random
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 TASKS: tuple[str, ...] = ("echo", "last_digit", "sum_mod10")
 """Supported synthetic tasks (see module docstring)."""
@@ -224,7 +225,9 @@ def _row(task: str, problem: str, index: int, split: str) -> dict[str, Any]:
     }
 
 
-def make_rows(task: str, n: int, *, split: str, seed: int, digits: int = 4, exclude: Sequence[str] = ()) -> list[dict[str, Any]]:
+def make_rows(
+    task: str, n: int, *, split: str, seed: int, digits: int = 4, exclude: Sequence[str] = ()
+) -> list[dict[str, Any]]:
     """``n`` rows in verl's RL schema.
 
     ``echo``: training rows (``split="train"``) draw a digit and a length from
@@ -254,12 +257,21 @@ def make_rows(task: str, n: int, *, split: str, seed: int, digits: int = 4, excl
     return rows
 
 
-def write_smoke_data(out_dir: str | os.PathLike[str], task: str = "echo", n_train: int = 512, n_val: int = 20, seed: int = 0, digits: int = 4) -> tuple[str, str]:
+def write_smoke_data(
+    out_dir: str | os.PathLike[str],
+    task: str = "echo",
+    n_train: int = 512,
+    n_val: int = 20,
+    seed: int = 0,
+    digits: int = 4,
+) -> tuple[str, str]:
     """Write ``train.parquet`` / ``val.parquet`` (disjoint prompts) to ``out_dir``; return their paths."""
     from data_prep.convert import write_parquet
 
     train = make_rows(task, n_train, split="train", seed=seed, digits=digits)
-    val = make_rows(task, n_val, split="test", seed=seed + 1, digits=digits, exclude=[r["extra_info"]["problem"] for r in train])
+    val = make_rows(
+        task, n_val, split="test", seed=seed + 1, digits=digits, exclude=[r["extra_info"]["problem"] for r in train]
+    )
     out = Path(out_dir)
     return str(write_parquet(train, out / "train.parquet")), str(write_parquet(val, out / "val.parquet"))
 
@@ -273,13 +285,17 @@ def write_smoke_sft_data(out_dir: str | os.PathLike[str], task: str = "echo", n:
     rows = []
     for row in make_rows(task, n, split="train", seed=seed + 7):
         problem = row["extra_info"]["problem"]
-        rows.append({
-            "data_source": data_source_for(task),
-            "messages": [{"role": "user", "content": problem},
-                         {"role": "assistant", "content": format_answer(answer_for(task, problem))}],
-            "enable_thinking": False,
-            "extra_info": {"index": len(rows), "problem": problem},
-        })
+        rows.append(
+            {
+                "data_source": data_source_for(task),
+                "messages": [
+                    {"role": "user", "content": problem},
+                    {"role": "assistant", "content": format_answer(answer_for(task, problem))},
+                ],
+                "enable_thinking": False,
+                "extra_info": {"index": len(rows), "problem": problem},
+            }
+        )
     return str(write_parquet(rows, Path(out_dir) / "sft_train.parquet"))
 
 
@@ -333,15 +349,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train", type=int, default=512, help="training prompts")
     parser.add_argument("--val", type=int, default=20, help="validation prompts (disjoint from training)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--head-scale", type=float, default=1.0,
-                        help="multiply the model's output head (larger logits, as a trained model's)")
-    parser.add_argument("--head-dim", type=int, default=SmokeModelSpec.head_dim,
-                        help="attention head size (32 for vLLM's CPU attention, which has no kernel for 16)")
-    parser.add_argument("--sft", type=int, default=0, metavar="N",
-                        help="also write data/sft_train.parquet with N answered prompts (SFT -> RL chain)")
+    parser.add_argument(
+        "--head-scale",
+        type=float,
+        default=1.0,
+        help="multiply the model's output head (larger logits, as a trained model's)",
+    )
+    parser.add_argument(
+        "--head-dim",
+        type=int,
+        default=SmokeModelSpec.head_dim,
+        help="attention head size (32 for vLLM's CPU attention, which has no kernel for 16)",
+    )
+    parser.add_argument(
+        "--sft",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also write data/sft_train.parquet with N answered prompts (SFT -> RL chain)",
+    )
     args = parser.parse_args(argv)
     spec = replace(SmokeModelSpec(), head_dim=args.head_dim)
-    assets = build_smoke_assets(args.out, args.task, args.train, args.val, args.seed, spec=spec, head_scale=args.head_scale)
+    assets = build_smoke_assets(
+        args.out, args.task, args.train, args.val, args.seed, spec=spec, head_scale=args.head_scale
+    )
     report = asdict(assets)
     if args.sft:
         report["sft_file"] = write_smoke_sft_data(Path(args.out) / "data", args.task, args.sft, args.seed)

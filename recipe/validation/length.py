@@ -100,7 +100,7 @@ class ValidationPlan:
         return max([self.default.response_length, *(b.response_length for b in self.benchmarks.values())])
 
     @classmethod
-    def from_config(cls, config: Any) -> Optional["ValidationPlan"]:
+    def from_config(cls, config: Any) -> Optional[ValidationPlan]:
         """Parse ``actor_rollout_ref.rollout.custom.validation`` (raises :class:`ValidationLengthError`)."""
         rollout = config.actor_rollout_ref.rollout
         custom = rollout.get("custom", None)
@@ -191,11 +191,15 @@ def check_validation_length(config: Any) -> Optional[ValidationPlan]:
     for data_source, setting in sorted({"(default)": plan.default, **plan.benchmarks}.items()):
         needed = prompt + setting.response_length + reserve
         if needed > context:
-            key = f"{VALIDATION_KEY}.response_length" if data_source == "(default)" else (
-                f"{VALIDATION_KEY}.benchmarks.{data_source}.response_length")
+            key = (
+                f"{VALIDATION_KEY}.response_length"
+                if data_source == "(default)"
+                else (f"{VALIDATION_KEY}.benchmarks.{data_source}.response_length")
+            )
             raise ValidationLengthError(
                 f"{ROLLOUT}.max_model_len={context} is smaller than {ROLLOUT}.prompt_length ({prompt}) + "
-                f"{key} ({setting.response_length})" + (f" + {reserve} (SGLang)" if reserve else "")
+                f"{key} ({setting.response_length})"
+                + (f" + {reserve} (SGLang)" if reserve else "")
                 + f" = {needed}: raise max_model_len (up to the model's position limit) or shorten the length"
             )
     _check_benchmarks_in_val_files(config, plan)
@@ -269,7 +273,9 @@ def _check_benchmarks_in_val_files(config: Any, plan: ValidationPlan) -> None:
     if unread:
         logger.warning(
             "%s.benchmarks not checked against %s (not readable here): their data_source values must be %s",
-            VALIDATION_KEY, unread, sorted(plan.benchmarks),
+            VALIDATION_KEY,
+            unread,
+            sorted(plan.benchmarks),
         )
         return
     missing = sorted(set(plan.benchmarks) - sources)

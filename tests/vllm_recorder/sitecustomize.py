@@ -30,16 +30,31 @@ def _wrap(async_llm: type) -> None:
 
     async def generate(self: Any, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
-        _write({"event": "request", "id": request_id, "pid": os.getpid(), "prompt_ids": list(ids or []),
-                "max_tokens": sampling_params.max_tokens, "ignore_eos": sampling_params.ignore_eos,
-                "temperature": sampling_params.temperature, "logprobs": sampling_params.logprobs})
+        _write(
+            {
+                "event": "request",
+                "id": request_id,
+                "pid": os.getpid(),
+                "prompt_ids": list(ids or []),
+                "max_tokens": sampling_params.max_tokens,
+                "ignore_eos": sampling_params.ignore_eos,
+                "temperature": sampling_params.temperature,
+                "logprobs": sampling_params.logprobs,
+            }
+        )
         last = None
         async for output in original(self, prompt, sampling_params, request_id, *args, **kwargs):
             last = output
             yield output
         done = last.outputs[0] if last is not None and last.outputs else None
-        _write({"event": "done", "id": request_id, "finish_reason": None if done is None else done.finish_reason,
-                "token_ids": [] if done is None else list(done.token_ids)})
+        _write(
+            {
+                "event": "done",
+                "id": request_id,
+                "finish_reason": None if done is None else done.finish_reason,
+                "token_ids": [] if done is None else list(done.token_ids),
+            }
+        )
 
     async_llm.generate = generate
 

@@ -27,12 +27,10 @@ Device-agnostic; imports torch, :mod:`verl_ext.config` and :mod:`verl_ext.core.e
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Iterator, MutableMapping
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional
+from typing import Literal
 
 import torch
 
@@ -117,7 +115,9 @@ def _over_row_chunks(
     logits: torch.Tensor, rows: torch.Tensor, fn: Callable[[torch.Tensor, slice], tuple[torch.Tensor, ...]]
 ) -> list[tuple[torch.Tensor, ...]]:
     step = chunk_rows_for(logits)
-    return [fn(logits[rows[start : start + step]], slice(start, start + step)) for start in range(0, rows.numel(), step)]
+    return [
+        fn(logits[rows[start : start + step]], slice(start, start + step)) for start in range(0, rows.numel(), step)
+    ]
 
 
 @torch.no_grad()
@@ -125,7 +125,9 @@ def topk_of_rows(logits: torch.Tensor, rows: torch.Tensor, k: int) -> tuple[torc
     """:func:`topk_rows` of ``logits[rows]``, in chunks of :data:`verl_ext.core.entropy.EAGER_CHUNK_BYTES` of float32."""
     parts = _over_row_chunks(logits, rows, lambda chunk, _: topk_rows(chunk, k))
     if not parts:
-        return logits.new_zeros((0, k + 1), dtype=torch.float32), torch.zeros((0, k), dtype=torch.int32, device=logits.device)
+        return logits.new_zeros((0, k + 1), dtype=torch.float32), torch.zeros(
+            (0, k), dtype=torch.int32, device=logits.device
+        )
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
@@ -138,7 +140,9 @@ def log_masses_of_rows(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tens
     return torch.cat([p[0] for p in parts])
 
 
-def coarsened_kl(new_log_masses: torch.Tensor, old_log_masses: torch.Tensor, direction: Direction = "forward") -> torch.Tensor:
+def coarsened_kl(
+    new_log_masses: torch.Tensor, old_log_masses: torch.Tensor, direction: Direction = "forward"
+) -> torch.Tensor:
     """Per-token KL between pi_theta and pi_old on pi_old's k + 1 buckets (top-k ids + tail), float64.
 
     ``forward``: KL(pi_theta || pi_old) = sum_b p_b (log p_b - log q_b) (ATR-GRPO Eq. 4);
@@ -150,7 +154,9 @@ def coarsened_kl(new_log_masses: torch.Tensor, old_log_masses: torch.Tensor, dir
         new_log_masses, old_log_masses: ``(..., k + 1)`` log-masses of pi_theta and pi_old.
     """
     if direction not in KL_DIRECTIONS:
-        raise ValueError(f"actor_rollout_ref.actor.policy_loss.kl_full_direction={direction!r}: must be one of {KL_DIRECTIONS}")
+        raise ValueError(
+            f"actor_rollout_ref.actor.policy_loss.kl_full_direction={direction!r}: must be one of {KL_DIRECTIONS}"
+        )
     new, old = new_log_masses.detach().double(), old_log_masses.detach().double()
     # renormalise in float64: removes each row's float32 logsumexp rounding, a constant shift of all
     # its log-masses that would otherwise enter the KL in full (it does not cancel between policies)
@@ -227,4 +233,6 @@ def finish_full_kl_metrics(values: dict[str, float], n_valid: float) -> None:
         return
     n_clipped = values.pop("kl_full_diag/n_clipped")
     values["kl_full_diag/kl_clipped_mean"] = values.pop("kl_full_diag/kl_clipped_sum") / max(n_clipped, 1.0)
-    values["kl_full_diag/kl_unclipped_mean"] = values.pop("kl_full_diag/kl_unclipped_sum") / max(n_valid - n_clipped, 1.0)
+    values["kl_full_diag/kl_unclipped_mean"] = values.pop("kl_full_diag/kl_unclipped_sum") / max(
+        n_valid - n_clipped, 1.0
+    )

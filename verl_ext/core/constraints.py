@@ -28,8 +28,6 @@ KL_FULL_NEEDS_TOPK = (
 EPSILONS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio")
 
 
-
-
 @define_constraint(
     "clip",
     reads=EPSILONS,
@@ -79,7 +77,7 @@ def is_kl3_region(inputs: ConstraintInputs) -> TrustRegion:
     "trgppo",
     delta_budget=True,
     reads=("delta", *EPSILONS),
-    summary="Bernoulli KL(q ‖ q w) ≤ δ, or inside the ε clip (TRGPPO \"full KL-guided\")",
+    summary='Bernoulli KL(q ‖ q w) ≤ δ, or inside the ε clip (TRGPPO "full KL-guided")',
 )
 def trgppo_region(inputs: ConstraintInputs) -> TrustRegion:
     """TRGPPO "full KL-guided" bounds: w in [min(l, 1-eps_low), max(u, 1+eps_high)] where l, u

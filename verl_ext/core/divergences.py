@@ -136,7 +136,9 @@ def bernoulli_kl_within(old_log_prob: torch.Tensor, log_ratio: torch.Tensor, del
     return (kl <= delta) & feasible
 
 
-def _bernoulli_kl_where_feasible(old_log_prob: torch.Tensor, log_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _bernoulli_kl_where_feasible(
+    old_log_prob: torch.Tensor, log_ratio: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The Bernoulli KL's value (meaningful where q w < 1) and that feasibility mask."""
     q = torch.exp(old_log_prob)
     one_minus_q = -torch.expm1(old_log_prob)

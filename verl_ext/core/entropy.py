@@ -25,7 +25,8 @@ Device-agnostic; imports torch only.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 
@@ -117,7 +118,10 @@ def merge_row_stats(
     gap = (top1 - top2).abs()
     scale = torch.exp(-gap)
     rest_big, rest_small = torch.where(second_bigger, rest2, rest1), torch.where(second_bigger, rest1, rest2)
-    spread_big, spread_small = torch.where(second_bigger, spread2, spread1), torch.where(second_bigger, spread1, spread2)
+    spread_big, spread_small = (
+        torch.where(second_bigger, spread2, spread1),
+        torch.where(second_bigger, spread1, spread2),
+    )
     rest = rest_big + (1.0 + rest_small) * scale
     spread = spread_big + scale * (spread_small + gap * (1.0 + rest_small))
     return torch.maximum(top1, top2), rest, spread
@@ -145,7 +149,7 @@ def entropy_fp32(logits: torch.Tensor, chunk_size: Optional[int] = None) -> torc
     return _chunked(logits, rows, EagerRows(rows, logits.shape[-1], logits.device))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_entropy_rows() -> Callable[[torch.Tensor], torch.Tensor]:
     return torch.compile(_entropy_rows, dynamic=True)
 

@@ -48,7 +48,11 @@ class EntropyBand:
 
 
 def entropy_ratio(
-    old_entropy: torch.Tensor, entropy: torch.Tensor, response_mask: torch.Tensor, eps: float, dtype: torch.dtype = torch.float32
+    old_entropy: torch.Tensor,
+    entropy: torch.Tensor,
+    response_mask: torch.Tensor,
+    eps: float,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """ERC's rho_t = (H_t + eps) / (H_old,t + eps) (ERC paper Eq. 3), detached, in ``dtype``; exactly 1
     on padding. The one place the ratio is computed: the loss's band (:func:`entropy_ratio_band`), the

@@ -16,7 +16,9 @@ import torch
 from verl_ext.core.divergences import kl3
 
 
-def behaviour_divergence(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def behaviour_divergence(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
     """mu against pi_old over the valid tokens: the mean of KL3 = w - 1 - log w with w = pi_old / mu (the k3
     estimate of KL(mu || pi_old) from mu's samples, >= 0 per token) and the largest ``|log w|``.
 

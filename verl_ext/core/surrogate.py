@@ -43,7 +43,8 @@ engine code: torch, verl's ``agg_loss`` and the rest of :mod:`verl_ext.core`.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import torch
 from verl.trainer.ppo.core_algos import agg_loss
@@ -53,6 +54,8 @@ from verl_ext.core import constraints as _definitions  # noqa: F401  (defines ev
 from verl_ext.core import divergences
 from verl_ext.core.coarsened_kl import (
     NOT_AVERAGED as FULL_KL_NOT_AVERAGED,
+)
+from verl_ext.core.coarsened_kl import (
     TopKLogMasses,
     diagnostic_sums,
     finish_full_kl_metrics,
@@ -69,8 +72,6 @@ from verl_ext.core.region import CONSTRAINTS, ConstraintInputs, TrustRegion
 
 # Same clamp as verl's losses: keeps exp() finite for any log-prob difference.
 LOG_RATIO_CLAMP = 20.0
-
-
 
 
 def constrained_policy_loss(
@@ -202,8 +203,16 @@ def constrained_policy_loss(
                     diagnostic_sums(full_kl, mask, clipped, pessimistic_side, _diagnostic_deltas(policy.delta, region))
                 )
     metrics = _metrics(
-        mask, token_log_ratio, region, clipped, upper_side, no_grad, dual, erc,
-        sequence_log_ratio=seq_log_ratio, vocab_sums=vocab_sums,
+        mask,
+        token_log_ratio,
+        region,
+        clipped,
+        upper_side,
+        no_grad,
+        dual,
+        erc,
+        sequence_log_ratio=seq_log_ratio,
+        vocab_sums=vocab_sums,
     )
     if spec.delta_budget:
         metrics["actor/divclip/delta"] = float(policy.delta)
@@ -343,7 +352,7 @@ def _metrics(
             sums.update(entropy_band_sums(erc))
         if vocab_sums is not None:
             sums.update(vocab_sums)
-        values = dict(zip(sums, torch.stack([v.double() for v in sums.values()]).tolist()))
+        values = dict(zip(sums, torch.stack([v.double() for v in sums.values()]).tolist(), strict=False))
 
     n_valid = values.pop("n_valid")
     finish_full_kl_metrics(values, n_valid)

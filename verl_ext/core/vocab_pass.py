@@ -47,9 +47,10 @@ FSDP1/FSDP2 unshard, reshard and reduce-scatter the head as for any layer.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -320,7 +321,13 @@ def vocab_pass(
     if budget <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     log_probs, entropy, top_lp, top_ids = VocabPass.apply(
-        flat_hidden, weight, flat_labels, inv_t, int(top_k), bool(entropy_grad), budget,
+        flat_hidden,
+        weight,
+        flat_labels,
+        inv_t,
+        int(top_k),
+        bool(entropy_grad),
+        budget,
         tensor_core_matmuls(hidden, weight, tensor_cores),
     )
     k = int(top_k)

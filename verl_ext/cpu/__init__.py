@@ -89,4 +89,11 @@ def setup_cpu_process() -> None:
         import verl_ext.cpu.checkpoint_engine  # noqa: F401
 
 
-__all__ = ["CHECKPOINT_ENGINE_NAME", "DEVICE_RESOURCE", "PLATFORM_NAME", "ROLLOUT_NAME", "cpu_platform_selected", "setup_cpu_process"]
+__all__ = [
+    "CHECKPOINT_ENGINE_NAME",
+    "DEVICE_RESOURCE",
+    "PLATFORM_NAME",
+    "ROLLOUT_NAME",
+    "cpu_platform_selected",
+    "setup_cpu_process",
+]

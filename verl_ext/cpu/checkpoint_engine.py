@@ -31,12 +31,12 @@ import logging
 import os
 import pickle
 import time
+from collections.abc import AsyncGenerator, AsyncIterator, Generator
 from datetime import timedelta
-from typing import Any, AsyncGenerator, AsyncIterator, Generator, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
-
 from verl.checkpoint_engine.base import (
     CheckpointEngine,
     CheckpointEngineRegistry,
@@ -88,7 +88,9 @@ class CpuGlooCheckpointEngine(CheckpointEngine):
             ``checkpoint_engine.engine_kwargs.cpu_gloo`` besides ``timeout_s``.
     """
 
-    def __init__(self, bucket_size: int, is_master: bool = False, timeout_s: float = 600.0, host: Optional[str] = None) -> None:
+    def __init__(
+        self, bucket_size: int, is_master: bool = False, timeout_s: float = 600.0, host: Optional[str] = None
+    ) -> None:
         if bucket_size < CHUNK_ALIGNMENT:
             raise ValueError(f"cpu_gloo: bucket_size must be at least {CHUNK_ALIGNMENT} bytes, got {bucket_size}")
         self.bucket_size = int(bucket_size)
@@ -138,7 +140,9 @@ class CpuGlooCheckpointEngine(CheckpointEngine):
         else:
             store = dist.TCPStore(master_addr, master_port, None, False, self.timeout)
             self._store = store
-        self._group = dist.ProcessGroupGloo(dist.PrefixStore(CHECKPOINT_ENGINE_NAME, store), rank, world_size, self.timeout)
+        self._group = dist.ProcessGroupGloo(
+            dist.PrefixStore(CHECKPOINT_ENGINE_NAME, store), rank, world_size, self.timeout
+        )
 
     def finalize(self) -> None:
         """Drop the group and the store (a new pair is built for the next sync)."""
@@ -187,8 +191,14 @@ class CpuGlooCheckpointEngine(CheckpointEngine):
             filled = offset + meta.chunk_size
         sent_bytes += await self._send_bucket(metas, chunks, last=True)
         seconds = time.time() - start
-        logger.info("cpu_gloo: sent %.1f MB in %d buckets to %d rollout workers in %.2fs (global_steps=%s)",
-                    sent_bytes / 2**20, buckets + 1, (self.world_size or 1) - 1, seconds, global_steps)
+        logger.info(
+            "cpu_gloo: sent %.1f MB in %d buckets to %d rollout workers in %.2fs (global_steps=%s)",
+            sent_bytes / 2**20,
+            buckets + 1,
+            (self.world_size or 1) - 1,
+            seconds,
+            global_steps,
+        )
         return {"checkpoint_engine/cpu_gloo/sent_mb": sent_bytes / 2**20, "checkpoint_engine/cpu_gloo/seconds": seconds}
 
     async def _send_bucket(self, metas: list[TensorMeta], chunks: list[torch.Tensor], last: bool) -> int:
@@ -203,7 +213,9 @@ class CpuGlooCheckpointEngine(CheckpointEngine):
         return size
 
     @torch.no_grad()
-    async def receive_weights(self, global_steps: Optional[int] = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+    async def receive_weights(
+        self, global_steps: Optional[int] = None
+    ) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """Yield ``(name, tensor)`` as the source's buckets arrive (rollout workers only)."""
         if self.rank is None or self.rank <= SOURCE_RANK:
             raise RuntimeError(f"cpu_gloo: receive_weights on group rank {self.rank}; only rollout workers receive")

@@ -11,13 +11,20 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 PATCHED_ATTR = "__verl_ext_cpu__"
 
 
-def patch_checked(owner: Any, name: str, params: list[str], where: str, make: Callable[[Callable[..., Any]], Callable[..., Any]],
-                  written_for: str = "verl 0.9.1") -> None:
+def patch_checked(
+    owner: Any,
+    name: str,
+    params: list[str],
+    where: str,
+    make: Callable[[Callable[..., Any]], Callable[..., Any]],
+    written_for: str = "verl 0.9.1",
+) -> None:
     """Replace ``owner.name`` by ``make(original)`` (wrapped with ``functools.wraps``) unless it already is the
     CPU layer's. ``params``: the parameter names the function has in ``written_for`` (the release the replacement
     was written against); ``where``: its dotted name, for the error a different release gets."""

@@ -46,14 +46,17 @@ import resource
 import sys
 import threading
 import types
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 import torch
-
 from verl.plugin.platform import PlatformBase, PlatformRegistry
 
-from verl_ext.cpu import DEVICE_RESOURCE, PLATFORM_NAME  # PLATFORM_NAME: the VERL_PLATFORM value that selects this platform
+from verl_ext.cpu import (
+    DEVICE_RESOURCE,
+    PLATFORM_NAME,
+)  # PLATFORM_NAME: the VERL_PLATFORM value that selects this platform
 from verl_ext.cpu.patch import patch_checked
 
 logger = logging.getLogger(__name__)
@@ -258,9 +261,7 @@ def _register_engines(transformer_impl: types.ModuleType) -> None:
             if PLATFORM_NAME not in registry.get("fsdp2", {}):
                 EngineRegistry.register(model_type=model_type, backend="fsdp2", device=PLATFORM_NAME)(cls)
             if PLATFORM_NAME not in registry.get("fsdp", {}):
-                EngineRegistry.register(model_type=model_type, backend="fsdp", device=PLATFORM_NAME)(
-                    _fsdp1_guard(cls)
-                )
+                EngineRegistry.register(model_type=model_type, backend="fsdp", device=PLATFORM_NAME)(_fsdp1_guard(cls))
         _patch_fsdp2_save_to_cpu()
         _engines_registered = True
 
@@ -291,7 +292,9 @@ def _patch_fsdp2_save_to_cpu() -> None:
 
         return fsdp2_sharded_save_to_cpu
 
-    patch_checked(fsdp_utils, "fsdp2_sharded_save_to_cpu", ["model"], "verl.utils.fsdp_utils.fsdp2_sharded_save_to_cpu", make)
+    patch_checked(
+        fsdp_utils, "fsdp2_sharded_save_to_cpu", ["model"], "verl.utils.fsdp_utils.fsdp2_sharded_save_to_cpu", make
+    )
 
 
 def _fsdp1_guard(base: type) -> type:

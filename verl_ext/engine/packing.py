@@ -53,8 +53,9 @@ gauge (:func:`verl_ext.core.gauge.on_policy_gauge`) where it is true.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 from tensordict import TensorDict
@@ -114,7 +115,7 @@ class UpdatePacking:
     shuffle: bool
 
     @classmethod
-    def from_actor_config(cls, actor: Mapping[str, Any], rollout_n: int) -> "UpdatePacking":
+    def from_actor_config(cls, actor: Mapping[str, Any], rollout_n: int) -> UpdatePacking:
         """From ``actor_rollout_ref.actor`` and ``rollout.n``, exactly as ``_update_actor`` reads them."""
         return cls(
             mini_batch_size=int(actor["ppo_mini_batch_size"]) * int(rollout_n),
@@ -173,7 +174,7 @@ def row_fingerprints(data: TensorDict) -> list[tuple[int, int]]:
     starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
     positions = torch.arange(len(values)) - starts[rows]
     checksum = torch.zeros(len(lengths), dtype=torch.long).index_add_(0, rows, values * (positions % 65521 + 1))
-    return list(zip(lengths.tolist(), checksum.tolist()))
+    return list(zip(lengths.tolist(), checksum.tolist(), strict=False))
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,7 @@ class PackedMicroBatch:
     tokens: tuple[int, ...]
 
     @classmethod
-    def of(cls, micro_batch: TensorDict) -> "PackedMicroBatch":
+    def of(cls, micro_batch: TensorDict) -> PackedMicroBatch:
         return cls(tuple(int(r) for r in micro_batch[ROW_KEY].tolist()), tuple(row_token_counts(micro_batch)))
 
     def describe(self) -> str:
@@ -217,8 +218,10 @@ def infer_as_update(engine: Any, data: TensorDict, loss_function: Any, infer: Ca
             size, int(packing["mini_batch_size"]) // dp_size, int(packing["seed"]) + dp_rank, bool(packing["shuffle"])
         )
     record = PackingRecord(row_fingerprints(data)) if packing is not None else None
-    max_token_len, micro_batch_size = (engine_attribute(engine, f"engine_config.{name}")
-                                       for name in ("max_token_len_per_gpu", "micro_batch_size_per_gpu"))
+    max_token_len, micro_batch_size = (
+        engine_attribute(engine, f"engine_config.{name}")
+        for name in ("max_token_len_per_gpu", "micro_batch_size_per_gpu")
+    )
     # old_log_prob_from_update: the mini-batch whose pi_old its own update forward supplies is not run here
     skip = skipped_mini_batch(engine, data, groups, row_fingerprints(data)) if packing is not None else None
     run = [rows for index, rows in enumerate(groups) if index != skip]
@@ -230,9 +233,7 @@ def infer_as_update(engine: Any, data: TensorDict, loss_function: Any, infer: Ca
             continue
         part = tu.index_select_tensor_dict(data, rows)
         part[ROW_KEY] = rows.clone()
-        tu.assign_non_tensor(
-            part, max_token_len_per_gpu=max_token_len, micro_batch_size_per_gpu=micro_batch_size
-        )
+        tu.assign_non_tensor(part, max_token_len_per_gpu=max_token_len, micro_batch_size_per_gpu=micro_batch_size)
         recorded: list[PackedMicroBatch] = []
         setattr(engine, _RECORDING_ATTR, recorded)
         try:
@@ -259,7 +260,7 @@ def infer_as_update(engine: Any, data: TensorDict, loss_function: Any, infer: Ca
     for key in outputs[0]["model_output"]:
         pieces = [row for out in outputs for row in out["model_output"][key].unbind()]
         placed: list[Optional[torch.Tensor]] = [None] * size
-        for position, row in zip(order, pieces):
+        for position, row in zip(order, pieces, strict=False):
             placed[position] = row
         model_output[key] = torch.nested.as_nested_tensor(placed, layout=torch.jagged)
     metrics: dict[str, list[Any]] = {}
@@ -307,7 +308,10 @@ class UpdateObserver:
         """The update's batch: the same rows, in the same order, as the old pass received, and the same split."""
         recorded = self.record.fingerprints
         if fingerprints != recorded:
-            first = next((i for i, (a, b) in enumerate(zip(fingerprints, recorded)) if a != b), min(len(fingerprints), len(recorded)))
+            first = next(
+                (i for i, (a, b) in enumerate(zip(fingerprints, recorded, strict=False)) if a != b),
+                min(len(fingerprints), len(recorded)),
+            )
             raise self._mismatch(
                 f"the update received {len(fingerprints)} rows and the old-log-prob pass {len(recorded)}, first different "
                 f"at row {first} (tokens, checksum: update {fingerprints[first] if first < len(fingerprints) else None}, "
@@ -433,7 +437,9 @@ def is_on_policy(data: TensorDict) -> bool:
     return bool(tu.get_non_tensor_data(data=data, key=ON_POLICY_KEY, default=False))
 
 
-def marking_on_policy(train_mini_batch: Callable[..., Any], worker: Any, data: TensorDict, pack_old_log_prob_as_update: bool) -> Any:
+def marking_on_policy(
+    train_mini_batch: Callable[..., Any], worker: Any, data: TensorDict, pack_old_log_prob_as_update: bool
+) -> Any:
     """``TrainingWorker.train_mini_batch``, observed (:func:`observing_update`), its first mini-batch marked
     on-policy when the call starts from pi_old (see :func:`marking_first_mini_batch`)."""
     from verl.utils import tensordict_utils as tu

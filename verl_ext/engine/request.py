@@ -25,8 +25,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 REQUEST_ATTR = "divclip_engine_request"
 """Attribute of a loss function holding its :class:`EngineRequest`."""
@@ -130,7 +131,11 @@ def describe(request: EngineRequest, path: EntropyPath) -> str:
                 "inactive because use_fused_kernels=True"
             ),
         }[path]
-    packing = "old-log-prob pass packed as the update" if request.pack_old_log_prob_as_update else "verl's packing of the old-log-prob pass"
+    packing = (
+        "old-log-prob pass packed as the update"
+        if request.pack_old_log_prob_as_update
+        else "verl's packing of the old-log-prob pass"
+    )
     return f"{numbers}; {packing}"
 
 

@@ -56,8 +56,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -169,6 +170,7 @@ def set_pack_old_log_prob_as_update(engine: Any, enabled: bool) -> None:
 # One forward step
 # ------------------------------------------------------------------------------------------------
 
+
 def logprobs_swap(entropy_detached: bool, topk: Optional[TopKStep]) -> Swap:
     """The step's one ``logprobs_from_logits``: the top-k sees the logits, and with a graph-free entropy
     flash-attn's in-place backward is given back (nothing else needs the logits in backward)."""
@@ -185,8 +187,9 @@ def logprobs_swap(entropy_detached: bool, topk: Optional[TopKStep]) -> Swap:
     return Swap(impl, "logprobs_from_logits", logprobs_from_logits, "fp32 entropy / pi_old's top-k")
 
 
-def step_swaps(engine: Any, features: EngineFeatures, micro_batch: Any, loss_function: Any,
-               supply_topk: int = 0) -> list[Swap]:
+def step_swaps(
+    engine: Any, features: EngineFeatures, micro_batch: Any, loss_function: Any, supply_topk: int = 0
+) -> list[Swap]:
     """Every swap of one forward step, decided in the documented order (module docstring, item 4);
     ``supply_topk``: the step takes pi_old's top-k from its own logits (``old_log_prob_from_update``)."""
     topk = topk_step(micro_batch, loss_function, supply_topk)
@@ -204,7 +207,9 @@ def step_swaps(engine: Any, features: EngineFeatures, micro_batch: Any, loss_fun
     return swaps
 
 
-def _forward_step(original: Callable[..., Any], engine: Any, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
+def _forward_step(
+    original: Callable[..., Any], engine: Any, micro_batch: Any, loss_function: Any, forward_only: bool
+) -> Any:
     from verl.utils import tensordict_utils as tu
 
     features = features_of(engine)
@@ -254,7 +259,9 @@ def _set_loss_fn(original: Callable[..., Any]) -> Callable[..., Any]:
 def _train_mini_batch(original: Callable[..., Any]) -> Callable[..., Any]:
     def train_mini_batch(self: Any, data: Any) -> Any:
         features = features_of(self.engine)
-        return marking_on_policy(original, self, data, features is not None and features.request.pack_old_log_prob_as_update)
+        return marking_on_policy(
+            original, self, data, features is not None and features.request.pack_old_log_prob_as_update
+        )
 
     return train_mini_batch
 
@@ -302,7 +309,9 @@ def install(modules: Optional[Mapping[str, Any]] = None) -> None:
     import importlib
 
     check_verl(modules)
-    resolved = {name: (modules or {}).get(name) or importlib.import_module(name) for name in (ENGINE_MODULE, WORKER_MODULE)}
+    resolved = {
+        name: (modules or {}).get(name) or importlib.import_module(name) for name in (ENGINE_MODULE, WORKER_MODULE)
+    }
     engine_class = resolved[ENGINE_MODULE].FSDPEngineWithLMHead
     worker_class = resolved[WORKER_MODULE].TrainingWorker
     # _wrap leaves a symbol that is already the seam's as it is: no bookkeeping by id(), which a class

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import functools
 import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -27,7 +28,9 @@ ORIGINAL_ATTR = "__divclip_original__"
 """Set on every seam wrapper and dispatcher: verl's function it wraps."""
 
 _DISPATCH_ATTR = "__divclip_dispatch__"
-_GLOBAL_OVERRIDES: ContextVar[Mapping[tuple[str, str], Callable[..., Any]]] = ContextVar("divclip_global_overrides", default={})
+_GLOBAL_OVERRIDES: ContextVar[Mapping[tuple[str, str], Callable[..., Any]]] = ContextVar(
+    "divclip_global_overrides", default={}
+)
 
 
 def install_dispatch(module: types.ModuleType, name: str) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -75,7 +75,7 @@ def response_rows(micro_batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     response_lens = response_mask.offsets().diff()
     response_offsets = torch.cat([response_lens.new_zeros(1), response_lens.cumsum(0)])
     starts = seq_ends - response_lens - 1
-    rows = [torch.arange(int(s), int(s) + int(n)) for s, n in zip(starts, response_lens)]
+    rows = [torch.arange(int(s), int(s) + int(n)) for s, n in zip(starts, response_lens, strict=False)]
     return (torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)), response_offsets
 
 
@@ -85,8 +85,9 @@ class TopKStep:
     :class:`verl_ext.engine.vocab_pass_step.HeadObserver`: pi_old's ids come from the pass's top-k, the
     log-masses from :func:`verl_ext.core.vocab_pass.bucket_log_masses` on the response rows)."""
 
-    def __init__(self, micro_batch: Any, capture_k: int, old_ids: Optional[torch.Tensor],
-                 supplies_old: bool = False) -> None:
+    def __init__(
+        self, micro_batch: Any, capture_k: int, old_ids: Optional[torch.Tensor], supplies_old: bool = False
+    ) -> None:
         self.micro_batch = micro_batch
         self.capture_k = capture_k
         self.old_ids = old_ids
@@ -108,7 +109,9 @@ class TopKStep:
             )
         return rows.to(device), offsets.to(device)
 
-    def _store(self, offsets: torch.Tensor, old: Optional[tuple[torch.Tensor, torch.Tensor]], new: Optional[torch.Tensor]) -> None:
+    def _store(
+        self, offsets: torch.Tensor, old: Optional[tuple[torch.Tensor, torch.Tensor]], new: Optional[torch.Tensor]
+    ) -> None:
         if old is not None:
             self.outputs[OLD_TOPK_LOG_PROBS] = torch.nested.nested_tensor_from_jagged(old[0], offsets)
             self.outputs[OLD_TOPK_IDS] = torch.nested.nested_tensor_from_jagged(old[1], offsets)
@@ -127,7 +130,9 @@ class TopKStep:
     def requested_top_k(self, vocab: int) -> int:
         return check_top_k(self.capture_k, vocab) if self.capture_k else 0
 
-    def on_head(self, hidden: torch.Tensor, weight: torch.Tensor, temperature: torch.Tensor, top_ids: Optional[torch.Tensor]) -> None:
+    def on_head(
+        self, hidden: torch.Tensor, weight: torch.Tensor, temperature: torch.Tensor, top_ids: Optional[torch.Tensor]
+    ) -> None:
         rows, offsets = self._rows(hidden.shape[0], hidden.device)
         hidden_rows, temperature_rows = hidden[rows], temperature.reshape(-1)[rows]
         old = None
@@ -165,7 +170,9 @@ def topk_step(micro_batch: Any, loss_function: Any, supply_k: int = 0) -> Option
     if loss_function is not None and OLD_TOPK_IDS in micro_batch.keys():
         ids = micro_batch[OLD_TOPK_IDS]
         if not ids.is_nested:
-            raise ValueError(f"{OLD_TOPK_IDS} must be in verl's nested response layout, got a {tuple(ids.shape)} tensor")
+            raise ValueError(
+                f"{OLD_TOPK_IDS} must be in verl's nested response layout, got a {tuple(ids.shape)} tensor"
+            )
         offsets = ids.offsets()
         old_ids = ids.values()[int(offsets[0]) : int(offsets[-1])]
     if not capture_k and old_ids is None:

@@ -35,8 +35,9 @@ top-k distillation), a head with a bias, a LoRA-wrapped head.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -67,7 +68,9 @@ class HeadObserver(Protocol):
     def requested_top_k(self, vocab: int) -> int:
         """How many top ids per token to ask the pass for (0: none); may raise naming its config key."""
 
-    def on_head(self, hidden: torch.Tensor, weight: torch.Tensor, temperature: torch.Tensor, top_ids: Optional[torch.Tensor]) -> None:
+    def on_head(
+        self, hidden: torch.Tensor, weight: torch.Tensor, temperature: torch.Tensor, top_ids: Optional[torch.Tensor]
+    ) -> None:
         """Called once per step inside the head's forward, without a graph: ``(tokens, hidden)`` states
         in verl's packed order, the head weight, ``(tokens,)`` temperatures, ``(tokens, k)`` top ids."""
 
@@ -91,7 +94,9 @@ def output_head(module: Any) -> torch.nn.Module:
     inner = getattr(module, "_fsdp_wrapped_module", module)  # FSDP1 wrapper
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     if head is None:
-        raise ValueError(f"{VOCAB_PASS_KEY}=true needs a causal LM with an output head; {type(inner).__name__} has none")
+        raise ValueError(
+            f"{VOCAB_PASS_KEY}=true needs a causal LM with an output head; {type(inner).__name__} has none"
+        )
     if not isinstance(getattr(head, "weight", None), torch.Tensor):
         raise ValueError(
             f"{VOCAB_PASS_KEY}=true: the LM head {type(head).__name__} has no plain weight (a LoRA/PEFT-wrapped head?); "
@@ -100,7 +105,9 @@ def output_head(module: Any) -> torch.nn.Module:
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"{VOCAB_PASS_KEY}=true: the LM head has a bias, which the vocabulary pass does not add")
     if hasattr(head, "base_layer") or hasattr(head, "lora_A"):
-        raise ValueError(f"{VOCAB_PASS_KEY}=true: the LM head carries a LoRA adapter; the pass reads only its base weight")
+        raise ValueError(
+            f"{VOCAB_PASS_KEY}=true: the LM head carries a LoRA adapter; the pass reads only its base weight"
+        )
     return head
 
 
@@ -189,7 +196,9 @@ def vocab_pass_swaps(
     head = output_head(engine.module)
     state = _StepState(
         observers=tuple(observers),
-        entropy_grad=torch.is_grad_enabled() and loss_function is not None and not request_of(loss_function).entropy_as_mask,
+        entropy_grad=torch.is_grad_enabled()
+        and loss_function is not None
+        and not request_of(loss_function).entropy_as_mask,
     )
     return [
         Swap(head, "forward", functools.partial(_head_forward, head, state), "vocabulary pass"),
