@@ -366,8 +366,6 @@ def old_log_prob_from_update_blocker(config: DictConfig) -> str | None:
         return f"algorithm.adv_estimator={config.algorithm.adv_estimator} (the estimator reads pi_old)"
     if trainer_mode == "separate_async":
         return f"{TRAINER_MODE}=separate_async (a Decoupled-PPO cycle's pi_old is its first weights, not the update's)"
-    if policy.get("loss_mode", None) == "kl_full" or policy.get("kl_full_diagnostic", False):
-        return f"{ACTOR}.policy_loss.loss_mode=kl_full / kl_full_diagnostic (pi_old's top-k from the update: not built)"
     if _ulysses_size(actor) > 1:
         return f"{ACTOR}.ulysses_sequence_parallel_size > 1 (one rank returns the group's outputs)"
     dropout = _local_dropout(config.actor_rollout_ref.model.get("path", None))

@@ -3,12 +3,13 @@
 
 On verl's real actor worker (FSDP2, CPU), under verl's default bf16, with the old pass packed as the update:
 
-* **Bit-identical with and without the skip**, in every loss mode the skip is taken for (all but ``kl_full``'s
-  top-k, refused), with dynamic batching at the configs' 2:1 budgets, shuffled mini-batches, two epochs, the
-  ATR shape (one mini-batch, two epochs) and two data-parallel ranks: the parameters after the step (SGD with
+* **Bit-identical with and without the skip**, in every loss mode of the on-policy tests (``kl_full`` and its
+  diagnostic included: pi_old's top-k comes from the update's forward too), with dynamic batching at the
+  configs' 2:1 budgets, shuffled mini-batches and two epochs; in the ATR shape (one mini-batch, two epochs) for
+  a mode of each kind; and on two data-parallel ranks: the parameters after the step (SGD with
   clipping off, so every update is ``-lr * grad``: the gradients of every mini-batch), every logged update
   metric per mini-batch (clip fractions, ERC's masks, the gauge, grad_norm, ...) and the pi_old verl writes
-  and logs ``actor/entropy`` from (the collected ``old_log_probs`` and ``entropy``).
+  and logs ``actor/entropy`` from (the collected ``old_log_probs`` and ``entropy``, and pi_old's top-k).
 * **The control**: taking pi_old from a mini-batch *after* an optimizer step (the second) changes the step.
 * **What it saves**: old-pass rows per step -- none for the ATR shape, 7/8 of them for the ERC shape (8
   mini-batches).
@@ -37,15 +38,19 @@ from recipe.bench.harness import (
     update_actor,
 )
 from tests.test_onpolicy import MODES, PACKINGS, PROMPT_LENS, RESPONSE_LENS, divclip_loss, worker_options
+from verl_ext.engine.topk_capture import OLD_TOPK_IDS
 
-SKIP_MODES = {
-    name: mode for name, mode in MODES.items() if not (mode["loss_mode"] == "kl_full" or mode.get("kl_full_diagnostic"))
-}
+SKIP_MODES = MODES
+EVERY_MODE_PACKING = "dynamic 40/80, 2 shuffled mini-batches, 2 epochs"
+ATR_SHAPE = "ATR shape: dynamic 24/72, 1 mini-batch, 2 epochs"
 SKIP_PACKINGS: dict[str, dict[str, Any]] = {
-    "dynamic 40/80, 2 shuffled mini-batches, 2 epochs": PACKINGS["dynamic 40/80, 2 shuffled mini-batches, 2 epochs"],
-    "ATR shape: dynamic 24/72, 1 mini-batch, 2 epochs": dict(budgets=(24, 72), mini_batch=8, epochs=2),
+    EVERY_MODE_PACKING: PACKINGS[EVERY_MODE_PACKING],
+    ATR_SHAPE: dict(budgets=(24, 72), mini_batch=8, epochs=2),
 }
-TWO_RANK_PACKING = "dynamic 40/80, 2 shuffled mini-batches, 2 epochs"
+#: a mode of each kind in the ATR shape: a constraint, ERC, pi_old's top-k (materialised and vocabulary pass),
+#: verl's own
+ATR_SHAPE_MODES = ["kl3", "erc", "kl_full", "kl_full+vocab_pass", "vanilla"]
+TWO_RANK_PACKING = EVERY_MODE_PACKING
 SGD = dict(optimizer="SGD", lr=0.05, clip_grad=1e9)  # every update is -lr * grad: parameters compare gradients
 
 
@@ -62,12 +67,15 @@ def step(worker: Any, batch: Any, mode: dict[str, Any], packing: dict[str, Any],
     """One training step as ``DivClipTrainer`` runs it: the old pass (skipping the first mini-batch with
     ``skip``), the update, and with ``skip`` the collect; what verl writes and logs, and the update's metrics."""
     from verl_ext.engine.packing import UpdatePacking
+    from verl_ext.engine.topk_capture import OLD_TOPK_IDS, OLD_TOPK_LOG_PROBS, old_topk_request
 
     worker.set_loss_fn(divclip_loss(mode))
     info = UpdatePacking(mini_batch_size=packing["mini_batch"], seed=11, shuffle=packing.get("shuffle", False))
-    old = compute_log_prob(worker, batch, packing=info, old_from_update=skip)
+    k = old_topk_request(mode)  # kl_full / its diagnostic: the pass stores pi_old's top-k, as the trainer asks
+    old = compute_log_prob(worker, batch, packing=info, old_topk=k, old_from_update=skip)
     data = batch.clone()
-    data["old_log_probs"], data["entropy"] = old["old_log_probs"], old["entropy"]
+    for key in ("old_log_probs", "entropy", *((OLD_TOPK_LOG_PROBS, OLD_TOPK_IDS) if k else ())):
+        data[key] = old[key]
     metrics = update_actor(
         worker,
         data,
@@ -78,10 +86,12 @@ def step(worker: Any, batch: Any, mode: dict[str, Any], packing: dict[str, Any],
         seed=info.seed,
     )
     if skip:
-        old = compute_log_prob(worker, batch, packing=info, collect=True)
+        old = compute_log_prob(worker, batch, packing=info, old_topk=k, collect=True)
     return {
-        "old_log_probs": old["old_log_probs"].values().clone(),
-        "entropy": old["entropy"].values().clone(),
+        **{
+            key: old[key].values().clone()
+            for key in ("old_log_probs", "entropy", *((OLD_TOPK_LOG_PROBS, OLD_TOPK_IDS) if k else ()))
+        },
         "metrics": {
             k: [repr(float(v)) for v in vals]
             for k, vals in metrics.items()
@@ -137,9 +147,12 @@ def full_params_initial(model_path: str) -> dict[str, torch.Tensor]:
 
 def assert_bit_identical(result: dict[str, Any]) -> None:
     without, with_skip = result["without"], result["with"]
-    assert torch.equal(without["old_log_probs"], with_skip["old_log_probs"]), result["mode"]
-    assert torch.equal(without["entropy"], with_skip["entropy"]), result["mode"]
-    assert not torch.isnan(with_skip["old_log_probs"]).any() and not torch.isnan(with_skip["entropy"]).any()
+    tensors = [key for key in without if key != "metrics"]
+    assert set(tensors) == {key for key in with_skip if key != "metrics"}, result["mode"]
+    for key in tensors:  # pi_old's log-probs, entropy and (kl_full) top-k: none a placeholder (NaN, id -1)
+        assert torch.equal(without[key], with_skip[key]), (result["mode"], key)
+        placeholder = with_skip[key] < 0 if key == OLD_TOPK_IDS else torch.isnan(with_skip[key])
+        assert not placeholder.any(), (result["mode"], key)
     assert without["metrics"] == with_skip["metrics"], {
         k: (v, with_skip["metrics"].get(k)) for k, v in without["metrics"].items() if with_skip["metrics"].get(k) != v
     }
@@ -151,24 +164,35 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return save_tiny_qwen3(Path(tmp_path_factory.mktemp("tiny_qwen3_skip")), TinyQwen3Spec(), seed=0, head_scale=1000.0)
 
 
-@pytest.fixture(scope="module", params=list(SKIP_PACKINGS))
-def one_rank(request: pytest.FixtureRequest, model: str) -> list[dict[str, Any]]:
-    return run_ranks(job_with_and_without, 1, model, request.param, list(SKIP_MODES))[0]
+@pytest.fixture(scope="module")
+def every_mode(model: str) -> list[dict[str, Any]]:
+    return run_ranks(job_with_and_without, 1, model, EVERY_MODE_PACKING, list(SKIP_MODES))[0]
+
+
+@pytest.fixture(scope="module")
+def atr_shape(model: str) -> list[dict[str, Any]]:
+    return run_ranks(job_with_and_without, 1, model, ATR_SHAPE, ATR_SHAPE_MODES)[0]
 
 
 @pytest.mark.parametrize("mode", list(SKIP_MODES))
-def test_the_skip_changes_nothing_in_any_mode(one_rank: list[dict[str, Any]], mode: str) -> None:
-    (result,) = [r for r in one_rank if r["mode"] == mode]
+def test_the_skip_changes_nothing_in_any_mode(every_mode: list[dict[str, Any]], mode: str) -> None:
+    (result,) = [r for r in every_mode if r["mode"] == mode]
     assert_bit_identical(result)
 
 
-def test_the_steps_moved_the_parameters(one_rank: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("mode", ATR_SHAPE_MODES)
+def test_the_skip_changes_nothing_in_the_atr_shape(atr_shape: list[dict[str, Any]], mode: str) -> None:
+    (result,) = [r for r in atr_shape if r["mode"] == mode]
+    assert_bit_identical(result)
+
+
+def test_the_steps_moved_the_parameters(every_mode: list[dict[str, Any]], atr_shape: list[dict[str, Any]]) -> None:
     # the comparison is of real steps: the parameters left the checkpoint
-    assert all(r["params_moved"] for r in one_rank)
+    assert all(r["params_moved"] for r in every_mode + atr_shape)
 
 
 def test_two_ranks_are_bit_identical_with_and_without_the_skip(model: str) -> None:
-    ranks = run_ranks(job_with_and_without, 2, model, TWO_RANK_PACKING, ["kl3", "erc", "gspo", "erc+vocab_pass"])
+    ranks = run_ranks(job_with_and_without, 2, model, TWO_RANK_PACKING, ["kl3", "erc+vocab_pass", "kl_full", "gspo"])
     for results in ranks:
         for result in results:
             assert_bit_identical(result)
@@ -255,7 +279,6 @@ BLOCKERS: dict[str, tuple[list[str], str]] = {
     ),
     "an estimator reading pi_old": (["algorithm.adv_estimator=optimal_token_baseline"], "optimal_token_baseline"),
     "a Decoupled-PPO cycle": (["trainer.v1.trainer_mode=separate_async"], "separate_async"),
-    "kl_full's top-k": (["actor_rollout_ref.actor.policy_loss.loss_mode=kl_full"], "kl_full"),
 }
 
 
@@ -273,6 +296,19 @@ def test_where_it_is_not_exact_it_is_not_taken(case: str) -> None:
     assert old_log_prob_from_update_blocker(trainer_config([])) is None  # the default config: taken
     reason = old_log_prob_from_update_blocker(trainer_config(overrides))
     assert reason is not None and named in reason, reason
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["actor_rollout_ref.actor.policy_loss.loss_mode=kl_full"],
+        ["actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=true"],
+    ],
+)
+def test_kl_fulls_top_k_does_not_block_it(overrides: list[str]) -> None:
+    from recipe.config_checks import old_log_prob_from_update_blocker
+
+    assert old_log_prob_from_update_blocker(trainer_config(overrides)) is None
 
 
 def test_asked_where_it_is_not_exact_is_refused_naming_the_key() -> None:

@@ -139,9 +139,9 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
             ``rollout.log_prob_max_token_len_per_gpu`` / ``log_prob_micro_batch_size_per_gpu``). Needs
             an FSDP strategy (``actor.strategy`` fsdp or fsdp2): other strategies must turn it off.
         old_log_prob_from_update: Take pi_old of each step's first update mini-batch (log-probs, ERC's
-            entropy) from that mini-batch's own update forward, detached, instead of the old-log-prob pass:
-            with the pass packed as the update, that forward runs before any optimizer step on exactly the
-            pass's micro-batches, so it *is* pi_old bit for bit (verl#3996; the importance ratio of PPO's
+            entropy, ``kl_full``'s top-k) from that mini-batch's own update forward, detached, instead of
+            the old-log-prob pass: with the pass packed as the update, that forward runs before any
+            optimizer step on exactly the pass's micro-batches, so it *is* pi_old bit for bit (verl#3996; the importance ratio of PPO's
             Eq. 7 / ATR's Eq. 5 is then exactly 1 there, as it is with the pass). The pass runs only for the
             later mini-batches (none with one mini-batch, e.g. ATR's ``ppo_epochs=2``); verl still writes
             ``old_log_probs`` / ``entropy`` and logs ``actor/entropy`` from the same numbers, after the update.

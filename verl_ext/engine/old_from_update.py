@@ -8,7 +8,7 @@ one optimizer step sees the batch). ``policy_loss.old_log_prob_from_update`` tak
 
 * **Old pass** (:func:`skipped_rows`): the trainer's key :data:`OLD_FROM_UPDATE_KEY` on the pass asks
   :func:`verl_ext.engine.packing.infer_as_update` to run only the first-epoch mini-batches after the first;
-  the first's rows get NaN placeholders (any use before the update shows) and the engine keeps an
+  the first's rows get placeholders (NaN, top-k ids -1: any use before the update shows) and the engine keeps an
   :class:`OldFromUpdate` with what the pass computed. One mini-batch (the ATR configs: ``ppo_epochs=2``, one
   mini-batch) means no forward at all. pi_old of the later mini-batches is still computed here, with the
   weights before the first optimizer step.
@@ -17,7 +17,10 @@ one optimizer step sees the batch). ``policy_loss.old_log_prob_from_update`` tak
   (pi_old's, ERC's ``H_old``), the step's own ``log_probs`` / ``entropy``, detached, and the engine keeps them
   per row; micro-batches of later epochs that hold those rows get the kept values. The first mini-batch
   computes the entropy even when the loss does not use it (verl's ``actor/entropy`` is the old pass's entropy);
-  the loss then does not see it, so nothing it computes or logs changes.
+  the loss then does not see it, so nothing it computes or logs changes. With ``kl_full`` (or its diagnostic)
+  the first mini-batch's forward also takes pi_old's top-k from its own logits, as the pass would have
+  (:class:`verl_ext.engine.topk_capture.TopKStep` with ``supplies_old``), and evaluates pi_theta on those ids;
+  a later micro-batch holding those rows gets the kept ids before its forward (:func:`substituted_topk`).
 * **Collected** (:func:`collect`): after the update, the trainer runs verl's own ``_compute_old_log_prob``
   again with :data:`COLLECT_KEY`; the seam's ``infer_batch`` answers it with the kept values (no forward), so
   verl writes ``old_log_probs`` / ``entropy`` to TransferQueue and logs ``actor/entropy`` (and its rollout
@@ -25,9 +28,9 @@ one optimizer step sees the batch). ``policy_loss.old_log_prob_from_update`` tak
 
 **Where it is not exact** it is not taken: the trainer decides on the config
 (:func:`recipe.config_checks.old_log_prob_from_update_blocker`: the packing off, KL in the reward, rollout
-correction's weights, an advantage estimator reading pi_old, a Decoupled-PPO cycle, bypass mode, ``kl_full``'s
-top-k) and the worker on its model (:func:`dropout_reason`: a train-mode forward with dropout is not the
-eval-mode pass). Not taken, the pass runs whole and the collect returns its own values.
+correction's weights, an advantage estimator reading pi_old, a Decoupled-PPO cycle, bypass mode) and the
+worker on its model (:func:`dropout_reason`: a train-mode forward with dropout is not the eval-mode pass).
+Not taken, the pass runs whole and the collect returns its own values.
 
 **The on-policy gauge** (``actor/divclip/onpolicy/*``) of the first mini-batch then compares the loss's pi_old
 with the forward it came from: 0 by construction, so a non-zero reading means the substitution did not reach
@@ -46,6 +49,8 @@ from typing import Any, Optional
 import torch
 from tensordict import TensorDict
 
+from verl_ext.engine.topk_capture import CAPTURE_KEY, OLD_TOPK_IDS, OLD_TOPK_LOG_PROBS
+
 logger = logging.getLogger(__name__)
 
 OLD_FROM_UPDATE_KEY = "divclip_old_log_prob_from_update"
@@ -58,6 +63,7 @@ taken from the update, instead of computing anything."""
 
 POLICY_KEY = "actor_rollout_ref.actor.policy_loss.old_log_prob_from_update"
 FIELDS = ("log_probs", "entropy")  # what verl's old pass returns per row (calculate_entropy=True)
+TOPK_FIELDS = (OLD_TOPK_LOG_PROBS, OLD_TOPK_IDS)  # and, asked for pi_old's top-k (CAPTURE_KEY), these
 _STATE_ATTR = "_divclip_old_from_update"
 
 
@@ -83,7 +89,8 @@ def dropout_reason(engine: Any) -> Optional[str]:
 @dataclass
 class OldFromUpdate:
     """One rank's pending pi_old: per row of the batch the old pass received, its full-sequence ``log_probs``
-    and ``entropy`` (the pass's, or, for :attr:`from_update` rows, the update's once captured)."""
+    and ``entropy``, and with :attr:`topk_k` its response-layout top-k (the pass's, or, for :attr:`from_update`
+    rows, the update's once captured)."""
 
     fingerprints: list[tuple[int, int]]
     from_update: frozenset[int]
@@ -92,12 +99,17 @@ class OldFromUpdate:
     mini_batch: int = 0  #: the update mini-batch (first epoch) that supplies pi_old of :attr:`from_update`
     loss_wants_entropy: bool = False  #: whether the update's loss itself asked for the entropy (calculate_entropy)
     forwards: int = 0  #: rows the old pass computed (the benchmark and tests count them)
+    topk_k: int = 0  #: k of pi_old's top-k the pass was asked for (kl_full, its diagnostic); 0: none
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return FIELDS + (TOPK_FIELDS if self.topk_k else ())
 
     def capture(self, rows: list[int], model_output: dict[str, torch.Tensor]) -> None:
-        missing = [f for f in FIELDS if model_output.get(f, None) is None]
+        missing = [f for f in self.fields if model_output.get(f, None) is None]
         if missing:
             raise OldFromUpdateError(f"{POLICY_KEY}: the update's first mini-batch returned no {missing}")
-        for name in FIELDS:
+        for name in self.fields:
             for row, value in zip(rows, model_output[name].detach().unbind(), strict=False):
                 self.values[name][row] = value.clone()
         self.captured.update(rows)
@@ -137,32 +149,43 @@ def skipped_mini_batch(
         logger.warning("%s: not taken on this rank (%s): the old-log-prob pass runs whole", POLICY_KEY, reason)
     index = None if reason is not None or len(groups) <= SUPPLYING_MINI_BATCH else SUPPLYING_MINI_BATCH
     skipped = frozenset() if index is None else frozenset(int(r) for r in groups[index].tolist())
-    values: dict[str, list[Optional[torch.Tensor]]] = {name: [None] * len(data) for name in FIELDS}
-    state = OldFromUpdate(fingerprints, skipped, values, forwards=len(data) - len(skipped))
+    topk_k = int(tu.get_non_tensor_data(data=data, key=CAPTURE_KEY, default=0) or 0)
+    values: dict[str, list[Optional[torch.Tensor]]] = {
+        name: [None] * len(data) for name in FIELDS + (TOPK_FIELDS if topk_k else ())
+    }
+    state = OldFromUpdate(fingerprints, skipped, values, forwards=len(data) - len(skipped), topk_k=topk_k)
     state.mini_batch = -1 if index is None else index
     setattr(engine, _STATE_ATTR, state)
     return index
 
 
-def keep_pass_outputs(engine: Any, tokens: list[int], groups: list[torch.Tensor], outputs: list[Any]) -> None:
-    """The pass's outputs, per row, into the pending state (the rows it skipped get NaN placeholders of each
-    row's ``tokens``)."""
+def keep_pass_outputs(
+    engine: Any, tokens: list[int], responses: list[int], groups: list[torch.Tensor], outputs: list[Any]
+) -> None:
+    """The pass's outputs, per row, into the pending state. The rows it skipped get placeholders: NaN over each
+    row's ``tokens`` (log-probs, entropy) or its ``responses`` tokens x (k + 1) buckets (pi_old's top-k
+    log-masses), -1 for the top-k ids."""
     state: Optional[OldFromUpdate] = getattr(engine, _STATE_ATTR, None)
     if state is None:
         return
     for rows, out in zip(groups, outputs, strict=False):
-        for name in FIELDS:
+        for name in state.fields:
             if name not in out["model_output"]:
-                raise OldFromUpdateError(
-                    f"{POLICY_KEY}: the old-log-prob pass returned no {name!r} (calculate_entropy)"
-                )
+                raise OldFromUpdateError(f"{POLICY_KEY}: the old-log-prob pass returned no {name!r}")
             for row, value in zip(rows.tolist(), out["model_output"][name].unbind(), strict=False):
                 state.values[name][row] = value
-    for name in FIELDS:
+    shapes = {
+        "log_probs": lambda row: (tokens[row],),
+        "entropy": lambda row: (tokens[row],),
+        OLD_TOPK_LOG_PROBS: lambda row: (responses[row], state.topk_k + 1),
+        OLD_TOPK_IDS: lambda row: (responses[row], state.topk_k),
+    }
+    for name in state.fields:
         computed = next((v for v in state.values[name] if v is not None), None)
-        dtype = computed.dtype if computed is not None else torch.float32
+        dtype = computed.dtype if computed is not None else (torch.int32 if name == OLD_TOPK_IDS else torch.float32)
+        fill = -1 if name == OLD_TOPK_IDS else math.nan
         for row in state.from_update:
-            state.values[name][row] = torch.full((tokens[row],), math.nan, dtype=dtype)
+            state.values[name][row] = torch.full(shapes[name](row), fill, dtype=dtype)
 
 
 def placeholder_output(engine: Any, size: int) -> dict[str, Any]:
@@ -170,7 +193,7 @@ def placeholder_output(engine: Any, size: int) -> dict[str, Any]:
     state: OldFromUpdate = getattr(engine, _STATE_ATTR)
     model_output = {
         name: torch.nested.as_nested_tensor([state.values[name][row] for row in range(size)], layout=torch.jagged)
-        for name in FIELDS
+        for name in state.fields
     }
     return {"model_output": model_output, "loss": [], "metrics": {}}
 
@@ -213,8 +236,8 @@ def substituting_loss(
     if first_mini_batch and set(rows) - state.from_update:  # "first": the one that supplies (state.mini_batch)
         raise OldFromUpdateError(
             f"{POLICY_KEY}: the update's mini-batch {state.mini_batch} holds rows "
-            f"{sorted(set(rows) - state.from_update)} that the old-log-prob pass computed, so its split is not the one "
-            "the pass skipped"
+            f"{sorted(set(rows) - state.from_update)} that the old-log-prob pass computed, so its split is not the "
+            "one the pass skipped"
         )
     if not first_mini_batch and not (set(rows) & state.from_update):
         return loss_function
@@ -223,11 +246,11 @@ def substituting_loss(
         if first_mini_batch:
             state.capture(rows, model_output)
         mask = data["response_mask"]
-        for name, target in (("log_probs", "old_log_probs"), ("entropy", "entropy")):
-            if target not in data.keys():
+        for name, target in (("log_probs", "old_log_probs"), ("entropy", "entropy"), *((t, t) for t in TOPK_FIELDS)):
+            if target not in data.keys() or name not in state.fields:
                 continue
             full = torch.nested.as_nested_tensor([state.row(name, r) for r in rows], layout=torch.jagged)
-            kept = response_from_nested(full, mask).unbind()
+            kept = (full if name in TOPK_FIELDS else response_from_nested(full, mask)).unbind()  # top-k: responses
             given = data[target].unbind()
             merged = [kept[i] if r in state.from_update else given[i] for i, r in enumerate(rows)]
             # the forward's dtype (bf16 log-probs under autocast), as the pass would have written them
@@ -235,11 +258,32 @@ def substituting_loss(
             data[target] = torch.nested.as_nested_tensor(
                 [m.to(device=g.device, dtype=dtype) for m, g in zip(merged, given, strict=False)], layout=torch.jagged
             )
-        if not loss_wants_entropy:
-            model_output = {k: v for k, v in model_output.items() if k != "entropy"}
+        dropped = set(TOPK_FIELDS) | (set() if loss_wants_entropy else {"entropy"})  # pi_old's, not the loss's
+        model_output = {k: v for k, v in model_output.items() if k not in dropped}
         return loss_function(model_output=model_output, data=data, dp_group=dp_group)
 
     return loss
+
+
+def supplies_topk(engine: Any, first_mini_batch: bool) -> int:
+    """k of pi_old's top-k this update step takes from its own logits (the supplying mini-batch of a pass that
+    stored a top-k), else 0."""
+    state = pending(engine)
+    return state.topk_k if state is not None and first_mini_batch else 0
+
+
+def substituted_topk(engine: Any, rows: list[int], micro_batch: TensorDict, first_mini_batch: bool) -> None:
+    """Before a later update micro-batch's forward: its rows whose pass was skipped get the kept top-k (ids and
+    log-masses) in place of the placeholders, since the step evaluates pi_theta on those ids."""
+    state = pending(engine)
+    if state is None or not state.topk_k or first_mini_batch or not set(rows) & state.from_update:
+        return
+    for name in TOPK_FIELDS:
+        given = micro_batch[name].unbind()
+        merged = [
+            state.row(name, r).to(given[i].device) if r in state.from_update else given[i] for i, r in enumerate(rows)
+        ]
+        micro_batch[name] = torch.nested.as_nested_tensor(merged, layout=torch.jagged)
 
 
 def finish_update(engine: Any) -> None:
@@ -265,7 +309,7 @@ def collect(engine: Any, fingerprints: list[tuple[int, int]]) -> dict[str, Any]:
     return {
         "model_output": {
             name: torch.nested.as_nested_tensor([state.values[name][r] for r in range(size)], layout=torch.jagged)
-            for name in FIELDS
+            for name in state.fields
         },
         "loss": [],
         "metrics": {},

@@ -246,7 +246,9 @@ def infer_as_update(engine: Any, data: TensorDict, loss_function: Any, infer: Ca
         setattr(engine, _RECORD_ATTR, record)
     check_infer_batch_outputs(outputs)  # verl's result layout, before any key of it is read
     if old_from_update_state(engine) is not None:
-        keep_pass_outputs(engine, row_token_counts(data), run, outputs)
+        mask = data["response_mask"]  # response tokens per row (pi_old's top-k placeholders)
+        responses = mask.offsets().diff().tolist() if getattr(mask, "is_nested", False) else [mask.shape[-1]] * size
+        keep_pass_outputs(engine, row_token_counts(data), responses, run, outputs)
         return placeholder_output(engine, size)
     if len(outputs) == 1 and packing is None:
         return outputs[0]

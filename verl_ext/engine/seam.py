@@ -64,7 +64,7 @@ import torch
 
 from verl_ext.engine.entropy_path import entropy_fn_for, entropy_swaps
 from verl_ext.engine.guard import ENGINE_MODULE, WORKER_MODULE, check_engine_instance, check_verl, engine_attribute
-from verl_ext.engine.old_from_update import COLLECT_KEY, collect, substituting_loss
+from verl_ext.engine.old_from_update import COLLECT_KEY, collect, substituted_topk, substituting_loss, supplies_topk
 from verl_ext.engine.old_from_update import pending as pending_old
 from verl_ext.engine.packing import (
     ROW_KEY,
@@ -188,9 +188,12 @@ def logprobs_swap(entropy_detached: bool, topk: Optional[TopKStep]) -> Swap:
     return Swap(impl, "logprobs_from_logits", logprobs_from_logits, "fp32 entropy / pi_old's top-k")
 
 
-def step_swaps(engine: Any, features: EngineFeatures, micro_batch: Any, loss_function: Any) -> list[Swap]:
-    """Every swap of one forward step, decided in the documented order (module docstring, item 4)."""
-    topk = topk_step(micro_batch, loss_function)
+def step_swaps(
+    engine: Any, features: EngineFeatures, micro_batch: Any, loss_function: Any, supply_topk: int = 0
+) -> list[Swap]:
+    """Every swap of one forward step, decided in the documented order (module docstring, item 4);
+    ``supply_topk``: the step takes pi_old's top-k from its own logits (``old_log_prob_from_update``)."""
+    topk = topk_step(micro_batch, loss_function, supply_topk)
     if topk is not None:
         refuse_ulysses(engine)
     if features.request.vocab_pass:
@@ -218,13 +221,15 @@ def _forward_step(
         features = EngineFeatures(EngineRequest(), EntropyPath.VERL, None)
     aligned = observed_packing(engine, micro_batch, forward_only)
     tu.assign_non_tensor(micro_batch, **{STEP_PATH_KEY: features.step_path(aligned)})
-    loss = loss_function
+    loss, supply_topk = loss_function, 0
     state = None if forward_only else pending_old(engine)
     if state is not None:  # old_log_prob_from_update: the update supplies pi_old of the rows the old pass skipped
         first = update_mini_batch_index(engine) == state.mini_batch
         rows = [int(r) for r in micro_batch[ROW_KEY].tolist()]
+        substituted_topk(engine, rows, micro_batch, first)
+        supply_topk = supplies_topk(engine, first)
         loss = substituting_loss(engine, rows, loss_function, first, state.loss_wants_entropy)
-    with swapped(step_swaps(engine, features, micro_batch, loss_function)):
+    with swapped(step_swaps(engine, features, micro_batch, loss_function, supply_topk)):
         return original(engine, micro_batch, loss_function=loss, forward_only=forward_only)
 
 

@@ -85,10 +85,15 @@ class TopKStep:
     :class:`verl_ext.engine.vocab_pass_step.HeadObserver`: pi_old's ids come from the pass's top-k, the
     log-masses from :func:`verl_ext.core.vocab_pass.bucket_log_masses` on the response rows)."""
 
-    def __init__(self, micro_batch: Any, capture_k: int, old_ids: Optional[torch.Tensor]) -> None:
+    def __init__(
+        self, micro_batch: Any, capture_k: int, old_ids: Optional[torch.Tensor], supplies_old: bool = False
+    ) -> None:
         self.micro_batch = micro_batch
         self.capture_k = capture_k
         self.old_ids = old_ids
+        #: an update step that is pi_old itself (``old_log_prob_from_update``): it captures the top-k as the pass
+        #: would, then evaluates pi_theta on the ids it captured
+        self.supplies_old = supplies_old
         self.outputs: dict[str, torch.Tensor] = {}
         self.served = False  # the step's logits (or LM-head input) were seen and the outputs computed
 
@@ -116,7 +121,8 @@ class TopKStep:
     def on_logits(self, logits: torch.Tensor) -> None:
         rows, offsets = self._rows(logits.shape[0], logits.device)
         old = topk_of_rows(logits, rows, self.capture_k) if self.capture_k else None
-        new = None if self.old_ids is None else log_masses_of_rows(logits, rows, self.old_ids.to(logits.device))
+        ids = old[1] if self.supplies_old and old is not None else self.old_ids
+        new = None if ids is None else log_masses_of_rows(logits, rows, ids.to(logits.device))
         self._store(offsets, old, new)
 
     # -- the vocabulary pass's HeadObserver protocol ------------------------------------------------
@@ -135,8 +141,11 @@ class TopKStep:
             ids = top_ids[rows, : self.capture_k]  # another observer may have asked for more
             old = (bucket_log_masses(hidden_rows, weight, ids, temperature_rows), ids.to(torch.int32))
         new = None
-        if self.old_ids is not None:
-            new = bucket_log_masses(hidden_rows, weight, self.old_ids.to(hidden.device), temperature_rows)
+        ids = old[1] if self.supplies_old and old is not None else self.old_ids
+        if ids is not None:
+            new = bucket_log_masses(hidden_rows, weight, ids.to(hidden.device), temperature_rows)
+        if self.supplies_old and old is not None:
+            old = (old[0].detach(), old[1])  # pi_old: what the pass would have stored, without the graph
         self._store(offsets, old, new)
 
     def model_outputs(self) -> dict[str, torch.Tensor]:
@@ -145,12 +154,15 @@ class TopKStep:
         return dict(self.outputs)
 
 
-def topk_step(micro_batch: Any, loss_function: Any) -> Optional[TopKStep]:
+def topk_step(micro_batch: Any, loss_function: Any, supply_k: int = 0) -> Optional[TopKStep]:
     """What this forward step does with pi_old's top-k: capture it (the old-log-prob pass asks with
     :data:`CAPTURE_KEY`), evaluate pi_theta on its stored ids (the update, when the micro-batch carries
-    :data:`OLD_TOPK_IDS`), or nothing (``None``)."""
+    :data:`OLD_TOPK_IDS`), both on the ids it captures (``supply_k``: an update step that supplies pi_old of
+    rows whose pass was skipped, :mod:`verl_ext.engine.old_from_update`), or nothing (``None``)."""
     from verl.utils import tensordict_utils as tu
 
+    if supply_k:
+        return TopKStep(micro_batch, supply_k, None, supplies_old=True)
     capture_k = 0
     if loss_function is None:  # a forward-only pass without loss: the old-log-prob pass asks with CAPTURE_KEY
         capture_k = int(tu.get_non_tensor_data(data=micro_batch, key=CAPTURE_KEY, default=0) or 0)
