@@ -143,8 +143,9 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
             the old-log-prob pass: with the pass packed as the update, that forward runs before any
             optimizer step on exactly the pass's micro-batches, so it *is* pi_old bit for bit (verl#3996;
             the importance ratio of PPO's Eq. 7 / ATR's Eq. 5 is then exactly 1 there, as with the pass).
-            The pass runs only for the later mini-batches (none with one mini-batch, e.g. ATR's ``ppo_epochs=2``); verl still writes
-            ``old_log_probs`` / ``entropy`` and logs ``actor/entropy`` from the same numbers, after the update.
+            The pass runs only for the later mini-batches (none with one mini-batch, e.g. ATR's
+            ``ppo_epochs=2``); verl still writes ``old_log_probs`` / ``entropy`` and logs ``actor/entropy``
+            from the same numbers, after the update.
             ``None`` (default): taken where exact, otherwise not (logged with the reason); ``True``: refused
             before Ray where not exact; ``False``: never (docs/engine.md, "pi_old from the update").
     """
