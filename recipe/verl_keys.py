@@ -106,6 +106,8 @@ def classify(key: str) -> KeyRule:
 R, H, P, F, N = KeyClass.VERL_READS, KeyClass.HONOURED, KeyClass.REPLACED, KeyClass.REFUSED, KeyClass.NO_EFFECT
 
 RECIPE_MAIN_TEST = "tests/test_recipe_main.py"
+#: the knob declarations' refusal (verl_ext/knobs.py): a value away from verl's default that the loss mode reads not
+UNREAD = "away from verl's default where the loss mode and its features read it not (verl_ext/knobs.py)"
 PACKING_EVIDENCE = (
     "`tests/test_onpolicy.py`; `tests/test_smoke_cpu.py::test_verls_packing_of_the_old_pass_shows_the_"
     "noise_the_alignment_removes`; refusals: `tests/test_verl_keys.py`"
@@ -231,13 +233,15 @@ RULES: tuple[KeyRule, ...] = (
             refused_when="a divclip loss_mode without the divclip _target_, an unregistered loss_mode",
             check="validate_divclip_config"),
     KeyRule(f"{ACTOR}.clip_ratio", H, "verl's modes read it as in ppo_loss; the divclip ratio modes read the same key",
-            evidence="`tests/test_ppo_loss_parity.py`, `tests/test_losses.py`"),
+            evidence="`tests/test_ppo_loss_parity.py`, `tests/test_losses.py`; refusals: `tests/test_knobs.py`",
+            refused_when=UNREAD, check="validate_divclip_config"),
     *(KeyRule(f"{ACTOR}.{name}", H, "as actor.clip_ratio",
-              evidence="`tests/test_ppo_loss_parity.py`, `tests/test_losses.py`",
-              refused_when="outside its range for a divclip mode", check="validate_divclip_config")
+              evidence="`tests/test_ppo_loss_parity.py`, `tests/test_losses.py`; refusals: `tests/test_knobs.py`",
+              refused_when=f"outside its range for a divclip mode; {UNREAD}", check="validate_divclip_config")
       for name in ("clip_ratio_low", "clip_ratio_high")),
     *(KeyRule(f"{ACTOR}.{name}", H, "verl's sapo mode reads it as in ppo_loss",
-              evidence="`tests/test_ppo_loss_parity.py`")
+              evidence="`tests/test_ppo_loss_parity.py`; refusals: `tests/test_knobs.py`",
+              refused_when=UNREAD, check="validate_divclip_config")
       for name in ("tau_pos", "tau_neg")),
     KeyRule(f"{ACTOR}.clip_ratio_c", P,
             "verl's dual-clip constant: the divclip modes take their dual clip from policy_loss.dual_clip_c alone "
