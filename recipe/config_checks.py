@@ -24,16 +24,15 @@ from omegaconf import DictConfig, OmegaConf
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import PolicyLossConfig
 
+from recipe.verl_key_checks import ACTOR, ROLLOUT, TRAINER_MODE
 from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig, actor_clip_ratios
 from verl_ext.core import key_reads
 from verl_ext.core.coarsened_kl import check_top_k
 from verl_ext.core.region import CONSTRAINTS
-from verl_ext.engine.request import SUPPORTED_STRATEGIES, requested_features
+from verl_ext.engine.request import SUPPORTED_STRATEGIES, check_entropy_as_mask, requested_features
 from verl_ext.knobs import check_knobs_read
 from verl_ext.plugin import require_registered
 from verl_ext.registry import check_policy_config
-
-ACTOR = "actor_rollout_ref.actor"
 
 
 def actor_strategy(model_engine: str) -> str:
@@ -126,12 +125,10 @@ def validate_divclip_config(config: DictConfig) -> Any:
                 f"ERC ({ACTOR}.policy_loss.erc_beta_low/erc_beta_high set) needs the current per-token entropy: "
                 f"set {ACTOR}.calculate_entropy=True"
             )
-        if actor.entropy_coeff != 0:
-            raise ConfigError(
-                f"ERC computes both entropies with one graph-free float32 function (pi_old and pi_theta must be "
-                f"the same number on-policy), so an entropy bonus has no gradient to follow: "
-                f"{ACTOR}.entropy_coeff={actor.entropy_coeff} must be 0 with ERC"
-            )
+        try:  # the engine's own rule for a loss that takes the entropy as a mask (the one place it is written)
+            check_entropy_as_mask(entropy_coeff=actor.entropy_coeff)
+        except ValueError as error:
+            raise ConfigError(f"ERC: {error}") from error
         rollout_correction = config.algorithm.get("rollout_correction", None) or {}
         if rollout_correction.get("bypass_mode", False):
             raise ConfigError(
@@ -179,9 +176,7 @@ def validate_strategy(actor: Any, policy: DivClipPolicyLossConfig | None) -> Non
         )
 
 
-TRAINER_MODE = "trainer.v1.trainer_mode"
 ASYNC_MODES = ("colocate_async", "separate_async")
-ROLLOUT = "actor_rollout_ref.rollout"
 
 
 def validate_verl_features(config: DictConfig) -> None:

@@ -64,7 +64,7 @@ def test_dry_run_prints_only_the_resolved_yaml():
         ),
         (
             [*ERC, "actor_rollout_ref.actor.calculate_entropy=true", "actor_rollout_ref.actor.entropy_coeff=0.001"],
-            r"actor_rollout_ref\.actor\.entropy_coeff=0\.001 must be 0 with ERC",
+            r"ERC: actor_rollout_ref\.actor\.entropy_coeff=0\.001 adds an entropy bonus",
         ),
         (
             [

@@ -40,7 +40,7 @@ from verl.workers.config import ActorConfig
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
-from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig
+from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig, actor_clip_range
 from verl_ext.core import key_reads
 from verl_ext.core.coarsened_kl import TopKLogMasses
 from verl_ext.core.erc import entropy_ratio, outside_band
@@ -142,7 +142,9 @@ def divclip_actor_loss(
 
     if on_policy:
         # pi_theta == pi_old up to arithmetic here: the gauge shows what the kernels add (detached)
-        clip_low, clip_high = _measured_clip_range(config)
+        # not validated: verl's modes accept epsilons the divclip modes refuse (CISPO's clip_ratio_low >= 1), and a
+        # diagnostic must not make a loss raise where verl's ppo_loss runs
+        clip_low, clip_high = actor_clip_range(config)
         outside = outside_mode_rule(
             mode, policy, padded["old_log_probs"], log_prob, response_mask, clip_low, clip_high, inputs.topk
         )
@@ -222,20 +224,6 @@ def padded_response(nested: torch.Tensor, max_len: int) -> torch.Tensor:
         out[row, :length] = values[start : start + length]
         start += length
     return out
-
-
-def _measured_clip_range(config: ActorConfig) -> tuple[float, float]:
-    """The actor's ``(clip_ratio_low, clip_ratio_high)`` as verl's own losses read them (each falling
-    back to ``clip_ratio`` when null), for the on-policy gauge's ``ratio_clipfrac``.
-
-    Not validated: verl's modes accept epsilons the divclip modes refuse (CISPO with
-    ``clip_ratio_low >= 1``, i.e. no lower truncation), and a diagnostic must not make a loss raise
-    where verl's ``ppo_loss`` runs. The divclip modes have validated the same numbers for their loss
-    (:func:`verl_ext.config.actor_clip_ratios`) before the gauge reads them.
-    """
-    low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
-    high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
-    return low, high
 
 
 def outside_mode_rule(

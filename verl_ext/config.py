@@ -306,9 +306,14 @@ def check_clip_ratios(clip_ratio_low: Any, clip_ratio_high: Any) -> tuple[float,
     return float(clip_ratio_low), float(clip_ratio_high)
 
 
-def actor_clip_ratios(actor_config: Any) -> tuple[float, float]:
-    """The actor's validated (eps_low, eps_high): ``clip_ratio_low/high``, each falling back to
-    ``clip_ratio`` when null, as verl's own losses read them."""
+def actor_clip_range(actor_config: Any) -> tuple[float, float]:
+    """The actor's (eps_low, eps_high) as verl's own losses read them: ``clip_ratio_low/high``, each falling back
+    to ``clip_ratio`` when null. Not validated (verl's modes accept epsilons the divclip modes refuse)."""
     low = actor_config.clip_ratio_low if actor_config.clip_ratio_low is not None else actor_config.clip_ratio
     high = actor_config.clip_ratio_high if actor_config.clip_ratio_high is not None else actor_config.clip_ratio
-    return check_clip_ratios(low, high)
+    return low, high
+
+
+def actor_clip_ratios(actor_config: Any) -> tuple[float, float]:
+    """The actor's validated (eps_low, eps_high) (:func:`actor_clip_range`, checked for the divclip modes)."""
+    return check_clip_ratios(*actor_clip_range(actor_config))

@@ -96,17 +96,22 @@ def declare(loss_function: Callable[..., Any], **features: bool) -> Callable[...
     return wrapped
 
 
-def entropy_as_mask(loss_function: Callable[..., Any], *, entropy_coeff: float) -> Callable[..., Any]:
-    """Declare that ``loss_function`` uses the current entropy only as a (detached) mask (ERC).
-
-    ``entropy_coeff`` is ``actor_rollout_ref.actor.entropy_coeff``: a non-zero bonus differentiates the
-    entropy, so this raises instead of silently dropping that gradient."""
+def check_entropy_as_mask(*, entropy_coeff: float) -> None:
+    """The rule of :func:`entropy_as_mask` (also run by the recipe's validation before Ray): ``entropy_coeff``
+    is ``actor_rollout_ref.actor.entropy_coeff``, and a non-zero bonus differentiates the entropy, which the
+    graph-free float32 entropy (ERC's: pi_old's and pi_theta's the same number on-policy) cannot."""
     if entropy_coeff != 0:
         raise ValueError(
             f"actor_rollout_ref.actor.entropy_coeff={entropy_coeff} adds an entropy bonus, which needs the "
             "entropy gradient; the detached entropy path (verl_ext.engine.request.entropy_as_mask) is only valid "
             "with entropy_coeff=0. Leave the loss function undeclared to keep verl's autograd entropy."
         )
+
+
+def entropy_as_mask(loss_function: Callable[..., Any], *, entropy_coeff: float) -> Callable[..., Any]:
+    """Declare that ``loss_function`` uses the current entropy only as a (detached) mask (ERC); refused with
+    an entropy bonus (:func:`check_entropy_as_mask`) instead of silently dropping its gradient."""
+    check_entropy_as_mask(entropy_coeff=entropy_coeff)
     return declare(loss_function, entropy_as_mask=True)
 
 
