@@ -1,4 +1,4 @@
-"""The divclip modes inside verl: its ``POLICY_LOSS_REGISTRY``, and the config checks that need it.
+"""The divclip modes inside verl: registered with its ``register_policy_loss``, and the config checks that need it.
 
 * Every constraint of :data:`verl_ext.core.region.CONSTRAINTS` is registered with verl as
   ``policy_loss.loss_mode=<name>`` (:func:`register_modes`, run on import -- the ``verl.plugins`` entry
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
 
 from verl_ext.config import (
     CONFIG_TARGET,
@@ -121,8 +121,8 @@ def register_modes() -> None:
                 f"({getattr(existing, '__module__', '?')}.{getattr(existing, '__qualname__', existing)}); the divclip "
                 f"entry {mode!r} would shadow it. verl-divclip supports verl 0.9.1: rename the entry or pin verl"
             )
-        if existing is None:
-            POLICY_LOSS_REGISTRY[mode] = _erc_on_verl_mode if mode == ERC_ON_VERL_MODE else _make_registry_loss(mode)
+        if existing is None:  # verl's own decorator; the registry is only read here, for the collision check
+            register_policy_loss(mode)(_erc_on_verl_mode if mode == ERC_ON_VERL_MODE else _make_registry_loss(mode))
 
 
 def resolve_policy_config(config: Any) -> DivClipPolicyLossConfig:
