@@ -3,6 +3,7 @@ reference (values and gradients), GPPO/dual-clip/ERC behaviours and config valid
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -31,17 +32,22 @@ def actor_config(mode: str, eps_low: float = 0.2, eps_high: float = 0.28, clip_r
     )
 
 
-def run_registry_loss(mode, old, new, adv, mask, config, **kwargs):
+def run_registry_loss(mode, old, new, adv, mask, config, old_entropy=None, entropy=None, **kwargs):
+    """verl's registry entry of ``mode``; ERC's entropies reach it as the actor loss gives them (``supplying``)."""
+    from verl_ext.registry import LossInputs, supplying
+
     log_prob = new.clone().requires_grad_(True)
-    loss, metrics = get_policy_loss_fn(mode)(
-        old_log_prob=old,
-        log_prob=log_prob,
-        advantages=adv,
-        response_mask=mask,
-        loss_agg_mode="token-mean",
-        config=config,
-        **kwargs,
-    )
+    given = old_entropy is not None or entropy is not None
+    with supplying(LossInputs(old_entropy=old_entropy, entropy=entropy)) if given else contextlib.nullcontext():
+        loss, metrics = get_policy_loss_fn(mode)(
+            old_log_prob=old,
+            log_prob=log_prob,
+            advantages=adv,
+            response_mask=mask,
+            loss_agg_mode="token-mean",
+            config=config,
+            **kwargs,
+        )
     loss.backward()
     return loss.detach(), log_prob.grad, metrics
 

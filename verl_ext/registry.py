@@ -208,19 +208,17 @@ def _make_registry_loss(mode: str) -> Callable[..., tuple[torch.Tensor, dict[str
         loss_agg_mode: str = "token-mean",
         config: Any = None,
         rollout_is_weights: Optional[torch.Tensor] = None,
-        old_entropy: Optional[torch.Tensor] = None,
-        entropy: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
+        """verl's policy-loss signature; what it lacks (ERC's entropies, kl_full's top-k) comes one way only,
+        :func:`supplying` (the divclip actor loss around verl's ``ppo_loss``)."""
         if config is None:
             raise ValueError(f"policy loss {mode!r} needs the actor config (config=None)")
         low, high = actor_clip_ratios(config)
         policy = resolve_policy_config(config)
         supplied = supplied_inputs()
-        topk = None
+        old_entropy = entropy = topk = None
         if supplied is not None:  # called by verl's ppo_loss inside the divclip actor loss
-            old_entropy = supplied.old_entropy if old_entropy is None else old_entropy
-            entropy = supplied.entropy if entropy is None else entropy
-            topk = supplied.topk
+            old_entropy, entropy, topk = supplied.old_entropy, supplied.entropy, supplied.topk
         elif policy.adaptive_delta_enabled:
             raise ValueError(_ADAPTIVE_NEEDS_TRAINER.format(mode=mode))
         if policy.kl_full_diagnostic and topk is None:
