@@ -6,6 +6,7 @@ fully masked, zero and 1e-12 entropies, float32 and bf16, ERC and dual-clip on a
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from tests.test_losses import MODES, actor_config
+from verl_ext.registry import LossInputs, supplying
 
 LOG_PROB = st.one_of(
     st.floats(min_value=-1e4, max_value=0.0, allow_nan=False),
@@ -53,18 +55,18 @@ def test_loss_and_gradient_are_finite(mode, inputs):
     erc = {"erc_beta_low": 0.05, "erc_beta_high": 0.05} if entropies is not None else {}
     config = actor_config(mode, dual_clip_c=dual_clip_c, **erc)
     log_prob = new.to(dtype).requires_grad_(True)
-    kwargs = {}
+    supplied = contextlib.nullcontext()  # ERC's entropies reach the entry as the actor loss gives them
     if entropies is not None:
-        kwargs = {"old_entropy": entropies[0].to(dtype), "entropy": entropies[1].to(dtype)}
-    loss, metrics = get_policy_loss_fn(mode)(
-        old_log_prob=old.to(dtype),
-        log_prob=log_prob,
-        advantages=adv.float(),
-        response_mask=mask,
-        loss_agg_mode="token-mean",
-        config=config,
-        **kwargs,
-    )
+        supplied = supplying(LossInputs(old_entropy=entropies[0].to(dtype), entropy=entropies[1].to(dtype)))
+    with supplied:
+        loss, metrics = get_policy_loss_fn(mode)(
+            old_log_prob=old.to(dtype),
+            log_prob=log_prob,
+            advantages=adv.float(),
+            response_mask=mask,
+            loss_agg_mode="token-mean",
+            config=config,
+        )
     loss.backward()
     assert torch.isfinite(loss), (mode, loss)
     assert torch.isfinite(log_prob.grad).all(), (mode, log_prob.grad)

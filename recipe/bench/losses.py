@@ -22,6 +22,7 @@ measure the losses' arithmetic; every row reports its ``minor_faults_per_step`` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -38,7 +39,7 @@ from verl.workers.config import FSDPActorConfig, PolicyLossConfig
 
 from verl_ext.config import DivClipPolicyLossConfig
 from verl_ext.core.region import CONSTRAINTS
-from verl_ext.registry import check_policy_config
+from verl_ext.registry import LossInputs, check_policy_config, supplying
 from verl_ext.verl_modes import verl_policy_loss
 
 SHAPES: tuple[tuple[int, int], ...] = ((64, 4096), (8, 16384))
@@ -108,21 +109,26 @@ def _make_step(
     old_entropy = torch.rand(rows, cols, generator=gen) * 2
     entropy = old_entropy * (1 + 0.1 * torch.randn(rows, cols, generator=gen))
     loss_fn = get_policy_loss_fn(mode)
-    extra = {"old_entropy": old_entropy, "entropy": entropy} if with_entropy else {}
+    extra: dict[str, torch.Tensor] = {}
+    inputs = None  # a registry entry gets ERC's entropies as the actor loss gives them (supplying)
     if with_entropy and mode not in CONSTRAINTS:  # ERC on a verl mode: the composition, not the registry
         loss_fn = functools.partial(verl_policy_loss, mode, policy=config.policy_loss)
+        extra = {"old_entropy": old_entropy, "entropy": entropy}
+    elif with_entropy:
+        inputs = LossInputs(old_entropy=old_entropy, entropy=entropy)
 
     def step() -> None:
         log_prob = new.clone().requires_grad_(True)
-        loss, _ = loss_fn(
-            old_log_prob=old,
-            log_prob=log_prob,
-            advantages=adv,
-            response_mask=mask,
-            loss_agg_mode="token-mean",
-            config=config,
-            **extra,
-        )
+        with supplying(inputs) if inputs is not None else contextlib.nullcontext():
+            loss, _ = loss_fn(
+                old_log_prob=old,
+                log_prob=log_prob,
+                advantages=adv,
+                response_mask=mask,
+                loss_agg_mode="token-mean",
+                config=config,
+                **extra,
+            )
         loss.backward()
 
     return step
