@@ -67,6 +67,11 @@ TOPK_FIELDS = (OLD_TOPK_LOG_PROBS, OLD_TOPK_IDS)  # and, asked for pi_old's top-
 _STATE_ATTR = "_divclip_old_from_update"
 
 
+def pass_fields(topk_k: int) -> tuple[str, ...]:
+    """What the old pass returns per row: :data:`FIELDS`, and :data:`TOPK_FIELDS` when it stores a top-k."""
+    return FIELDS + (TOPK_FIELDS if topk_k else ())
+
+
 class OldFromUpdateError(RuntimeError):
     """The update did not supply pi_old for every row whose old pass was skipped (or the batches differ)."""
 
@@ -103,7 +108,7 @@ class OldFromUpdate:
 
     @property
     def fields(self) -> tuple[str, ...]:
-        return FIELDS + (TOPK_FIELDS if self.topk_k else ())
+        return pass_fields(self.topk_k)
 
     def capture(self, rows: list[int], model_output: dict[str, torch.Tensor]) -> None:
         missing = [f for f in self.fields if model_output.get(f, None) is None]
@@ -150,9 +155,7 @@ def skipped_mini_batch(
     index = None if reason is not None or len(groups) <= SUPPLYING_MINI_BATCH else SUPPLYING_MINI_BATCH
     skipped = frozenset() if index is None else frozenset(int(r) for r in groups[index].tolist())
     topk_k = int(tu.get_non_tensor_data(data=data, key=CAPTURE_KEY, default=0) or 0)
-    values: dict[str, list[Optional[torch.Tensor]]] = {
-        name: [None] * len(data) for name in FIELDS + (TOPK_FIELDS if topk_k else ())
-    }
+    values: dict[str, list[Optional[torch.Tensor]]] = {name: [None] * len(data) for name in pass_fields(topk_k)}
     state = OldFromUpdate(fingerprints, skipped, values, forwards=len(data) - len(skipped), topk_k=topk_k)
     state.mini_batch = -1 if index is None else index
     setattr(engine, _STATE_ATTR, state)
@@ -246,7 +249,9 @@ def substituting_loss(
         if first_mini_batch:
             state.capture(rows, model_output)
         mask = data["response_mask"]
-        for name, target in (("log_probs", "old_log_probs"), ("entropy", "entropy"), *((t, t) for t in TOPK_FIELDS)):
+        # the top-k of later micro-batches was put in before their forward (substituted_topk)
+        topk = ((t, t) for t in TOPK_FIELDS) if first_mini_batch else ()
+        for name, target in (("log_probs", "old_log_probs"), ("entropy", "entropy"), *topk):
             if target not in data.keys() or name not in state.fields:
                 continue
             full = torch.nested.as_nested_tensor([state.row(name, r) for r in rows], layout=torch.jagged)
