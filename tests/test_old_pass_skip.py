@@ -73,8 +73,10 @@ def step(worker: Any, batch: Any, mode: dict[str, Any], packing: dict[str, Any],
     info = UpdatePacking(mini_batch_size=packing["mini_batch"], seed=11, shuffle=packing.get("shuffle", False))
     k = old_topk_request(mode)  # kl_full / its diagnostic: the pass stores pi_old's top-k, as the trainer asks
     old = compute_log_prob(worker, batch, packing=info, old_topk=k, old_from_update=skip)
+    # what the pass gives the update
+    fields = ("old_log_probs", "entropy", *((OLD_TOPK_LOG_PROBS, OLD_TOPK_IDS) if k else ()))
     data = batch.clone()
-    for key in ("old_log_probs", "entropy", *((OLD_TOPK_LOG_PROBS, OLD_TOPK_IDS) if k else ())):
+    for key in fields:
         data[key] = old[key]
     metrics = update_actor(
         worker,
@@ -88,10 +90,7 @@ def step(worker: Any, batch: Any, mode: dict[str, Any], packing: dict[str, Any],
     if skip:
         old = compute_log_prob(worker, batch, packing=info, old_topk=k, collect=True)
     return {
-        **{
-            key: old[key].values().clone()
-            for key in ("old_log_probs", "entropy", *((OLD_TOPK_LOG_PROBS, OLD_TOPK_IDS) if k else ()))
-        },
+        **{key: old[key].values().clone() for key in fields},
         "metrics": {
             k: [repr(float(v)) for v in vals]
             for k, vals in metrics.items()
