@@ -121,15 +121,20 @@ def test_the_cpu_meter_sees_an_allocation_above_what_was_held_and_resets_its_pea
 class _Engine:
     """What :class:`UpdatePhases` needs of verl's engine: its two methods and its module."""
 
-    def __init__(self) -> None:
-        self.module = torch.nn.Linear(256, 256, bias=False)  # 256 KiB of float32 gradients
+    def __init__(self, width: int = 256) -> None:
+        self.module = torch.nn.Linear(width, width, bias=False)  # width**2 * 4 bytes of float32 gradients
+        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=0.0)
 
     def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False) -> str:
         scratch = torch.ones(32 * MIB // 4)  # 32 MiB of activations, freed before it returns
-        if not forward_only:
-            self.module.weight.grad = torch.ones_like(self.module.weight)
+        if not forward_only:  # the backward allocates the gradients, or adds into those held
+            weight = self.module.weight
+            weight.grad = torch.ones_like(weight) if weight.grad is None else weight.grad.add_(1.0)
         del scratch
         return f"{data}/{loss_function}/{forward_only}"
+
+    def optimizer_zero_grad(self) -> None:  # verl's FSDP engines: optimizer.zero_grad(), which frees them
+        self.optimizer.zero_grad()
 
     def optimizer_step(self) -> float:
         state = torch.ones(96 * MIB // 4)  # 96 MiB of temporaries
@@ -137,7 +142,7 @@ class _Engine:
         return 1.5
 
     def train_batch(self, data: Any, loss_function: Any) -> float:  # verl's BaseEngine.train_batch, in short
-        self.module.weight.grad = None
+        self.optimizer_zero_grad()
         self.forward_backward_batch(data, loss_function, forward_only=False)
         return self.optimizer_step()
 
@@ -155,6 +160,26 @@ def test_update_phases_records_each_phase_of_the_engine_instance_and_passes_its_
     assert 94 * MIB <= memory["optimizer_peak_bytes"] < 112 * MIB
     assert memory["gradient_bytes"] == 256 * 256 * 4 == gradient_bytes(engine.module)
     assert "forward_backward_batch" not in vars(_Engine()) and "forward_backward_batch" in vars(engine)  # instance only
+
+
+@pytest.mark.parametrize("hold", [False, True], ids=["verl_frees_the_gradients", "gradients_held"])
+def test_held_gradients_move_from_the_loss_phase_into_the_held_memory(hold: bool) -> None:
+    """With ``hold_gradients`` the second update's gradients (16 MiB) are held before its forward and zeroed in
+    place; without it verl frees them and the backward allocates them inside the loss phase."""
+    engine = _Engine(width=2048)
+    phases = UpdatePhases(engine, MemoryMeter("cpu"), hold_gradients=hold)
+    engine.train_batch("d", "f")
+    grad = engine.module.weight.grad
+    mark = phases.mark()
+    engine.train_batch("d", "f")
+    memory = update_memory(phases.since(mark))
+    assert memory["gradient_bytes"] == 16 * MIB
+    assert (engine.module.weight.grad is grad) is hold  # zeroed in place, not reallocated
+    assert torch.equal(engine.module.weight.grad, torch.ones(2048, 2048))  # the same numbers either way
+    if hold:
+        assert 30 * MIB <= memory["loss_peak_bytes"] < 44 * MIB  # the 32 MiB of activations alone
+    else:
+        assert 46 * MIB <= memory["loss_peak_bytes"] < 60 * MIB  # the activations and the new gradients
 
 
 def test_update_flops_is_six_n_t_plus_the_attention_term_counted_from_the_model(tmp_path: Any) -> None:

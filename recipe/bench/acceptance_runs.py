@@ -25,10 +25,11 @@ Both build verl's actor stack as the parent's docstring says, on the model the p
   (``own``), alternating; the aligned pass's time and peak against own, and each arm's on-policy gauge
   (own's is verl's packing noise: a finding, reported, not a check).
 
-Memory per phase (:class:`recipe.bench.gpu_workload.UpdatePhases`): verl's ``train_batch`` frees the
-gradients, runs the forward/backward, then the optimizer step; the **loss-phase peak** is the
-forward/backward's peak above the memory held before it (parameters, optimizer state), the **optimizer
-step's peak** is reported apart, above the same memory. CUDA reads the allocator
+Memory per phase (:class:`recipe.bench.gpu_workload.UpdatePhases`): verl's ``train_batch`` zeroes the
+gradients, runs the forward/backward, then the optimizer step; the losses run keeps the gradients allocated
+(zeroed in place, as under gradient accumulation), so the **loss-phase peak** is the forward/backward's peak
+above the memory held before it (parameters, gradients, optimizer state), and the **optimizer step's peak**
+is reported apart, above the same memory. CUDA reads the allocator
 (``reset_peak_memory_stats`` / ``max_memory_allocated``); the CPU platform reads the process's resident set
 and its high-water mark reset through ``/proc/self/clear_refs`` (children run with
 :data:`recipe.bench.child.LIVE_RSS_ENV`), so the CPU-sized run computes every figure with the same code.
@@ -286,7 +287,7 @@ def run_losses(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
             lr=1e-6,
         ),
     )
-    phases = UpdatePhases(worker.engine, meter)
+    phases = UpdatePhases(worker.engine, meter, hold_gradients=True)
     batch = make_rollout_batch(
         [prompt_len] * args.sequences, [seq_len - prompt_len] * args.sequences, args.vocab, seed=0
     )

@@ -238,11 +238,20 @@ class UpdatePhases:
     instance (verl's own methods run unchanged inside) gives each phase's memory before it began and its
     peak, without touching the engine's class. A measuring instrument of the benchmark, not a hook of the
     product (``verl_ext/engine`` owns those).
+
+    With ``hold_gradients`` the instance's ``optimizer_zero_grad`` zeroes the gradients in place
+    (``zero_grad(set_to_none=False)``) instead of freeing them, so that from the second update on they are
+    held before the forward, as they are for every micro-batch after the first of a mini-batch under
+    gradient accumulation: the loss-phase peak is then above parameters, gradients and optimizer state
+    (the definition of the acceptance's targets), and the update's numbers are unchanged (the backward adds into
+    zeros).
     """
 
-    def __init__(self, engine: Any, meter: MemoryMeter) -> None:
+    def __init__(self, engine: Any, meter: MemoryMeter, hold_gradients: bool = False) -> None:
         self.records: list[Phase] = []
         forward_backward, optimizer_step = engine.forward_backward_batch, engine.optimizer_step
+        if hold_gradients:
+            engine.optimizer_zero_grad = lambda: engine.optimizer.zero_grad(set_to_none=False)
 
         def measured(name: str, run: Callable[[], Any]) -> Any:
             meter.sync()
@@ -275,9 +284,11 @@ def update_memory(phases: Sequence[Phase]) -> dict[str, int]:
 
     Returns:
         ``held_bytes``: memory in use before the forward (parameters, optimizer state, whatever verl
-        holds: its ``optimizer_zero_grad`` frees the gradients, so they are not part of it);
+        holds; the gradients too when :class:`UpdatePhases` holds them, else verl's
+        ``optimizer_zero_grad`` has freed them);
         ``loss_peak_bytes``: the forward/backward peak above ``held_bytes`` (activations, logits, the
-        loss's own tensors and the gradients the backward allocates: the part a loss can change);
+        loss's own tensors, and the gradients the backward allocates where they were not held: the part
+        a loss can change);
         ``optimizer_peak_bytes``: the optimizer step's peak above the same ``held_bytes``;
         ``update_peak_bytes``: the update's absolute peak (what the first H200 run reported);
         ``gradient_bytes``: the gradients after the backward (the same for every loss).

@@ -181,25 +181,24 @@ def main(argv: list[str]) -> int:
         "--rounds",
         str(args.rounds),
     ]
-    rows = []
-    for shape in shapes:  # one process per shape: a fresh process group and allocator
+    date = _dt.date.today().isoformat()
+    for shape in shapes:  # one process per shape: a fresh process group and allocator; each row printed at once
         child = run_child("recipe.bench.old_pass_skip", ["--_child", shape, *options])
         if not child.ok:
             sys.stderr.write(child.stderr[-4000:])
             raise RuntimeError(f"shape {shape} failed with exit code {child.returncode}")
-        rows.extend(child.result["rows"])
-    date = _dt.date.today().isoformat()
-    for row in rows:
-        row["date"] = date
-        print(
-            json.dumps(row)
-            if args.json
-            else f"{row['shape']}: actor {row['actor_s_without']:.3f} s -> {row['actor_s_with']:.3f} s "
-            f"({row['actor_s_with_vs_without']:.3f}x); old pass {row['old_pass_s_without']:.3f} s "
-            f"({row['old_pass_rows_without']:.0f} rows) -> {row['old_pass_s_with']:.3f} s "
-            f"({row['old_pass_rows_with']:.0f} rows); update {row['update_s_without']:.3f} s -> "
-            f"{row['update_s_with']:.3f} s (with the collect); {row['device']}, {row['threads']} threads, {date}"
-        )
+        for row in child.result["rows"]:
+            row["date"] = date
+            print(
+                json.dumps(row)
+                if args.json
+                else f"{row['shape']}: actor {row['actor_s_without']:.3f} s -> {row['actor_s_with']:.3f} s "
+                f"({row['actor_s_with_vs_without']:.3f}x); old pass {row['old_pass_s_without']:.3f} s "
+                f"({row['old_pass_rows_without']:.0f} rows) -> {row['old_pass_s_with']:.3f} s "
+                f"({row['old_pass_rows_with']:.0f} rows); update {row['update_s_without']:.3f} s -> "
+                f"{row['update_s_with']:.3f} s (with the collect); {row['device']}, {row['threads']} threads, {date}",
+                flush=True,
+            )
     return 0
 
 
