@@ -328,3 +328,23 @@ def test_a_model_with_dropout_is_not_taken_on_the_worker() -> None:
     assert "p=0.1" in dropout_reason(Engine())
     Engine.module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0))
     assert dropout_reason(Engine()) is None
+
+
+def test_placeholders_live_on_the_device_of_the_pass_outputs() -> None:
+    """The skipped rows' placeholders join the computed rows in one nested tensor: on a GPU the pass's outputs are
+    CUDA tensors, and CPU placeholders beside them made ``torch.nested`` raise (the ERC shape of the old-pass-skip
+    bench on an H200, 2026-11-27). The ``meta`` device stands in for CUDA here."""
+    from types import SimpleNamespace
+
+    from verl_ext.engine import old_from_update as ofu
+
+    fields = ofu.pass_fields(0)
+    engine = SimpleNamespace()
+    state = ofu.OldFromUpdate([(0, 4), (1, 5), (2, 5)], frozenset({0}), {name: [None] * 3 for name in fields})
+    setattr(engine, ofu._STATE_ATTR, state)
+    output = {"model_output": {name: torch.zeros(2, 5, device="meta", dtype=torch.bfloat16) for name in fields}}
+    ofu.keep_pass_outputs(engine, [4, 5, 5], [2, 3, 3], [torch.tensor([1, 2])], [output])
+    for name in fields:
+        placeholder = state.values[name][0]
+        assert (placeholder.device.type, placeholder.dtype, placeholder.shape) == ("meta", torch.bfloat16, (4,))
+    assert ofu.placeholder_output(engine, 3)["model_output"]["log_probs"].device.type == "meta"

@@ -167,7 +167,8 @@ def keep_pass_outputs(
 ) -> None:
     """The pass's outputs, per row, into the pending state. The rows it skipped get placeholders: NaN over each
     row's ``tokens`` (log-probs, entropy) or its ``responses`` tokens x (k + 1) buckets (pi_old's top-k
-    log-masses), -1 for the top-k ids."""
+    log-masses), -1 for the top-k ids, on the device and in the dtype of the pass's outputs (one nested tensor
+    holds both)."""
     state: Optional[OldFromUpdate] = getattr(engine, _STATE_ATTR, None)
     if state is None:
         return
@@ -186,9 +187,10 @@ def keep_pass_outputs(
     for name in state.fields:
         computed = next((v for v in state.values[name] if v is not None), None)
         dtype = computed.dtype if computed is not None else (torch.int32 if name == OLD_TOPK_IDS else torch.float32)
+        device = computed.device if computed is not None else None
         fill = -1 if name == OLD_TOPK_IDS else math.nan
         for row in state.from_update:
-            state.values[name][row] = torch.full(shapes[name](row), fill, dtype=dtype)
+            state.values[name][row] = torch.full(shapes[name](row), fill, dtype=dtype, device=device)
 
 
 def placeholder_output(engine: Any, size: int) -> dict[str, Any]:
