@@ -348,3 +348,31 @@ def test_placeholders_live_on_the_device_of_the_pass_outputs() -> None:
         placeholder = state.values[name][0]
         assert (placeholder.device.type, placeholder.dtype, placeholder.shape) == ("meta", torch.bfloat16, (4,))
     assert ofu.placeholder_output(engine, 3)["model_output"]["log_probs"].device.type == "meta"
+
+
+def test_the_benchmark_times_both_config_shapes_with_and_without_the_skip() -> None:
+    """``python -m recipe.bench old-pass-skip`` at a tiny shape on the CPU: one row per config shape, the old pass
+    computing every row without the skip, none with it for the ATR shape (one mini-batch) and 7/8 of them for the
+    ERC shape (8 mini-batches); the ratio is the two actor times' (docs/benchmarks.md records the full size)."""
+    import json
+    import subprocess
+    import sys
+
+    argv = ["--json", "--tokens", "256", "--sequences", "16", "--vocab", "512", "--hidden", "32", "--layers", "1"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe.bench", "old-pass-skip", *argv, "--rounds", "1"],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {row["shape"]: row for row in map(json.loads, proc.stdout.splitlines())}
+    assert sorted(rows) == ["atr", "erc"]
+    expected = {"atr": (1, 2, 0), "erc": (8, 1, 14)}  # mini-batches, epochs, old-pass rows with the skip
+    for shape, row in rows.items():
+        assert (row["mini_batches"], row["epochs"], row["old_pass_rows_with"]) == expected[shape], row
+        assert row["old_pass_rows_without"] == 16, row
+        assert min(row[f"{k}_{arm}"] for k in ("old_pass_s", "update_s") for arm in ("with", "without")) > 0, row
+        assert row["actor_s_without"] == pytest.approx(row["old_pass_s_without"] + row["update_s_without"], abs=2e-4)
+        assert row["actor_s_with_vs_without"] == pytest.approx(row["actor_s_with"] / row["actor_s_without"], abs=1e-3)

@@ -144,6 +144,7 @@ def mutmut_config(mutated: list[str], tests: list[str]) -> str:
     return (
         "\n[tool.mutmut]\n"
         f'source_paths = ["verl_ext", "recipe"]\n'
+        'also_copy = ["README.md", "configs", "docs", "launch", "data_prep"]\n'  # files the tests read
         f"only_mutate = {quoted(mutated)}\n"
         f"pytest_add_cli_args_test_selection = {quoted([*tests, '-k', DESELECT])}\n"
         f'pytest_add_cli_args = ["-p", "no:xdist", "-p", "no:cacheprovider"]\n'
