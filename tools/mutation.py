@@ -63,6 +63,8 @@ TESTS = [
     "tests/test_ppo_loss_parity.py",
     "tests/test_recipe_main.py",
     "tests/test_losses_properties.py",
+    "tests/test_knobs.py",
+    "tests/test_gauge_modes.py",
 ]
 #: tests of those files that start engines or subprocesses (deselected: their fixtures take minutes)
 DESELECT = "not engine and not subprocess"
