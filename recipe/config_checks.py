@@ -21,8 +21,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from verl.utils.config import omega_conf_to_dataclass
 
-from verl_ext import config_rules as rules
 from verl_ext.config import ACTOR
+from verl_ext.config_rules import composed as rules
 from verl_ext.core import key_reads
 from verl_ext.plugin import require_registered
 

@@ -17,7 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 from verl.workers.config import PolicyLossConfig
 
 from verl_ext.config import DivClipPolicyLossConfig
-from verl_ext.config_rules import POLICY, ROLLOUT, verl_config_dir
+from verl_ext.config_rules.policy import POLICY, ROLLOUT
+from verl_ext.config_rules.verl_keys import verl_config_dir
 
 
 def key_under(key: str, prefix: str) -> bool:

@@ -43,15 +43,11 @@ from omegaconf import DictConfig
 from recipe.verl_key_checks import KeyClass, KeyRule, compose_verl_schema, is_divclip_key, key_under, leaf_keys
 from recipe.verl_key_reads import COMMAND as RECORD_COMMAND
 from recipe.verl_key_reads import READ_KEYS_PATH, read_keys
-from verl_ext.config_rules import (
-    ACTOR,
-    CORRECTION,
+from verl_ext.config import ACTOR
+from verl_ext.config_rules.policy import CORRECTION, POLICY, REF, ROLLOUT, TRAINER_MODE
+from verl_ext.config_rules.verl_keys import (
     ENTROPY_KEYS,
     PACK_KEY,
-    POLICY,
-    REF,
-    ROLLOUT,
-    TRAINER_MODE,
     check_clip_ratio_c,
     check_entropy_keys,
     check_log_prob_packing,

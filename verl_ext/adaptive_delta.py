@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from verl_ext.config import DivClipPolicyLossConfig
-from verl_ext.config_rules import check_policy_config
+from verl_ext.config_rules.policy import check_policy_config
 from verl_ext.core.region import CONSTRAINTS
 
 STATE_FILE = "divclip_adaptive_delta.json"

@@ -34,7 +34,7 @@ import torch
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
 
 from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig, actor_clip_ratios
-from verl_ext.config_rules import ERC_ON_VERL_MODE, check_policy_config
+from verl_ext.config_rules.policy import ERC_ON_VERL_MODE, check_policy_config
 from verl_ext.core.coarsened_kl import TopKLogMasses
 from verl_ext.core.constraints import KL_FULL_NEEDS_TOPK
 from verl_ext.core.region import CONSTRAINTS

@@ -15,8 +15,9 @@ old-log-prob pass has no loss function of its own):
 
 A loss without the attribute (verl's own ``ppo_loss``) asks for nothing: the engine runs verl's code.
 
-Which of verl's strategies the seam covers, and which keys turn a feature on, are config rules
-(:data:`verl_ext.config_rules.SUPPORTED_STRATEGIES`, :func:`verl_ext.config_rules.validate_strategy`).
+This module also states which of verl's training strategies the seam covers (:data:`SUPPORTED_STRATEGIES`;
+the recipe refuses another before Ray starts: :func:`verl_ext.config_rules.composed.validate_strategy`). It
+imports nothing of verl or torch.
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from verl_ext.config import POLICY_LOSS_KEY
-from verl_ext.config_rules import check_entropy_as_mask
-
 REQUEST_ATTR = "divclip_engine_request"
 """Attribute of a loss function holding its :class:`EngineRequest`."""
+
+SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
+"""``actor.strategy`` values whose engine (verl's ``FSDPEngineWithLMHead``) the seam hooks. FSDP2 runs on
+the CPU platform and in every CPU test; FSDP1 (``fsdp``) only on GPUs (docs/experiments.md)."""
+
+POLICY_LOSS_KEY = "actor_rollout_ref.actor.policy_loss"
 
 STEP_PATH_KEY = "divclip_step_path"
 """Non-tensor key the seam sets on every micro-batch it steps: which path computed its numbers
@@ -92,10 +96,10 @@ def declare(loss_function: Callable[..., Any], **features: bool) -> Callable[...
     return wrapped
 
 
-def entropy_as_mask(loss_function: Callable[..., Any], *, entropy_coeff: float) -> Callable[..., Any]:
-    """Declare that ``loss_function`` uses the current entropy only as a (detached) mask (ERC); refused with
-    an entropy bonus (:func:`check_entropy_as_mask`) instead of silently dropping its gradient."""
-    check_entropy_as_mask(entropy_coeff=entropy_coeff)
+def entropy_as_mask(loss_function: Callable[..., Any]) -> Callable[..., Any]:
+    """Declare that ``loss_function`` uses the current entropy only as a (detached) mask (ERC). Valid only
+    without an entropy bonus: the rule :func:`verl_ext.config_rules.policy.check_entropy_as_mask`, which the
+    caller runs (the actor loss; the recipe's validation before Ray)."""
     return declare(loss_function, entropy_as_mask=True)
 
 

@@ -62,7 +62,6 @@ from typing import Any, Optional
 
 import torch
 
-from verl_ext.config_rules import SUPPORTED_STRATEGIES
 from verl_ext.engine.entropy_path import entropy_fn_for, entropy_swaps
 from verl_ext.engine.guard import ENGINE_MODULE, WORKER_MODULE, check_engine_instance, check_verl, engine_attribute
 from verl_ext.engine.old_from_update import COLLECT_KEY, collect, substituted_topk, substituting_loss, supplies_topk
@@ -78,6 +77,7 @@ from verl_ext.engine.packing import (
 )
 from verl_ext.engine.request import (
     STEP_PATH_KEY,
+    SUPPORTED_STRATEGIES,
     EngineRequest,
     EntropyPath,
     describe,

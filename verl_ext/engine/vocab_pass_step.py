@@ -42,22 +42,23 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from verl_ext.config_rules import VOCAB_PASS
 from verl_ext.core import key_reads
 from verl_ext.core.vocab_pass import vocab_pass
 from verl_ext.engine.guard import engine_attribute
-from verl_ext.engine.request import request_of
+from verl_ext.engine.request import POLICY_LOSS_KEY, request_of
 from verl_ext.engine.swap import Swap
 
 #: The config key verl's temperatures carry into the micro-batch (the trainer puts the rollout's there).
 ROLLOUT_TEMPERATURE = "actor_rollout_ref.rollout.temperature"
+
+VOCAB_PASS_KEY = f"{POLICY_LOSS_KEY}.vocab_pass"
 
 
 def refuse_fused_kernels(engine: Any) -> None:
     """The vocabulary pass replaces the LM head's logits; verl's fused kernels replace the whole forward."""
     if bool(engine_attribute(engine, "model_config.use_fused_kernels")):
         raise ValueError(
-            f"{VOCAB_PASS}=true replaces the LM head's logits; actor_rollout_ref.model.use_fused_kernels=true "
+            f"{VOCAB_PASS_KEY}=true replaces the LM head's logits; actor_rollout_ref.model.use_fused_kernels=true "
             "replaces the model forward with verl's fused kernel: choose one"
         )
 
@@ -94,16 +95,20 @@ def output_head(module: Any) -> torch.nn.Module:
     inner = getattr(module, "_fsdp_wrapped_module", module)  # FSDP1 wrapper
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     if head is None:
-        raise ValueError(f"{VOCAB_PASS}=true needs a causal LM with an output head; {type(inner).__name__} has none")
+        raise ValueError(
+            f"{VOCAB_PASS_KEY}=true needs a causal LM with an output head; {type(inner).__name__} has none"
+        )
     if not isinstance(getattr(head, "weight", None), torch.Tensor):
         raise ValueError(
-            f"{VOCAB_PASS}=true: the LM head {type(head).__name__} has no plain weight (a LoRA/PEFT-wrapped "
+            f"{VOCAB_PASS_KEY}=true: the LM head {type(head).__name__} has no plain weight (a LoRA/PEFT-wrapped "
             "head?); turn the vocabulary pass off or keep the head out of the adapter's target_modules"
         )
     if getattr(head, "bias", None) is not None:
-        raise ValueError(f"{VOCAB_PASS}=true: the LM head has a bias, which the vocabulary pass does not add")
+        raise ValueError(f"{VOCAB_PASS_KEY}=true: the LM head has a bias, which the vocabulary pass does not add")
     if hasattr(head, "base_layer") or hasattr(head, "lora_A"):
-        raise ValueError(f"{VOCAB_PASS}=true: the LM head carries a LoRA adapter; the pass reads only its base weight")
+        raise ValueError(
+            f"{VOCAB_PASS_KEY}=true: the LM head carries a LoRA adapter; the pass reads only its base weight"
+        )
     return head
 
 
@@ -137,9 +142,9 @@ def _capture_inputs(prepare: Callable[..., Any], state: _StepState) -> Callable[
             ("calculate_sum_pi_squared", "actor_rollout_ref.actor.calculate_sum_pi_squared"),
         ):
             if tu.get_non_tensor_data(data=micro_batch, key=key, default=False):
-                raise ValueError(f"{VOCAB_PASS}=true never materialises the logits that {consumer} needs")
+                raise ValueError(f"{VOCAB_PASS_KEY}=true never materialises the logits that {consumer} needs")
         if "input_ids_rmpad_rolled" not in output_args:
-            raise ValueError(f"{VOCAB_PASS}=true: verl's inputs carry no rolled labels (pad_mode?)")
+            raise ValueError(f"{VOCAB_PASS_KEY}=true: verl's inputs carry no rolled labels (pad_mode?)")
         state.labels = output_args["input_ids_rmpad_rolled"].reshape(-1)
         key_reads.record(ROLLOUT_TEMPERATURE)  # verl's per-token temperatures: the rollout's, divided out here
         if "temperature_rmpad" in output_args:  # remove-padding (and Ulysses) path: one per row
@@ -166,7 +171,7 @@ def _prepare_vocab_pass_outputs(engine: Any, observers: Sequence[HeadObserver]) 
         calculate_entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
         distillation_only = tu.get_non_tensor_data(data=micro_batch, key="distillation_only", default=False)
         if distillation_only:
-            raise ValueError(f"{VOCAB_PASS}=true cannot serve distillation-only steps (they need the logits)")
+            raise ValueError(f"{VOCAB_PASS_KEY}=true cannot serve distillation-only steps (they need the logits)")
         packed = output.logits.reshape(-1, 2)
         log_probs, entropy = packed[:, 0], packed[:, 1]
         if "pad_size" in output_args:  # remove-padding: all-gather the Ulysses group, drop the pad

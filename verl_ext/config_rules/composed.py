@@ -1,31 +1,13 @@
-"""Every config rule of verl-divclip: each refusal of a combination of config keys, one function per rule.
-
-A *rule* refuses a value of one key given the values of others (``loss_mode`` with ``adaptive_delta_target``,
-ERC with ``entropy_coeff``, ``separate_async`` with the rollout pool), or a value the divclip path would drop
-without a word (a verl key it replaces or never reads). Every rule is here, each naming the keys it reads in
-its error (``ValueError``). Two callers run them: ``recipe.main``'s validation before Ray starts
-(:func:`recipe.config_checks.validate_divclip_config`, which reports them as ``ConfigError``), and the loss's
-own config check (:func:`check_policy_config`, run by ``DivClipPolicyLossConfig.__post_init__`` once
-:mod:`verl_ext.registry` is imported, and by :func:`verl_ext.registry.resolve_policy_config`;
-:func:`check_entropy_as_mask`, run by :func:`verl_ext.engine.request.entropy_as_mask`).
-
-Not rules, so not here: a dataclass' checks of its own fields (types, ranges, and which of its own fields
-go together), kept in its ``__post_init__`` as verl keeps them (:class:`verl_ext.config.DivClipPolicyLossConfig`,
-:func:`verl_ext.config.check_clip_ratios`); the keys of ``rollout.custom.validation``, parsed and refused by
-their own feature (:mod:`recipe.validation.length`, which this package may not import); and runtime guards
-on what an engine really holds (the seam's).
-"""
+"""The rules of a composed config, run by ``recipe.main``'s validation before Ray starts."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
-from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+from omegaconf import DictConfig, OmegaConf
 from verl.workers.config import PolicyLossConfig
 
 from verl_ext.config import (
@@ -34,111 +16,19 @@ from verl_ext.config import (
     POLICY_LOSS_KEY,
     DivClipPolicyLossConfig,
     actor_clip_ratios,
-    register_mode_check,
+)
+from verl_ext.config_rules.policy import (
+    ASYNC_MODES,
+    ROLLOUT,
+    TRAINER_MODE,
+    VOCAB_PASS,
+    check_entropy_as_mask,
+    check_knobs_read,
+    check_policy_config,
 )
 from verl_ext.core.coarsened_kl import check_top_k
 from verl_ext.core.region import CONSTRAINTS
-from verl_ext.knobs import unread_knobs
-
-POLICY = POLICY_LOSS_KEY
-ROLLOUT = "actor_rollout_ref.rollout"
-REF = "actor_rollout_ref.ref"
-CORRECTION = "algorithm.rollout_correction"
-TRAINER_MODE = "trainer.v1.trainer_mode"
-VOCAB_PASS = f"{POLICY}.vocab_pass"
-ASYNC_MODES = ("colocate_async", "separate_async")
-
-ERC_ON_VERL_MODE = "divclip_erc_on_verl_mode"
-"""The registry entry the actor loss selects for ERC stacked on one of verl's own modes (never a user's
-``loss_mode``: :func:`check_policy_config` refuses it)."""
-
-
-NOT_COMPOSABLE = frozenset({"bypass_mode"})
-"""verl modes ERC cannot stack on: bypass mode skips the old-log-prob pass that yields H(pi_old)."""
-
-
-SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
-"""``actor.strategy`` values whose engine (verl's ``FSDPEngineWithLMHead``) the seam hooks. FSDP2 runs on
-the CPU platform and in every CPU test; FSDP1 (``fsdp``) only on GPUs (docs/experiments.md)."""
-
-
-# ------------------------------------------------------------------------------------------------
-# The policy-loss config against the loss-mode registry (the loss's own check)
-# ------------------------------------------------------------------------------------------------
-
-
-@register_mode_check
-def check_policy_config(policy: DivClipPolicyLossConfig, prefix: str = POLICY_LOSS_KEY) -> None:
-    """Raise ``ValueError`` naming the key where ``policy`` does not fit its ``loss_mode``: the mode
-    is registered (a divclip constraint or verl's own), ``adaptive_delta_target`` is set only on a
-    KL-budget mode, and on verl's modes ERC can apply and dual-clip is not set (:func:`check_verl_mode_options`).
-
-    The config dataclass checks its values alone (:mod:`verl_ext.config` does not import this
-    module); this is the half that needs the registry. Registered with
-    :func:`verl_ext.config.register_mode_check`, so it also runs in ``__post_init__`` of every
-    config built once this module is imported; consumers (:func:`resolve_policy_config`, the
-    actor loss, ``recipe.config_checks``, the adaptive-delta controller) call it as well.
-    """
-    mode = policy.loss_mode
-    if mode == ERC_ON_VERL_MODE:
-        raise ValueError(f"{prefix}.loss_mode={mode!r} is internal to the divclip actor loss: name a loss mode")
-    if mode not in CONSTRAINTS and mode not in POLICY_LOSS_REGISTRY:
-        known = sorted(set(POLICY_LOSS_REGISTRY) | set(CONSTRAINTS))
-        raise ValueError(f"{prefix}.loss_mode={mode!r} is not a registered policy loss; known: {known}")
-    if policy.adaptive_delta_enabled and not (mode in CONSTRAINTS and CONSTRAINTS[mode].delta_budget):
-        budget_modes = sorted(name for name, spec in CONSTRAINTS.items() if spec.delta_budget)
-        raise ValueError(
-            f"{prefix}.adaptive_delta_target adapts the KL budget delta, which loss_mode={mode!r} "
-            f"does not have; the KL-budget modes are {budget_modes}"
-        )
-    if policy.kl_full_diagnostic and mode not in CONSTRAINTS:
-        raise ValueError(
-            f"{prefix}.kl_full_diagnostic compares a divclip mode's clip decisions with the full-KL rule; "
-            f"verl's loss_mode={mode!r} makes none through the divclip operator: set it to false"
-        )
-    if mode not in CONSTRAINTS:  # verl's own mode: ERC composes with it, the divclip dual-clip is refused
-        check_verl_mode_options(policy, prefix)
-
-
-def check_verl_mode_options(policy: DivClipPolicyLossConfig, prefix: str = POLICY_LOSS_KEY) -> None:
-    """Raise ``ValueError`` naming the key if ``policy``'s ERC knobs cannot apply to its verl ``loss_mode``
-    (``verl_ext.verl_modes`` composes them), or ``dual_clip_c`` is set (verl's modes read ``actor.clip_ratio_c``).
-    Part of :func:`check_policy_config`, for every non-divclip mode."""
-    mode = policy.loss_mode
-    if mode not in POLICY_LOSS_REGISTRY:
-        return  # check_policy_config reports unknown modes
-    if policy.erc_enabled and mode in NOT_COMPOSABLE:
-        raise ValueError(
-            f"{prefix}.erc_beta_low/erc_beta_high (ERC) cannot stack on loss_mode={mode!r}: it skips the "
-            "old-log-prob pass that gives pi_old's entropy"
-        )
-    if policy.dual_clip_c is not None:
-        raise ValueError(
-            f"{prefix}.dual_clip_c is the divclip modes' dual-clip cap; verl's loss_mode={mode!r} reads its own "
-            "(actor_rollout_ref.actor.clip_ratio_c, which verl's vanilla applies; the other verl modes have no "
-            "dual-clip rule): remove dual_clip_c"
-        )
-
-
-def check_entropy_as_mask(*, entropy_coeff: float) -> None:
-    """The rule of :func:`verl_ext.engine.request.entropy_as_mask` (also run by the recipe's validation before
-    Ray, via :func:`check_erc`): ``entropy_coeff`` is ``actor_rollout_ref.actor.entropy_coeff``, and a non-zero
-    bonus differentiates the entropy, which the graph-free float32 entropy (ERC's: pi_old's and pi_theta's the
-    same number on-policy) cannot."""
-    if entropy_coeff != 0:
-        raise ValueError(
-            f"actor_rollout_ref.actor.entropy_coeff={entropy_coeff} adds an entropy bonus, which needs the "
-            "entropy gradient; the detached entropy path (verl_ext.engine.request.entropy_as_mask) is only valid "
-            "with entropy_coeff=0. Leave the loss function undeclared to keep verl's autograd entropy."
-        )
-
-
-def check_knobs_read(actor: Any) -> None:
-    """Raise ``ValueError`` listing every knob :func:`unread_knobs` finds (the first names the knob and the mode)."""
-    problems = unread_knobs(actor)
-    if problems:
-        raise ValueError("; ".join(problems))
-
+from verl_ext.engine.request import SUPPORTED_STRATEGIES
 
 # ------------------------------------------------------------------------------------------------
 # The composed config (recipe.main's validation, before Ray starts)
@@ -181,7 +71,7 @@ def _drop_unset_divclip_keys(policy_loss: DictConfig, target: Any) -> None:
 
 
 #: ``+profile=<name>`` options: configs/profile/<name>.yaml; ``paper`` (the paper text) is the default.
-PROFILE_DIR = Path(__file__).resolve().parents[1] / "configs" / "profile"
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "profile"
 
 
 DEFAULT_PROFILE = "paper"
@@ -625,217 +515,3 @@ def _local_vocab_size(model_path: Any) -> int | None:
     local directory (a hub id: the engine checks k against the logits when it runs)."""
     vocab = _local_model_config(model_path).get("vocab_size", None)
     return int(vocab) if isinstance(vocab, int) else None
-
-
-# ------------------------------------------------------------------------------------------------
-# verl's keys the divclip path replaces or never reads (the refusals of recipe.verl_keys' table)
-# ------------------------------------------------------------------------------------------------
-
-
-def verl_config_dir() -> Path:
-    """verl's installed config directory (``verl/trainer/config``)."""
-    import verl.trainer.config as verl_config
-
-    return Path(verl_config.__file__).resolve().parent
-
-
-@lru_cache(maxsize=1)
-def verl_schema() -> DictConfig:
-    """verl's ``ppo_trainer`` config as verl ships it flattened (``_generated_ppo_trainer.yaml``, which verl
-    generates from ``ppo_trainer.yaml``; the table's test checks it against a fresh composition). Read
-    without Hydra, so it works inside ``recipe.main``'s own Hydra app."""
-    path = verl_config_dir() / "_generated_ppo_trainer.yaml"
-    if not path.is_file():
-        raise FileNotFoundError(f"verl's flattened ppo_trainer config is missing: {path}")
-    schema = OmegaConf.load(path)
-    assert isinstance(schema, DictConfig)
-    return schema
-
-
-_MISSING = object()
-
-
-def verl_default(key: str) -> Any:
-    """The value verl's schema gives ``key`` (interpolations resolved within verl's schema). Raises
-    ``KeyError`` naming the key if verl's schema has no such key."""
-    value = OmegaConf.select(verl_schema(), key, default=_MISSING)
-    if value is _MISSING:
-        raise KeyError(f"{key} is not a key of verl's ppo_trainer schema")
-    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig | ListConfig) else value
-
-
-def _interpolated_in_verl(key: str) -> bool:
-    """Whether verl's schema gives ``key`` an interpolation (its default then is another key's value)."""
-    parent, _, name = key.rpartition(".")
-    node = OmegaConf.select(verl_schema(), parent) if parent else verl_schema()
-    return isinstance(node, DictConfig) and OmegaConf.is_interpolation(node, name)
-
-
-def _value(config: DictConfig, key: str) -> Any:
-    """``key``'s resolved value in the composed config; a key missing there takes verl's default (the
-    composed config is verl's schema plus overrides, so only a key deleted on purpose is missing)."""
-    value = OmegaConf.select(config, key, default=_MISSING)
-    if value is _MISSING:
-        return verl_default(key)
-    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig | ListConfig) else value
-
-
-def _divclip_policy(config: DictConfig) -> bool:
-    return OmegaConf.select(config, f"{POLICY}._target_", default=None) == CONFIG_TARGET
-
-
-def _policy_knob(config: DictConfig, knob: str) -> Any:
-    """A divclip policy-loss knob: the config's value, else the dataclass' own default."""
-    value = OmegaConf.select(config, f"{POLICY}.{knob}", default=_MISSING)
-    if value is _MISSING:
-        return {f.name: f.default for f in dataclasses.fields(DivClipPolicyLossConfig)}[knob]
-    return value
-
-
-def _packs_as_update(config: DictConfig) -> bool:
-    """Whether the old-log-prob pass is packed as the update: ``pack_old_log_prob_as_update`` (default true)
-    with the divclip policy-loss config, always with verl's plain one (``verl_ext.actor_loss.build_actor_loss``);
-    never in ``bypass_mode``, which skips the pass (and refuses pack_old_log_prob_as_update)."""
-    if _value(config, f"{CORRECTION}.bypass_mode"):
-        return False
-    return bool(_policy_knob(config, "pack_old_log_prob_as_update")) if _divclip_policy(config) else True
-
-
-def _loss_mode(config: DictConfig) -> str:
-    return str(_value(config, f"{POLICY}.loss_mode"))
-
-
-PACK_KEY = f"{POLICY}.pack_old_log_prob_as_update"
-
-
-PACK_HINT = f"{PACK_KEY}=false gives verl's packing of the old-log-prob pass back"
-
-
-def check_clip_ratio_c(config: DictConfig) -> None:
-    """``actor.clip_ratio_c`` is verl's dual-clip constant; a divclip mode's dual clip is
-    ``policy_loss.dual_clip_c`` alone (verl's own modes read ``clip_ratio_c`` and refuse ``dual_clip_c``)."""
-    key, replacing = f"{ACTOR}.clip_ratio_c", f"{POLICY}.dual_clip_c"
-    mode, value, default = (
-        _loss_mode(config),
-        _value(config, f"{ACTOR}.clip_ratio_c"),
-        verl_default(f"{ACTOR}.clip_ratio_c"),
-    )
-    if value == default:
-        return
-    dual_clip_c = _policy_knob(config, "dual_clip_c") if _divclip_policy(config) else None
-    if dual_clip_c is not None and float(value) == float(dual_clip_c):
-        return  # both keys say the same c (the released ERC profile sets both)
-    if mode in CONSTRAINTS:
-        raise ValueError(
-            f"{key}={value} is not read by {POLICY}.loss_mode={mode!r} (a divclip mode): its dual clip comes from "
-            f"{replacing} alone (null = off, got {dual_clip_c!r}). Set {replacing}={value} and leave {key} at verl's "
-            f"default {default}"
-        )
-
-
-def check_log_prob_packing(config: DictConfig) -> None:
-    """With pack_old_log_prob_as_update the old-log-prob pass is packed with the update's micro-batch settings
-    (``verl_ext.engine.packing.infer_as_update``): ``rollout.log_prob_*`` must say what it uses."""
-    if not _packs_as_update(config):
-        return
-    dynamic = bool(_value(config, f"{ACTOR}.use_dynamic_bsz"))
-    pairs = [(f"{ROLLOUT}.log_prob_use_dynamic_bsz", f"{ACTOR}.use_dynamic_bsz", True)]
-    if dynamic:
-        pairs.append((f"{ROLLOUT}.log_prob_max_token_len_per_gpu", f"{ACTOR}.ppo_max_token_len_per_gpu", False))
-    else:
-        pairs.append((f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", f"{ACTOR}.ppo_micro_batch_size_per_gpu", False))
-    for key, replacing, strict in pairs:
-        value, used = _value(config, key), _value(config, replacing)
-        if value == used or (not strict and not _interpolated_in_verl(key) and value == verl_default(key)):
-            continue
-        raise ValueError(
-            f"{key}={value} is not used: with {PACK_KEY}=true (the default) the old-log-prob "
-            f"pass is packed exactly as the update, with {replacing}={used}. Set {key}={used} or leave verl's default; "
-            f"{PACK_HINT}"
-        )
-    legacy = f"{ROLLOUT}.log_prob_micro_batch_size"
-    if _value(config, legacy) is not None:
-        raise ValueError(
-            f"{legacy}={_value(config, legacy)} is not used: with {PACK_KEY}=true (the default) "
-            f"the old-log-prob pass is packed exactly as the update ({ACTOR}.ppo_micro_batch_size_per_gpu / "
-            f"ppo_max_token_len_per_gpu). Leave it null; {PACK_HINT}"
-        )
-
-
-ENTROPY_KEYS = ("entropy_checkpointing", "entropy_from_logits_with_chunking")
-
-
-def check_entropy_keys(config: DictConfig) -> None:
-    """Under ERC both passes compute the entropy with the one graph-free float32 function (the seam swaps
-    verl's, chunked or not, and turns ``entropy_checkpointing`` off); the vocabulary pass computes it in its
-    own chunks. verl's entropy settings then do nothing: a set one is refused."""
-    if not _divclip_policy(config):
-        return
-    erc = _policy_knob(config, "erc_beta_low") is not None or _policy_knob(config, "erc_beta_high") is not None
-    vocab_pass = bool(_policy_knob(config, "vocab_pass"))
-    if not (erc or vocab_pass):
-        return
-    feature = f"{POLICY}.erc_beta_low/erc_beta_high (ERC)" if erc else f"{POLICY}.vocab_pass=true"
-    for name in ENTROPY_KEYS:
-        for key in (f"{ACTOR}.{name}", f"{ACTOR}.fsdp_config.{name}"):
-            value, default = _value(config, key), verl_default(key)
-            if value != default:
-                raise ValueError(
-                    f"{key}={value} is replaced by {feature}: the divclip path computes the entropy its own way "
-                    f"({'one graph-free float32 function in both passes' if erc else 'the chunked vocabulary pass'}), "
-                    f"so verl's {name} does nothing. Leave it at verl's default {default}"
-                )
-
-
-def check_rollout_correction_needs_log_probs(config: DictConfig) -> None:
-    """verl's v1 trainer computes the rollout-correction weights and rejection mask only when the rollout's
-    log-probs are in the batch (``PPOTrainer._compute_advantage``): without them it trains uncorrected."""
-    if _value(config, f"{ROLLOUT}.calculate_log_probs"):
-        return
-    for name in ("rollout_is", "rollout_rs"):
-        value = _value(config, f"{CORRECTION}.{name}")
-        if value is not None:
-            raise ValueError(
-                f"{CORRECTION}.{name}={value!r} needs the rollout's log-probs, but "
-                f"{ROLLOUT}.calculate_log_probs=false: verl 0.9.1's trainer then computes no rollout correction and "
-                f"trains without it, silently. Set {ROLLOUT}.calculate_log_probs=true or {CORRECTION}.{name}=null"
-            )
-
-
-def check_parameter_sync_step(config: DictConfig) -> None:
-    """verl's base trainer reads ``trainer.v1.<trainer_mode>.parameter_sync_step`` in every mode
-    (``PPOTrainer.step``): each step then trains that many local updates, each on train_batch_size /
-    parameter_sync_step samples of the step's rollouts, recomputing pi_old with the current weights before
-    each. Only separate_async's (Decoupled PPO: pi_old is the cycle's first weights) is supported here."""
-    active = _value(config, TRAINER_MODE)
-    for mode in ("sync", "colocate_async"):
-        key = f"trainer.v1.{mode}.parameter_sync_step"
-        value = OmegaConf.select(config, key, default=None)
-        if value is None or value == 1:
-            continue
-        what = (
-            f"verl's base trainer honours it in {TRAINER_MODE}={mode} (each step trains {value} local updates, each "
-            f"on data.train_batch_size / {value} samples of the step's rollouts, pi_old recomputed before each), but "
-            "the divclip on-policy flag treats every later local update as off-policy, so its on-policy gauge and "
-            "packing check never see them"
-            if active == mode
-            else f"verl reads only trainer.v1.{active}.* in {TRAINER_MODE}={active}: it has no effect"
-        )
-        raise ValueError(
-            f"{key}={value}: {what}. Leave it at 1, or use {TRAINER_MODE}=separate_async with "
-            "trainer.v1.separate_async.parameter_sync_step (Decoupled PPO, supported)"
-        )
-
-
-def check_loss_type(config: DictConfig) -> None:
-    """``rollout_correction.loss_type`` is read only by verl's legacy trainer (``apply_bypass_mode`` switches
-    the actor to ``loss_mode=bypass_mode``, which reads it); verl 0.9.1's v1 trainer never does."""
-    key = f"{CORRECTION}.loss_type"
-    value, default = _value(config, key), verl_default(key)
-    if value != default:
-        raise ValueError(
-            f"{key}={value!r} has no effect: only verl's legacy trainer reads it (its apply_bypass_mode switches the "
-            f"actor loss to loss_mode=bypass_mode), and recipe.main runs verl's v1 trainer, whose {CORRECTION}."
-            f"bypass_mode keeps {POLICY}.loss_mode. Leave it at verl's default {default!r}; choose the loss with "
-            f"{POLICY}.loss_mode"
-        )
