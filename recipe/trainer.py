@@ -52,11 +52,11 @@ from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
 from verl.utils.config import omega_conf_to_dataclass
 
 from recipe.checkpoints import set_aside_incomplete_checkpoints
-from recipe.config_checks import old_log_prob_from_update_blocker
 from recipe.data_trace import DataTrace
 from recipe.validation.length import ValidationLengthTrainerMixin
 from verl_ext.actor_loss import build_actor_loss
 from verl_ext.adaptive_delta import AdaptiveDelta
+from verl_ext.config_rules.composed import old_log_prob_from_update_blocker
 from verl_ext.core.region import CONSTRAINTS
 from verl_ext.core.staleness import behaviour_divergence
 from verl_ext.engine.old_from_update import COLLECT_KEY, OLD_FROM_UPDATE_KEY

@@ -15,7 +15,7 @@ path touches (a key or a key prefix; the longest matching prefix wins, :func:`cl
   replacement uses (verl's default, or the replacing key's value); anything else is refused before Ray
   starts, naming both keys (:func:`check_replaced_keys`);
 * ``refused`` -- refused before Ray starts under the stated condition (by :func:`check_refused_keys` or
-  the ``recipe.config_checks`` function the rule names);
+  the :mod:`verl_ext.config_rules` function the rule names);
 * ``no_effect`` -- the key does nothing on this path (the rule says why).
 
 A rule may also carry a conditional refusal (``refused_when``) on top of its class: an honoured feature
@@ -40,30 +40,21 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from recipe.verl_key_checks import (
-    ACTOR,
-    CORRECTION,
+from recipe.verl_key_checks import KeyClass, KeyRule, compose_verl_schema, is_divclip_key, key_under, leaf_keys
+from recipe.verl_key_reads import COMMAND as RECORD_COMMAND
+from recipe.verl_key_reads import READ_KEYS_PATH, read_keys
+from verl_ext.config import ACTOR
+from verl_ext.config_rules.policy import CORRECTION, POLICY, REF, ROLLOUT, TRAINER_MODE
+from verl_ext.config_rules.verl_keys import (
     ENTROPY_KEYS,
     PACK_KEY,
-    POLICY,
-    REF,
-    ROLLOUT,
-    TRAINER_MODE,
-    KeyClass,
-    KeyRule,
     check_clip_ratio_c,
     check_entropy_keys,
     check_log_prob_packing,
     check_loss_type,
     check_parameter_sync_step,
     check_rollout_correction_needs_log_probs,
-    compose_verl_schema,
-    is_divclip_key,
-    key_under,
-    leaf_keys,
 )
-from recipe.verl_key_reads import COMMAND as RECORD_COMMAND
-from recipe.verl_key_reads import READ_KEYS_PATH, read_keys
 
 DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "verl_features.md"
 READ_KEYS_FILE = READ_KEYS_PATH.relative_to(DOC_PATH.parents[1]).as_posix()
@@ -185,7 +176,7 @@ RULES: tuple[KeyRule, ...] = (
                                         "separate_async's split are checked",
             refused_when="with adaptive_delta_target, ppo_mini_batch_size >= it and one epoch (every update on-policy: "
                          "the controller measures nothing); in separate_async, != parameter_sync_step x "
-                         "ppo_mini_batch_size", check="validate_divclip_config"),
+                         "ppo_mini_batch_size", check="check_adaptive_delta_updates"),
     KeyRule("reward.reward_model.enable", F, "verl's reward model",
             refused_when="true with reward.reward_model.enable_resource_pool=false in separate_async",
             check="validate_trainer_mode"),
@@ -231,17 +222,17 @@ RULES: tuple[KeyRule, ...] = (
                             "ppo_loss; the divclip modes need the divclip _target_",
             evidence="`tests/test_ppo_loss_parity.py` (12 modes x 36 cases)",
             refused_when="a divclip loss_mode without the divclip _target_, an unregistered loss_mode",
-            check="validate_divclip_config"),
+            check="check_policy_target"),
     KeyRule(f"{ACTOR}.clip_ratio", H, "verl's modes read it as in ppo_loss; the divclip ratio modes read the same key",
             evidence="`tests/test_ppo_loss_parity.py`, `tests/test_losses.py`; refusals: `tests/test_knobs.py`",
-            refused_when=UNREAD, check="validate_divclip_config"),
+            refused_when=UNREAD, check="check_knobs_read"),
     *(KeyRule(f"{ACTOR}.{name}", H, "as actor.clip_ratio",
               evidence="`tests/test_ppo_loss_parity.py`, `tests/test_losses.py`; refusals: `tests/test_knobs.py`",
-              refused_when=f"outside its range for a divclip mode; {UNREAD}", check="validate_divclip_config")
+              refused_when=f"outside its range for a divclip mode; {UNREAD}", check="check_knobs_read")
       for name in ("clip_ratio_low", "clip_ratio_high")),
     *(KeyRule(f"{ACTOR}.{name}", H, "verl's sapo mode reads it as in ppo_loss",
               evidence="`tests/test_ppo_loss_parity.py`; refusals: `tests/test_knobs.py`",
-              refused_when=UNREAD, check="validate_divclip_config")
+              refused_when=UNREAD, check="check_knobs_read")
       for name in ("tau_pos", "tau_neg")),
     KeyRule(f"{ACTOR}.clip_ratio_c", P,
             "verl's dual-clip constant: the divclip modes take their dual clip from policy_loss.dual_clip_c alone "
@@ -257,7 +248,7 @@ RULES: tuple[KeyRule, ...] = (
     KeyRule(f"{ACTOR}.entropy_coeff", H, "the entropy bonus, bit-identical; with ERC it must be 0 (ERC's entropy is a "
                                          "graph-free mask)",
             evidence=f"`tests/test_ppo_loss_parity.py`; `{RECIPE_MAIN_TEST}::test_config_errors_name_the_key`",
-            refused_when="non-zero with ERC", check="validate_divclip_config"),
+            refused_when="non-zero with ERC", check="check_erc"),
     KeyRule(f"{ACTOR}.loss_agg_mode", H, "bit-identical for every aggregation mode and with data parallelism",
             evidence="`tests/test_ppo_loss_parity.py`"),
     KeyRule(f"{ACTOR}.loss_scale_factor", H, "as actor.loss_agg_mode", evidence="`tests/test_ppo_loss_parity.py`"),
@@ -265,7 +256,7 @@ RULES: tuple[KeyRule, ...] = (
                                                     "legacy trainer's optimal-token baseline reads it)",
             refused_when="true", check="validate_verl_features"),
     KeyRule(f"{ACTOR}.calculate_entropy", H, "verl's entropy of both passes; ERC needs it",
-            evidence=f"`{RECIPE_MAIN_TEST}`", refused_when="false with ERC", check="validate_divclip_config"),
+            evidence=f"`{RECIPE_MAIN_TEST}`", refused_when="false with ERC", check="check_erc"),
     KeyRule(f"{ACTOR}.ppo_epochs", H, "the first epoch is packed as the old pass and checked; later epochs are "
                                       "off-policy by definition", evidence="`tests/test_onpolicy.py` (two epochs)"),
     KeyRule(f"{ACTOR}.ppo_mini_batch_size", H, "the old pass is packed with the update's split, and the update "
@@ -436,7 +427,7 @@ def check_replaced_keys(config: DictConfig) -> None:
 
 
 def check_refused_keys(config: DictConfig) -> None:
-    """The refusals this table adds (the others live in ``recipe.config_checks``). Raises ``ValueError``."""
+    """The refusals this table adds (the others are run by ``recipe.config_checks``). Raises ``ValueError``."""
     for check in REFUSED_CHECKS:
         check(config)
 
@@ -494,8 +485,8 @@ def render_doc() -> str:
         "`python -m recipe.main` runs verl's v1 trainer with the divclip actor loss installed on every actor worker "
         "(`set_loss_fn`, every loss mode, verl's own included) and the engine seam wrapped around verl's FSDP actor "
         "engine ([engine](engine.md)). A **replaced** key may keep the value the divclip path uses (verl's default, or "
-        "the replacing key's value); any other value is refused by `recipe/config_checks.py` before Ray starts, with a "
-        "message naming both keys. A condition under *refused when* is refused the same way, naming the key. Nothing "
+        "the replacing key's value); any other value is refused by `verl_ext/config_rules.py` before Ray starts, with "
+        "a message naming both keys. A condition under *refused when* is refused the same way, naming the key. Nothing "
         "verl reads is dropped silently.",
         "",
     ]

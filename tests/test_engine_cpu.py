@@ -97,7 +97,7 @@ def _update(model_path: str, options: WorkerOptions, loss: Any, batch: Any, deta
     loss_fn: Any = functools.partial(recorder, config=make_actor_config())
     if detached:
         seam.install()
-        loss_fn = entropy_as_mask(loss_fn, entropy_coeff=0.0)
+        loss_fn = entropy_as_mask(loss_fn)
     worker.set_loss_fn(loss_fn)
     before = full_params(worker)
     metrics = update_actor(worker, batch, calculate_entropy=True)

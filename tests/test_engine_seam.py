@@ -442,7 +442,7 @@ def test_an_uncovered_engine_is_refused_not_marked() -> None:
 
     engine = NotAnFSDPEngine()
     for asked, keys in (
-        (entropy_as_mask(loss, entropy_coeff=0.0), "erc_beta_low/erc_beta_high"),
+        (entropy_as_mask(loss), "erc_beta_low/erc_beta_high"),
         (with_vocab_pass(loss), "policy_loss.vocab_pass"),
         (declare(loss, pack_old_log_prob_as_update=True), "pack_old_log_prob_as_update"),
     ):

@@ -410,9 +410,12 @@ def test_engine_path_selection_and_fused_kernels() -> None:
     def loss(**_: Any) -> None: ...
 
     assert request_of(loss) == EngineRequest() and not request_of(loss).entropy_as_mask
+    from verl_ext.config_rules.policy import check_entropy_as_mask
+
     with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.entropy_coeff=0\.01"):
-        entropy_as_mask(loss, entropy_coeff=0.01)
-    masked = request_of(entropy_as_mask(loss, entropy_coeff=0.0))
+        check_entropy_as_mask(entropy_coeff=0.01)
+    check_entropy_as_mask(entropy_coeff=0.0)
+    masked = request_of(entropy_as_mask(loss))
     assert masked.entropy_as_mask
     assert resolve_entropy_path(masked, use_fused_kernels=False) is EntropyPath.DIVCLIP_FP32
     assert resolve_entropy_path(masked, use_fused_kernels=True) is EntropyPath.FUSED_KERNEL

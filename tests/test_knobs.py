@@ -32,6 +32,7 @@ from recipe import mode_table
 from recipe.bench.harness import make_actor_config, make_rollout_batch
 from tests.test_ppo_loss_parity import verl_modes as registered_verl_modes
 from verl_ext.config import DivClipPolicyLossConfig
+from verl_ext.config_rules.policy import check_knobs_read
 from verl_ext.core.region import CONSTRAINTS
 from verl_ext.knobs import (
     FEATURES,
@@ -39,7 +40,6 @@ from verl_ext.knobs import (
     Feature,
     Knob,
     all_modes,
-    check_knobs_read,
     declared_knob_names,
     mode_reads,
 )

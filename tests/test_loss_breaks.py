@@ -119,7 +119,7 @@ def test_erc_on_verl_mode_keeps_the_kl_loss_gradient_on_every_token(monkeypatch:
     went through :data:`~verl_ext.registry.ERC_ON_VERL_MODE`; a wide band is the control (the policy term
     then moves the gradient)."""
     from verl_ext.actor_loss import divclip_actor_loss
-    from verl_ext.registry import ERC_ON_VERL_MODE
+    from verl_ext.config_rules.policy import ERC_ON_VERL_MODE
 
     calls: list[str] = []
     entry = core_algos.POLICY_LOSS_REGISTRY[ERC_ON_VERL_MODE]
@@ -371,8 +371,8 @@ def test_every_actor_key_the_loss_cases_set_is_honoured_with_evidence_that_exerc
     """A key the loss cases show to change verl's loss is ``honoured`` on the divclip path (the actor loss is
     verl's ``ppo_loss``), and one of the tests its row names exercises that key -- so reclassifying, say,
     ``loss_scale_factor`` as ``no_effect`` (or naming evidence that never sets it) fails here."""
-    from recipe.verl_key_checks import ACTOR
     from recipe.verl_keys import KeyClass, classify
+    from verl_ext.config import ACTOR
 
     rule = classify(f"{ACTOR}.{key}")
     assert rule.key_class is KeyClass.HONOURED, (key, rule.key_class, rule.reason)

@@ -289,7 +289,7 @@ def trainer_config(overrides: list[str]) -> Any:
 
 @pytest.mark.parametrize("case", list(BLOCKERS))
 def test_where_it_is_not_exact_it_is_not_taken(case: str) -> None:
-    from recipe.config_checks import old_log_prob_from_update_blocker
+    from verl_ext.config_rules.composed import old_log_prob_from_update_blocker
 
     overrides, named = BLOCKERS[case]
     assert old_log_prob_from_update_blocker(trainer_config([])) is None  # the default config: taken
@@ -305,17 +305,17 @@ def test_where_it_is_not_exact_it_is_not_taken(case: str) -> None:
     ],
 )
 def test_kl_fulls_top_k_does_not_block_it(overrides: list[str]) -> None:
-    from recipe.config_checks import old_log_prob_from_update_blocker
+    from verl_ext.config_rules.composed import old_log_prob_from_update_blocker
 
     assert old_log_prob_from_update_blocker(trainer_config(overrides)) is None
 
 
 def test_asked_where_it_is_not_exact_is_refused_naming_the_key() -> None:
-    from recipe.config_checks import ConfigError, validate_old_log_prob_from_update
+    from verl_ext.config_rules.composed import validate_old_log_prob_from_update
 
     key = "actor_rollout_ref.actor.policy_loss.old_log_prob_from_update"
     validate_old_log_prob_from_update(trainer_config([f"{key}=true"]))  # exact: accepted
-    with pytest.raises(ConfigError, match=rf"{key}=true.*use_kl_in_reward"):
+    with pytest.raises(ValueError, match=rf"{key}=true.*use_kl_in_reward"):
         validate_old_log_prob_from_update(trainer_config([f"{key}=true", "algorithm.use_kl_in_reward=true"]))
 
 

@@ -12,9 +12,10 @@ from omegaconf import OmegaConf
 
 from recipe import verl_keys
 from recipe.config_checks import ConfigError, validate_divclip_config
-from recipe.verl_key_checks import compose_verl_schema, leaf_keys, verl_config_dir, verl_default, verl_schema
+from recipe.verl_key_checks import compose_verl_schema, leaf_keys
 from recipe.verl_keys import KeyClass, classify, verl_leaf_keys
 from tests.test_recipe_main import ERC, KL_FULL, PACK_OFF, SEPARATE, compose_config
+from verl_ext.config_rules.verl_keys import verl_config_dir, verl_default, verl_schema
 
 ACTOR = "actor_rollout_ref.actor"
 ROLLOUT = "actor_rollout_ref.rollout"
@@ -83,11 +84,13 @@ def test_the_flattened_schema_the_checks_read_is_verls_composed_config() -> None
 
 def test_every_rule_that_refuses_has_its_check() -> None:
     import recipe.config_checks as config_checks
+    from verl_ext.config_rules import composed, policy
 
     for rule in verl_keys.RULES:
         if rule.refused_when is None:
             continue
-        check = rule.check if callable(rule.check) else getattr(config_checks, str(rule.check), None)
+        named = [getattr(module, str(rule.check), None) for module in (composed, policy, config_checks)]
+        check = rule.check if callable(rule.check) else next((f for f in named if f is not None), None)
         assert callable(check), rule
         if rule.key_class is KeyClass.REPLACED:
             assert callable(rule.check) and rule.check in verl_keys.REPLACED_CHECKS, rule

@@ -16,11 +16,13 @@ and beside them, the glue to verl's trainer-side APIs:
 
 * ``config`` -- ``DivClipPolicyLossConfig``, the dataclass verl composes ``policy_loss.*`` into; it
   checks its values alone (a leaf: verl and the standard library).
+* ``config_rules`` -- every config rule (a refusal of a combination of keys), one function each: the
+  policy-loss config against the loss-mode registry, the composed config before Ray starts, and the verl
+  keys the divclip path replaces or never reads.
 * ``registry`` -- the constraints in verl's ``POLICY_LOSS_REGISTRY`` (never shadowing verl's own), the
-  entry for ERC on verl's own modes, the inputs the actor loss supplies to them for one ``ppo_loss`` call,
-  and the config checks that need the registry (``check_policy_config``).
+  entry for ERC on verl's own modes, and the inputs the actor loss supplies to them for one ``ppo_loss`` call.
 * ``verl_modes`` -- ERC on verl's own losses, and what each of them reads; ``knobs`` -- the knobs every loss
-  mode and feature declares it reads, and the check that refuses the rest; ``adaptive_delta`` -- the opt-in controller
+  mode and feature declares it reads (``config_rules`` refuses the rest); ``adaptive_delta`` -- the opt-in controller
   of the KL budget delta (ATR section 6.5); ``token_dump`` -- the per-token dump for ERC's Figure 3.
 * ``actor_loss`` -- the loss installed with ``set_loss_fn``: verl's own ``ppo_loss`` with what its registry
   signature lacks (both entropies, pi_old's top-k) supplied to the registered function, plus the on-policy
@@ -39,14 +41,15 @@ import verl's engine or worker modules)::
     token_dump    -> (no verl_ext module)
     core          -> config
     engine        -> core
-    registry      -> config, core, verl_modes
+    config_rules  -> config, core, engine, knobs
+    registry      -> config, config_rules, core, verl_modes
     verl_modes    -> config, core
     knobs         -> config, core, verl_modes
-    adaptive_delta -> config, core, registry
-    actor_loss    -> config, core, engine, registry, token_dump, verl_modes
+    adaptive_delta -> config, config_rules, core
+    actor_loss    -> config, config_rules, core, engine, registry, token_dump, verl_modes
     plugin        -> core, registry; cpu (only under VERL_PLATFORM=cpu)
 
-``config`` still runs the registry's check at construction: ``registry`` registers
-``check_policy_config`` with ``config.register_mode_check`` when it is imported (every process that
-imports verl imports it, through the plugin), and every consumer of a config calls it too.
+``config`` still runs the registry's check at construction: ``config_rules.policy`` registers
+``check_policy_config`` with ``config.register_mode_check`` when it is imported (``registry`` imports it, and
+every process that imports verl imports that, through the plugin), and every consumer of a config calls it too.
 """

@@ -41,6 +41,7 @@ from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
 from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig, actor_clip_range
+from verl_ext.config_rules.policy import check_entropy_as_mask
 from verl_ext.core import key_reads
 from verl_ext.core.coarsened_kl import TopKLogMasses
 from verl_ext.core.erc import entropy_ratio, outside_band
@@ -367,7 +368,8 @@ def build_actor_loss(actor_config: ActorConfig) -> Callable[..., Any]:
     loss = functools.partial(divclip_actor_loss, config=actor_config)
     policy = divclip_policy_config(actor_config)
     if policy is not None and policy.erc_enabled:
-        loss = entropy_as_mask(loss, entropy_coeff=actor_config.entropy_coeff)  # raises on an entropy bonus
+        check_entropy_as_mask(entropy_coeff=actor_config.entropy_coeff)  # raises on an entropy bonus
+        loss = entropy_as_mask(loss)
     loss = declare(
         loss,
         vocab_pass=policy is not None and policy.vocab_pass,  # both passes of this engine: no logits tensor

@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from verl_ext.config import DivClipPolicyLossConfig
+from verl_ext.config_rules.policy import check_policy_config
 from verl_ext.core.region import CONSTRAINTS
-from verl_ext.registry import check_policy_config
 
 STATE_FILE = "divclip_adaptive_delta.json"
 TOKEN_METRIC = "actor/divclip/kl3_mean"

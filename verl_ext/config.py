@@ -11,11 +11,11 @@ The ratio-clip epsilons are verl's own ``actor.clip_ratio_low`` / ``actor.clip_r
 (used by ``clip``, ``gppo``, ``trgppo``'s floor and ``dcpo``'s epsilons), so existing DAPO
 configs keep their meaning.
 
-This module is a leaf of :mod:`verl_ext`: it imports verl and the standard library only. The
-checks that need the loss-mode registry (is ``loss_mode`` known, does it have a KL budget for the
-adaptive delta, do ERC / dual-clip compose with a verl mode) live with that registry, in
-:func:`verl_ext.registry.check_policy_config`, which every consumer of a config calls and which
-:mod:`verl_ext.registry` also registers here (:func:`register_mode_check`) when it is imported, so
+This module is a leaf of :mod:`verl_ext`: it imports verl and the standard library only, and checks
+its own fields here. The rules that need the loss-mode registry (is ``loss_mode`` known, does it have a
+KL budget for the adaptive delta, do ERC / dual-clip compose with a verl mode) are
+:func:`verl_ext.config_rules.check_policy_config`, which registers itself here
+(:func:`register_mode_check`) when :mod:`verl_ext.config_rules` is imported (by the registry), so
 ``__post_init__`` runs it too: a config that hydra builds in a process that imported verl (and
 with it the plugin, hence the losses) fails at construction, naming the key.
 """
@@ -30,8 +30,9 @@ from typing import Any, Optional
 from verl.workers.config import PolicyLossConfig
 
 CONFIG_TARGET = "verl_ext.config.DivClipPolicyLossConfig"
-#: Where verl's config tree holds this dataclass: the prefix of every key an error names.
-POLICY_LOSS_KEY = "actor_rollout_ref.actor.policy_loss"
+#: verl's actor config and, below it, this dataclass: the prefixes of every key an error names.
+ACTOR = "actor_rollout_ref.actor"
+POLICY_LOSS_KEY = f"{ACTOR}.policy_loss"
 #: ``correct_nll_norm`` values: verl's global normalisation, or the released ERC code's per micro-batch one.
 CORRECT_NLL_NORMS = ("global", "micro_batch")
 #: ``kl_full_direction`` values: KL(pi_theta || pi_old) (ATR-GRPO Eq. 4) or KL(pi_old || pi_theta) (Truly PPO).
@@ -47,7 +48,7 @@ def register_mode_check(
     check: Callable[[DivClipPolicyLossConfig, str], None],
 ) -> Callable[[DivClipPolicyLossConfig, str], None]:
     """Run ``check(config, prefix)`` at the end of every ``DivClipPolicyLossConfig.__post_init__``
-    from now on (idempotent). :mod:`verl_ext.registry` registers its :func:`check_policy_config`
+    from now on (idempotent). :mod:`verl_ext.config_rules` registers its :func:`check_policy_config`
     here, so the mode registry's checks fire at construction without this module importing it.
     Configs built before that import are not checked here; their consumers check them."""
     if check not in _MODE_CHECKS:
@@ -290,7 +291,7 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
 def check_clip_ratios(clip_ratio_low: Any, clip_ratio_high: Any) -> tuple[float, float]:
     """Validate verl's actor clip epsilons as used by the divclip modes: 0 <= eps_low < 1,
     eps_high >= 0, and a non-empty interval l = 1 - eps_low < u = 1 + eps_high."""
-    prefix = "actor_rollout_ref.actor"
+    prefix = ACTOR
     for key, value in (("clip_ratio_low", clip_ratio_low), ("clip_ratio_high", clip_ratio_high)):
         if not _finite(value):
             raise ValueError(f"{prefix}.{key} must be a finite number, got {value!r}")

@@ -302,13 +302,6 @@ def unread_knobs(actor: Any) -> list[str]:
     return problems
 
 
-def check_knobs_read(actor: Any) -> None:
-    """Raise ``ValueError`` listing every knob :func:`unread_knobs` finds (the first names the knob and the mode)."""
-    problems = unread_knobs(actor)
-    if problems:
-        raise ValueError("; ".join(problems))
-
-
 def declared_knob_names() -> set[str]:
     """Every knob some declaration names (each must be in :data:`KNOBS`)."""
     names = {name for mode in all_modes() for name in mode_reads(mode)}

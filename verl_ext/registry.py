@@ -14,11 +14,12 @@
   modes, and it gates the policy term's log-probs (:func:`verl_ext.verl_modes.verl_policy_loss`) before
   calling verl's registered function -- so the KL loss of ``ppo_loss`` keeps its gradient (ERC refuses an
   entropy bonus: ``actor.entropy_coeff`` must be 0, and the current entropy is a detached mask).
-* :func:`check_policy_config` checks a ``DivClipPolicyLossConfig`` against the registry (known
-  ``loss_mode``, adaptive delta on a KL-budget mode, ERC / dual-clip on verl's own modes), naming the
-  key; :func:`resolve_policy_config` finds the config inside an actor config and checks it.
+* :func:`resolve_policy_config` finds the ``DivClipPolicyLossConfig`` inside an actor config and checks it
+  against the registry (:func:`verl_ext.config_rules.check_policy_config`, which importing this module
+  also registers with the dataclass).
 
-Imports :mod:`verl_ext.config`, :mod:`verl_ext.core` and verl's ``core_algos``: no engine code.
+Imports :mod:`verl_ext.config`, :mod:`verl_ext.config_rules`, :mod:`verl_ext.core` and verl's ``core_algos``:
+no engine code.
 """
 
 from __future__ import annotations
@@ -32,13 +33,8 @@ from typing import Any, Optional
 import torch
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
 
-from verl_ext.config import (
-    CONFIG_TARGET,
-    POLICY_LOSS_KEY,
-    DivClipPolicyLossConfig,
-    actor_clip_ratios,
-    register_mode_check,
-)
+from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig, actor_clip_ratios
+from verl_ext.config_rules.policy import ERC_ON_VERL_MODE, check_policy_config
 from verl_ext.core.coarsened_kl import TopKLogMasses
 from verl_ext.core.constraints import KL_FULL_NEEDS_TOPK
 from verl_ext.core.region import CONSTRAINTS
@@ -68,10 +64,6 @@ class LossInputs:
 
 
 _LOSS_INPUTS: ContextVar[Optional[LossInputs]] = ContextVar("divclip_loss_inputs", default=None)
-
-ERC_ON_VERL_MODE = "divclip_erc_on_verl_mode"
-"""The registry entry the actor loss selects for ERC stacked on one of verl's own modes (never a user's
-``loss_mode``: :func:`check_policy_config` refuses it)."""
 
 ROLLOUT_IS_METRIC = "actor/divclip/rollout_is_weight_mean"
 """Mean over valid tokens of the rollout-correction weights the registered function received from
@@ -140,63 +132,6 @@ def resolve_policy_config(config: Any) -> DivClipPolicyLossConfig:
         f"actor_rollout_ref.actor.policy_loss._target_={CONFIG_TARGET} (got {type(policy).__name__}); "
         "verl's PolicyLossConfig cannot carry delta / dual_clip_c / ERC knobs"
     )
-
-
-NOT_COMPOSABLE = frozenset({"bypass_mode"})
-"""verl modes ERC cannot stack on: bypass mode skips the old-log-prob pass that yields H(pi_old)."""
-
-
-@register_mode_check
-def check_policy_config(policy: DivClipPolicyLossConfig, prefix: str = POLICY_LOSS_KEY) -> None:
-    """Raise ``ValueError`` naming the key where ``policy`` does not fit its ``loss_mode``: the mode
-    is registered (a divclip constraint or verl's own), ``adaptive_delta_target`` is set only on a
-    KL-budget mode, and on verl's modes ERC can apply and dual-clip is not set (:func:`check_verl_mode_options`).
-
-    The config dataclass checks its values alone (:mod:`verl_ext.config` does not import this
-    module); this is the half that needs the registry. Registered with
-    :func:`verl_ext.config.register_mode_check`, so it also runs in ``__post_init__`` of every
-    config built once this module is imported; consumers (:func:`resolve_policy_config`, the
-    actor loss, ``recipe.config_checks``, the adaptive-delta controller) call it as well.
-    """
-    mode = policy.loss_mode
-    if mode == ERC_ON_VERL_MODE:
-        raise ValueError(f"{prefix}.loss_mode={mode!r} is internal to the divclip actor loss: name a loss mode")
-    if mode not in CONSTRAINTS and mode not in POLICY_LOSS_REGISTRY:
-        known = sorted(set(POLICY_LOSS_REGISTRY) | set(CONSTRAINTS))
-        raise ValueError(f"{prefix}.loss_mode={mode!r} is not a registered policy loss; known: {known}")
-    if policy.adaptive_delta_enabled and not (mode in CONSTRAINTS and CONSTRAINTS[mode].delta_budget):
-        budget_modes = sorted(name for name, spec in CONSTRAINTS.items() if spec.delta_budget)
-        raise ValueError(
-            f"{prefix}.adaptive_delta_target adapts the KL budget delta, which loss_mode={mode!r} "
-            f"does not have; the KL-budget modes are {budget_modes}"
-        )
-    if policy.kl_full_diagnostic and mode not in CONSTRAINTS:
-        raise ValueError(
-            f"{prefix}.kl_full_diagnostic compares a divclip mode's clip decisions with the full-KL rule; "
-            f"verl's loss_mode={mode!r} makes none through the divclip operator: set it to false"
-        )
-    if mode not in CONSTRAINTS:  # verl's own mode: ERC composes with it, the divclip dual-clip is refused
-        check_verl_mode_options(policy, prefix)
-
-
-def check_verl_mode_options(policy: DivClipPolicyLossConfig, prefix: str = POLICY_LOSS_KEY) -> None:
-    """Raise ``ValueError`` naming the key if ``policy``'s ERC knobs cannot apply to its verl ``loss_mode``
-    (``verl_ext.verl_modes`` composes them), or ``dual_clip_c`` is set (verl's modes read ``actor.clip_ratio_c``).
-    Part of :func:`check_policy_config`, for every non-divclip mode."""
-    mode = policy.loss_mode
-    if mode not in POLICY_LOSS_REGISTRY:
-        return  # check_policy_config reports unknown modes
-    if policy.erc_enabled and mode in NOT_COMPOSABLE:
-        raise ValueError(
-            f"{prefix}.erc_beta_low/erc_beta_high (ERC) cannot stack on loss_mode={mode!r}: it skips the "
-            "old-log-prob pass that gives pi_old's entropy"
-        )
-    if policy.dual_clip_c is not None:
-        raise ValueError(
-            f"{prefix}.dual_clip_c is the divclip modes' dual-clip cap; verl's loss_mode={mode!r} reads its own "
-            "(actor_rollout_ref.actor.clip_ratio_c, which verl's vanilla applies; the other verl modes have no "
-            "dual-clip rule): remove dual_clip_c"
-        )
 
 
 def _make_registry_loss(mode: str) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:

@@ -76,10 +76,12 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
         worker = build_actor_worker(model_path, options)
         actor_config = make_actor_config(ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences)
         loss_fn = ppo_loss_fn(actor_config)
+        from verl_ext.config_rules.policy import check_entropy_as_mask
         from verl_ext.engine.request import entropy_as_mask
 
         if variant not in ("a_no_entropy", "b_verl_entropy"):  # ERC's detached entropy, as the actor loss declares it
-            loss_fn = packed_as_update(entropy_as_mask(loss_fn, entropy_coeff=actor_config.entropy_coeff))
+            check_entropy_as_mask(entropy_coeff=actor_config.entropy_coeff)
+            loss_fn = packed_as_update(entropy_as_mask(loss_fn))
         if "vocab_pass" in variant:
             loss_fn = with_vocab_pass(loss_fn)
         worker.set_loss_fn(loss_fn)

@@ -38,8 +38,9 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.workers.config import FSDPActorConfig, PolicyLossConfig
 
 from verl_ext.config import DivClipPolicyLossConfig
+from verl_ext.config_rules.policy import check_policy_config
 from verl_ext.core.region import CONSTRAINTS
-from verl_ext.registry import LossInputs, check_policy_config, supplying
+from verl_ext.registry import LossInputs, supplying
 from verl_ext.verl_modes import verl_policy_loss
 
 SHAPES: tuple[tuple[int, int], ...] = ((64, 4096), (8, 16384))

@@ -15,9 +15,9 @@ old-log-prob pass has no loss function of its own):
 
 A loss without the attribute (verl's own ``ppo_loss``) asks for nothing: the engine runs verl's code.
 
-This module also states which of verl's training strategies the seam covers
-(:data:`SUPPORTED_STRATEGIES`) and which config keys turn a feature on (:func:`requested_features`), so
-the recipe refuses an uncovered strategy before Ray starts. It imports nothing of verl or torch.
+This module also states which of verl's training strategies the seam covers (:data:`SUPPORTED_STRATEGIES`;
+the recipe refuses another before Ray starts: :func:`verl_ext.config_rules.composed.validate_strategy`). It
+imports nothing of verl or torch.
 """
 
 from __future__ import annotations
@@ -96,22 +96,10 @@ def declare(loss_function: Callable[..., Any], **features: bool) -> Callable[...
     return wrapped
 
 
-def check_entropy_as_mask(*, entropy_coeff: float) -> None:
-    """The rule of :func:`entropy_as_mask` (also run by the recipe's validation before Ray): ``entropy_coeff``
-    is ``actor_rollout_ref.actor.entropy_coeff``, and a non-zero bonus differentiates the entropy, which the
-    graph-free float32 entropy (ERC's: pi_old's and pi_theta's the same number on-policy) cannot."""
-    if entropy_coeff != 0:
-        raise ValueError(
-            f"actor_rollout_ref.actor.entropy_coeff={entropy_coeff} adds an entropy bonus, which needs the "
-            "entropy gradient; the detached entropy path (verl_ext.engine.request.entropy_as_mask) is only valid "
-            "with entropy_coeff=0. Leave the loss function undeclared to keep verl's autograd entropy."
-        )
-
-
-def entropy_as_mask(loss_function: Callable[..., Any], *, entropy_coeff: float) -> Callable[..., Any]:
-    """Declare that ``loss_function`` uses the current entropy only as a (detached) mask (ERC); refused with
-    an entropy bonus (:func:`check_entropy_as_mask`) instead of silently dropping its gradient."""
-    check_entropy_as_mask(entropy_coeff=entropy_coeff)
+def entropy_as_mask(loss_function: Callable[..., Any]) -> Callable[..., Any]:
+    """Declare that ``loss_function`` uses the current entropy only as a (detached) mask (ERC). Valid only
+    without an entropy bonus: the rule :func:`verl_ext.config_rules.policy.check_entropy_as_mask`, which the
+    caller runs (the actor loss; the recipe's validation before Ray)."""
     return declare(loss_function, entropy_as_mask=True)
 
 
@@ -144,19 +132,3 @@ def describe(request: EngineRequest, path: EntropyPath) -> str:
         else "verl's packing of the old-log-prob pass"
     )
     return f"{numbers}; {packing}"
-
-
-def requested_features(policy: Any) -> dict[str, bool]:
-    """Config key -> whether the policy-loss config ``policy`` (a ``DivClipPolicyLossConfig``, or ``None`` for
-    verl's plain config, which the divclip actor loss packs as the update) turns on a feature only the seam
-    provides."""
-    if policy is None:
-        return {f"{POLICY_LOSS_KEY}.pack_old_log_prob_as_update": True}
-    get = policy.get if hasattr(policy, "get") else (lambda key, default=None: getattr(policy, key, default))
-    return {
-        f"{POLICY_LOSS_KEY}.erc_beta_low/erc_beta_high": get("erc_beta_low", None) is not None,
-        f"{POLICY_LOSS_KEY}.vocab_pass": bool(get("vocab_pass", False)),
-        f"{POLICY_LOSS_KEY}.loss_mode=kl_full": get("loss_mode", None) == "kl_full",
-        f"{POLICY_LOSS_KEY}.kl_full_diagnostic": bool(get("kl_full_diagnostic", False)),
-        f"{POLICY_LOSS_KEY}.pack_old_log_prob_as_update": bool(get("pack_old_log_prob_as_update", True)),
-    }
