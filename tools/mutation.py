@@ -45,7 +45,7 @@ MUTATED = [
     "verl_ext/verl_modes.py",
     "verl_ext/adaptive_delta.py",
     "verl_ext/config.py",
-    "verl_ext/config_rules.py",
+    "verl_ext/config_rules/*.py",
     "recipe/config_checks.py",
 ]
 

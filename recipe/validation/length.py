@@ -55,9 +55,10 @@ from typing import Any, Optional
 
 import numpy as np
 
+from verl_ext.config_rules.policy import ROLLOUT
+
 logger = logging.getLogger(__name__)
 
-ROLLOUT = "actor_rollout_ref.rollout"
 VALIDATION_KEY = f"{ROLLOUT}.custom.validation"
 #: The agent loop validation rows run (registered by :mod:`recipe.validation.rollout`).
 VALIDATION_AGENT_LOOP = "divclip_validation_single_turn"
