@@ -7,6 +7,8 @@ dtype the loss asks for, whatever the entropies' dtype.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -176,3 +178,116 @@ def test_entropy_ratio_of_fp64_entropies_is_computed_in_the_requested_fp32() -> 
     eps = torch.tensor(1e-3, dtype=torch.float32)
     assert torch.equal(rho, (new.float() + eps) / (old.float() + eps))
     assert not torch.equal(rho, ((new + 1e-3) / (old + 1e-3)).float())
+
+
+# -- the constraints' regions at their bounds, and the gauge's rule at bf16 --------------------------------------
+
+
+def _inputs(ratio: list[float], old_log_prob: list[float], low: float, high: float, **knobs: float):
+    from verl_ext.config import DivClipPolicyLossConfig
+    from verl_ext.core.region import ConstraintInputs
+
+    w = torch.tensor([ratio], dtype=torch.float64)
+    return ConstraintInputs(
+        w.log(),
+        w,
+        torch.tensor([old_log_prob], dtype=torch.float64),
+        torch.ones_like(w, dtype=torch.bool),
+        low,
+        high,
+        DivClipPolicyLossConfig(loss_mode=knobs.pop("loss_mode", "dcpo"), **knobs),
+    )
+
+
+def test_the_dcpo_region_is_closed_on_each_of_its_four_bounds() -> None:
+    """DCPO's interval is closed: w = 1/2, w = cap, q w (w - 1) = -eps_low and = eps_high are inside (each token
+    sits on one bound, exactly in floating point: q = exp(0) = 1), and the next double beyond each is outside."""
+    from verl_ext.core.region import CONSTRAINTS
+
+    beyond = lambda x, way: torch.nextafter(torch.tensor(x, dtype=torch.float64), torch.tensor(way)).item()  # noqa: E731
+    on = _inputs([0.5, 3.0, 2.0], [-30.0, -30.0, 0.0], 0.25, 2.0, dcpo_cap=3.0)
+    assert CONSTRAINTS["dcpo"].region(on).inside.tolist() == [[True, True, True]]
+    low_on = _inputs([0.5], [0.0], 0.25, 2.0, dcpo_cap=3.0)  # q w (w - 1) = -1/4 = -eps_low
+    assert CONSTRAINTS["dcpo"].region(low_on).inside.tolist() == [[True]]
+    off = _inputs([beyond(0.5, 0.0), beyond(3.0, 9.0), beyond(2.0, 9.0)], [-30.0, -30.0, 0.0], 0.25, 2.0, dcpo_cap=3.0)
+    assert CONSTRAINTS["dcpo"].region(off).inside.tolist() == [[False, False, False]]
+    assert (
+        CONSTRAINTS["dcpo"].region(_inputs([0.5], [0.0], beyond(0.25, 0.0), 2.0, dcpo_cap=3.0)).inside.item() is False
+    )
+
+
+def test_the_kl_full_region_is_closed_at_delta() -> None:
+    """Eq. 4's KL_t <= delta: a token whose coarsened KL equals delta is inside, the next double above is not."""
+    import dataclasses
+
+    from verl_ext.core.region import CONSTRAINTS
+
+    base = _inputs([1.0, 1.0], [-1.0, -1.0], 0.2, 0.2, loss_mode="kl_full", delta=0.07)
+    above = torch.nextafter(torch.tensor(0.07, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)).item()
+    kl = torch.tensor([[0.07, above]], dtype=torch.float64)
+    region = CONSTRAINTS["kl_full"].region(dataclasses.replace(base, full_kl=kl))
+    assert region.inside.tolist() == [[True, False]]
+
+
+def test_the_sequence_ratio_divides_by_the_valid_tokens_even_one_and_is_zero_without_any() -> None:
+    from verl_ext.core.surrogate import sequence_mean_log_ratio
+
+    log_ratio = torch.tensor([[0.3, 5.0, 5.0], [0.2, -0.4, 9.0], [7.0, 7.0, 7.0]])
+    mask = torch.tensor([[True, False, False], [True, True, False], [False, False, False]])
+    assert torch.allclose(sequence_mean_log_ratio(log_ratio, mask), torch.tensor([0.3, -0.1, 0.0]))
+
+
+def test_the_kl3_budget_of_a_ratio_range_is_left_out_where_the_lower_bound_is_zero() -> None:
+    """The diagnostic's ``_kl3delta`` budget is max(KL3(l), KL3(u)) for scalar bounds with l > 0; a lower bound of 0
+    (``clip_ratio_low = 1``) has no finite KL3, so only the configured delta is compared."""
+    from verl_ext.core.region import TrustRegion
+    from verl_ext.core.surrogate import _diagnostic_deltas
+
+    inside = torch.ones(1, 2, dtype=torch.bool)
+    assert _diagnostic_deltas(0.07, TrustRegion(inside, 0.0, 1.28)) == {"": 0.07}
+    assert _diagnostic_deltas(0.07, TrustRegion(inside, torch.zeros(1, 2), 1.28)) == {"": 0.07}
+    both = _diagnostic_deltas(0.07, TrustRegion(inside, 0.8, 1.28))
+    assert both[""] == 0.07 and both["_kl3delta"] == pytest.approx(max(0.8 - 1 - math.log(0.8), 0.28 - math.log(1.28)))
+
+
+@pytest.mark.parametrize("mode", ["clip", "kl3", "dcpo"])
+def test_the_gauges_rule_is_the_same_on_bf16_log_probs_as_on_their_float32_values(mode: str) -> None:
+    """The gauge's trust-region test promotes bf16 log-probs before subtracting (as the operator does), so bf16
+    inputs decide exactly what their float32 values decide, on 20,000 tokens spread over every bound. Control:
+    the same rule on the log-ratio taken in bf16 decides some of those tokens differently."""
+    from verl_ext.config import DivClipPolicyLossConfig
+    from verl_ext.core.surrogate import outside_trust_region
+
+    generator = torch.Generator().manual_seed(0)
+    # log-probs of magnitudes 3e-4 to 2.7 (a bf16 difference of two of them rounds where their exponents differ)
+    old = -(torch.rand(1, 20_000, generator=generator) * 9.0 - 8.0).exp().bfloat16()
+    new = (old.float() + torch.rand(1, 20_000, generator=generator) * 1.2 - 0.6).bfloat16()
+    mask = torch.ones_like(old, dtype=torch.bool)
+    policy = DivClipPolicyLossConfig(loss_mode=mode)
+
+    def outside(o: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        return outside_trust_region(mode, o, n, mask, policy=policy, clip_ratio_low=0.2, clip_ratio_high=0.28)
+
+    decided = outside(old, new)
+    assert torch.equal(decided, outside(old.float(), new.float()))
+    in_bf16 = outside(old.float(), (old.float() + (new - old).float()))  # the difference rounded to bf16 first
+    assert 0 < int((in_bf16 != decided).sum()) < 2_000, int((in_bf16 != decided).sum())
+
+
+@pytest.mark.parametrize("extreme", [-50.0, 50.0])
+def test_the_gauge_clamps_each_tokens_log_ratio_before_the_sequence_mean(extreme: float) -> None:
+    """As the operator does (and verl before its exp), each token's log-ratio is clamped to +-20 before GSPO's
+    sequence mean: one token at +-50 among 100 gives log s = +-0.2, inside seq_kl3's delta = 0.07 (KL3 0.019 /
+    0.021); unclamped it would be +-0.5, outside (KL3 0.107 / 0.149, the control)."""
+    from verl_ext.config import DivClipPolicyLossConfig
+    from verl_ext.core.surrogate import outside_trust_region
+
+    old = torch.full((1, 100), -1.0, dtype=torch.float64)
+    new = old.clone()
+    new[0, 7] += extreme
+    mask = torch.ones_like(old, dtype=torch.bool)
+    policy = DivClipPolicyLossConfig(loss_mode="seq_kl3", delta=0.07)
+    outside = outside_trust_region("seq_kl3", old, new, mask, policy=policy, clip_ratio_low=0.2, clip_ratio_high=0.2)
+    assert not outside.any()
+    kl3 = lambda log_s: math.exp(log_s) - 1.0 - log_s  # noqa: E731
+    assert kl3(extreme / 250) <= 0.07 < kl3(extreme / 100)  # clamped mean 20/100 vs unclamped 50/100
