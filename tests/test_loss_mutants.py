@@ -291,3 +291,16 @@ def test_the_gauge_clamps_each_tokens_log_ratio_before_the_sequence_mean(extreme
     assert not outside.any()
     kl3 = lambda log_s: math.exp(log_s) - 1.0 - log_s  # noqa: E731
     assert kl3(extreme / 250) <= 0.07 < kl3(extreme / 100)  # clamped mean 20/100 vs unclamped 50/100
+
+
+def test_the_trgppo_epsilon_band_is_closed() -> None:
+    """TRGPPO's region is the union of the closed epsilon band [1 - eps_low, 1 + eps_high] and the Bernoulli-KL
+    budget: with a budget too small to rescue anything (delta = 1e-9), w = 0.75 and 1.25 (eps = 0.25, exact) are
+    inside and the next doubles beyond them are not."""
+    from verl_ext.core.region import CONSTRAINTS
+
+    step = lambda x, way: torch.nextafter(torch.tensor(x, dtype=torch.float64), torch.tensor(way)).item()  # noqa: E731
+    on = _inputs([0.75, 1.25], [-0.1, -0.1], 0.25, 0.25, loss_mode="trgppo", delta=1e-9)
+    off = _inputs([step(0.75, 0.0), step(1.25, 2.0)], [-0.1, -0.1], 0.25, 0.25, loss_mode="trgppo", delta=1e-9)
+    assert CONSTRAINTS["trgppo"].region(on).inside.tolist() == [[True, True]]
+    assert CONSTRAINTS["trgppo"].region(off).inside.tolist() == [[False, False]]
