@@ -72,6 +72,7 @@ DESELECT = "not engine and not subprocess"
 
 #: mutants that cannot change behaviour, by mutmut name, with the reason (docs/benchmarks.md, "Mutation score")
 _EXTRA_REDUCTION = "only adds the reduction over valid tokens, whose result equals the value already there"
+_LAST_OF_TWO = "dim +1 for -1 on tensors that always have two dims (batch, tokens), or unsqueeze of a 1-D one"
 EQUIVALENT: dict[str, str] = {
     "verl_ext.core.erc.x_entropy_ratio__mutmut_11": "mask.to(None): a 0/1 mask (bool or int) multiplies exactly; "
     "the float entropy sets the result dtype",
@@ -82,6 +83,11 @@ EQUIVALENT: dict[str, str] = {
     "verl_ext.core.erc.x_finish_entropy_band_metrics__mutmut_32": _EXTRA_REDUCTION,
     "verl_ext.core.erc.x_finish_entropy_band_metrics__mutmut_35": _EXTRA_REDUCTION,
     "verl_ext.core.erc.x_finish_entropy_band_metrics__mutmut_36": _EXTRA_REDUCTION,
+    "verl_ext.core.surrogate.x_outside_trust_region__mutmut_18": "log_prob left in bf16 before subtracting the "
+    "promoted old log-prob: torch promotes the difference to the wider dtype, converting bf16 exactly",
+    "verl_ext.core.surrogate.x_outside_trust_region__mutmut_30": _LAST_OF_TWO,
+    "verl_ext.core.surrogate.x_sequence_mean_log_ratio__mutmut_4": _LAST_OF_TWO,
+    "verl_ext.core.surrogate.x_sequence_mean_log_ratio__mutmut_16": _LAST_OF_TWO,
 }
 
 #: mutmut's verdicts (``mutmut.stats.status_by_exit_code``) as the table groups them
