@@ -304,3 +304,35 @@ def test_the_trgppo_epsilon_band_is_closed() -> None:
     off = _inputs([step(0.75, 0.0), step(1.25, 2.0)], [-0.1, -0.1], 0.25, 0.25, loss_mode="trgppo", delta=1e-9)
     assert CONSTRAINTS["trgppo"].region(on).inside.tolist() == [[True, True]]
     assert CONSTRAINTS["trgppo"].region(off).inside.tolist() == [[False, False]]
+
+
+def _token_level_modes() -> list[str]:
+    from verl_ext.core.region import CONSTRAINTS
+
+    return sorted(name for name, spec in CONSTRAINTS.items() if spec.level == "token")
+
+
+@pytest.mark.parametrize("mode", _token_level_modes())
+def test_ppo_kl_is_verls_on_every_token_level_mode(mode: str) -> None:
+    """``actor/ppo_kl`` is verl's metric, mean(log pi_old - log pi_theta) over the valid tokens: on the declaration
+    test's sweep every token-level divclip mode reports what verl's own ``vanilla`` reports (not zero, so a sign
+    would show)."""
+    from tests.test_knobs import run_mode
+
+    knobs = {"kl_full_top_k": 8} if mode == "kl_full" else {}
+    verl = run_mode("vanilla", {}).metrics["actor/ppo_kl"]
+    assert abs(verl) > 1e-3
+    assert run_mode(mode, knobs).metrics["actor/ppo_kl"] == pytest.approx(verl, rel=1e-6)
+
+
+def test_the_metrics_of_a_micro_batch_without_tokens_are_zero_not_an_error() -> None:
+    """A micro-batch of zero tokens (an empty ``(rows, 0)`` response) reports ``kl3_max`` 0 and every fraction 0
+    (the max of an empty tensor would raise)."""
+    from verl_ext.core.region import TrustRegion
+    from verl_ext.core.surrogate import _metrics
+
+    empty = torch.zeros(2, 0)
+    none = empty.bool()
+    metrics = _metrics(none, empty, TrustRegion(none, 0.8, 1.28), none, none, None, None, None)
+    assert metrics["actor/divclip/kl3_max"] == 0.0
+    assert metrics["actor/pg_clipfrac"] == metrics["actor/ppo_kl"] == metrics["actor/divclip/kl3_mean"] == 0.0
