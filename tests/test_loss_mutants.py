@@ -331,8 +331,20 @@ def test_the_metrics_of_a_micro_batch_without_tokens_are_zero_not_an_error() -> 
     from verl_ext.core.region import TrustRegion
     from verl_ext.core.surrogate import _metrics
 
-    empty = torch.zeros(2, 0)
-    none = empty.bool()
-    metrics = _metrics(none, empty, TrustRegion(none, 0.8, 1.28), none, none, None, None, None)
-    assert metrics["actor/divclip/kl3_max"] == 0.0
-    assert metrics["actor/pg_clipfrac"] == metrics["actor/ppo_kl"] == metrics["actor/divclip/kl3_mean"] == 0.0
+    for rows in (2, 0):  # two rows of no token; no row at all (the sequence-level metrics too)
+        empty = torch.zeros(rows, 0)
+        none = empty.bool()
+        region = TrustRegion(none, 0.8, 1.28)
+        metrics = _metrics(none, empty, region, none, none, None, None, None, sequence_log_ratio=torch.zeros(rows))
+        assert metrics["actor/divclip/kl3_max"] == metrics["actor/divclip/seq_kl3_max"] == 0.0
+        assert metrics["actor/pg_clipfrac"] == metrics["actor/ppo_kl"] == metrics["actor/divclip/kl3_mean"] == 0.0
+
+
+def test_no_grad_frac_counts_the_dropped_tokens() -> None:
+    """In a drop mode without dual-clip or ERC the tokens that lose their gradient are exactly the clipped ones:
+    ``no_grad_frac`` equals ``pg_clipfrac`` (kl3 on the declaration test's sweep, where some are clipped)."""
+    from tests.test_knobs import run_mode
+
+    metrics = run_mode("kl3", {}).metrics
+    assert 0.0 < metrics["actor/pg_clipfrac"] < 1.0
+    assert metrics["actor/divclip/no_grad_frac"] == pytest.approx(metrics["actor/pg_clipfrac"])
