@@ -372,6 +372,11 @@ RULES: tuple[KeyRule, ...] = (
                          "and without the seam", evidence="`tests/test_verl_features_engine.py`"),
     KeyRule("algorithm.adv_estimator", H, "gae with the critic, as critic.*; the GRPO family on the driver (verl's)",
             evidence="`tests/test_verl_features_engine.py`"),
+    KeyRule("algorithm.use_kl_in_reward", H,
+            "verl's KL penalty in the reward (apply_kl_penalty) reads pi_old before the update, so the old-log-prob "
+            "pass is not skipped with it (policy_loss.old_log_prob_from_update=true is then refused)",
+            evidence="`tests/test_old_pass_skip.py::test_where_it_is_not_exact_it_is_not_taken`, "
+                     "`tests/test_old_pass_skip.py::test_asked_where_it_is_not_exact_is_refused_naming_the_key`"),
     # --- rollout correction ----------------------------------------------------------------------------------------
     *(KeyRule(f"{CORRECTION}.{name}", H,
               "verl computes the weights and the rejection mask on the driver; every divclip mode multiplies each "

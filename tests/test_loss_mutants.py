@@ -348,3 +348,27 @@ def test_no_grad_frac_counts_the_dropped_tokens() -> None:
     metrics = run_mode("kl3", {}).metrics
     assert 0.0 < metrics["actor/pg_clipfrac"] < 1.0
     assert metrics["actor/divclip/no_grad_frac"] == pytest.approx(metrics["actor/pg_clipfrac"])
+
+
+def test_per_token_ratio_bounds_are_reported_as_their_mean_over_valid_tokens_clamped_to_the_log_ratio_range() -> None:
+    """A region may give per-token bounds (``TrustRegion``'s contract); ``ratio_lower`` / ``ratio_upper`` are their
+    means over the valid tokens, each clamped to [e^-20, e^20] (log-ratios are clamped there, so a bound of 0 or
+    inf is no bound). No registered constraint returns unsampled per-token bounds today, so this is its test."""
+    from verl_ext.core.region import TrustRegion
+    from verl_ext.core.surrogate import _metrics
+
+    mask = torch.tensor([[True, True, False]])
+    lower = torch.tensor([[0.0, 0.5, 7.0]], dtype=torch.float64)
+    upper = torch.tensor([[math.inf, 2.0, 9.0]], dtype=torch.float64)
+    none = torch.zeros_like(mask)
+    metrics = _metrics(mask, torch.zeros(1, 3), TrustRegion(mask, lower, upper), none, none, None, None, None)
+    assert metrics["actor/divclip/ratio_lower"] == pytest.approx((math.exp(-20.0) + 0.5) / 2, rel=1e-12)
+    assert metrics["actor/divclip/ratio_upper"] == pytest.approx((math.exp(20.0) + 2.0) / 2, rel=1e-12)
+
+
+def test_dualclip_frac_is_the_share_of_tokens_the_dual_clip_caps() -> None:
+    """On the sweep (ratios over [e^-4, e^4], advantages of both signs) dual-clip c = 3 caps some tokens, not all."""
+    from tests.test_knobs import run_mode
+
+    share = run_mode("clip", {"dual_clip_c": 3.0}).metrics["actor/divclip/dualclip_frac"]
+    assert 0.0 < share < 0.5

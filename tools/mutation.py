@@ -89,6 +89,7 @@ EQUIVALENT: dict[str, str] = {
     "verl_ext.core.surrogate.x_sequence_mean_log_ratio__mutmut_4": _LAST_OF_TWO,
     "verl_ext.core.surrogate.x_sequence_mean_log_ratio__mutmut_16": _LAST_OF_TWO,
     "verl_ext.core.surrogate.x__metrics__mutmut_40": _LAST_OF_TWO,
+    "verl_ext.core.surrogate.x__metrics__mutmut_109": "zip(strict=None): None is falsy, as strict=False",
 }
 
 #: mutmut's verdicts (``mutmut.stats.status_by_exit_code``) as the table groups them
