@@ -183,6 +183,11 @@ def test_entropy_ratio_of_fp64_entropies_is_computed_in_the_requested_fp32() -> 
 # -- the constraints' regions at their bounds, and the gauge's rule at bf16 --------------------------------------
 
 
+def _next_double(x: float, toward: float) -> float:
+    """The float64 neighbour of ``x`` in the direction of ``toward``."""
+    return torch.nextafter(torch.tensor(x, dtype=torch.float64), torch.tensor(toward, dtype=torch.float64)).item()
+
+
 def _inputs(ratio: list[float], old_log_prob: list[float], low: float, high: float, **knobs: float):
     from verl_ext.config import DivClipPolicyLossConfig
     from verl_ext.core.region import ConstraintInputs
@@ -204,16 +209,15 @@ def test_the_dcpo_region_is_closed_on_each_of_its_four_bounds() -> None:
     sits on one bound, exactly in floating point: q = exp(0) = 1), and the next double beyond each is outside."""
     from verl_ext.core.region import CONSTRAINTS
 
-    beyond = lambda x, way: torch.nextafter(torch.tensor(x, dtype=torch.float64), torch.tensor(way)).item()  # noqa: E731
     on = _inputs([0.5, 3.0, 2.0], [-30.0, -30.0, 0.0], 0.25, 2.0, dcpo_cap=3.0)
     assert CONSTRAINTS["dcpo"].region(on).inside.tolist() == [[True, True, True]]
     low_on = _inputs([0.5], [0.0], 0.25, 2.0, dcpo_cap=3.0)  # q w (w - 1) = -1/4 = -eps_low
     assert CONSTRAINTS["dcpo"].region(low_on).inside.tolist() == [[True]]
-    off = _inputs([beyond(0.5, 0.0), beyond(3.0, 9.0), beyond(2.0, 9.0)], [-30.0, -30.0, 0.0], 0.25, 2.0, dcpo_cap=3.0)
+    beyond = [_next_double(0.5, 0.0), _next_double(3.0, 9.0), _next_double(2.0, 9.0)]
+    off = _inputs(beyond, [-30.0, -30.0, 0.0], 0.25, 2.0, dcpo_cap=3.0)
     assert CONSTRAINTS["dcpo"].region(off).inside.tolist() == [[False, False, False]]
-    assert (
-        CONSTRAINTS["dcpo"].region(_inputs([0.5], [0.0], beyond(0.25, 0.0), 2.0, dcpo_cap=3.0)).inside.item() is False
-    )
+    tighter = _inputs([0.5], [0.0], _next_double(0.25, 0.0), 2.0, dcpo_cap=3.0)  # eps_low just below 1/4
+    assert CONSTRAINTS["dcpo"].region(tighter).inside.item() is False
 
 
 def test_the_kl_full_region_is_closed_at_delta() -> None:
@@ -223,8 +227,7 @@ def test_the_kl_full_region_is_closed_at_delta() -> None:
     from verl_ext.core.region import CONSTRAINTS
 
     base = _inputs([1.0, 1.0], [-1.0, -1.0], 0.2, 0.2, loss_mode="kl_full", delta=0.07)
-    above = torch.nextafter(torch.tensor(0.07, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)).item()
-    kl = torch.tensor([[0.07, above]], dtype=torch.float64)
+    kl = torch.tensor([[0.07, _next_double(0.07, 1.0)]], dtype=torch.float64)
     region = CONSTRAINTS["kl_full"].region(dataclasses.replace(base, full_kl=kl))
     assert region.inside.tolist() == [[True, False]]
 
@@ -299,9 +302,9 @@ def test_the_trgppo_epsilon_band_is_closed() -> None:
     inside and the next doubles beyond them are not."""
     from verl_ext.core.region import CONSTRAINTS
 
-    step = lambda x, way: torch.nextafter(torch.tensor(x, dtype=torch.float64), torch.tensor(way)).item()  # noqa: E731
     on = _inputs([0.75, 1.25], [-0.1, -0.1], 0.25, 0.25, loss_mode="trgppo", delta=1e-9)
-    off = _inputs([step(0.75, 0.0), step(1.25, 2.0)], [-0.1, -0.1], 0.25, 0.25, loss_mode="trgppo", delta=1e-9)
+    beyond = [_next_double(0.75, 0.0), _next_double(1.25, 2.0)]
+    off = _inputs(beyond, [-0.1, -0.1], 0.25, 0.25, loss_mode="trgppo", delta=1e-9)
     assert CONSTRAINTS["trgppo"].region(on).inside.tolist() == [[True, True]]
     assert CONSTRAINTS["trgppo"].region(off).inside.tolist() == [[False, False]]
 
