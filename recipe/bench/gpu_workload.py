@@ -230,7 +230,8 @@ def gradient_bytes(module: Any) -> int:
 
 
 class UpdatePhases:
-    """Records memory per phase of verl's engine by wrapping two methods of one engine instance.
+    """Records memory per phase of verl's engine by wrapping two methods of one engine instance (three with
+    ``hold_gradients``).
 
     verl 0.9.1's ``BaseEngine.train_batch`` runs ``self.optimizer_zero_grad()``, then
     ``self.forward_backward_batch(...)``, then ``self.optimizer_step()``, and ``infer_batch`` runs
