@@ -21,7 +21,6 @@ LONGEST_FIRST = (
     "test_sft_chain_cpu.py",
     "test_launch.py",
     "test_old_pass_skip.py",
-    "test_old_pass_skip_trainer.py",  # two colocate_async runs: about 3 minutes alone on 2 cores (2026-11-27)
     "test_onpolicy.py",
     "test_actor_loss_engine.py",
     "test_recipe_main.py",

@@ -15,14 +15,15 @@ the step had before that point (``before_old_pass``: the live rollout's and rewa
 change), and, after the pass, how many samples' ``old_log_probs`` the pass left as placeholders (NaN: the rows
 whose pi_old the update supplies, ``policy_loss.old_log_prob_from_update``) -- what the pass did not compute.
 
-Run it in place of ``python -m recipe.main`` (tests/test_old_pass_skip_trainer.py points ``launch/run_smoke_cpu.sh``'s
-``PYTHON`` at a wrapper that does).
+Run it in place of ``python -m recipe.main``: :func:`replay_env` points ``launch/run_smoke_cpu.sh``'s ``PYTHON`` at a
+wrapper that does (tests/test_trainer_modes_cpu.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,28 @@ def install(folder: Path, mode: str) -> None:
         return batch
 
     DivClipTrainer._compute_old_log_prob = compute_old_log_prob
+
+
+def replay_env(folder: Path, mode: str) -> dict[str, str]:
+    """The environment for ``launch/run_smoke_cpu.sh`` under which its ``-m recipe.main`` runs this module instead
+    (``PYTHON`` a wrapper written into ``folder``), recording into or replaying from ``folder``."""
+    wrapper = folder / "python.sh"
+    python = sys.executable
+    wrapper.write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [[ "$1" == -m && "$2" == recipe.main ]]; then shift 2; exec {python} -m tests.rollout_replay "$@"; fi\n'
+        f'exec {python} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    root = str(Path(__file__).resolve().parents[1])
+    python_path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHON": str(wrapper), DIR_ENV: str(folder), MODE_ENV: mode, "PYTHONPATH": python_path}
+
+
+def steps_log(folder: Path, mode: str) -> dict[int, dict[str, Any]]:
+    """What :func:`install`'s wrapper wrote per step into ``steps-<mode>.jsonl``, by step."""
+    lines = [json.loads(line) for line in (folder / f"steps-{mode}.jsonl").read_text().splitlines()]
+    return {line["step"]: line for line in lines}
 
 
 class ReplayingTaskRunner(DivClipTaskRunner):

@@ -7,7 +7,9 @@ dtype the loss asks for, whatever the entropies' dtype.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -375,3 +377,106 @@ def test_dualclip_frac_is_the_share_of_tokens_the_dual_clip_caps() -> None:
 
     share = run_mode("clip", {"dual_clip_c": 3.0}).metrics["actor/divclip/dualclip_frac"]
     assert 0.0 < share < 0.5
+
+
+def test_own_modes_are_exactly_the_projects_registered_constraints() -> None:
+    """``is_own_mode`` on every name verl's registry holds: the divclip constraints and the ERC entry are the
+    project's, each of verl's own losses and an unknown name are not."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    from verl_ext.core.region import CONSTRAINTS
+    from verl_ext.registry import ERC_ON_VERL_MODE, is_own_mode
+    from verl_ext.verl_modes import VERL_MODE_READS
+
+    ours = {*CONSTRAINTS, ERC_ON_VERL_MODE}
+    assert ours <= set(POLICY_LOSS_REGISTRY)
+    assert {mode for mode in POLICY_LOSS_REGISTRY if is_own_mode(mode)} == ours
+    assert set(VERL_MODE_READS) <= set(POLICY_LOSS_REGISTRY) - ours
+    assert not is_own_mode("no_such_loss")
+
+
+#: one rising row (log-probs -1 -> -0.5) and one falling row (-0.5 -> -1): dyadic, so old + (new - old) == new
+_RISING_FALLING_OLD = [[-1.0, -1.0], [-0.5, -0.5]]
+_RISING_FALLING_LOG_RATIO = [[0.5, 0.5], [-0.5, -0.5]]
+
+
+def _measured(mode: str) -> tuple[float, float]:
+    """(the rising row's, the falling row's) value of what verl's function for ``mode`` compares with its bounds,
+    computed as verl computes it: w or the sequence ratio (compared with 1 + eps_high, 1 - eps_low), log w,
+    p - p_old, the Bernoulli KL."""
+    up, down = math.exp(0.5), math.exp(-0.5)
+    if mode in ("vanilla", "gspo"):
+        return up, down
+    if mode == "geo_mean":
+        return 0.5, -0.5
+    old = torch.tensor(_RISING_FALLING_OLD, dtype=torch.float64)[:, 0]
+    new = old + torch.tensor(_RISING_FALLING_LOG_RATIO, dtype=torch.float64)[:, 0]
+    old_p, p = old.exp(), new.exp()
+    if mode == "dppo_tv":
+        diff = p - old_p
+        return float(diff[0]), float(diff[1])
+    binary_kl = old_p * (old - new) + (1 - old_p) * torch.log((1.0 - old_p + 1e-8) / (1.0 - p + 1e-8))
+    return float(binary_kl[0]), float(binary_kl[1])
+
+
+def _bounds(mode: str, tighter: str = "") -> tuple[float, float]:
+    """(eps_low, eps_high) exactly at the measured values, or one step of the compared quantity tighter on
+    ``tighter``'s side ("low" or "high")."""
+    up, down = _measured(mode)
+    if mode in ("vanilla", "gspo"):  # 1 + eps and 1 - eps exact for ratios in [0.5, 2] (Sterbenz)
+        high = (_next_double(up, 0.0) if tighter == "high" else up) - 1.0
+        low = 1.0 - (_next_double(down, 1.0) if tighter == "low" else down)
+        return low, high
+    high = _next_double(up, 0.0) if tighter == "high" else up
+    low = -down if mode in ("geo_mean", "dppo_tv") else down
+    return (_next_double(low, 0.0) if tighter == "low" else low), high
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "gspo", "geo_mean", "dppo_tv", "dppo_kl"])
+def test_the_gauges_rule_of_each_verl_mode_is_closed_at_both_bounds_as_verls(mode: str) -> None:
+    """verl's functions clamp to, or keep tokens within, closed bounds (``clamp``, ``<=``): a token (a sequence, for
+    GSPO) exactly on a bound is inside the mode's rule, and one step of the compared quantity tighter on a side puts
+    that side's row outside -- the rising row on ``eps_high``, the falling row on ``eps_low``."""
+    from verl_ext.verl_modes import VERL_MODE_READS
+
+    rule = VERL_MODE_READS[mode].outside
+    old = torch.tensor(_RISING_FALLING_OLD, dtype=torch.float64)
+    log_ratio = torch.tensor(_RISING_FALLING_LOG_RATIO, dtype=torch.float64)
+    mask = torch.ones_like(old, dtype=torch.bool)
+    assert rule(log_ratio, old, mask, *_bounds(mode)).tolist() == [[False, False], [False, False]]
+    assert rule(log_ratio, old, mask, *_bounds(mode, "high")).tolist() == [[True, True], [False, False]]
+    assert rule(log_ratio, old, mask, *_bounds(mode, "low")).tolist() == [[False, False], [True, True]]
+
+
+def _dump_call(config: object, step: int | None) -> None:
+    from verl.utils import tensordict_utils as tu
+
+    from tests.test_loss_breaks import ParityCase, make_micro_batch, model_output_values, run_erc_loss
+    from verl_ext.actor_loss import divclip_actor_loss
+
+    data = make_micro_batch(ParityCase("dump", entropy=True, on_policy_mark=True))
+    if step is not None:
+        tu.assign_non_tensor(data, global_steps=step)
+    run_erc_loss(divclip_actor_loss, config, data, model_output_values(data))
+
+
+def test_the_token_dump_caps_a_step_over_all_its_calls_and_dumps_on_verls_step(tmp_path: Path) -> None:
+    """One writer per dump path for the process: two loss calls at verl's step 6 write at most the step's
+    budget of rows in all; the step is the batch's ``global_steps`` (every 3rd step: 6 is dumped, 7 is not,
+    whatever this process's count of loss calls)."""
+    from tests.test_loss_breaks import ParityCase, divclip_config
+
+    dump = tmp_path / "dump.jsonl"
+    config = divclip_config(
+        "kl3",
+        ParityCase("dump", entropy=True),
+        erc_beta_low=0.05,
+        erc_beta_high=0.05,
+        token_dump_path=str(dump),
+        token_dump_every_n_steps=3,
+        token_dump_max_tokens=5,
+    )
+    for step in (6, 6, 7):
+        _dump_call(config, step)
+    rows = [json.loads(line) for line in dump.read_text().splitlines()]
+    assert len(rows) == 5 and {row["step"] for row in rows} == {6}, rows

@@ -24,6 +24,18 @@ fetched and did not train was taken back from TransferQueue by the second and tr
 together fetched the epoch's first prompts in verl's sampler order, none skipped.
 With rollout correction the weights reach the loss (``actor/divclip/rollout_is_weight_mean`` away
 from 1); tests/test_rollout_correction.py shows they change the gradient as verl's own loss applies them.
+
+``policy_loss.old_log_prob_from_update`` (the old-log-prob pass skipped for the first mini-batch, whose pi_old the
+update's own first forward supplies) in ``colocate_async``: the first ``colocate_async`` run takes the skip (the
+default where exact) and records each step's rollout batch (tests/rollout_replay.py); one more run of the same
+first segment with ``old_log_prob_from_update=false`` trains on those recorded batches (two runs of the smoke never
+sample alike, tests/rollout_replay.py says why) and logs every metric the step computes from its batch
+bit-identically -- the update's (pg loss, clip fractions, ERC's masks, the on-policy gauge, grad_norm, ...), pi_old's
+as verl logs it from the pass (``actor/entropy``, the rollout-vs-actor figures, ``rollout_corr/*``), the staleness
+figures -- except, by rule (:func:`is_not_compared`), wall clock and memory, what the step logged before the
+old-log-prob pass (the live rollout's, which the replay does not change) and validation (live generation, run
+only by the first). The skip is taken in the first run and not in the second: the old pass left pi_old of the
+first mini-batch's samples (half of them) as placeholders for the update to supply, and none in the second.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ import pytest
 
 from recipe.bench.trainer_modes import MODE_ARGS
 from recipe.data_trace import read_trace
+from tests.rollout_replay import replay_env, steps_log
 from tests.test_smoke_cpu import VAL_LENGTHS, assert_on_policy_exact, run_smoke, step_metrics, validation_length_args
 
 ASYNC_MODES = ("colocate_async", "separate_async")  # their smoke arguments: MODE_ARGS, shared with the benchmark
@@ -53,6 +66,24 @@ ROLLOUT_CORRECTION = [
     "algorithm.rollout_correction.rollout_rs_threshold=2.0",
 ]
 FIRST, RESUMED = (1, 2), (3, 4)
+SAMPLES, FIRST_MINI_BATCH = 16 * 8, 8 * 8  # BATCH x ROLLOUT_N; ppo_mini_batch_size = BATCH / 2, x ROLLOUT_N
+SKIP_OFF = "actor_rollout_ref.actor.policy_loss.old_log_prob_from_update=false"
+NOT_COMPARED_PREFIXES = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/", "val-core/", "val-aux/")
+#: what the with/without-skip comparison must include: the update's own figures and pi_old's as verl logs them
+COMPUTED = (
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/grad_norm",
+    "actor/entropy",
+    "actor/divclip/erc/clipfrac_lower",
+    "actor/divclip/erc/ratio_mean",
+    "actor/divclip/onpolicy/log_ratio_abs_max",
+    "actor/divclip/staleness/behaviour_kl3_mean",
+    "rollout_corr/kl",
+    "training/rollout_probs_diff_mean",
+    "critic/advantages/mean",
+)
 STALENESS = "actor/divclip/staleness/"
 WORST = "training/off_policy/trajectory_staleness_worst/"
 
@@ -76,7 +107,12 @@ def resumed_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
         "RESPONSE_LEN": "8",
         "LR": "2e-4",
     }
-    run_smoke(out, "erc_dapo", FIRST[-1], *overrides, **env)
+    # colocate_async: the first segment records its rollout batches for the replay without the skip
+    record = {}
+    if mode == "colocate_async":
+        (out / "rollouts").mkdir()
+        record = replay_env(out / "rollouts", "record")
+    run_smoke(out, "erc_dapo", FIRST[-1], *overrides, **env, **record)
     first_checkpoint = sorted(p.name for p in (out / "ckpt").iterdir() if p.name.startswith("global_step_"))
     resumed = [*overrides, *(BYPASS if mode == "colocate_async" else [])]
     run_smoke(out, "kl3", RESUMED[-1], *resumed, **env)
@@ -86,7 +122,20 @@ def resumed_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
         "metrics": step_metrics(out),
         "first_checkpoint": first_checkpoint,
         "bypass": RESUMED if mode == "colocate_async" else (),
+        "first_segment": (overrides, {k: v for k, v in env.items() if k != "DATA_TRACE"}),
     }
+
+
+@pytest.fixture(scope="module")
+def without_skip(resumed_run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The first ``colocate_async`` segment again, on its recorded batches, with ``old_log_prob_from_update=false``
+    (no checkpoint, no validation: neither changes a training step)."""
+    assert resumed_run["mode"] == "colocate_async"
+    out = tmp_path_factory.mktemp("colocate_async_without_skip")
+    overrides, env = resumed_run["first_segment"]
+    env = {**env, "SAVE_FREQ": "-1", "TEST_FREQ": "-1", **replay_env(resumed_run["out"] / "rollouts", "replay")}
+    run_smoke(out, "erc_dapo", FIRST[-1], *overrides, SKIP_OFF, **env)
+    return {"metrics": step_metrics(out), "steps": steps_log(resumed_run["out"] / "rollouts", "replay")}
 
 
 def test_both_rules_train_validate_and_resume(resumed_run: dict[str, Any]) -> None:
@@ -209,3 +258,38 @@ def test_rollout_correction_weights_reach_the_loss(resumed_run: dict[str, Any]) 
         assert "rollout_corr/rollout_is_mean" in data and "rollout_corr/rollout_rs_masked_fraction" in data
         assert 0 < data["actor/divclip/rollout_is_weight_mean"] <= 2.0  # IcePop: weights outside [0.5, 2] are 0
     assert any(metrics[step]["actor/divclip/rollout_is_weight_mean"] != 1.0 for step in FIRST + RESUMED)
+
+
+def is_not_compared(key: str, before_old_pass: set[str]) -> bool:
+    """Wall clock, throughput and memory (``timing_s/``, ``timing_per_token_ms/``, ``perf/``, ``actor/perf/``),
+    validation (``val-core/``, ``val-aux/``: live generation, in the recording run only), and the metrics the step had
+    before its old-log-prob pass (the live rollout's: the replay does not change them)."""
+    return key.startswith(NOT_COMPARED_PREFIXES) or key in before_old_pass
+
+
+@pytest.mark.parametrize("resumed_run", ["colocate_async"], indirect=True)
+def test_colocate_async_logs_the_same_step_with_and_without_the_skip(
+    resumed_run: dict[str, Any], without_skip: dict[str, Any]
+) -> None:
+    with_skip = {"metrics": resumed_run["metrics"], "steps": steps_log(resumed_run["out"] / "rollouts", "record")}
+    for step in FIRST:
+        before = set(with_skip["steps"][step]["before_old_pass"])
+        assert before == set(without_skip["steps"][step]["before_old_pass"]), step
+        a, b = with_skip["metrics"][step], without_skip["metrics"][step]
+        compared = {k for k in a if not is_not_compared(k, before)}
+        assert compared == {k for k in b if not is_not_compared(k, before)}, step
+        assert set(COMPUTED) <= compared, set(COMPUTED) - compared
+        assert all(math.isfinite(a[k]) for k in COMPUTED), step
+        differing = {k: (a[k], b[k]) for k in sorted(compared) if repr(a[k]) != repr(b[k])}
+        assert not differing, (step, differing)
+
+
+@pytest.mark.parametrize("resumed_run", ["colocate_async"], indirect=True)
+def test_the_old_pass_skipped_the_first_mini_batch_only_with_the_skip(
+    resumed_run: dict[str, Any], without_skip: dict[str, Any]
+) -> None:
+    recorded = steps_log(resumed_run["out"] / "rollouts", "record")
+    assert sorted(recorded) == list(FIRST)  # the resumed segment ran without the recorder
+    for step in FIRST:
+        assert recorded[step]["placeholders"] == FIRST_MINI_BATCH < SAMPLES, step
+        assert without_skip["steps"][step]["placeholders"] == 0, step
