@@ -480,3 +480,79 @@ def test_the_token_dump_caps_a_step_over_all_its_calls_and_dumps_on_verls_step(t
         _dump_call(config, step)
     rows = [json.loads(line) for line in dump.read_text().splitlines()]
     assert len(rows) == 5 and {row["step"] for row in rows} == {6}, rows
+
+
+def test_without_verls_step_the_dump_counts_the_processes_loss_calls(tmp_path: Path) -> None:
+    """A batch without ``global_steps`` (a caller outside verl's trainer): each loss call is the next step of this
+    process's own count, one per call."""
+    from tests.test_loss_breaks import ParityCase, divclip_config
+    from verl_ext.actor_loss import _UPDATE_CALLS
+
+    dump = tmp_path / "dump.jsonl"
+    config = divclip_config(
+        "kl3",
+        ParityCase("dump", entropy=True),
+        erc_beta_low=0.05,
+        erc_beta_high=0.05,
+        token_dump_path=str(dump),
+        token_dump_every_n_steps=1,
+    )
+    start = _UPDATE_CALLS[0]
+    for _ in range(2):
+        _dump_call(config, None)
+    rows = [json.loads(line) for line in dump.read_text().splitlines()]
+    assert sorted({row["step"] for row in rows}) == [start + 1, start + 2]
+
+
+def test_a_micro_batch_without_valid_tokens_reports_the_is_weights_mean_as_one() -> None:
+    """The rollout-correction weights' mean over no valid token is 1 (no reweighting), not NaN."""
+    from tests.test_losses import actor_config, run_registry_loss
+    from verl_ext.registry import ROLLOUT_IS_METRIC
+
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    mask = torch.zeros(1, 3)
+    weights = torch.full((1, 3), 0.5, dtype=torch.float64)
+    _, _, metrics = run_registry_loss(
+        "kl3", old, old, torch.ones_like(old), mask, actor_config("kl3"), rollout_is_weights=weights
+    )
+    assert metrics[ROLLOUT_IS_METRIC] == 1.0
+    mask[0, 1] = 1
+    _, _, metrics = run_registry_loss(
+        "kl3", old, old, torch.ones_like(old), mask, actor_config("kl3"), rollout_is_weights=weights
+    )
+    assert metrics[ROLLOUT_IS_METRIC] == 0.5  # the control: a valid token's weight
+
+
+def test_gspos_sequence_ratio_leaves_padding_out_of_its_mean() -> None:
+    """The sequence ratio is the mean log w over valid tokens: a padding token's log w (whatever it holds)
+    moves nothing -- a row of valid log w 0 stays inside any band."""
+    from verl_ext.verl_modes import VERL_MODE_READS
+
+    rule = VERL_MODE_READS["gspo"].outside
+    log_ratio = torch.tensor([[0.0, 0.0, 5.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False]])
+    assert rule(log_ratio, torch.zeros_like(log_ratio), mask, 0.2, 0.2).tolist() == [[False, False, False]]
+    assert rule(log_ratio, torch.zeros_like(log_ratio), mask | True, 0.2, 0.2).tolist() == [[True, True, True]]
+
+
+def test_restoring_a_delta_of_zero_is_refused_naming_the_file(tmp_path: Path) -> None:
+    """delta must be > 0 to resume a controller (0 would freeze every token); the refusal names the file."""
+    from verl_ext.adaptive_delta import STATE_FILE, AdaptiveDelta
+    from verl_ext.config import DivClipPolicyLossConfig
+
+    (tmp_path / STATE_FILE).write_text(json.dumps({"delta": 0}))
+    controller = AdaptiveDelta.from_policy(DivClipPolicyLossConfig(loss_mode="kl3", adaptive_delta_target=0.01))
+    with pytest.raises(ValueError, match=f"{STATE_FILE}: 'delta' must be a finite number > 0, got 0"):
+        controller.restore(str(tmp_path))
+
+
+def test_restoring_another_metrics_controller_says_why(tmp_path: Path) -> None:
+    from verl_ext.adaptive_delta import STATE_FILE, AdaptiveDelta
+    from verl_ext.config import DivClipPolicyLossConfig
+
+    (tmp_path / STATE_FILE).write_text(json.dumps({"delta": 0.07, "metric": "actor/divclip/seq_kl3_mean"}))
+    controller = AdaptiveDelta.from_policy(DivClipPolicyLossConfig(loss_mode="kl3", adaptive_delta_target=0.01))
+    with pytest.raises(
+        ValueError, match="tracked 'actor/divclip/seq_kl3_mean'.*: resuming would continue a different controller$"
+    ):
+        controller.restore(str(tmp_path))

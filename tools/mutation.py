@@ -73,6 +73,8 @@ DESELECT = "not engine and not subprocess"
 #: mutants that cannot change behaviour, by mutmut name, with the reason (docs/benchmarks.md, "Mutation score")
 _EXTRA_REDUCTION = "only adds the reduction over valid tokens, whose result equals the value already there"
 _LAST_OF_TWO = "dim +1 for -1 on tensors that always have two dims (batch, tokens), or unsqueeze of a 1-D one"
+_NO_MOVE = "p == p_old counted on a side: its binary KL is exactly 0, never above a bound >= 0"
+_JSON_LAYOUT = "the state file's indentation: restore reads any JSON layout"
 EQUIVALENT: dict[str, str] = {
     "verl_ext.core.erc.x_entropy_ratio__mutmut_11": "mask.to(None): a 0/1 mask (bool or int) multiplies exactly; "
     "the float entropy sets the result dtype",
@@ -90,6 +92,13 @@ EQUIVALENT: dict[str, str] = {
     "verl_ext.core.surrogate.x_sequence_mean_log_ratio__mutmut_16": _LAST_OF_TWO,
     "verl_ext.core.surrogate.x__metrics__mutmut_40": _LAST_OF_TWO,
     "verl_ext.core.surrogate.x__metrics__mutmut_109": "zip(strict=None): None is falsy, as strict=False",
+    "verl_ext.verl_modes.x__sequence_interval__mutmut_16": _LAST_OF_TWO,
+    "verl_ext.verl_modes.x__sequence_interval__mutmut_19": _LAST_OF_TWO,
+    "verl_ext.verl_modes.x__binary_kl_interval__mutmut_23": _NO_MOVE,
+    "verl_ext.verl_modes.x__binary_kl_interval__mutmut_26": _NO_MOVE,
+    "verl_ext.adaptive_delta.xǁAdaptiveDeltaǁsave__mutmut_20": _JSON_LAYOUT,
+    "verl_ext.adaptive_delta.xǁAdaptiveDeltaǁsave__mutmut_23": _JSON_LAYOUT,
+    "verl_ext.adaptive_delta.xǁAdaptiveDeltaǁsave__mutmut_25": _JSON_LAYOUT,
 }
 
 #: mutmut's verdicts (``mutmut.stats.status_by_exit_code``) as the table groups them
