@@ -460,22 +460,20 @@ def _dump_call(config: object, step: int | None) -> None:
     run_erc_loss(divclip_actor_loss, config, data, model_output_values(data))
 
 
+def _dump_config(dump: Path, **knobs: int) -> object:
+    """kl3 with ERC's band at 0.05 (the dump's ratios need it) and a token dump into ``dump``."""
+    from tests.test_loss_breaks import ParityCase, divclip_config
+
+    band = {"erc_beta_low": 0.05, "erc_beta_high": 0.05}
+    return divclip_config("kl3", ParityCase("dump", entropy=True), **band, token_dump_path=str(dump), **knobs)
+
+
 def test_the_token_dump_caps_a_step_over_all_its_calls_and_dumps_on_verls_step(tmp_path: Path) -> None:
     """One writer per dump path for the process: two loss calls at verl's step 6 write at most the step's
     budget of rows in all; the step is the batch's ``global_steps`` (every 3rd step: 6 is dumped, 7 is not,
     whatever this process's count of loss calls)."""
-    from tests.test_loss_breaks import ParityCase, divclip_config
-
     dump = tmp_path / "dump.jsonl"
-    config = divclip_config(
-        "kl3",
-        ParityCase("dump", entropy=True),
-        erc_beta_low=0.05,
-        erc_beta_high=0.05,
-        token_dump_path=str(dump),
-        token_dump_every_n_steps=3,
-        token_dump_max_tokens=5,
-    )
+    config = _dump_config(dump, token_dump_every_n_steps=3, token_dump_max_tokens=5)
     for step in (6, 6, 7):
         _dump_call(config, step)
     rows = [json.loads(line) for line in dump.read_text().splitlines()]
@@ -485,18 +483,10 @@ def test_the_token_dump_caps_a_step_over_all_its_calls_and_dumps_on_verls_step(t
 def test_without_verls_step_the_dump_counts_the_processes_loss_calls(tmp_path: Path) -> None:
     """A batch without ``global_steps`` (a caller outside verl's trainer): each loss call is the next step of this
     process's own count, one per call."""
-    from tests.test_loss_breaks import ParityCase, divclip_config
     from verl_ext.actor_loss import _UPDATE_CALLS
 
     dump = tmp_path / "dump.jsonl"
-    config = divclip_config(
-        "kl3",
-        ParityCase("dump", entropy=True),
-        erc_beta_low=0.05,
-        erc_beta_high=0.05,
-        token_dump_path=str(dump),
-        token_dump_every_n_steps=1,
-    )
+    config = _dump_config(dump, token_dump_every_n_steps=1)
     start = _UPDATE_CALLS[0]
     for _ in range(2):
         _dump_call(config, None)
