@@ -546,3 +546,127 @@ def test_restoring_another_metrics_controller_says_why(tmp_path: Path) -> None:
         ValueError, match="tracked 'actor/divclip/seq_kl3_mean'.*: resuming would continue a different controller$"
     ):
         controller.restore(str(tmp_path))
+
+
+def _erc_on_vanilla(case_actor: dict, band: tuple[float, float], ratios: tuple[float, ...] = (1.0,), **data_kw: bool):
+    """ERC on verl's vanilla through the actor loss, and verl's own ``ppo_loss`` on the same micro-batch."""
+    from verl.workers.config import PolicyLossConfig
+    from verl.workers.utils import losses as verl_losses
+
+    from recipe.bench.harness import make_actor_config
+    from tests.test_loss_breaks import (
+        CLIP_RATIOS,
+        ParityCase,
+        divclip_config,
+        make_micro_batch,
+        model_output_values,
+        run_erc_loss,
+        with_entropy_ratios,
+    )
+    from verl_ext.actor_loss import divclip_actor_loss
+
+    case = ParityCase("erc_on_vanilla", actor=case_actor, entropy=True, **data_kw)
+    data = make_micro_batch(case)
+    values = model_output_values(data)
+    with_entropy_ratios(data, values, ratios)
+    config = divclip_config("vanilla", case, erc_beta_low=band[0], erc_beta_high=band[1])
+    ours = run_erc_loss(divclip_actor_loss, config, data, values)
+    plain = make_actor_config(policy_loss=PolicyLossConfig(loss_mode="vanilla"), **{**CLIP_RATIOS, **case.actor})
+    return ours, run_erc_loss(verl_losses.ppo_loss, plain, data, values)
+
+
+def test_erc_on_a_verl_mode_aggregates_as_the_actor_says() -> None:
+    """With every token inside a wide band, ERC on ``vanilla`` is verl's ``ppo_loss`` under the actor's
+    ``loss_agg_mode`` (here ``seq-mean-token-sum``, whose loss differs from the default token mean)."""
+    ours, verls = _erc_on_vanilla({"loss_agg_mode": "seq-mean-token-sum"}, (0.99, 1e6))
+    torch.testing.assert_close(ours.loss, verls.loss, rtol=0, atol=0)
+    torch.testing.assert_close(ours.grads["log_probs"], verls.grads["log_probs"], rtol=0, atol=0)
+    _, token_mean = _erc_on_vanilla({}, (0.99, 1e6))
+    assert not torch.allclose(token_mean.loss, verls.loss)  # the control: the mode binds on this micro-batch
+
+
+def test_erc_on_a_verl_mode_reports_the_is_weights_mean() -> None:
+    """The rollout-correction weights reach verl's function and their mean over valid tokens is reported."""
+    ours, _ = _erc_on_vanilla({}, (0.99, 1e6), rollout_is_weights=True)
+    (value,) = ours.metrics["actor/divclip/rollout_is_weight_mean"].values
+    assert 0.5 < float(value) < 2.0  # the micro-batch's weights are drawn from [0.5, 2)
+
+
+def test_erc_on_a_verl_mode_needs_both_entropies() -> None:
+    from verl_ext.config import DivClipPolicyLossConfig
+    from verl_ext.verl_modes import verl_policy_loss
+
+    erc = DivClipPolicyLossConfig(loss_mode="vanilla", erc_beta_low=0.05, erc_beta_high=0.05)
+    x = torch.zeros(1, 2)
+    for old_entropy, entropy in ((x, None), (None, x)):
+        with pytest.raises(ValueError, match=r"ERC on loss_mode='vanilla' needs pi_old's and pi_theta's per-token"):
+            verl_policy_loss(
+                "vanilla",
+                old_log_prob=x,
+                log_prob=x,
+                advantages=x,
+                response_mask=x + 1,
+                loss_agg_mode="token-mean",
+                config=None,
+                policy=erc,
+                old_entropy=old_entropy,
+                entropy=entropy,
+            )
+
+
+def test_erc_metrics_on_a_verl_mode_count_one_valid_token_whole() -> None:
+    """``_erc_metrics`` over one valid token: its ratio is the mean, the min and the max; over none, nothing."""
+    from verl_ext.core.erc import entropy_ratio_band
+    from verl_ext.verl_modes import _erc_metrics
+
+    band_policy = policy(erc_beta_low=0.05, erc_beta_high=0.05, erc_eps=1.0)
+    old, new = torch.tensor([[1.0, 5.0]]), torch.tensor([[2.0, 7.0]])  # (2 + 1) / (1 + 1) = 1.5 on the valid token
+    one = torch.tensor([[1, 0]])
+    metrics = _erc_metrics(entropy_ratio_band(old, new, one, band_policy, torch.float32), one)
+    assert metrics["actor/divclip/erc/ratio_mean"] == metrics["actor/divclip/erc/ratio_max"] == 1.5
+    assert metrics["actor/divclip/erc/clipfrac_upper"] == 1.0
+    none = torch.zeros_like(one)
+    assert _erc_metrics(entropy_ratio_band(old, new, none, band_policy, torch.float32), none) == {}
+
+
+def test_the_controller_counts_every_update_and_names_the_actor_metrics_it_saw() -> None:
+    from verl_ext.adaptive_delta import TOKEN_METRIC, AdaptiveDelta
+    from verl_ext.config import DivClipPolicyLossConfig
+
+    controller = AdaptiveDelta.from_policy(DivClipPolicyLossConfig(loss_mode="kl3", adaptive_delta_target=0.01))
+    for _ in range(3):
+        controller.update({TOKEN_METRIC: 0.01})
+    assert controller.updates == 3
+    with pytest.raises(KeyError, match=r"\(actor metrics: \['actor/divclip/seq_kl3_mean', 'actor/pg_loss'\]\)"):
+        controller.update({"actor/pg_loss": 1.0, "critic/score": 0.5, "actor/divclip/seq_kl3_mean": 0.1})
+
+
+def test_erc_on_a_verl_mode_tests_the_band_in_float32_from_bf16_entropies() -> None:
+    """bf16 entropies 0.328125 -> 0.34375: rho = 1.0476 in float32, inside (0.95, 1.05); the bf16 quotient
+    (with ERC's eps) is outside. The band is tested in float32, as on the divclip modes."""
+    from verl.workers.config import PolicyLossConfig
+
+    from recipe.bench.harness import make_actor_config
+    from verl_ext.config import DivClipPolicyLossConfig
+    from verl_ext.core.erc import entropy_ratio_band
+    from verl_ext.verl_modes import verl_policy_loss
+
+    erc = DivClipPolicyLossConfig(loss_mode="vanilla", erc_beta_low=0.05, erc_beta_high=0.05)
+    old_entropy, entropy = (torch.tensor([[h]], dtype=torch.bfloat16) for h in (0.328125, 0.34375))
+    mask = torch.ones(1, 1, dtype=torch.int64)
+    in_bf16, in_fp32 = (entropy_ratio_band(old_entropy, entropy, mask, erc, d).outside for d in (None, torch.float32))
+    assert in_bf16.item() and not in_fp32.item()  # the case binds: the two dtypes decide differently
+    x = torch.zeros(1, 1)
+    _, metrics = verl_policy_loss(
+        "vanilla",
+        old_log_prob=x,
+        log_prob=x.clone().requires_grad_(True),
+        advantages=x + 1,
+        response_mask=mask,
+        loss_agg_mode="token-mean",
+        config=make_actor_config(policy_loss=PolicyLossConfig(loss_mode="vanilla")),
+        policy=erc,
+        old_entropy=old_entropy,
+        entropy=entropy,
+    )
+    assert metrics["actor/divclip/erc/clipfrac_upper"] == 0.0

@@ -75,6 +75,8 @@ _EXTRA_REDUCTION = "only adds the reduction over valid tokens, whose result equa
 _LAST_OF_TWO = "dim +1 for -1 on tensors that always have two dims (batch, tokens), or unsqueeze of a 1-D one"
 _NO_MOVE = "p == p_old counted on a side: its binary KL is exactly 0, never above a bound >= 0"
 _JSON_LAYOUT = "the state file's indentation: restore reads any JSON layout"
+_AGG_PASSED = "the default of loss_agg_mode, which verl's ppo_loss always passes (the default mirrors verl's signature)"
+_EQUAL_ZIP = "zip's strict flag over the names and the values of one stack: always of equal length"
 EQUIVALENT: dict[str, str] = {
     "verl_ext.core.erc.x_entropy_ratio__mutmut_11": "mask.to(None): a 0/1 mask (bool or int) multiplies exactly; "
     "the float entropy sets the result dtype",
@@ -96,6 +98,13 @@ EQUIVALENT: dict[str, str] = {
     "verl_ext.verl_modes.x__sequence_interval__mutmut_19": _LAST_OF_TWO,
     "verl_ext.verl_modes.x__binary_kl_interval__mutmut_23": _NO_MOVE,
     "verl_ext.verl_modes.x__binary_kl_interval__mutmut_26": _NO_MOVE,
+    "verl_ext.registry.x__erc_on_verl_mode__mutmut_1": _AGG_PASSED,
+    "verl_ext.registry.x__erc_on_verl_mode__mutmut_2": _AGG_PASSED,
+    "verl_ext.verl_modes.x__erc_metrics__mutmut_4": "n_valid summed in the mask's integer dtype: torch.stack "
+    "promotes it to the band's float dtype, where a count is exact",
+    "verl_ext.verl_modes.x__erc_metrics__mutmut_10": _EQUAL_ZIP,
+    "verl_ext.verl_modes.x__erc_metrics__mutmut_13": _EQUAL_ZIP,
+    "verl_ext.verl_modes.x__erc_metrics__mutmut_16": _EQUAL_ZIP,
     "verl_ext.adaptive_delta.xǁAdaptiveDeltaǁsave__mutmut_20": _JSON_LAYOUT,
     "verl_ext.adaptive_delta.xǁAdaptiveDeltaǁsave__mutmut_23": _JSON_LAYOUT,
     "verl_ext.adaptive_delta.xǁAdaptiveDeltaǁsave__mutmut_25": _JSON_LAYOUT,
