@@ -682,7 +682,10 @@ def test_divclip_mode_with_verl_policy_config_explains_target():
         strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=1, policy_loss=PolicyLossConfig(loss_mode="kl3")
     )
     old, new, adv, mask = random_batch(0)
-    with pytest.raises(TypeError, match=r"_target_=verl_ext\.config\.DivClipPolicyLossConfig"):
+    with pytest.raises(
+        ValueError,
+        match=r"loss_mode='kl3' needs .*_target_=verl_ext\.config\.DivClipPolicyLossConfig \(got 'PolicyLossConfig'\)",
+    ):
         run_registry_loss("kl3", old, new, adv, mask, cfg)
 
 

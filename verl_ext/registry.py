@@ -33,8 +33,8 @@ from typing import Any, Optional
 import torch
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
 
-from verl_ext.config import CONFIG_TARGET, DivClipPolicyLossConfig, actor_clip_ratios
-from verl_ext.config_rules.policy import ERC_ON_VERL_MODE, check_policy_config
+from verl_ext.config import DivClipPolicyLossConfig, actor_clip_ratios
+from verl_ext.config_rules.policy import ERC_ON_VERL_MODE, check_divclip_target, check_policy_config
 from verl_ext.core.coarsened_kl import TopKLogMasses
 from verl_ext.core.constraints import KL_FULL_NEEDS_TOPK
 from verl_ext.core.region import CONSTRAINTS
@@ -124,14 +124,10 @@ def resolve_policy_config(config: Any) -> DivClipPolicyLossConfig:
     if isinstance(policy, DivClipPolicyLossConfig):
         check_policy_config(policy)  # it may have been built before this module registered the check
         return policy
-    if isinstance(policy, Mapping) and policy.get("_target_") == CONFIG_TARGET:
-        fields = {k: v for k, v in policy.items() if k != "_target_"}
-        return DivClipPolicyLossConfig(**fields)  # __post_init__ runs check_policy_config
-    raise TypeError(
-        f"loss_mode={policy.get('loss_mode')!r} is a divclip mode and needs "
-        f"actor_rollout_ref.actor.policy_loss._target_={CONFIG_TARGET} (got {type(policy).__name__}); "
-        "verl's PolicyLossConfig cannot carry delta / dual_clip_c / ERC knobs"
-    )
+    target = (policy.get("_target_") if isinstance(policy, Mapping) else None) or type(policy).__name__
+    check_divclip_target(policy.get("loss_mode"), target)
+    fields = {k: v for k, v in policy.items() if k != "_target_"}
+    return DivClipPolicyLossConfig(**fields)  # __post_init__ runs check_policy_config
 
 
 def _make_registry_loss(mode: str) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:

@@ -22,6 +22,7 @@ from verl_ext.config_rules.policy import (
     ROLLOUT,
     TRAINER_MODE,
     VOCAB_PASS,
+    check_divclip_target,
     check_entropy_as_mask,
     check_knobs_read,
     check_policy_config,
@@ -41,11 +42,8 @@ def check_policy_target(config: DictConfig) -> None:
     policy_loss = config.actor_rollout_ref.actor.policy_loss
     mode = policy_loss.get("loss_mode", "vanilla")
     target = policy_loss.get("_target_", None)
-    if mode in CONSTRAINTS and target != CONFIG_TARGET:
-        raise ValueError(
-            f"{ACTOR}.policy_loss.loss_mode={mode!r} needs {ACTOR}.policy_loss._target_={CONFIG_TARGET} (got "
-            f"{target!r})"
-        )
+    if mode in CONSTRAINTS:
+        check_divclip_target(mode, target)
     if target != CONFIG_TARGET:
         _drop_unset_divclip_keys(policy_loss, target)
 

@@ -9,6 +9,8 @@ from typing import Any
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
 from verl_ext.config import (
+    ACTOR,
+    CONFIG_TARGET,
     POLICY_LOSS_KEY,
     DivClipPolicyLossConfig,
     register_mode_check,
@@ -88,6 +90,16 @@ def check_verl_mode_options(policy: DivClipPolicyLossConfig, prefix: str = POLIC
             f"{prefix}.dual_clip_c is the divclip modes' dual-clip cap; verl's loss_mode={mode!r} reads its own "
             "(actor_rollout_ref.actor.clip_ratio_c, which verl's vanilla applies; the other verl modes have no "
             "dual-clip rule): remove dual_clip_c"
+        )
+
+
+def check_divclip_target(mode: Any, target: Any) -> None:
+    """A divclip ``loss_mode`` runs only with ``policy_loss._target_`` = the divclip config (verl's
+    ``PolicyLossConfig`` cannot carry its knobs); ``target``: the configured ``_target_`` or the config's class."""
+    if target != CONFIG_TARGET:
+        raise ValueError(
+            f"{ACTOR}.policy_loss.loss_mode={mode!r} needs {ACTOR}.policy_loss._target_={CONFIG_TARGET} (got "
+            f"{target!r}): verl's PolicyLossConfig cannot carry the divclip knobs"
         )
 
 
