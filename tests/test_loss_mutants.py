@@ -670,3 +670,74 @@ def test_erc_on_a_verl_mode_tests_the_band_in_float32_from_bf16_entropies() -> N
         entropy=entropy,
     )
     assert metrics["actor/divclip/erc/clipfrac_upper"] == 0.0
+
+
+@pytest.mark.parametrize("dp_size, expected", [(2, 0.75), (None, 0.375)])
+def test_the_micro_batch_correct_nll_reads_the_scale_factor_and_the_data_parallel_size(
+    dp_size: int | None, expected: float
+) -> None:
+    """``correct_nll_norm=micro_batch`` under ``seq-mean-token-sum-norm``: the one correct response's token sum
+    (6) over ``loss_scale_factor`` (4, not the response length 3), times the micro-batch's share of the mini-batch,
+    2 rows x ``dp_size`` / 8 sequences (``dp_size`` 1 when the batch info has none)."""
+    from types import SimpleNamespace
+
+    from verl_ext.actor_loss import _correct_response_nll
+    from verl_ext.config import DivClipPolicyLossConfig
+
+    log_prob = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -0.5]], dtype=torch.float64)
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, -1.0]], dtype=torch.float64)
+    info = {"loss_scale_factor": 4.0, "global_batch_size": 8, **({"dp_size": dp_size} if dp_size else {})}
+    config = SimpleNamespace(loss_agg_mode="seq-mean-token-sum-norm", global_batch_info=info)
+    policy = DivClipPolicyLossConfig(loss_mode="kl3", correct_nll_coef=0.1, correct_nll_norm="micro_batch")
+    nll, correct_frac = _correct_response_nll(log_prob, rewards, torch.ones(2, 3, dtype=torch.bool), policy, config)
+    assert (float(nll), correct_frac) == (expected, 0.5)
+
+
+def test_the_actor_loss_declares_what_its_policy_asks_of_the_engine(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The installed loss's engine request follows the policy: the vocabulary pass only when asked, the old pass
+    packed as the update unless turned off (and always for verl's own config); with key recording on, the actor
+    config is bound to its key."""
+    from verl.workers.config import PolicyLossConfig
+
+    from recipe.bench.harness import make_actor_config
+    from verl_ext.actor_loss import ACTOR_KEY, build_actor_loss
+    from verl_ext.config import DivClipPolicyLossConfig
+    from verl_ext.core import key_reads
+    from verl_ext.engine.request import request_of
+
+    def request(policy_loss: object) -> object:
+        return request_of(build_actor_loss(make_actor_config(policy_loss=policy_loss)))
+
+    for vocab_pass, pack in ((True, True), (False, False)):
+        policy = DivClipPolicyLossConfig(loss_mode="kl3", vocab_pass=vocab_pass, pack_old_log_prob_as_update=pack)
+        found = request(policy)
+        assert (found.vocab_pass, found.pack_old_log_prob_as_update) == (vocab_pass, pack)
+    plain = request(PolicyLossConfig(loss_mode="vanilla"))
+    assert (plain.vocab_pass, plain.pack_old_log_prob_as_update) == (False, True)
+    monkeypatch.setenv(key_reads.RECORD_ENV, str(tmp_path))
+    config = make_actor_config(policy_loss=PolicyLossConfig(loss_mode="vanilla"))
+    build_actor_loss(config)
+    assert getattr(config, key_reads.ROOT_ATTR) == ACTOR_KEY
+
+
+@pytest.mark.parametrize("mode", ["gspo", "dppo_tv"])
+def test_the_gauge_decides_a_verl_mode_on_extreme_tokens_as_verls_function(mode: str) -> None:
+    """A token whose log-prob rose by 25-30 nats: verl's GSPO takes the sequence mean of the unclamped log-ratios
+        (one token at +30 among 100: s = e^0.3 = 1.35, outside (0.8, 1.25)); DPPO-TV compares p - p_old of the
+        unclamped probabilities (e^-25 -> 1: outside 0.25). Clamped to +-20 first, both would fall inside
+        (e^0.2 = 1.22; e^-5 - e^-25 = 0.0067). The gauge's rule (``ratio_clipfrac``) counts what verl's clip fraction
+    counts with every advantage +1."""
+    from tests.test_knobs import actor_config
+    from tests.test_losses import run_registry_loss
+    from verl_ext.actor_loss import outside_mode_rule
+
+    old = torch.full((1, 100), -40.0 if mode == "gspo" else -25.0, dtype=torch.float32)
+    new = old.clone()
+    new[0, 0] = -10.0 if mode == "gspo" else 0.0
+    mask = torch.ones_like(old, dtype=torch.bool)
+    outside = outside_mode_rule(mode, None, old, new, mask, 0.2, 0.25)
+    config = actor_config(mode, clip_ratio_low=0.2, clip_ratio_high=0.25)
+    _, _, verls = run_registry_loss(mode, old, new, torch.ones_like(old), mask.float(), config)
+    assert float(outside.float().mean()) == pytest.approx(verls["actor/pg_clipfrac"]) and outside.any()

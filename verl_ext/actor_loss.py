@@ -259,7 +259,9 @@ def outside_mode_rule(
     if declared.outside is None:
         return torch.zeros_like(mask)
     old = old_log_prob.detach().float()
-    log_ratio = torch.clamp(log_prob.detach().float() - old, -20.0, 20.0)
+    # unclamped, as verl decides: its +-20 clamp of log w (vanilla, cispo, ...) moves no token across a bound,
+    # and GSPO's sequence mean and DPPO's probabilities are taken from the unclamped log-probs
+    log_ratio = log_prob.detach().float() - old
     return declared.outside(log_ratio, old, mask, clip_low, clip_high) & mask
 
 
