@@ -741,3 +741,22 @@ def test_the_gauge_decides_a_verl_mode_on_extreme_tokens_as_verls_function(mode:
     config = actor_config(mode, clip_ratio_low=0.2, clip_ratio_high=0.25)
     _, _, verls = run_registry_loss(mode, old, new, torch.ones_like(old), mask.float(), config)
     assert float(outside.float().mean()) == pytest.approx(verls["actor/pg_clipfrac"]) and outside.any()
+
+
+def test_gspos_sequence_ratio_of_one_valid_token_is_that_tokens_ratio() -> None:
+    """A row with one valid token (the rest padding): its sequence ratio is that token's w = e^0.3, outside
+    (0.8, 1.2); divided by 2 it would be e^0.15, inside."""
+    from verl_ext.verl_modes import VERL_MODE_READS
+
+    log_ratio = torch.tensor([[0.3, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, False, False]])
+    assert VERL_MODE_READS["gspo"].outside(log_ratio, torch.zeros_like(log_ratio), mask, 0.2, 0.2).all()
+
+
+def test_a_restored_state_without_an_update_count_starts_counting_from_zero(tmp_path: Path) -> None:
+    from verl_ext.adaptive_delta import STATE_FILE, AdaptiveDelta
+    from verl_ext.config import DivClipPolicyLossConfig
+
+    (tmp_path / STATE_FILE).write_text(json.dumps({"delta": 0.05}))
+    controller = AdaptiveDelta.from_policy(DivClipPolicyLossConfig(loss_mode="kl3", adaptive_delta_target=0.01))
+    assert controller.restore(str(tmp_path)) and (controller.delta, controller.updates) == (0.05, 0)

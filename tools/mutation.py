@@ -98,6 +98,10 @@ EQUIVALENT: dict[str, str] = {
     "verl_ext.verl_modes.x__sequence_interval__mutmut_19": _LAST_OF_TWO,
     "verl_ext.verl_modes.x__binary_kl_interval__mutmut_23": _NO_MOVE,
     "verl_ext.verl_modes.x__binary_kl_interval__mutmut_26": _NO_MOVE,
+    "verl_ext.verl_modes.x__sequence_interval__mutmut_12": _LAST_OF_TWO,
+    "verl_ext.actor_loss.x__correct_response_nll__mutmut_3": _LAST_OF_TWO,
+    "verl_ext.actor_loss.x__correct_response_nll__mutmut_9": _LAST_OF_TWO,
+    "verl_ext.actor_loss.x_padded_response__mutmut_7": _LAST_OF_TWO,
     "verl_ext.registry.x__erc_on_verl_mode__mutmut_1": _AGG_PASSED,
     "verl_ext.registry.x__erc_on_verl_mode__mutmut_2": _AGG_PASSED,
     "verl_ext.verl_modes.x__erc_metrics__mutmut_4": "n_valid summed in the mask's integer dtype: torch.stack "
