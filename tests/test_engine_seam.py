@@ -509,7 +509,9 @@ def test_registering_refuses_to_shadow_a_verl_loss() -> None:
     POLICY_LOSS_REGISTRY["gppo"] = verls_future_gppo
     try:
         with pytest.raises(
-            RuntimeError, match=r"already registers a policy loss named 'gppo' .*verls_future_gppo.*would shadow it"
+            RuntimeError,
+            match=r"already registers a policy loss named 'gppo' \(tests\.test_engine_seam\.test_registering_refuses"
+            r"_to_shadow_a_verl_loss\.<locals>\.verls_future_gppo\); the divclip entry 'gppo' would shadow it",
         ):
             registry.register_modes()
         assert POLICY_LOSS_REGISTRY["gppo"] is verls_future_gppo  # left as verl had it

@@ -66,6 +66,7 @@ TESTS = [
     "tests/test_losses_properties.py",
     "tests/test_knobs.py",
     "tests/test_gauge_modes.py",
+    "tests/test_engine_seam.py",
 ]
 #: tests of those files that start engines or subprocesses (deselected: their fixtures take minutes)
 DESELECT = "not engine and not subprocess"
