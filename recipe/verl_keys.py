@@ -119,13 +119,13 @@ RULES: tuple[KeyRule, ...] = (
                              "trainer registry); an unknown mode is refused",
             evidence=f"`{RECIPE_MAIN_TEST}::test_every_trainer_mode_validates_and_selects_verls_class_with_the_divclip_"
                      "features`; end to end: `tests/test_trainer_modes_cpu.py`",
-            refused_when="an unregistered mode", check="validate_trainer_mode"),
+            refused_when="an unregistered mode", check="check_trainer_mode_registered"),
     KeyRule("trainer.v1.separate_async.parameter_sync_step", H,
             "verl's Decoupled PPO: pi_old is the cycle's first weights, so only the cycle's first update starts "
             "on-policy and carries the gauge",
             evidence=f"`{RECIPE_MAIN_TEST}` (refusal); `tests/test_trainer_modes_cpu.py` (separate_async)",
             refused_when="separate_async with data.train_batch_size != parameter_sync_step x actor.ppo_mini_batch_size "
-                         "(verl asserts it after Ray starts)", check="validate_trainer_mode"),
+                         "(verl asserts it after Ray starts)", check="check_separate_async_batch"),
     KeyRule("trainer.v1.sync.parameter_sync_step", F,
             "verl's base trainer reads trainer.v1.<mode>.parameter_sync_step in every mode: local updates whose pi_old "
             "is recomputed each time, which the divclip on-policy flag treats as off-policy (only separate_async's "
@@ -140,7 +140,7 @@ RULES: tuple[KeyRule, ...] = (
             "verl's hybrid rollout switch of separate_async",
             refused_when="with actor_rollout_ref.rollout.disaggregation.enabled=true (verl asserts it after Ray "
                          "starts)",
-            check="validate_trainer_mode"),
+            check="check_separate_async_switch"),
     KeyRule("trainer.resume_mode", H, "only complete checkpoints are resumed (recipe/checkpoints.py); sync resume "
                                       "across two nodes, async resume with TransferQueue's state",
             evidence="`tests/test_two_nodes_ray.py`, `tests/test_trainer_modes_cpu.py`"),
@@ -155,23 +155,25 @@ RULES: tuple[KeyRule, ...] = (
             "mu's log-probs feed the staleness figures and verl's rollout correction",
             evidence=f"`{RECIPE_MAIN_TEST}`; `tests/test_verl_keys.py`",
             refused_when="false in the async modes, or with rollout_correction.rollout_is / rollout_rs set",
-            check="validate_trainer_mode"),
+            check="check_async_behaviour_log_probs"),
     KeyRule(f"{ROLLOUT}.nnodes", H, "separate_async's standalone rollout pool",
             evidence=f"`{RECIPE_MAIN_TEST}`; `tests/test_trainer_modes_cpu.py`",
-            refused_when="0 in separate_async", check="validate_trainer_mode"),
+            refused_when="0 in separate_async", check="check_separate_async_rollout_pool"),
     KeyRule(f"{ROLLOUT}.n_gpus_per_node", H, "separate_async's standalone rollout pool",
             evidence=f"`{RECIPE_MAIN_TEST}`; `tests/test_trainer_modes_cpu.py`",
-            refused_when="0 in separate_async", check="validate_trainer_mode"),
+            refused_when="0 in separate_async", check="check_separate_async_rollout_pool"),
     KeyRule(f"{ROLLOUT}.checkpoint_engine.backend", H,
             "separate_async's weight transfer (cpu_gloo on the cpu platform)",
             evidence=f"`{RECIPE_MAIN_TEST}`; `tests/test_cpu_checkpoint_engine.py`; `tests/test_trainer_modes_cpu.py`",
             refused_when="naive in separate_async (or not cpu_gloo on the cpu platform)",
-            check="validate_trainer_mode"),
+            check="check_separate_async_weight_transfer"),
     KeyRule("reward.reward_model.enable_resource_pool", F, "verl's reward-model placement",
             refused_when="false with reward.reward_model.enable=true in separate_async (the standalone rollout never "
-                         "pauses to free memory for a colocated reward model)", check="validate_trainer_mode"),
+                         "pauses to free memory for a colocated reward model)",
+            check="check_separate_async_reward_pool"),
     KeyRule("actor_rollout_ref.hybrid_engine", F, "verl's hybrid engine",
-            refused_when="false in separate_async (fails inside verl 0.9.1)", check="validate_trainer_mode"),
+            refused_when="false in separate_async (fails inside verl 0.9.1)",
+            check="check_separate_async_hybrid_engine"),
     KeyRule("data.train_batch_size", F, "verl's prompts a step, against which the adaptive-delta controller and "
                                         "separate_async's split are checked",
             refused_when="with adaptive_delta_target, ppo_mini_batch_size >= it and one epoch (every update on-policy: "
@@ -179,18 +181,18 @@ RULES: tuple[KeyRule, ...] = (
                          "ppo_mini_batch_size", check="check_adaptive_delta_updates"),
     KeyRule("reward.reward_model.enable", F, "verl's reward model",
             refused_when="true with reward.reward_model.enable_resource_pool=false in separate_async",
-            check="validate_trainer_mode"),
+            check="check_separate_async_reward_pool"),
     KeyRule("trainer.device", F, "verl's device; on the cpu platform separate_async moves weights with cpu_gloo",
             refused_when="cpu with a checkpoint engine other than cpu_gloo in separate_async",
-            check="validate_trainer_mode"),
+            check="check_separate_async_weight_transfer"),
     *(KeyRule(f"trainer.{name}", F, "verl's trainer pool: the data-parallel ranks a separate_async update is split "
                                     "over",
               refused_when="in separate_async without dynamic batching, an update whose samples do not split evenly "
-                           "into the ranks' micro-batches", check="validate_trainer_mode")
+                           "into the ranks' micro-batches", check="check_separate_async_micro_batches")
       for name in ("nnodes", "n_gpus_per_node")),
     KeyRule(f"{ROLLOUT}.disaggregation.enabled", F, "verl's disaggregated rollout",
             refused_when="true with trainer.v1.separate_async.hybrid_rollout.enable_switch=true",
-            check="validate_trainer_mode"),
+            check="check_separate_async_switch"),
     KeyRule(f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", P,
             "with pack_old_log_prob_as_update the old-log-prob pass is packed as the update (its first epoch's "
             "micro-batches)",
@@ -272,7 +274,8 @@ RULES: tuple[KeyRule, ...] = (
             evidence=PACKING_EVIDENCE),
     KeyRule(f"{ACTOR}.ppo_max_token_len_per_gpu", H, "as actor.use_dynamic_bsz", evidence=PACKING_EVIDENCE),
     KeyRule(f"{ACTOR}.ppo_micro_batch_size_per_gpu", H, "as actor.use_dynamic_bsz", evidence=PACKING_EVIDENCE,
-            refused_when="not dividing a rank's share of a separate_async update", check="validate_trainer_mode"),
+            refused_when="not dividing a rank's share of a separate_async update",
+            check="check_separate_async_micro_batches"),
     KeyRule(f"{ACTOR}.ulysses_sequence_parallel_size", H, "a 2-rank Ulysses group is exactly on-policy; the top-k of "
                                                           "kl_full / the diagnostic needs whole sequences",
             evidence=f"`tests/test_onpolicy.py::test_two_ranks_are_exactly_on_policy`, `{RECIPE_MAIN_TEST}`",

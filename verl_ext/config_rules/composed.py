@@ -264,53 +264,75 @@ def validate_strategy(actor: Any, policy: DivClipPolicyLossConfig | None) -> Non
 
 def validate_trainer_mode(config: DictConfig, actor: Any) -> None:
     """``trainer.v1.trainer_mode`` selects verl's trainer class, with the divclip features on top in every mode
-    (``recipe.trainer.DIVCLIP_TRAINERS``). What verl itself would only assert after Ray has started,
-    and what the async modes need from the recipe, is checked here, naming the keys:
+    (``recipe.trainer.DIVCLIP_TRAINERS``). What verl itself would only assert after Ray has started, and what
+    the async modes need from the recipe: :data:`TRAINER_MODE_RULES`, in order, each naming its keys."""
+    for rule in TRAINER_MODE_RULES:
+        rule(config, actor)
 
-    * a known mode (verl's registry);
-    * async modes: ``rollout.calculate_log_probs=true`` -- the behaviour policy's log-probs, from which the
-      staleness figures (mu against pi_old) and verl's rollout correction are computed;
-    * ``separate_async``: ``data.train_batch_size == parameter_sync_step * actor.ppo_mini_batch_size``, a
-      standalone rollout pool (``rollout.nnodes`` and ``rollout.n_gpus_per_node`` > 0), a weight-transfer
-      backend other than ``naive`` (``rollout.checkpoint_engine.backend``; on the cpu platform ``cpu_gloo``),
-      verl's hybrid engine on (``hybrid_engine=false`` fails inside verl 0.9.1), a reward model (if any) in its
-      own resource pool, no rollout disaggregation with the hybrid switch, and fixed micro-batches that divide
-      each data-parallel rank's share of an update's samples (one update per ``parameter_sync_step``).
-    """
+
+def _trainer_mode(config: DictConfig) -> str:
+    return OmegaConf.select(config, TRAINER_MODE, default="sync")
+
+
+def check_trainer_mode_registered(config: DictConfig, actor: Any) -> None:
+    """A mode of verl's trainer registry."""
     from verl.trainer.ppo.v1 import get_trainer_cls
 
-    mode = OmegaConf.select(config, TRAINER_MODE, default="sync")
+    mode = _trainer_mode(config)
     try:
         get_trainer_cls(mode)
     except ValueError as error:
         raise ValueError(f"{TRAINER_MODE}={mode!r}: {error}") from error
-    if mode not in ASYNC_MODES:
-        return
-    rollout = config.actor_rollout_ref.rollout
-    if not rollout.get("calculate_log_probs", False):
+
+
+def check_async_behaviour_log_probs(config: DictConfig, actor: Any) -> None:
+    """Async modes: ``rollout.calculate_log_probs=true`` -- the behaviour policy's log-probs, from which the
+    staleness figures (mu against pi_old) and verl's rollout correction are computed."""
+    mode = _trainer_mode(config)
+    if mode in ASYNC_MODES and not config.actor_rollout_ref.rollout.get("calculate_log_probs", False):
         raise ValueError(
             f"{TRAINER_MODE}={mode} trains on samples of older policies: {ROLLOUT}.calculate_log_probs=true is needed "
             "for the behaviour policy's log-probs (the staleness figures actor/divclip/staleness/* and verl's "
             "algorithm.rollout_correction read them)"
         )
-    if mode != "separate_async":
+
+
+def _sync_step(config: DictConfig) -> int:
+    return int(config.trainer.v1.separate_async.get("parameter_sync_step", 1))
+
+
+def check_separate_async_batch(config: DictConfig, actor: Any) -> None:
+    """``separate_async``: ``data.train_batch_size == parameter_sync_step * actor.ppo_mini_batch_size``."""
+    if _trainer_mode(config) != "separate_async":
         return
-    separate = config.trainer.v1.separate_async
-    sync_step = int(separate.get("parameter_sync_step", 1))
-    train_batch_size = int(config.data.train_batch_size)
+    sync_step, train_batch_size = _sync_step(config), int(config.data.train_batch_size)
     if train_batch_size != sync_step * int(actor.ppo_mini_batch_size):
         raise ValueError(
             f"{TRAINER_MODE}=separate_async trains one mini-batch per weight sync step: data.train_batch_size="
             f"{train_batch_size} must equal trainer.v1.separate_async.parameter_sync_step={sync_step} x "
             f"{ACTOR}.ppo_mini_batch_size={actor.ppo_mini_batch_size}"
         )
+
+
+def check_separate_async_rollout_pool(config: DictConfig, actor: Any) -> None:
+    """``separate_async``: a standalone rollout pool (``rollout.nnodes`` and ``rollout.n_gpus_per_node`` > 0)."""
+    if _trainer_mode(config) != "separate_async":
+        return
+    rollout = config.actor_rollout_ref.rollout
     for key in ("nnodes", "n_gpus_per_node"):
         if int(rollout.get(key, 0) or 0) <= 0:
             raise ValueError(
                 f"{TRAINER_MODE}=separate_async generates on a standalone rollout pool: {ROLLOUT}.{key} must be > 0 "
                 f"(got {rollout.get(key, None)})"
             )
-    backend = rollout.checkpoint_engine.backend
+
+
+def check_separate_async_weight_transfer(config: DictConfig, actor: Any) -> None:
+    """``separate_async``: a weight-transfer backend other than ``naive`` (``rollout.checkpoint_engine.backend``;
+    ``cpu_gloo`` on the cpu platform)."""
+    if _trainer_mode(config) != "separate_async":
+        return
+    backend = config.actor_rollout_ref.rollout.checkpoint_engine.backend
     if backend == "naive":
         raise ValueError(
             f"{TRAINER_MODE}=separate_async moves weights to the standalone rollout pool with a checkpoint engine: "
@@ -322,41 +344,77 @@ def validate_trainer_mode(config: DictConfig, actor: Any) -> None:
             f"{TRAINER_MODE}=separate_async on the cpu platform (trainer.device=cpu) moves weights with the cpu_gloo "
             f"checkpoint engine: {ROLLOUT}.checkpoint_engine.backend={backend} needs GPUs"
         )
-    if not config.actor_rollout_ref.get("hybrid_engine", True):
+
+
+def check_separate_async_hybrid_engine(config: DictConfig, actor: Any) -> None:
+    """``separate_async``: verl's hybrid engine on (``hybrid_engine=false`` fails inside verl 0.9.1)."""
+    if _trainer_mode(config) == "separate_async" and not config.actor_rollout_ref.get("hybrid_engine", True):
         raise ValueError(
             f"{TRAINER_MODE}=separate_async with actor_rollout_ref.hybrid_engine=false fails inside verl 0.9.1's "
             "PPOTrainerSeparateAsync._setup (a logger call with flush=True): leave actor_rollout_ref.hybrid_engine=true"
         )
-    if OmegaConf.select(config, "reward.reward_model.enable", default=False) and not OmegaConf.select(
-        config, "reward.reward_model.enable_resource_pool", default=False
+
+
+def check_separate_async_reward_pool(config: DictConfig, actor: Any) -> None:
+    """``separate_async``: a reward model (if any) in its own resource pool."""
+    if (
+        _trainer_mode(config) == "separate_async"
+        and OmegaConf.select(config, "reward.reward_model.enable", default=False)
+        and not OmegaConf.select(config, "reward.reward_model.enable_resource_pool", default=False)
     ):
         raise ValueError(
             f"{TRAINER_MODE}=separate_async never pauses the standalone rollout to free memory for a colocated reward "
             "model: with reward.reward_model.enable=true set reward.reward_model.enable_resource_pool=true"
         )
+
+
+def check_separate_async_switch(config: DictConfig, actor: Any) -> None:
+    """``separate_async``: no rollout disaggregation with the hybrid rollout switch."""
     if (
-        OmegaConf.select(separate, "hybrid_rollout.enable_switch", default=False)
+        _trainer_mode(config) == "separate_async"
+        and OmegaConf.select(config.trainer.v1.separate_async, "hybrid_rollout.enable_switch", default=False)
         and config.actor_rollout_ref.get("hybrid_engine", True)
-        and OmegaConf.select(rollout, "disaggregation.enabled", default=False)
+        and OmegaConf.select(config.actor_rollout_ref.rollout, "disaggregation.enabled", default=False)
     ):
         raise ValueError(
             f"{TRAINER_MODE}=separate_async: trainer.v1.separate_async.hybrid_rollout.enable_switch=true does not "
             f"support {ROLLOUT}.disaggregation.enabled=true (verl moves paused replicas' queued requests)"
         )
-    if not actor.use_dynamic_bsz:
-        # data-parallel ranks: Ulysses sequence parallelism shares each sample among sp ranks
-        ranks = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node) // _ulysses_size(actor)
-        rows = train_batch_size // sync_step * int(rollout.n)
-        for key, size in (
-            (f"{ACTOR}.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu),
-            (f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", rollout.get("log_prob_micro_batch_size_per_gpu")),
-        ):
-            if size and (rows % ranks or (rows // ranks) % int(size)):
-                raise ValueError(
-                    f"{TRAINER_MODE}=separate_async trains {rows} samples per update (data.train_batch_size / "
-                    f"parameter_sync_step x rollout.n) over {ranks} data-parallel actor ranks; {key}={size} must "
-                    f"divide each rank's {rows / ranks:g}"
-                )
+
+
+def check_separate_async_micro_batches(config: DictConfig, actor: Any) -> None:
+    """``separate_async`` with fixed micro-batches: they divide each data-parallel rank's share of an update's
+    samples (one update per ``parameter_sync_step``)."""
+    if _trainer_mode(config) != "separate_async" or actor.use_dynamic_bsz:
+        return
+    rollout = config.actor_rollout_ref.rollout
+    # data-parallel ranks: Ulysses sequence parallelism shares each sample among sp ranks
+    ranks = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node) // _ulysses_size(actor)
+    rows = int(config.data.train_batch_size) // _sync_step(config) * int(rollout.n)
+    for key, size in (
+        (f"{ACTOR}.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu),
+        (f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", rollout.get("log_prob_micro_batch_size_per_gpu")),
+    ):
+        if size and (rows % ranks or (rows // ranks) % int(size)):
+            raise ValueError(
+                f"{TRAINER_MODE}=separate_async trains {rows} samples per update (data.train_batch_size / "
+                f"parameter_sync_step x rollout.n) over {ranks} data-parallel actor ranks; {key}={size} must "
+                f"divide each rank's {rows / ranks:g}"
+            )
+
+
+#: :func:`validate_trainer_mode`'s rules, in the order they are checked
+TRAINER_MODE_RULES = (
+    check_trainer_mode_registered,
+    check_async_behaviour_log_probs,
+    check_separate_async_batch,
+    check_separate_async_rollout_pool,
+    check_separate_async_weight_transfer,
+    check_separate_async_hybrid_engine,
+    check_separate_async_reward_pool,
+    check_separate_async_switch,
+    check_separate_async_micro_batches,
+)
 
 
 def _ulysses_size(actor: Any) -> int:
