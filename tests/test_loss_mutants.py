@@ -760,3 +760,21 @@ def test_a_restored_state_without_an_update_count_starts_counting_from_zero(tmp_
     (tmp_path / STATE_FILE).write_text(json.dumps({"delta": 0.05}))
     controller = AdaptiveDelta.from_policy(DivClipPolicyLossConfig(loss_mode="kl3", adaptive_delta_target=0.01))
     assert controller.restore(str(tmp_path)) and (controller.delta, controller.updates) == (0.05, 0)
+
+
+def test_a_foreign_entry_without_a_qualified_name_is_named_by_its_repr() -> None:
+    """A callable without ``__qualname__`` (a ``functools.partial``) under a divclip name: the refusal names it by
+    its module and its repr."""
+    import functools
+
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    from verl_ext import registry
+
+    ours = POLICY_LOSS_REGISTRY["gppo"]
+    POLICY_LOSS_REGISTRY["gppo"] = functools.partial(print, "verl's future gppo")
+    try:
+        with pytest.raises(RuntimeError, match=r"\(functools\.functools\.partial\(<built-in function print>, "):
+            registry.register_modes()
+    finally:
+        POLICY_LOSS_REGISTRY["gppo"] = ours

@@ -77,6 +77,7 @@ _LAST_OF_TWO = "dim +1 for -1 on tensors that always have two dims (batch, token
 _NO_MOVE = "p == p_old counted on a side: its binary KL is exactly 0, never above a bound >= 0"
 _JSON_LAYOUT = "the state file's indentation: restore reads any JSON layout"
 _AGG_PASSED = "the default of loss_agg_mode, which verl's ppo_loss always passes (the default mirrors verl's signature)"
+_HAS_MODULE = "the '?' for a registry entry without __module__: every Python callable has one (through its class)"
 _EQUAL_ZIP = "zip's strict flag over the names and the values of one stack: always of equal length"
 EQUIVALENT: dict[str, str] = {
     "verl_ext.core.erc.x_entropy_ratio__mutmut_11": "mask.to(None): a 0/1 mask (bool or int) multiplies exactly; "
@@ -103,6 +104,9 @@ EQUIVALENT: dict[str, str] = {
     "verl_ext.actor_loss.x__correct_response_nll__mutmut_3": _LAST_OF_TWO,
     "verl_ext.actor_loss.x__correct_response_nll__mutmut_9": _LAST_OF_TWO,
     "verl_ext.actor_loss.x_padded_response__mutmut_7": _LAST_OF_TWO,
+    "verl_ext.registry.x_register_modes__mutmut_10": _HAS_MODULE,
+    "verl_ext.registry.x_register_modes__mutmut_13": _HAS_MODULE,
+    "verl_ext.registry.x_register_modes__mutmut_16": _HAS_MODULE,
     "verl_ext.registry.x__erc_on_verl_mode__mutmut_1": _AGG_PASSED,
     "verl_ext.registry.x__erc_on_verl_mode__mutmut_2": _AGG_PASSED,
     "verl_ext.verl_modes.x__erc_metrics__mutmut_4": "n_valid summed in the mask's integer dtype: torch.stack "
