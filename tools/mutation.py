@@ -107,6 +107,10 @@ EQUIVALENT: dict[str, str] = {
     "verl_ext.registry.x_register_modes__mutmut_10": _HAS_MODULE,
     "verl_ext.registry.x_register_modes__mutmut_13": _HAS_MODULE,
     "verl_ext.registry.x_register_modes__mutmut_16": _HAS_MODULE,
+    "verl_ext.registry.x__make_registry_loss__mutmut_1": _AGG_PASSED,
+    "verl_ext.registry.x__make_registry_loss__mutmut_2": _AGG_PASSED,
+    "verl_ext.registry.x_resolve_policy_config__mutmut_2": "config['policy_loss'] for config.policy_loss: verl's "
+    "configs are Mappings of their fields",
     "verl_ext.registry.x__erc_on_verl_mode__mutmut_1": _AGG_PASSED,
     "verl_ext.registry.x__erc_on_verl_mode__mutmut_2": _AGG_PASSED,
     "verl_ext.verl_modes.x__erc_metrics__mutmut_4": "n_valid summed in the mask's integer dtype: torch.stack "
