@@ -778,3 +778,30 @@ def test_a_foreign_entry_without_a_qualified_name_is_named_by_its_repr() -> None
             registry.register_modes()
     finally:
         POLICY_LOSS_REGISTRY["gppo"] = ours
+
+
+def test_the_registry_entry_refuses_what_it_cannot_run_naming_why() -> None:
+    """Called as verl's registry would call it, outside the divclip actor loss: without the actor config; with
+    the adaptive delta (the divclip trainer runs it); with the KL diagnostic (pi_old's top-k is not passed) --
+    each refused with its reason; supplied the top-k, the diagnostic runs."""
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    from tests.test_losses import actor_config
+    from verl_ext.core.coarsened_kl import TopKLogMasses
+    from verl_ext.registry import LossInputs, supplying
+
+    x = torch.zeros(1, 2)
+    call = dict(old_log_prob=x, log_prob=x, advantages=x, response_mask=x + 1, loss_agg_mode="token-mean")
+    kl3 = get_policy_loss_fn("kl3")
+    with pytest.raises(ValueError, match=r"^policy loss 'kl3' needs the actor config \(config=None\)$"):
+        kl3(**call)
+    adaptive = actor_config("kl3", adaptive_delta_target=0.01)
+    with pytest.raises(ValueError, match=r"turns on the adaptive delta for loss_mode='kl3', which the divclip trainer"):
+        kl3(**call, config=adaptive)
+    diagnostic = actor_config("kl3", kl_full_diagnostic=True, kl_full_top_k=2)
+    with pytest.raises(ValueError, match=r"^policy_loss\.kl_full_diagnostic needs pi_old's top-k"):
+        kl3(**call, config=diagnostic)
+    masses = torch.log(torch.full((1, 2, 3), 1 / 3))  # k = 2 and the tail, pi_theta = pi_old
+    with supplying(LossInputs(topk=TopKLogMasses(old=masses, new=masses.clone()))):
+        _, metrics = kl3(**call, config=diagnostic)
+    assert any("kl_full" in name for name in metrics), sorted(metrics)  # the diagnostic ran
