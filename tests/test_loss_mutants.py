@@ -548,8 +548,9 @@ def test_restoring_another_metrics_controller_says_why(tmp_path: Path) -> None:
         controller.restore(str(tmp_path))
 
 
-def _erc_on_vanilla(case_actor: dict, band: tuple[float, float], ratios: tuple[float, ...] = (1.0,), **data_kw: bool):
-    """ERC on verl's vanilla through the actor loss, and verl's own ``ppo_loss`` on the same micro-batch."""
+def _erc_on_vanilla(case_actor: dict, **data_kw: bool):
+    """ERC on verl's vanilla through the actor loss, every entropy ratio 1 inside the wide band (0.01, 1e6 + 1),
+    and verl's own ``ppo_loss`` on the same micro-batch."""
     from verl.workers.config import PolicyLossConfig
     from verl.workers.utils import losses as verl_losses
 
@@ -568,8 +569,8 @@ def _erc_on_vanilla(case_actor: dict, band: tuple[float, float], ratios: tuple[f
     case = ParityCase("erc_on_vanilla", actor=case_actor, entropy=True, **data_kw)
     data = make_micro_batch(case)
     values = model_output_values(data)
-    with_entropy_ratios(data, values, ratios)
-    config = divclip_config("vanilla", case, erc_beta_low=band[0], erc_beta_high=band[1])
+    with_entropy_ratios(data, values, (1.0,))
+    config = divclip_config("vanilla", case, erc_beta_low=0.99, erc_beta_high=1e6)
     ours = run_erc_loss(divclip_actor_loss, config, data, values)
     plain = make_actor_config(policy_loss=PolicyLossConfig(loss_mode="vanilla"), **{**CLIP_RATIOS, **case.actor})
     return ours, run_erc_loss(verl_losses.ppo_loss, plain, data, values)
@@ -578,16 +579,16 @@ def _erc_on_vanilla(case_actor: dict, band: tuple[float, float], ratios: tuple[f
 def test_erc_on_a_verl_mode_aggregates_as_the_actor_says() -> None:
     """With every token inside a wide band, ERC on ``vanilla`` is verl's ``ppo_loss`` under the actor's
     ``loss_agg_mode`` (here ``seq-mean-token-sum``, whose loss differs from the default token mean)."""
-    ours, verls = _erc_on_vanilla({"loss_agg_mode": "seq-mean-token-sum"}, (0.99, 1e6))
+    ours, verls = _erc_on_vanilla({"loss_agg_mode": "seq-mean-token-sum"})
     torch.testing.assert_close(ours.loss, verls.loss, rtol=0, atol=0)
     torch.testing.assert_close(ours.grads["log_probs"], verls.grads["log_probs"], rtol=0, atol=0)
-    _, token_mean = _erc_on_vanilla({}, (0.99, 1e6))
+    _, token_mean = _erc_on_vanilla({})
     assert not torch.allclose(token_mean.loss, verls.loss)  # the control: the mode binds on this micro-batch
 
 
 def test_erc_on_a_verl_mode_reports_the_is_weights_mean() -> None:
     """The rollout-correction weights reach verl's function and their mean over valid tokens is reported."""
-    ours, _ = _erc_on_vanilla({}, (0.99, 1e6), rollout_is_weights=True)
+    ours, _ = _erc_on_vanilla({}, rollout_is_weights=True)
     (value,) = ours.metrics["actor/divclip/rollout_is_weight_mean"].values
     assert 0.5 < float(value) < 2.0  # the micro-batch's weights are drawn from [0.5, 2)
 
