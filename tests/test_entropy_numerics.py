@@ -423,9 +423,5 @@ def test_engine_path_selection_and_fused_kernels() -> None:
     eager = SimpleNamespace(engine_config=SimpleNamespace(use_torch_compile=False))
     assert entropy_fn_for(eager) is entropy_fp32  # compiled only on CUDA with use_torch_compile
     assert "use_fused_kernels=True" in describe(masked, EntropyPath.FUSED_KERNEL)
-    assert (
-        EngineFeatures(masked, EntropyPath.FUSED_KERNEL, None).step_path(pack_old_log_prob_as_update=False)[
-            "entropy_fp32"
-        ]
-        == 0.0
-    )
+    path = EngineFeatures(masked, EntropyPath.FUSED_KERNEL, None).step_path(False, old_log_prob_from_update=0.0)
+    assert path["entropy_fp32"] == 0.0

@@ -52,6 +52,8 @@ SKIP_PACKINGS: dict[str, dict[str, Any]] = {
 ATR_SHAPE_MODES = ["kl3", "erc", "kl_full", "kl_full+vocab_pass", "vanilla"]
 TWO_RANK_PACKING = EVERY_MODE_PACKING
 SGD = dict(optimizer="SGD", lr=0.05, clip_grad=1e9)  # every update is -lr * grad: parameters compare gradients
+#: per update micro-batch, the share of its rows whose pi_old the update supplied: what differs by design
+SKIP_METRIC = "actor/divclip/path/old_log_prob_from_update"
 
 
 def is_measured_not_computed(name: str) -> bool:
@@ -91,6 +93,7 @@ def step(worker: Any, batch: Any, mode: dict[str, Any], packing: dict[str, Any],
         old = compute_log_prob(worker, batch, packing=info, old_topk=k, collect=True)
     return {
         **{key: old[key].values().clone() for key in fields},
+        "from_update": [float(v) for v in metrics.pop(SKIP_METRIC)],
         "metrics": {
             k: [repr(float(v)) for v in vals]
             for k, vals in metrics.items()
@@ -145,9 +148,12 @@ def full_params_initial(model_path: str) -> dict[str, torch.Tensor]:
 
 
 def assert_bit_identical(result: dict[str, Any]) -> None:
+    """Everything equal but :data:`SKIP_METRIC`, which says the skip was taken (the first mini-batch's micro-batches
+    read 1) only in the run with it."""
     without, with_skip = result["without"], result["with"]
-    tensors = [key for key in without if key != "metrics"]
-    assert set(tensors) == {key for key in with_skip if key != "metrics"}, result["mode"]
+    assert set(without["from_update"]) == {0.0} and max(with_skip["from_update"]) == 1.0, result["mode"]
+    tensors = [key for key in without if key not in ("metrics", "from_update")]
+    assert set(tensors) == {key for key in with_skip if key not in ("metrics", "from_update")}, result["mode"]
     for key in tensors:  # pi_old's log-probs, entropy and (kl_full) top-k: none a placeholder (NaN, id -1)
         assert torch.equal(without[key], with_skip[key]), (result["mode"], key)
         placeholder = with_skip[key] < 0 if key == OLD_TOPK_IDS else torch.isnan(with_skip[key])
@@ -177,12 +183,14 @@ def atr_shape(model: str) -> list[dict[str, Any]]:
 def test_the_skip_changes_nothing_in_any_mode(every_mode: list[dict[str, Any]], mode: str) -> None:
     (result,) = [r for r in every_mode if r["mode"] == mode]
     assert_bit_identical(result)
+    assert min(result["with"]["from_update"]) == 0.0  # the second mini-batch's pi_old came from the pass
 
 
 @pytest.mark.parametrize("mode", ATR_SHAPE_MODES)
 def test_the_skip_changes_nothing_in_the_atr_shape(atr_shape: list[dict[str, Any]], mode: str) -> None:
     (result,) = [r for r in atr_shape if r["mode"] == mode]
     assert_bit_identical(result)
+    assert set(result["with"]["from_update"]) == {1.0}  # one mini-batch: every row's pi_old from the update
 
 
 def test_the_steps_moved_the_parameters(every_mode: list[dict[str, Any]], atr_shape: list[dict[str, Any]]) -> None:

@@ -85,6 +85,8 @@ COMPUTED = (
     "critic/advantages/mean",
 )
 STALENESS = "actor/divclip/staleness/"
+#: the step's mean share of update rows whose pi_old the update supplied: what the skip changes by design
+SKIP_METRIC = "actor/divclip/path/old_log_prob_from_update"
 WORST = "training/off_policy/trajectory_staleness_worst/"
 
 
@@ -170,6 +172,9 @@ def test_every_step_starts_exactly_on_policy_and_reports_its_staleness(resumed_r
         # own bookkeeping gives each prompt: the step it was fetched or re-issued at against the step it trained at
         assert data[WORST + "mean"] == pytest.approx(statistics.fmean(lags[step]), abs=1e-9), (step, lags[step])
         assert (data[WORST + "min"], data[WORST + "max"]) == (min(lags[step]), max(lags[step])), (step, lags[step])
+        # the skip is taken in colocate_async's first segment only (separate_async and the bypass block it)
+        taken = resumed_run["mode"] == "colocate_async" and step in FIRST
+        assert (data[SKIP_METRIC] > 0) == taken, (step, data[SKIP_METRIC])
         if step in resumed_run["bypass"]:  # pi_old is mu: nothing to pack, no update starts on-policy
             assert not any(key.startswith("actor/divclip/onpolicy/") for key in data)
             assert data["actor/divclip/path/pack_old_log_prob_as_update"] == 0.0
@@ -280,7 +285,8 @@ def test_colocate_async_logs_the_same_step_with_and_without_the_skip(
         assert compared == {k for k in b if not is_not_compared(k, before)}, step
         assert set(COMPUTED) <= compared, set(COMPUTED) - compared
         assert all(math.isfinite(a[k]) for k in COMPUTED), step
-        differing = {k: (a[k], b[k]) for k in sorted(compared) if repr(a[k]) != repr(b[k])}
+        assert 0 < a[SKIP_METRIC] < 1 and b[SKIP_METRIC] == 0.0, step  # the first of two mini-batches, with the skip
+        differing = {k: (a[k], b[k]) for k in sorted(compared - {SKIP_METRIC}) if repr(a[k]) != repr(b[k])}
         assert not differing, (step, differing)
 
 

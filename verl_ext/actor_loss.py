@@ -205,8 +205,9 @@ def step_path_metrics(data: TensorDict) -> dict[str, float]:
     """``actor/divclip/path/*`` of this micro-batch, as the worker's engine seam recorded them for its
     forward step (:data:`verl_ext.engine.request.STEP_PATH_KEY`): ``seam`` (1: the step went through the
     seam), ``entropy_fp32`` (1: the entropy of this pass came from the project's fp32 function),
-    ``vocab_pass`` and ``pack_old_log_prob_as_update`` (1: the engine packs its old-log-prob pass as the update). A
-    micro-batch the seam never stepped reports ``seam = 0`` -- a measurement, not the driver's claim."""
+    ``vocab_pass``, ``pack_old_log_prob_as_update`` (1: the engine packs its old-log-prob pass as the update) and
+    ``old_log_prob_from_update`` (the share of its rows whose pi_old is the update's own forward). A micro-batch the
+    seam never stepped reports ``seam = 0`` -- a measurement, not the driver's claim."""
     path = tu.get_non_tensor_data(data=data, key=STEP_PATH_KEY, default=None)
     if path is None:
         return {f"{PATH_METRIC}seam": 0.0}

@@ -272,6 +272,16 @@ def substituting_loss(
     return loss
 
 
+def skipped_share(engine: Any, rows: list[int]) -> float:
+    """The share of an update micro-batch's rows whose old pass was skipped, their pi_old the update's own forward
+    (``actor/divclip/path/old_log_prob_from_update``; its step mean says whether, and how much of, the skip was
+    taken: 0 without it)."""
+    state = pending(engine)
+    if state is None or not rows:
+        return 0.0
+    return len(set(rows) & state.from_update) / len(rows)
+
+
 def supplies_topk(engine: Any, first_mini_batch: bool) -> int:
     """k of pi_old's top-k this update step takes from its own logits (the supplying mini-batch of a pass that
     stored a top-k), else 0."""

@@ -64,7 +64,14 @@ import torch
 
 from verl_ext.engine.entropy_path import entropy_fn_for, entropy_swaps
 from verl_ext.engine.guard import ENGINE_MODULE, WORKER_MODULE, check_engine_instance, check_verl, engine_attribute
-from verl_ext.engine.old_from_update import COLLECT_KEY, collect, substituted_topk, substituting_loss, supplies_topk
+from verl_ext.engine.old_from_update import (
+    COLLECT_KEY,
+    collect,
+    skipped_share,
+    substituted_topk,
+    substituting_loss,
+    supplies_topk,
+)
 from verl_ext.engine.old_from_update import pending as pending_old
 from verl_ext.engine.packing import (
     ROW_KEY,
@@ -106,14 +113,17 @@ class EngineFeatures:
     entropy_path: EntropyPath
     entropy_fn: Optional[Callable[..., torch.Tensor]]  #: the fp32 entropy of both passes, or None (verl's)
 
-    def step_path(self, pack_old_log_prob_as_update: bool) -> dict[str, float]:
+    def step_path(self, pack_old_log_prob_as_update: bool, old_log_prob_from_update: float) -> dict[str, float]:
         """The ``actor/divclip/path/*`` record of a step of this engine (1.0 / 0.0 per feature);
-        ``pack_old_log_prob_as_update``: what the update found (:func:`verl_ext.engine.packing.observed_packing`)."""
+        ``pack_old_log_prob_as_update``: what the update found (:func:`verl_ext.engine.packing.observed_packing`);
+        ``old_log_prob_from_update``: the share of the step's rows whose pi_old the update supplied
+        (:func:`verl_ext.engine.old_from_update.skipped_share`)."""
         return {
             "seam": 1.0,
             "entropy_fp32": float(self.request.vocab_pass or self.entropy_path is EntropyPath.DIVCLIP_FP32),
             "vocab_pass": float(self.request.vocab_pass),
             "pack_old_log_prob_as_update": float(pack_old_log_prob_as_update),
+            "old_log_prob_from_update": float(old_log_prob_from_update),
         }
 
 
@@ -220,15 +230,16 @@ def _forward_step(
     if features is None:
         features = EngineFeatures(EngineRequest(), EntropyPath.VERL, None)
     aligned = observed_packing(engine, micro_batch, forward_only)
-    tu.assign_non_tensor(micro_batch, **{STEP_PATH_KEY: features.step_path(aligned)})
-    loss, supply_topk = loss_function, 0
+    loss, supply_topk, from_update = loss_function, 0, 0.0
     state = None if forward_only else pending_old(engine)
     if state is not None:  # old_log_prob_from_update: the update supplies pi_old of the rows the old pass skipped
         first = update_mini_batch_index(engine) == state.mini_batch
         rows = [int(r) for r in micro_batch[ROW_KEY].tolist()]
+        from_update = skipped_share(engine, rows)
         substituted_topk(engine, rows, micro_batch, first)
         supply_topk = supplies_topk(engine, first)
         loss = substituting_loss(engine, rows, loss_function, first, state.loss_wants_entropy)
+    tu.assign_non_tensor(micro_batch, **{STEP_PATH_KEY: features.step_path(aligned, from_update)})
     with swapped(step_swaps(engine, features, micro_batch, loss_function, supply_topk)):
         return original(engine, micro_batch, loss_function=loss, forward_only=forward_only)
 
