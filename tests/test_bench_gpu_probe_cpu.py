@@ -3,7 +3,8 @@ tests/test_gpu.py): it builds the model from a config, runs each variant in its 
 reports ratios against ``no_entropy`` from the same run, and checks ERC's on-policy invariant.
 
 The acceptance run (``gpu --acceptance``, routed to :mod:`recipe.bench.acceptance`) runs here at CPU
-size: as a command with ``--allow-unmeasured``, its exit code exactly the one its report's figures call for
+size, its two children (each its own process) run once for the module: through the command's entry point with
+``--allow-unmeasured``, its exit code exactly the one its report's figures call for
 (1 if a measured CPU target missed its limit, else 0), and every new figure computed by the same code as on
 CUDA (memory per phase from the resident set, the interleaved rounds, the median and spread, verl's FLOP count
 against verl's CPU peak, the longest micro-batch searched against a declared budget, the packing run's
@@ -157,23 +158,49 @@ def test_probe_refuses_fsdp1_on_cpu() -> None:
     assert proc.returncode == 2 and "--strategies fsdp (FSDP1) needs --device cuda" in proc.stderr
 
 
-def test_acceptance_runs_at_cpu_size_and_its_report_lists_every_target(tmp_path: Path) -> None:
-    """``python -m recipe.bench gpu --acceptance --allow-unmeasured`` on the CPU platform: both reports
-    written, every target listed for FSDP1 and FSDP2 with its limit, FSDP1's marked unmeasured with the
-    reason, FSDP2's measured, every new figure computed (checked below against its definition), and the
-    on-policy check holding for every divclip loss and the aligned packing. Without the flag the same report
-    exits non-zero, naming every unmeasured target."""
+@pytest.fixture(scope="module")
+def acceptance_children() -> dict[str, Any]:
+    """The acceptance's child runs at CPU size (``losses:fsdp2``, ``packing:fsdp2``: each its own process), run once
+    for real when the command first asks for them and handed, as they ran, to every later call in this module."""
+    return {}
+
+
+def cached_children(monkeypatch: pytest.MonkeyPatch, ran: dict[str, Any]) -> None:
+    """Make ``recipe.bench.acceptance`` take its children from ``ran``, running each real child the first time."""
+    import recipe.bench.acceptance as acceptance
+
+    real = acceptance.run_child
+
+    def child(module: str, argv: list[str], env: dict[str, str] | None = None) -> Any:
+        run = argv[argv.index("--_child") + 1]  # "losses:fsdp2" or "packing:fsdp2"
+        if run not in ran:
+            ran[run] = real(module, argv, env)
+            assert ran[run].ok, ran[run].stderr[-3000:]
+        return ran[run]
+
+    monkeypatch.setattr(acceptance, "run_child", child)
+
+
+def test_acceptance_runs_at_cpu_size_and_its_report_lists_every_target(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    acceptance_children: dict[str, Any],
+) -> None:
+    """``gpu --acceptance --allow-unmeasured`` on the CPU platform, through the command's entry point
+    (``recipe.bench.__main__.main``; its children in their own processes): both reports written, every target
+    listed for FSDP1 and FSDP2 with its limit, FSDP1's marked unmeasured with the reason, FSDP2's measured, every
+    new figure computed (checked below against its definition), and the on-policy check holding for every
+    divclip loss and the aligned packing. Without the flag the same report exits non-zero, naming every
+    unmeasured target."""
+    from recipe.bench.__main__ import main
     from recipe.bench.acceptance_report import EXIT_FAILED, EXIT_MET, TARGETS, verdict
     from recipe.bench.acceptance_runs import LOSSES
 
     out = tmp_path / "acceptance"
-    proc = subprocess.run(
-        [sys.executable, "-m", "recipe.bench", *ACCEPTANCE_CPU, "--allow-unmeasured", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    cached_children(monkeypatch, acceptance_children)
+    code = main([*ACCEPTANCE_CPU, "--allow-unmeasured", "--out", str(out)])
+    stdout = capsys.readouterr().out
     report = json.loads((out / "acceptance.json").read_text())
     # the exit code the figures call for, read here from the rows' values and limits (not from verdict): never 3,
     # the unmeasured targets being allowed
@@ -184,12 +211,12 @@ def test_acceptance_runs_at_cpu_size_and_its_report_lists_every_target(tmp_path:
         if row["value"] is not None
         and (row["value"] < row["limit"] if row["at_least"] else row["value"] > row["limit"])
     ]
-    assert proc.returncode == (EXIT_FAILED if missed else EXIT_MET), (missed, proc.stdout[-3000:] + proc.stderr[-3000:])
-    assert verdict(report, allow_unmeasured=True).exit_code == proc.returncode
+    assert code == (EXIT_FAILED if missed else EXIT_MET), (missed, stdout[-3000:])
+    assert verdict(report, allow_unmeasured=True).exit_code == code
     strict = verdict(report)  # the same report, without --allow-unmeasured
     assert strict.exit_code != EXIT_MET
     assert strict.unmeasured == [f"fsdp: {target.name} (FSDP1 needs CUDA)" for target in TARGETS]
-    assert f"unmeasured (allowed): fsdp: {TARGETS[0].name} (FSDP1 needs CUDA)" in proc.stdout
+    assert f"unmeasured (allowed): fsdp: {TARGETS[0].name} (FSDP1 needs CUDA)" in stdout
     markdown = (out / "acceptance.md").read_text()
     assert report["errors"] == {} and set(report["targets"]) == {"fsdp", "fsdp2"}
     for strategy, rows in report["targets"].items():
@@ -294,7 +321,7 @@ def test_acceptance_refuses_to_start_without_a_cuda_device() -> None:
 
 
 def test_acceptance_exits_3_on_cpu_unless_unmeasured_targets_are_allowed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, acceptance_children: dict[str, Any]
 ) -> None:
     """The command's own path (``recipe.bench.__main__.main``: the dispatcher, the acceptance's options, model
     build, its two real child runs, ratios, targets, report, verdict, exit code) at CPU size, in this process.
@@ -309,15 +336,14 @@ def test_acceptance_exits_3_on_cpu_unless_unmeasured_targets_are_allowed(
     from recipe.bench.acceptance_report import EXIT_FAILED, EXIT_MET, EXIT_UNMEASURED, TARGETS
     from recipe.bench.child import ChildRun
 
-    real = acceptance.run_child
-    ran: dict[str, Any] = {}
+    ran = acceptance_children
+    cached_children(monkeypatch, ran)
+    real = acceptance.run_child  # the cached real children
     slow_erc = [False]
 
     def child_with_equal_times(module: str, argv: list[str], env: dict[str, str] | None = None) -> Any:
-        run = argv[argv.index("--_child") + 1]  # "losses:fsdp2" or "packing:fsdp2"
-        if run not in ran:
-            ran[run] = real(module, argv, env)
-            assert ran[run].ok, ran[run].stderr[-3000:]
+        run = argv[argv.index("--_child") + 1]
+        real(module, argv, env)
         figures = json.loads(json.dumps(ran[run].result["figures"]))
         for name, f in figures.items():
             slow = slow_erc[0] and name == "divclip_erc"

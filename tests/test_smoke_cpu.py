@@ -10,8 +10,11 @@ with the old-log-prob pass at twice the update's token budget (small enough that
 batches differ), shuffled mini-batches, two a step, and a model whose output head is scaled so that its
 logits are large enough for bf16's rounding to show the kernels' batch-size dependence. The on-policy gauge
 is exactly 0 on every step of every run (the trainer hands the update's split to the old-log-prob pass,
-and the update checked that it ran that packing); the same ERC-DAPO run with
-``pack_old_log_prob_as_update=false`` is the control, and shows the noise (the gauge > 0 on some step)."""
+and the update checked that it ran that packing). The main run trains ERC-DAPO through the vocabulary pass
+with the KL3-vs-trust-region diagnostic over pi_old's stored top-k (``kl_full`` itself runs through the actor
+worker in tests/test_full_kl_engine.py and tests/test_onpolicy.py; kl3 with the diagnostic from verl's logits
+through the trainer in tests/test_sft_chain_cpu.py); ERC-DAPO with ``pack_old_log_prob_as_update=false`` is the
+control, and shows the noise (the gauge > 0 on some step)."""
 
 from __future__ import annotations
 
@@ -138,8 +141,11 @@ def write_with_data_source(source: Path, target: Path, data_source: str) -> None
 
 @pytest.fixture(scope="module")
 def erc_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Also records, in every process of the run, which of verl's classes and globals it has patched
-    (:mod:`tests.process_probe`, imported by each process's ``import verl``)."""
+    """ERC-DAPO through the vocabulary pass (VOCAB_PASS=1: both passes' log-probs and entropies from the LM
+    head's input in slices, no logits tensor), with the KL3-vs-trust-region diagnostic: pi_old's top-8 taken by
+    the pass and stored by verl's old-log-prob pass through TransferQueue. Also records, in every process of the
+    run, which of verl's classes and globals it has patched (:mod:`tests.process_probe`, imported by each
+    process's ``import verl``)."""
     out = tmp_path_factory.mktemp("smoke_erc")
     args = validation_length_args(out)
     run_smoke(
@@ -147,12 +153,21 @@ def erc_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "erc_dapo",
         2,
         *args,
+        *TOP_K_DIAGNOSTIC,
         SAVE_FREQ="2",
         TEST_FREQ="2",
         RESPONSE_LEN=str(TRAIN_LENGTH),
+        VOCAB_PASS="1",
         **probe_env(out / "probe"),
     )
     return out
+
+
+#: the diagnostic over pi_old's top-8 of the 33-token vocabulary (the tail is one more bucket)
+TOP_K_DIAGNOSTIC = (
+    "actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=True",
+    "actor_rollout_ref.actor.policy_loss.kl_full_top_k=8",
+)
 
 
 def probe_env(folder: Path) -> dict[str, str]:
@@ -218,7 +233,8 @@ PROCESS_KINDS = {
 
 @pytest.fixture(scope="module")
 def erc_control(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The erc_run's training, with verl's own packing of the old-log-prob pass."""
+    """ERC-DAPO (without the erc_run's vocabulary pass and diagnostic), with verl's own packing of the
+    old-log-prob pass."""
     out = tmp_path_factory.mktemp("smoke_erc_control")
     run_smoke(
         out,
@@ -256,8 +272,10 @@ def test_trainer_runs_erc_dapo_end_to_end(erc_run: Path) -> None:
         assert "actor/divclip/erc/ratio_mean" in data and data["actor/divclip/erc/ratio_mean"] > 0
         assert "actor/divclip/kl3_mean" in data
         # the on-policy gauge (first mini-batch, before the optimizer step) on every step:
-        # the old-log-prob pass is packed as the update, so ERC measures the policy, not the kernels
-        assert_on_policy_exact(data, erc=True)
+        # the old-log-prob pass is packed as the update, so ERC measures the policy, not the kernels;
+        # the workers computed both passes through the vocabulary pass
+        assert_on_policy_exact(data, erc=True, vocab_pass=True)
+        assert_coarsened_kl_from_stored_top_k(data)
     assert any(k.startswith("val-core/") for k in metrics[0])  # validation before training
     assert (erc_run / "curves.png").stat().st_size > 10_000
     report = json.loads((erc_run / "report.json").read_text())
@@ -284,27 +302,6 @@ def test_validation_runs_each_benchmark_at_its_own_length_and_n(erc_run: Path) -
     rows = [json.loads(line) for line in (erc_run / "validation" / "0.jsonl").read_text().splitlines()]
     per_prompt = Counter(row["uid"].rsplit("_", 2)[0] for row in rows)
     assert Counter(per_prompt.values()) == {1: 20, 3: 20} and len(rows) == 80
-
-
-def test_trainer_runs_kl_full_through_the_vocab_pass_end_to_end(tmp_path: Path) -> None:
-    """kl_full through the vocabulary pass (VOCAB_PASS=1: pi_old's top-8 from the pass's slices, no logits
-    tensor), stored by verl's old-log-prob pass through TransferQueue, the diagnostic on. (kl3 with the
-    diagnostic from verl's logits runs in tests/test_sft_chain_cpu.py, on the SFT model.)"""
-    proc = run_smoke(
-        tmp_path,
-        "kl_full",
-        1,
-        "actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=True",
-        "actor_rollout_ref.actor.policy_loss.kl_full_top_k=8",
-        SAVE_FREQ="-1",
-        TEST_FREQ="-1",
-        VOCAB_PASS="1",
-    )
-    assert "'vocab_pass': True" in proc.stdout  # the config verl's TaskRunner prints
-    data = step_metrics(tmp_path)[1]
-    assert "actor/divclip/erc/ratio_mean" not in data
-    assert_on_policy_exact(data, erc=False, vocab_pass=True)
-    assert_coarsened_kl_from_stored_top_k(data)
 
 
 def test_margin_test_arithmetic() -> None:
