@@ -132,6 +132,84 @@ def test_the_gauge_counts_one_valid_token_whole() -> None:
     assert empty == {"onpolicy/log_ratio_abs_max": 0.0, "onpolicy/ratio_clipfrac": 0.0}
 
 
+def test_the_gauge_measures_log_pi_theta_minus_log_pi_old() -> None:
+    """On real log-probs (not zeros): equal ones read 0 and count nothing; pi_theta 0.5 nats below pi_old reads
+    0.5, its ratio exp(-0.5) below the clip range; padding, whatever it holds, is not measured."""
+    from verl_ext.core.gauge import on_policy_gauge
+
+    old = torch.tensor([[-1.0, -2.0, -7.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    same = on_policy_gauge(old, old.clone(), mask, 0.2, 0.28)
+    assert same == {"onpolicy/log_ratio_abs_max": 0.0, "onpolicy/ratio_clipfrac": 0.0}
+    lower = on_policy_gauge(old, torch.tensor([[-1.5, -2.0, 3.0]]), mask, 0.2, 0.28)
+    assert lower["onpolicy/log_ratio_abs_max"] == pytest.approx(0.5)
+    assert lower["onpolicy/ratio_clipfrac"] == 0.5
+
+
+def test_behaviour_divergence_is_kl3_of_pi_old_over_mu_on_valid_tokens() -> None:
+    """mu against pi_old (``actor/divclip/staleness/*``): the mean over valid tokens of w - 1 - log w with
+    w = pi_old / mu, and max |log w| (here of a negative log w); KL3 is asymmetric in log w, so the direction
+    shows (log w = +1 and -2 give e - 2 and 1 + 1/e^2); padding, whatever it holds, is left out; no valid token
+    gives nothing."""
+    from verl_ext.core.staleness import behaviour_divergence
+
+    old = torch.tensor([[-1.0, -4.0, -2.0, 0.0]])
+    mu = torch.tensor([[-2.0, -2.0, -2.0, -9.0]])  # log w = +1, -2, 0 and (padding) +9
+    mask = torch.tensor([[1, 1, 1, 0]])
+    found = behaviour_divergence(old, mu, mask)
+    expected_mean = ((math.e - 2.0) + (1.0 + math.exp(-2.0)) + 0.0) / 3
+    assert found["behaviour_kl3_mean"] == pytest.approx(expected_mean, rel=1e-12)
+    assert found["behaviour_log_ratio_abs_max"] == pytest.approx(2.0, rel=1e-12)
+    one_sided = behaviour_divergence(old[:, :1], mu[:, :1], mask[:, :1])  # log w = +1 alone: e - 2, not 1/e
+    assert one_sided["behaviour_kl3_mean"] == pytest.approx(math.e - 2.0, rel=1e-12)
+    assert behaviour_divergence(old, mu, torch.zeros_like(mask)) == {}
+
+
+def test_define_constraint_records_its_declaration_and_refuses_bad_ones() -> None:
+    """``define_constraint`` (the constraint registry of ATR Eq. 5), called at run time with names of this test's
+    own: a name joins ``CONSTRAINTS`` with what it declares -- by default a token-level constraint dropping its
+    violations, measured by ``kl3_mean``; a sequence-level one by ``seq_kl3_mean`` -- and the decorator hands the
+    region back; a sequence-level constraint that preserves violations, or a name defined twice, is refused
+    naming it (the first definition kept)."""
+    from verl_ext.core.region import CONSTRAINTS, ConstraintSpec, define_constraint, interval
+
+    def region(inputs):
+        return interval(inputs, 0.5, 2.0)
+
+    try:
+        assert define_constraint("_test_token")(region) is region
+        token = CONSTRAINTS["_test_token"]
+        assert (token.on_violation, token.level, token.budget_metric) == ("drop", "token", "kl3_mean")
+        assert token == ConstraintSpec("_test_token", region, "drop", "token", False, "kl3_mean", False, (), "")
+        define_constraint("_test_sequence", level="sequence")(region)  # sequence-level, dropping: allowed
+        assert CONSTRAINTS["_test_sequence"].budget_metric == "seq_kl3_mean"
+        define_constraint(
+            "_test_full",
+            on_violation="preserve",
+            delta_budget=True,
+            budget_metric="my_metric",
+            needs_old_topk=True,
+            reads=["delta"],
+            summary="a test constraint",
+        )(region)
+        expected = ConstraintSpec(
+            "_test_full", region, "preserve", "token", True, "my_metric", True, ("delta",), "a test constraint"
+        )
+        assert CONSTRAINTS["_test_full"] == expected
+        with pytest.raises(
+            ValueError, match=r"^constraint '_test_bad': sequence-level constraints only drop violations$"
+        ):
+            define_constraint("_test_bad", on_violation="preserve", level="sequence")
+        assert "_test_bad" not in CONSTRAINTS
+        other = lambda inputs: interval(inputs, 0.0, 9.0)  # noqa: E731
+        with pytest.raises(ValueError, match=r"^constraint '_test_token' is already defined \(.*region\)$"):
+            define_constraint("_test_token")(other)
+        assert CONSTRAINTS["_test_token"].region is region
+    finally:
+        for name in ("_test_token", "_test_sequence", "_test_full", "_test_bad"):
+            CONSTRAINTS.pop(name, None)
+
+
 def test_the_gauge_clip_range_is_closed() -> None:
     """A ratio exactly on 1 - eps_low or 1 + eps_high is inside the actor's clip range (verl's clip keeps
     it); one beyond either is counted."""
