@@ -342,9 +342,8 @@ def test_acceptance_exits_3_on_cpu_unless_unmeasured_targets_are_allowed(
     slow_erc = [False]
 
     def child_with_equal_times(module: str, argv: list[str], env: dict[str, str] | None = None) -> Any:
-        run = argv[argv.index("--_child") + 1]
-        real(module, argv, env)
-        figures = json.loads(json.dumps(ran[run].result["figures"]))
+        as_ran = real(module, argv, env)
+        figures = json.loads(json.dumps(as_ran.result["figures"]))
         for name, f in figures.items():
             slow = slow_erc[0] and name == "divclip_erc"
             f.update({key: 1.0 for key in ("old_seconds", "old_seconds_median") if key in f})
@@ -355,7 +354,7 @@ def test_acceptance_exits_3_on_cpu_unless_unmeasured_targets_are_allowed(
                 f["loss_peak_bytes"] = 40 if name == "divclip_erc_vocab_pass" else 100
             if "longest" in f:
                 f["longest"].update(tokens=2048 if name == "divclip_erc_vocab_pass" else 1024, stopped="resolved")
-        return ChildRun(0, {**ran[run].result, "figures": figures}, "")
+        return ChildRun(0, {**as_ran.result, "figures": figures}, "")
 
     monkeypatch.setattr(acceptance, "run_child", child_with_equal_times)
 

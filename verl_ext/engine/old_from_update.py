@@ -110,6 +110,12 @@ class OldFromUpdate:
     def fields(self) -> tuple[str, ...]:
         return pass_fields(self.topk_k)
 
+    def skipped_share(self, rows: list[int]) -> float:
+        """The share of an update micro-batch's rows whose old pass was skipped, their pi_old the update's own
+        forward (``actor/divclip/path/old_log_prob_from_update``; its step mean says whether, and how much of, the
+        skip was taken: 0 without it)."""
+        return len(set(rows) & self.from_update) / len(rows) if rows else 0.0
+
     def capture(self, rows: list[int], model_output: dict[str, torch.Tensor]) -> None:
         missing = [f for f in self.fields if model_output.get(f, None) is None]
         if missing:
@@ -270,16 +276,6 @@ def substituting_loss(
         return loss_function(model_output=model_output, data=data, dp_group=dp_group)
 
     return loss
-
-
-def skipped_share(engine: Any, rows: list[int]) -> float:
-    """The share of an update micro-batch's rows whose old pass was skipped, their pi_old the update's own forward
-    (``actor/divclip/path/old_log_prob_from_update``; its step mean says whether, and how much of, the skip was
-    taken: 0 without it)."""
-    state = pending(engine)
-    if state is None or not rows:
-        return 0.0
-    return len(set(rows) & state.from_update) / len(rows)
 
 
 def supplies_topk(engine: Any, first_mini_batch: bool) -> int:

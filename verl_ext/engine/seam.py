@@ -67,7 +67,6 @@ from verl_ext.engine.guard import ENGINE_MODULE, WORKER_MODULE, check_engine_ins
 from verl_ext.engine.old_from_update import (
     COLLECT_KEY,
     collect,
-    skipped_share,
     substituted_topk,
     substituting_loss,
     supplies_topk,
@@ -117,7 +116,7 @@ class EngineFeatures:
         """The ``actor/divclip/path/*`` record of a step of this engine (1.0 / 0.0 per feature);
         ``pack_old_log_prob_as_update``: what the update found (:func:`verl_ext.engine.packing.observed_packing`);
         ``old_log_prob_from_update``: the share of the step's rows whose pi_old the update supplied
-        (:func:`verl_ext.engine.old_from_update.skipped_share`)."""
+        (:meth:`verl_ext.engine.old_from_update.OldFromUpdate.skipped_share`)."""
         return {
             "seam": 1.0,
             "entropy_fp32": float(self.request.vocab_pass or self.entropy_path is EntropyPath.DIVCLIP_FP32),
@@ -235,7 +234,7 @@ def _forward_step(
     if state is not None:  # old_log_prob_from_update: the update supplies pi_old of the rows the old pass skipped
         first = update_mini_batch_index(engine) == state.mini_batch
         rows = [int(r) for r in micro_batch[ROW_KEY].tolist()]
-        from_update = skipped_share(engine, rows)
+        from_update = state.skipped_share(rows)
         substituted_topk(engine, rows, micro_batch, first)
         supply_topk = supplies_topk(engine, first)
         loss = substituting_loss(engine, rows, loss_function, first, state.loss_wants_entropy)
