@@ -300,6 +300,22 @@ def test_the_dcpo_region_is_closed_on_each_of_its_four_bounds() -> None:
     assert CONSTRAINTS["dcpo"].region(tighter).inside.item() is False
 
 
+def test_the_clip_region_is_closed_where_torch_clamp_passes_the_gradient() -> None:
+    """``clip`` (and every ratio interval built by ``interval``) is closed, as PPO's ``clamp`` is: a ratio exactly
+    on 1 - eps_low or 1 + eps_high keeps its gradient through ``torch.clamp`` (verl's ``vanilla``) and is inside
+    the region; the next double beyond either bound loses it and is outside. Dyadic bounds: 0.75 and 1.5."""
+    from verl_ext.core.region import CONSTRAINTS
+
+    points = [0.75, 1.5, _next_double(0.75, 0.0), _next_double(1.5, 9.0), 1.0]
+    w = torch.tensor(points, dtype=torch.float64, requires_grad=True)
+    torch.clamp(w, 0.75, 1.5).sum().backward()
+    clamp_keeps = (w.grad != 0).tolist()
+    assert clamp_keeps == [True, True, False, False, True]
+    region = CONSTRAINTS["clip"].region(_inputs(points, [-1.0] * 5, 0.25, 0.5, loss_mode="clip"))
+    assert region.inside.tolist() == [clamp_keeps]
+    assert (region.lower, region.upper) == (0.75, 1.5)
+
+
 def test_the_kl_full_region_is_closed_at_delta() -> None:
     """Eq. 4's KL_t <= delta: a token whose coarsened KL equals delta is inside, the next double above is not."""
     import dataclasses

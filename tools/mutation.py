@@ -10,7 +10,7 @@ Each label (``--label``, default ``current``, or the ``--tests-from`` revision) 
 mutated modules is rewritten ``def f ...; f = d(f)`` (the same object, bound after the definition), so the
 registered constraints, ``check_policy_config`` and the ``torch.no_grad`` kernels are mutated too.
 
-One process (``--max-children 1``; the machine is shared), forked from mutmut's fork server (torch is not
+One process by default (``--children``; the machine is shared), forked from mutmut's fork server (torch is not
 fork-safe from a pytest process). mutmut keeps every mutant's verdict in the copy, so ``--budget-s`` stops a
 run (SIGINT) and the next invocation goes on where it stopped; ``--fresh`` starts over. The table counts, per
 module: killed, survived, timed out, not covered (no selected test runs the function), other (segfault,
@@ -79,9 +79,16 @@ _JSON_LAYOUT = "the state file's indentation: restore reads any JSON layout"
 _AGG_PASSED = "the default of loss_agg_mode, which verl's ppo_loss always passes (the default mirrors verl's signature)"
 _HAS_MODULE = "the '?' for a registry entry without __module__: every Python callable has one (through its class)"
 _EQUAL_ZIP = "zip's strict flag over the names and the values of one stack: always of equal length"
+_CPU_SCALAR = (
+    "eps made on the CPU instead of the entropies' device: a 0-dim CPU tensor enters TensorIterator as a scalar "
+    "beside tensors of any device (addcmul and div_ give the same values on the entropies' device; checked on "
+    "the meta device, the rule CUDA shares)"
+)
 EQUIVALENT: dict[str, str] = {
     "verl_ext.core.erc.x_entropy_ratio__mutmut_11": "mask.to(None): a 0/1 mask (bool or int) multiplies exactly; "
     "the float entropy sets the result dtype",
+    "verl_ext.core.erc.x_entropy_ratio__mutmut_5": _CPU_SCALAR,
+    "verl_ext.core.erc.x_entropy_ratio__mutmut_9": _CPU_SCALAR,
     "verl_ext.core.erc.x_gate_log_prob_gradient__mutmut_3": "converting keep to the dtype it already has is a no-op",
     "verl_ext.core.erc.x_finish_entropy_band_metrics__mutmut_7": _EXTRA_REDUCTION,
     "verl_ext.core.erc.x_finish_entropy_band_metrics__mutmut_17": _EXTRA_REDUCTION,
@@ -223,13 +230,13 @@ def prepare(work: Path, tests_from: str | None, mutated: list[str], tests: list[
         handle.write(mutmut_config(mutated, tests))
 
 
-def run_mutmut(work: Path, budget_s: float, log: Path) -> float:
-    """``mutmut run --max-children 1`` in ``work``, stopped with SIGINT after ``budget_s``; the wall seconds."""
+def run_mutmut(work: Path, budget_s: float, log: Path, children: int = 1) -> float:
+    """``mutmut run --max-children children`` in ``work``, stopped with SIGINT after ``budget_s``; the wall seconds."""
     start = time.monotonic()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     with open(log, "a", encoding="utf-8") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "mutmut", "run", "--max-children", "1"],
+            [sys.executable, "-m", "mutmut", "run", "--max-children", str(children)],
             cwd=work,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -299,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fresh", action="store_true", help="rebuild the scratch copy, dropping earlier verdicts")
     parser.add_argument("--only", nargs="+", default=MUTATED, help="mutate these globs only (default: MUTATED)")
     parser.add_argument("--tests", nargs="+", default=TESTS, help="the test selection (default: TESTS)")
+    parser.add_argument("--children", type=int, default=1, help="mutants run at once (default 1)")
     parser.add_argument("--report", action="store_true", help="print the table of the last run, run nothing")
     parser.add_argument("--survivors", action="store_true", help="list the surviving mutants' names too")
     args = parser.parse_args(argv)
@@ -308,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report:
         if args.fresh or not (work / "mutants").exists():
             prepare(work, args.tests_from, args.only, args.tests)
-        wall = run_mutmut(work, args.budget_s, work / "mutmut.log")
+        wall = run_mutmut(work, args.budget_s, work / "mutmut.log", args.children)
     found = verdicts(work)
     if not found:
         print(f"no mutmut results in {work}; see {work / 'mutmut.log'}")
