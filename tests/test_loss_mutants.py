@@ -900,3 +900,104 @@ def test_the_registry_entry_refuses_what_it_cannot_run_naming_why() -> None:
     with supplying(LossInputs(topk=TopKLogMasses(old=masses, new=masses.clone()))):
         _, metrics = kl3(**call, config=diagnostic)
     assert any("kl_full" in name for name in metrics), sorted(metrics)  # the diagnostic ran
+
+
+# -- the closed forms of verl_ext.core.divergences: their edges, refusals and reported bounds -----------------
+
+
+@pytest.mark.parametrize("branch", [0, -1])
+def test_lambert_w_at_its_branch_point_and_its_refusals(branch: int) -> None:
+    """W(-1/e) = -1 on both branches (also from 1e-16 below, within the rounding the function forgives); a z
+    further below, NaN, or z >= 0 on branch -1 is refused naming the bad value, and so is any other branch."""
+    from verl_ext.core.divergences import lambert_w
+
+    assert lambert_w(-math.exp(-1.0), branch) == -1.0
+    assert lambert_w(-math.exp(-1.0) - 1e-16, branch) == -1.0
+    assert lambert_w(-math.exp(-1.0) - 1e-15, branch) == -1.0  # the forgiven rounding's last value
+    assert lambert_w(1.0) == pytest.approx(0.5671432904097838, rel=1e-15)  # the omega constant: branch 0 by default
+    if branch == -1:  # values of scipy.special.lambertw; far from the branch point the series start fails
+        for z, w in ((-1e-300, -697.3227762954601), (-4e-55, -130.12437648884395), (-0.25, -2.153292364110349)):
+            assert lambert_w(z, -1) == pytest.approx(w, rel=1e-13)
+    for bad in (-0.5, -math.exp(-1.0) - 1e-14, float("nan")):
+        with pytest.raises(ValueError, match=r"below the branch point -1/e"):
+            lambert_w(bad, branch)
+    if branch == -1:
+        for bad in (0.0, 0.3):
+            with pytest.raises(ValueError, match=r"branch -1 needs -1/e <= z < 0, got z=" + repr(bad)):
+                lambert_w(bad, -1)
+    with pytest.raises(ValueError, match=r"branch must be 0 or -1, got 1"):
+        lambert_w(-0.1, 1)
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.1, float("inf"), float("nan"), "0.07", None])
+def test_every_closed_form_refuses_a_delta_that_is_not_a_finite_positive_number(bad: object) -> None:
+    from verl_ext.core import divergences
+
+    for bounds in (
+        divergences.kl3_ratio_bounds,
+        divergences.kl1_ratio_bounds,
+        divergences.kl2_ratio_bounds,
+        divergences.is_kl3_ratio_bounds,
+    ):
+        with pytest.raises(ValueError, match=r"policy_loss.delta must be a finite number > 0, got " + re_escape(bad)):
+            bounds(bad)
+
+
+def re_escape(value: object) -> str:
+    import re
+
+    return re.escape(repr(value))
+
+
+def test_the_kl3_and_is_kl3_bounds_take_each_end_from_its_own_branch() -> None:
+    """Each end of the KL3 and IS-KL3 intervals solves its equation (w - 1 - log w = delta; w log w - w + 1 =
+    delta) on its own side of 1, at delta = 1 too, where IS-KL3's lower end is w -> 0 (its limit is exactly 1)."""
+    from verl_ext.core.divergences import is_kl3_ratio_bounds, kl3_ratio_bounds
+
+    for delta in (0.07, 0.5, 1.0):
+        low, high = kl3_ratio_bounds(delta)
+        assert low < 1.0 < high
+        for w in (low, high):
+            assert w - 1.0 - math.log(w) == pytest.approx(delta, rel=1e-12)
+    low, high = is_kl3_ratio_bounds(0.5)
+    assert 0.0 < low < 1.0 < high
+    for w in (low, high):
+        assert w * math.log(w) - w + 1.0 == pytest.approx(0.5, rel=1e-12)
+    low, high = is_kl3_ratio_bounds(1.0)
+    assert low == 0.0 and high * math.log(high) - high + 1.0 == pytest.approx(1.0, rel=1e-12)
+
+
+def test_dcpos_reported_bounds_are_the_edges_of_its_root_free_region() -> None:
+    """DCPO's closed-form bounds (``actor/divclip/ratio_lower|upper``, the DCPO paper's formula) sit exactly where the
+    region's root-free test ``-eps_low <= q w (w - 1) <= eps_high``, ``1/2 <= w <= cap`` changes its decision:
+    a ratio 1e-9 inside either bound is inside, 1e-9 beyond is outside, for common and rare tokens (q from 0.9
+    to 1e-3: the lower bound pinned at 1/2, the upper at the cap)."""
+    from verl_ext.core.region import CONSTRAINTS
+
+    q = [0.9, 0.5, 0.2, 0.05, 1e-3]
+    old = [math.log(x) for x in q]
+    low, high, cap = 0.2, 0.28, 4.0
+    region = CONSTRAINTS["dcpo"].region(_inputs([1.0] * len(q), old, low, high, dcpo_cap=cap))
+    lower, upper = region.lower.tolist(), region.upper.tolist()
+    for x, lo, up in zip(q, lower, upper, strict=True):
+        assert lo == pytest.approx(0.5 + 0.5 * math.sqrt(max(0.0, 1.0 - 4.0 * low / x)), rel=1e-12)
+        assert up == pytest.approx(min(0.5 + 0.5 * math.sqrt(1.0 + 4.0 * high / x), cap), rel=1e-12)
+    assert lower[-1] == 0.5 and upper[-1] == cap and 0.5 < lower[0] < 1.0 < upper[0] < cap
+    for factor, expected in ((1 + 1e-9, [True, False]), (1 - 1e-9, [False, True])):
+        points = [w for lo, up in zip(lower, upper, strict=True) for w in (lo * factor, up * factor)]
+        olds = [o for o in old for _ in range(2)]
+        inside = CONSTRAINTS["dcpo"].region(_inputs(points, olds, low, high, dcpo_cap=cap)).inside
+        assert inside.reshape(-1, 2).tolist() == [expected] * len(q), factor
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+def test_trgppos_roots_come_back_in_the_log_probs_dtype(dtype: torch.dtype) -> None:
+    """The bisection runs in float64 and returns the roots in the log-probs' dtype (float32 for integer
+    input); both the bisection and the table's interpolation."""
+    from verl_ext.core.divergences import trgppo_ratio_bounds, trgppo_ratio_bounds_interpolated
+
+    old = torch.tensor([-1, -2, -3]).to(dtype)
+    expected = dtype if dtype.is_floating_point else torch.float32
+    for lower, upper in (trgppo_ratio_bounds(old, 0.07), trgppo_ratio_bounds_interpolated(old, 0.07)):
+        assert (lower.dtype, upper.dtype) == (expected, expected)
+        assert bool((lower < 1).all()) and bool((upper > 1).all())

@@ -84,7 +84,43 @@ _CPU_SCALAR = (
     "beside tensors of any device (addcmul and div_ give the same values on the entropies' device; checked on "
     "the meta device, the rule CUDA shares)"
 )
+_HALLEY = (
+    "Lambert W's start, step or stop rule perturbed: Halley's iteration still reaches the root; over 12,143 z on "
+    "both branches (the branch point to 1e6, and -1e-300) its residual |w e^w - z| / |z| stays within 2x the "
+    "original's or 1e-15 (docs/benchmarks.md, sixth session)"
+)
+_DEFAULT_BRANCH = "lambert_w(z, ) for lambert_w(z, 0): the default branch is 0, the value passed"
 EQUIVALENT: dict[str, str] = {
+    "verl_ext.core.divergences.x_lambert_w__mutmut_28": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_31": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_33": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_41": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_44": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_45": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_53": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_54": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_60": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_63": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_64": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_65": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_66": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_71": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_73": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_74": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_75": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_83": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_87": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_97": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_98": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_101": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_106": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_108": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_112": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_113": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_115": _HALLEY,
+    "verl_ext.core.divergences.x_lambert_w__mutmut_116": _HALLEY,
+    "verl_ext.core.divergences.x_kl3_ratio_bounds__mutmut_12": _DEFAULT_BRANCH,
+    "verl_ext.core.divergences.x_is_kl3_ratio_bounds__mutmut_13": _DEFAULT_BRANCH,
     "verl_ext.core.erc.x_entropy_ratio__mutmut_11": "mask.to(None): a 0/1 mask (bool or int) multiplies exactly; "
     "the float entropy sets the result dtype",
     "verl_ext.core.erc.x_entropy_ratio__mutmut_5": _CPU_SCALAR,
