@@ -1001,3 +1001,154 @@ def test_trgppos_roots_come_back_in_the_log_probs_dtype(dtype: torch.dtype) -> N
     for lower, upper in (trgppo_ratio_bounds(old, 0.07), trgppo_ratio_bounds_interpolated(old, 0.07)):
         assert (lower.dtype, upper.dtype) == (expected, expected)
         assert bool((lower < 1).all()) and bool((upper > 1).all())
+
+
+# -- verl_ext.core.coarsened_kl: pi_old's top-k over chunked rows, the tail, the defaults -------------------------
+
+
+def _reference_log_masses(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """float64 log-softmax on ``ids`` plus the logsumexp of every other id: (rows, k + 1)."""
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    others = logp.scatter(-1, ids.long(), -math.inf)
+    return torch.cat([logp.gather(-1, ids.long()), torch.logsumexp(others, dim=-1, keepdim=True)], dim=-1)
+
+
+def test_pi_olds_top_k_over_rows_in_chunks_equals_the_direct_log_softmax() -> None:
+    """``topk_of_rows`` / ``log_masses_of_rows`` on 130 of 150 rows, out of order, in chunks of 64 (a 65,536-token
+    vocabulary's 16 MiB float32 buffer): the k most likely ids of each selected row, largest first, int32, and
+    their log-masses plus the tail's (float32) equal float64 log-softmax's; no rows give empty results of the
+    right shapes and dtypes."""
+    from verl_ext.core.coarsened_kl import log_masses_of_rows, topk_of_rows
+    from verl_ext.core.entropy import chunk_rows_for
+
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(150, 65_536, generator=generator) * 3
+    assert chunk_rows_for(logits) == 64
+    rows = torch.randperm(150, generator=generator)[:130]
+    masses, ids = topk_of_rows(logits, rows, 5)
+    assert (masses.shape, masses.dtype, ids.shape, ids.dtype) == ((130, 6), torch.float32, (130, 5), torch.int32)
+    expected = torch.topk(logits[rows], 5, dim=-1).indices
+    assert torch.equal(ids.long(), expected)
+    assert torch.allclose(masses.double(), _reference_log_masses(logits[rows], ids), atol=2e-5)
+    other = torch.argsort(torch.rand(130, 65_536, generator=generator), dim=-1)[:, :3]
+    again = log_masses_of_rows(logits, rows, other)
+    assert again.shape == (130, 4) and again.dtype == torch.float32
+    assert torch.allclose(again.double(), _reference_log_masses(logits[rows], other), atol=2e-5)
+    none = torch.zeros(0, dtype=torch.long)
+    half = logits[:2].bfloat16()  # empty results are float32 / int32 whatever the logits' dtype
+    empty_masses, empty_ids = topk_of_rows(half, none, 5)
+    assert (empty_masses.shape, empty_masses.dtype, empty_ids.shape, empty_ids.dtype) == (
+        (0, 6),
+        torch.float32,
+        (0, 5),
+        torch.int32,
+    )
+    empty = log_masses_of_rows(half, none, torch.zeros(0, 3, dtype=torch.int32))
+    assert (empty.shape, empty.dtype) == ((0, 4), torch.float32)
+
+
+def test_the_tail_masses_are_each_policys_last_bucket_and_the_default_direction_is_forward() -> None:
+    from verl_ext.core.coarsened_kl import TopKLogMasses, coarsened_kl, full_kl_sums
+
+    old = torch.tensor([[[0.5, 0.3, 0.2]]]).log()
+    new = torch.tensor([[[0.6, 0.3, 0.1]]]).log()
+    tail_old, tail_new = TopKLogMasses(old, new).tail_masses()
+    assert tail_old.item() == pytest.approx(0.2, rel=1e-6) and tail_new.item() == pytest.approx(0.1, rel=1e-6)
+    forward = 0.6 * math.log(0.6 / 0.5) + 0.1 * math.log(0.1 / 0.2)
+    assert coarsened_kl(new, old).item() == pytest.approx(forward, rel=1e-6)
+    assert coarsened_kl(new, old, "reverse").item() != pytest.approx(forward, rel=1e-3)
+    with pytest.raises(ValueError, match=r"kl_full_direction='sideways': must be one of"):
+        coarsened_kl(new, old, "sideways")
+    nothing = full_kl_sums(torch.zeros(0, 0), TopKLogMasses(old[:, :0], new[:, :0]), torch.zeros(0, 0, dtype=bool))
+    assert nothing["kl_full_max"].shape == () and nothing["kl_full_max"].item() == 0.0
+
+
+def test_the_diagnostics_full_kl_rule_keeps_a_token_exactly_at_delta() -> None:
+    """Eq. 4 keeps KL_t <= delta: a token at exactly delta is not clipped by the full-KL rule (counted in
+    ``mode_only`` when the mode clips it), one just above is (``full_only`` when the mode keeps it)."""
+    from verl_ext.core.coarsened_kl import diagnostic_sums
+
+    kl = torch.tensor([[0.25, _next_double(0.25, 1.0)]], dtype=torch.float64)
+    true = torch.ones(1, 2, dtype=torch.bool)
+    sums = diagnostic_sums(kl, true, torch.tensor([[True, False]]), true, {"": 0.25})
+    assert sums["kl_full_diag/mode_only_frac"].item() == 1
+    assert sums["kl_full_diag/full_only_frac"].item() == 1
+
+
+def test_the_bernoulli_kl_is_infinite_where_pi_theta_would_exceed_one_and_closed_at_delta() -> None:
+    """KL(Bern(q) || Bern(q w)) is +inf where q w >= 1 (q w = 1 exactly and beyond: no Bernoulli there), finite
+    below; ``bernoulli_kl_within`` keeps a token whose KL equals delta (TRGPPO's budget is closed)."""
+    from verl_ext.core.divergences import bernoulli_kl, bernoulli_kl_within
+
+    old = torch.full((4,), math.log(0.5), dtype=torch.float64)
+    log_ratio = torch.tensor([math.log(2.0), math.log(3.0), math.log(2.5), math.log(1.5)], dtype=torch.float64)
+    kl = bernoulli_kl(old, log_ratio)
+    assert kl[:3].tolist() == [math.inf] * 3
+    expected = -0.5 * math.log(1.5) + 0.5 * math.log(0.5 / 0.25)
+    assert kl[3].item() == pytest.approx(expected, rel=1e-12)
+    at = bernoulli_kl_within(old[3:], log_ratio[3:], kl[3].item())
+    assert at.tolist() == [True]
+    assert bernoulli_kl_within(old[3:], log_ratio[3:], _next_double(kl[3].item(), 0.0)).tolist() == [False]
+
+
+def test_trgppos_table_covers_both_ends_and_follows_the_log_probs_device() -> None:
+    """The interpolated TRGPPO bounds match the bisection next to both ends of the table's grid (q near e^-25
+    and near 1), and come back on the log-probs' device (the table moves there: ``meta`` here)."""
+    from verl_ext.core.divergences import trgppo_ratio_bounds, trgppo_ratio_bounds_interpolated
+
+    old = torch.tensor([-24.9995, -24.99, -1e-3, -2e-4], dtype=torch.float64)
+    exact = trgppo_ratio_bounds(old, 0.07, iterations=60)
+    interpolated = trgppo_ratio_bounds_interpolated(old, 0.07)
+    for e, i in zip(exact, interpolated, strict=True):
+        assert (e.log().clamp(-20, 20) - i.log()).abs().max() < 1e-2
+    assert (exact[1][2:].log() - interpolated[1][2:].log()).abs().max() < 1e-3
+    lower, upper = trgppo_ratio_bounds_interpolated(torch.tensor([-1.0, -3.0], device="meta"), 0.07)
+    assert (lower.device.type, upper.device.type, upper.shape) == ("meta", "meta", (2,))
+
+
+@pytest.mark.parametrize("bad", [True, 2.0, 0, 11])
+def test_a_top_k_size_must_be_an_int_within_the_vocabulary(bad: object) -> None:
+    from verl_ext.core.coarsened_kl import check_top_k
+
+    assert check_top_k(10, 10) == 10
+    with pytest.raises(ValueError, match=r"=" + re_escape(bad) + r" must lie in \[1, vocabulary size 10\]"):
+        check_top_k(bad, 10)  # type: ignore[arg-type]
+
+
+def test_the_diagnostics_kl_means_divide_by_their_own_token_counts_even_one() -> None:
+    """One clipped token (KL 0.3) and one unclipped (KL 0.1): each mean is that token's KL."""
+    from verl_ext.core.coarsened_kl import finish_full_kl_metrics
+
+    values = {"kl_full_diag/n_clipped": 1.0, "kl_full_diag/kl_clipped_sum": 0.3, "kl_full_diag/kl_unclipped_sum": 0.1}
+    finish_full_kl_metrics(values, 2.0)
+    assert values == {"kl_full_diag/kl_clipped_mean": 0.3, "kl_full_diag/kl_unclipped_mean": 0.1}
+
+
+def test_an_empty_top_k_lives_on_the_logits_device() -> None:
+    from verl_ext.core.coarsened_kl import topk_of_rows
+
+    masses, ids = topk_of_rows(torch.zeros(4, 16, device="meta"), torch.zeros(0, dtype=torch.long), 3)
+    assert (masses.device.type, ids.device.type, ids.shape) == ("meta", "meta", (0, 3))
+
+
+# -- verl_ext.core.entropy: the chunked eager path ------------------------------------------------------------
+
+
+def test_the_chunked_entropy_is_float32_on_the_logits_device_for_any_vocabulary_and_default_dtype() -> None:
+    """``entropy_fp32`` in chunks of ``chunk_size`` rows: per-row entropies equal to float64 softmax's also when the
+    vocabulary (3) is smaller than a chunk; float32 even with float64 as torch's default dtype; on the logits'
+    device (``meta``)."""
+    from verl_ext.core.entropy import entropy_fp32
+
+    logits = torch.randn(10, 3, generator=torch.Generator().manual_seed(3))
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    expected = -(logp.exp() * logp).sum(-1)
+    assert torch.allclose(entropy_fp32(logits, chunk_size=4).double(), expected, rtol=1e-5)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert entropy_fp32(logits, chunk_size=4).dtype == torch.float32
+    finally:
+        torch.set_default_dtype(previous)
+    on_meta = entropy_fp32(torch.zeros(10, 8, device="meta"), chunk_size=4)
+    assert (on_meta.device.type, on_meta.shape) == ("meta", (10,))

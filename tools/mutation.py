@@ -90,7 +90,50 @@ _HALLEY = (
     "original's or 1e-15 (docs/benchmarks.md, sixth session)"
 )
 _DEFAULT_BRANCH = "lambert_w(z, ) for lambert_w(z, 0): the default branch is 0, the value passed"
+_BISECTION = (
+    "TRGPPO's bisection with one more halving, a bracket from -61 instead of -60 (the lower root lies well inside "
+    "both), or a midpoint whose Bernoulli KL equals delta exactly counted above: the same roots to the bisection's "
+    "2^-40 resolution (the product's table passes 60 halvings)"
+)
+_TOPK_DEFAULTS = "torch.topk's defaults (dim=-1, sorted=True), the values passed"
+_TABLE_PRECISION = (
+    "TRGPPO's table in float32, or its roots with 40 / 61 halvings: log-bounds move by < 1e-6 (measured: 9.9e-7, "
+    "2.7e-11, 1.4e-16), inside the interpolation's documented 1e-3"
+)
+_LOG_PROBS_NONPOSITIVE = "the upper clamp at log q = 0: log-probs are <= 0, so it never binds"
+_EMPTY_TAIL = "an empty tail's max replaced by 1 instead of 0: exp(-inf - 1) = 0 as well, log 0 = -inf either way"
+_CLAMP_NEAR_ONE = (
+    "the clamp keeping log(1 - q w) finite at +1e-30 instead of -1e-30: differs only for pi_theta within 1e-30 of 1, "
+    "where both KLs are below 1e-29"
+)
 EQUIVALENT: dict[str, str] = {
+    "verl_ext.core.entropy.x__chunked__mutmut_30": "a chunk starting at every row instead of every rows-th: each row "
+    "is recomputed, to the same value (a row's entropy never depends on the others)",
+    "verl_ext.core.entropy.x__chunked__mutmut_14": "exactly one chunk's rows then go through the loop as one chunk: "
+    "the same kernel on the same rows",
+    "verl_ext.core.coarsened_kl.x_log_masses_rows__mutmut_10": _LAST_OF_TWO,
+    "verl_ext.core.coarsened_kl.x_log_masses_rows__mutmut_18": _LAST_OF_TWO,
+    "verl_ext.core.coarsened_kl.x_log_masses_rows__mutmut_27": _LAST_OF_TWO,
+    "verl_ext.core.coarsened_kl.x_log_masses_rows__mutmut_36": _LAST_OF_TWO,
+    "verl_ext.core.coarsened_kl.x_log_masses_of_rows__mutmut_20": _LAST_OF_TWO,
+    "verl_ext.core.coarsened_kl.x_tail_log_mass___mutmut_6": _LAST_OF_TWO,
+    "verl_ext.core.coarsened_kl.x_tail_log_mass___mutmut_25": _LAST_OF_TWO,
+    "verl_ext.core.coarsened_kl.x_topk_rows__mutmut_5": _LAST_OF_TWO,
+    "verl_ext.core.coarsened_kl.x_topk_rows__mutmut_16": _LAST_OF_TWO,
+    "verl_ext.core.coarsened_kl.x_topk_rows__mutmut_14": _TOPK_DEFAULTS,
+    "verl_ext.core.coarsened_kl.x_topk_rows__mutmut_15": _TOPK_DEFAULTS,
+    "verl_ext.core.coarsened_kl.x_tail_log_mass___mutmut_17": _EMPTY_TAIL,
+    "verl_ext.core.divergences.x__bernoulli_kl_where_feasible__mutmut_18": _CLAMP_NEAR_ONE,
+    "verl_ext.core.divergences.x_trgppo_bound_table__mutmut_4": _TABLE_PRECISION,
+    "verl_ext.core.divergences.x_trgppo_bound_table__mutmut_7": _TABLE_PRECISION,
+    "verl_ext.core.divergences.x_trgppo_bound_table__mutmut_19": _TABLE_PRECISION,
+    "verl_ext.core.divergences.x_trgppo_bound_table__mutmut_20": _TABLE_PRECISION,
+    "verl_ext.core.divergences.x_trgppo_ratio_bounds_interpolated__mutmut_15": _LOG_PROBS_NONPOSITIVE,
+    "verl_ext.core.divergences.x_trgppo_ratio_bounds_interpolated__mutmut_17": _LOG_PROBS_NONPOSITIVE,
+    "verl_ext.core.divergences.x_trgppo_ratio_bounds__mutmut_1": _BISECTION,
+    "verl_ext.core.divergences.x_trgppo_ratio_bounds__mutmut_13": _BISECTION,
+    "verl_ext.core.divergences.x_trgppo_ratio_bounds__mutmut_26": _BISECTION,
+    "verl_ext.core.divergences.x_trgppo_ratio_bounds__mutmut_50": _BISECTION,
     "verl_ext.core.divergences.x_lambert_w__mutmut_28": _HALLEY,
     "verl_ext.core.divergences.x_lambert_w__mutmut_31": _HALLEY,
     "verl_ext.core.divergences.x_lambert_w__mutmut_33": _HALLEY,
