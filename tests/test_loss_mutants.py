@@ -1152,3 +1152,14 @@ def test_the_chunked_entropy_is_float32_on_the_logits_device_for_any_vocabulary_
         torch.set_default_dtype(previous)
     on_meta = entropy_fp32(torch.zeros(10, 8, device="meta"), chunk_size=4)
     assert (on_meta.device.type, on_meta.shape) == ("meta", (10,))
+
+
+def test_the_compiled_entropy_runs_the_same_formula_on_the_cpu() -> None:
+    """``entropy_fp32_compiled`` (``torch.compile`` of the same formula; CUDA with ``use_torch_compile`` in training)
+    compiles and runs on the CPU too and agrees with the eager path to float32 summation order."""
+    from verl_ext.core.entropy import entropy_fp32, entropy_fp32_compiled
+
+    logits = torch.randn(2, 3, 50, generator=torch.Generator().manual_seed(5)) * 4
+    compiled = entropy_fp32_compiled(logits)
+    assert compiled.shape == (2, 3) and compiled.dtype == torch.float32
+    assert torch.allclose(compiled, entropy_fp32(logits), rtol=1e-5, atol=1e-7)

@@ -106,7 +106,14 @@ _CLAMP_NEAR_ONE = (
     "the clamp keeping log(1 - q w) finite at +1e-30 instead of -1e-30: differs only for pi_theta within 1e-30 of 1, "
     "where both KLs are below 1e-29"
 )
+_STATIC_SHAPES = "torch.compile with static shapes: it recompiles for new shapes, the values are the same"
 EQUIVALENT: dict[str, str] = {
+    "verl_ext.core.entropy.x__compiled_entropy_rows__mutmut_2": _STATIC_SHAPES,
+    "verl_ext.core.entropy.x__compiled_entropy_rows__mutmut_4": _STATIC_SHAPES,
+    "verl_ext.core.entropy.x__compiled_entropy_rows__mutmut_5": _STATIC_SHAPES,
+    "verl_ext.core.entropy.x__entropy_rows__mutmut_21": _LAST_OF_TWO,
+    "verl_ext.core.coarsened_kl.x_topk_rows__mutmut_18": "the top-k ids unsorted: every consumer reads pi_old's and "
+    "pi_theta's masses on the same ids, and the KL and the tail sum over buckets in any order",
     "verl_ext.core.entropy.x__chunked__mutmut_30": "a chunk starting at every row instead of every rows-th: each row "
     "is recomputed, to the same value (a row's entropy never depends on the others)",
     "verl_ext.core.entropy.x__chunked__mutmut_14": "exactly one chunk's rows then go through the loop as one chunk: "
