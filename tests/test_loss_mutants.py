@@ -1163,3 +1163,16 @@ def test_the_compiled_entropy_runs_the_same_formula_on_the_cpu() -> None:
     compiled = entropy_fp32_compiled(logits)
     assert compiled.shape == (2, 3) and compiled.dtype == torch.float32
     assert torch.allclose(compiled, entropy_fp32(logits), rtol=1e-5, atol=1e-7)
+
+
+def test_the_eager_buffers_are_sized_per_device_type_over_the_vocabulary_dim() -> None:
+    """One float32 ``rows x vocab`` working buffer is ``EAGER_CHUNK_BYTES`` of its device type (CUDA 256 MiB,
+    CPU 16 MiB, any other type the CPU's): rows = bytes // (4 vocab) over the last dim whatever the leading dims,
+    at least one row however large the vocabulary."""
+    from verl_ext.core.entropy import chunk_bytes_for, chunk_rows_for
+
+    assert chunk_bytes_for(torch.device("cuda")) == 256 << 20  # a device object: no GPU needed
+    assert chunk_bytes_for(torch.device("cpu")) == chunk_bytes_for(torch.device("meta")) == 16 << 20
+    assert chunk_rows_for(torch.zeros(2, 3, 65_536, device="meta")) == 64
+    assert chunk_rows_for(torch.zeros(4, 1, device="meta")) == 4 << 20
+    assert chunk_rows_for(torch.zeros(1, 5_000_000, device="meta")) == 1

@@ -108,6 +108,8 @@ _CLAMP_NEAR_ONE = (
 )
 _STATIC_SHAPES = "torch.compile with static shapes: it recompiles for new shapes, the values are the same"
 EQUIVALENT: dict[str, str] = {
+    "verl_ext.core.entropy.x__entropy_rows__mutmut_9": _LAST_OF_TWO,
+    "verl_ext.core.entropy.x__entropy_rows__mutmut_37": _LAST_OF_TWO,
     "verl_ext.core.entropy.x__compiled_entropy_rows__mutmut_2": _STATIC_SHAPES,
     "verl_ext.core.entropy.x__compiled_entropy_rows__mutmut_4": _STATIC_SHAPES,
     "verl_ext.core.entropy.x__compiled_entropy_rows__mutmut_5": _STATIC_SHAPES,
