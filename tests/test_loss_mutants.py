@@ -1148,6 +1148,7 @@ def test_the_chunked_entropy_is_float32_on_the_logits_device_for_any_vocabulary_
     torch.set_default_dtype(torch.float64)
     try:
         assert entropy_fp32(logits, chunk_size=4).dtype == torch.float32
+        assert entropy_fp32(logits[:3], chunk_size=4).dtype == torch.float32  # fewer rows than a chunk: one call
     finally:
         torch.set_default_dtype(previous)
     on_meta = entropy_fp32(torch.zeros(10, 8, device="meta"), chunk_size=4)

@@ -121,7 +121,24 @@ _CLAMP_NEAR_ONE = (
     "where both KLs are below 1e-29"
 )
 _STATIC_SHAPES = "torch.compile with static shapes: it recompiles for new shapes, the values are the same"
+_BUFFER_ROWS = (
+    "the cap of the eager buffer's rows at the input's row count, computed otherwise: only the buffer's size "
+    "changes (more rows than the input has), never a value (a row's entropy is independent of the chunking)"
+)
 EQUIVALENT: dict[str, str] = {
+    "verl_ext.core.entropy.xǁEagerRowsǁstats__mutmut_12": _LAST_OF_TWO,
+    "verl_ext.core.entropy.xǁEagerRowsǁstats__mutmut_24": _LAST_OF_TWO,
+    "verl_ext.core.entropy.xǁEagerRowsǁstats__mutmut_34": _LAST_OF_TWO,
+    "verl_ext.core.entropy.xǁEagerRowsǁstats__mutmut_37": _LAST_OF_TWO,
+    "verl_ext.core.entropy.xǁEagerRowsǁstats__mutmut_40": _LAST_OF_TWO,
+    "verl_ext.core.entropy.x_merge_row_stats__mutmut_3": (
+        "equal maxima counted on the other side: both give r_1 + r_2 + 1 and s_1 + s_2 (the same two sums in the "
+        "other order)"
+    ),
+    "verl_ext.core.entropy.x_entropy_fp32__mutmut_23": _BUFFER_ROWS,
+    "verl_ext.core.entropy.x_entropy_fp32__mutmut_29": _BUFFER_ROWS,
+    "verl_ext.core.entropy.x_entropy_fp32__mutmut_30": _BUFFER_ROWS,
+    "verl_ext.core.entropy.x_entropy_fp32__mutmut_31": _BUFFER_ROWS,
     "verl_ext.core.entropy.x__entropy_rows__mutmut_9": _LAST_OF_TWO,
     "verl_ext.core.entropy.x__entropy_rows__mutmut_33": _LAST_OF_TWO,
     "verl_ext.core.entropy.x__entropy_rows__mutmut_37": _LAST_OF_TWO,
