@@ -1177,3 +1177,55 @@ def test_the_eager_buffers_are_sized_per_device_type_over_the_vocabulary_dim() -
     assert chunk_rows_for(torch.zeros(2, 3, 65_536, device="meta")) == 64
     assert chunk_rows_for(torch.zeros(4, 1, device="meta")) == 4 << 20
     assert chunk_rows_for(torch.zeros(1, 5_000_000, device="meta")) == 1
+
+
+# -- verl_ext.core.vocab_pass.bucket_log_masses: its refusals, defaults and float32 slices ------------------------
+
+
+def _bucket_case(tokens: int = 9, vocab: int = 40, hidden: int = 8, k: int = 3):
+    generator = torch.Generator().manual_seed(11)
+    h = torch.randn(tokens, hidden, generator=generator)
+    w = torch.randn(vocab, hidden, generator=generator)
+    ids = torch.argsort(torch.rand(tokens, vocab, generator=generator), dim=-1)[:, :k].to(torch.int32)
+    return h, w, ids
+
+
+def test_bucket_log_masses_refuse_mismatched_shapes_and_foreign_ids_naming_them() -> None:
+    from verl_ext.core.vocab_pass import bucket_log_masses
+
+    h, w, ids = _bucket_case()
+    cases = [
+        ((h, w[:, 0], ids), r"hidden \(9, 8\) and head weight \(40,\) do not match"),
+        ((h[0], w, ids), r"hidden \(8,\) and head weight \(40, 8\) do not match"),
+        ((h[:, :7], w, ids), r"hidden \(9, 7\) and head weight \(40, 8\) do not match"),
+        ((h, w, ids[:, 0]), r"ids \(9,\) must be \(tokens=9, k\)"),
+        ((h, w, ids[:4]), r"ids \(4, 3\) must be \(tokens=9, k\)"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            bucket_log_masses(*args)
+    foreign = ids.clone()
+    foreign[2, 1] = 40
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, vocab=40\), got \[\d+, 40\] \(pi_old's stored "):
+        bucket_log_masses(h, w, foreign)
+
+
+def test_bucket_log_masses_compute_in_float32_slices_at_temperature_one_by_default() -> None:
+    """The default temperature is 1; int32 ids (as pi_old's top-k is stored); the result is float32 and bit-equal
+    under a float64 default dtype (the slices are float32 whatever torch's default)."""
+    from verl_ext.core.vocab_pass import bucket_log_masses
+
+    h, w, ids = _bucket_case()
+    plain = bucket_log_masses(h, w, ids)
+    assert plain.dtype == torch.float32 and plain.shape == (9, 4)
+    assert torch.equal(plain, bucket_log_masses(h, w, ids, 1.0))
+    assert not torch.allclose(plain, bucket_log_masses(h, w, ids, 2.0))
+    # one row per block: the same values up to the matmul's rounding at another row count
+    assert torch.allclose(plain, bucket_log_masses(h, w, ids, chunk_bytes=4 * 40), rtol=1e-5, atol=1e-6)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        again = bucket_log_masses(h, w, ids)
+    finally:
+        torch.set_default_dtype(previous)
+    assert again.dtype == torch.float32 and torch.equal(again, plain)

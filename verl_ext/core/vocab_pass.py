@@ -410,7 +410,7 @@ def bucket_log_masses(
                 at_ids = torch.where(inside, z.gather(1, local), at_ids)
                 # the bucket ids leave the slice's tail: -inf at their columns; ids of other slices
                 # point (clamped) at some column with +inf, which amin ignores -- order-independent
-                z.scatter_reduce_(1, local, torch.where(inside, -math.inf, math.inf), reduce="amin")
+                z.scatter_reduce_(1, local, torch.where(inside, -math.inf, math.inf).to(z.dtype), reduce="amin")
                 slice_tails[:, s] = tail_log_mass_(z).squeeze(1)  # every column a bucket: -inf
             buckets = torch.cat([at_ids, torch.logsumexp(slice_tails, dim=1, keepdim=True)], dim=1)
             out[start:stop] = buckets - torch.logsumexp(buckets, dim=1, keepdim=True)
