@@ -125,7 +125,20 @@ _BUFFER_ROWS = (
     "the cap of the eager buffer's rows at the input's row count, computed otherwise: only the buffer's size "
     "changes (more rows than the input has), never a value (a row's entropy is independent of the chunking)"
 )
+_BLOCK_ROWS = (
+    "the block's row count computed otherwise (the given chunk_bytes ignored, or a block starting at every row): "
+    "each row's masses are computed again from the same slices, equal up to the matmul's rounding at another row count"
+)
 EQUIVALENT: dict[str, str] = {
+    "verl_ext.core.vocab_pass.x_bucket_log_masses__mutmut_8": _LAST_OF_TWO,
+    "verl_ext.core.vocab_pass.x_bucket_log_masses__mutmut_57": _BLOCK_ROWS,
+    "verl_ext.core.vocab_pass.x_bucket_log_masses__mutmut_112": _BLOCK_ROWS,
+    "verl_ext.core.vocab_pass.x_bucket_log_masses__mutmut_125": (
+        "the bucket ids kept in their stored int32 instead of int64: gather and scatter_reduce take either"
+    ),
+    "verl_ext.core.vocab_pass.x_bucket_log_masses__mutmut_136": (
+        "at_ids started at +inf instead of -inf: every id lies in exactly one slice, which overwrites it"
+    ),
     "verl_ext.core.entropy.xǁEagerRowsǁstats__mutmut_12": _LAST_OF_TWO,
     "verl_ext.core.entropy.xǁEagerRowsǁstats__mutmut_24": _LAST_OF_TWO,
     "verl_ext.core.entropy.xǁEagerRowsǁstats__mutmut_34": _LAST_OF_TWO,
