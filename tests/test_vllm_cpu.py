@@ -488,6 +488,17 @@ def test_validation_asks_vllm_for_each_benchmarks_length(erc_run: VllmRun) -> No
             assert erc_run.metrics[step][f"val-aux/{source}/response_length/limit"] == length
 
 
+def _aborts_before(run: VllmRun, index: int) -> int:
+    """How many aborted parts request ``index`` continues: each resume asks for the prompt plus the aborted tokens."""
+    request = run.requests[index]
+    for earlier in range(index - 1, -1, -1):
+        part = run.requests[earlier]
+        if part["finish_reason"] == "abort" and part["token_ids"]:
+            if request["prompt_ids"] == part["prompt_ids"] + part["token_ids"]:
+                return 1 + _aborts_before(run, earlier)
+    return 0
+
+
 @needs_vllm
 def test_colocate_async_aborts_and_resumes_on_vllm(colocate_async_run: VllmRun) -> None:
     """verl aborts vLLM's requests in flight when a step's batch is complete (vLLM's ``pause_generation``) and
@@ -517,7 +528,11 @@ def test_colocate_async_aborts_and_resumes_on_vllm(colocate_async_run: VllmRun) 
             assert (prompt, partial) not in trained, "an aborted partial response was trained as it was"
     assert resumed, "no aborted request was resumed"
     spans = max(run.metrics[step]["training/off_policy/trajectory_spans/max"] for step in ASYNC_STEPS)
-    assert spans == (2 if merged_trained else 1), (spans, merged_trained)
+    if merged_trained:  # a resumed part can be aborted again (seen on a loaded machine: 3 weight versions)
+        longest = max(_aborts_before(run, index) for index in range(len(run.requests)))
+        assert 2 <= spans <= 1 + longest, (spans, longest, merged_trained)
+    else:
+        assert spans == 1, spans
     for step in ASYNC_STEPS:
         assert run.metrics[step]["actor/divclip/ratio_lower"] == pytest.approx(0.671, abs=1e-3)  # kl3 at delta 0.07
         assert_on_policy_exact(run.metrics[step], erc=False)
