@@ -209,3 +209,13 @@ def reference_sequence_terms(
             else:
                 surrogate = ratio.new_tensor(adv)  # min(s A, 1 A) = 1 A, a constant
             yield (i, j), _dual_clip_and_erc(surrogate, s, adv, knobs, old_entropy, entropy, (i, j))
+
+
+def bucket_log_masses_fp64(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """float64 log-softmax of ``logits`` on ``ids`` (each its own bucket) plus the logsumexp of every other id (the
+    tail): ``(rows, k + 1)``, the reference of :func:`verl_ext.core.coarsened_kl.log_masses_rows` and
+    :func:`verl_ext.core.vocab_pass.bucket_log_masses`."""
+    log_p = torch.log_softmax(logits.double(), dim=-1)
+    index = ids.long()
+    tail = torch.logsumexp(log_p.scatter(-1, index, -math.inf), dim=-1, keepdim=True)
+    return torch.cat([log_p.gather(-1, index), tail], dim=-1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -939,14 +940,9 @@ def test_every_closed_form_refuses_a_delta_that_is_not_a_finite_positive_number(
         divergences.kl2_ratio_bounds,
         divergences.is_kl3_ratio_bounds,
     ):
-        with pytest.raises(ValueError, match=r"policy_loss.delta must be a finite number > 0, got " + re_escape(bad)):
+        message = r"policy_loss.delta must be a finite number > 0, got " + re.escape(repr(bad))
+        with pytest.raises(ValueError, match=message):
             bounds(bad)
-
-
-def re_escape(value: object) -> str:
-    import re
-
-    return re.escape(repr(value))
 
 
 def test_the_kl3_and_is_kl3_bounds_take_each_end_from_its_own_branch() -> None:
@@ -1006,18 +1002,12 @@ def test_trgppos_roots_come_back_in_the_log_probs_dtype(dtype: torch.dtype) -> N
 # -- verl_ext.core.coarsened_kl: pi_old's top-k over chunked rows, the tail, the defaults -------------------------
 
 
-def _reference_log_masses(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """float64 log-softmax on ``ids`` plus the logsumexp of every other id: (rows, k + 1)."""
-    logp = torch.log_softmax(logits.double(), dim=-1)
-    others = logp.scatter(-1, ids.long(), -math.inf)
-    return torch.cat([logp.gather(-1, ids.long()), torch.logsumexp(others, dim=-1, keepdim=True)], dim=-1)
-
-
 def test_pi_olds_top_k_over_rows_in_chunks_equals_the_direct_log_softmax() -> None:
     """``topk_of_rows`` / ``log_masses_of_rows`` on 130 of 150 rows, out of order, in chunks of 64 (a 65,536-token
     vocabulary's 16 MiB float32 buffer): the k most likely ids of each selected row, largest first, int32, and
     their log-masses plus the tail's (float32) equal float64 log-softmax's; no rows give empty results of the
     right shapes and dtypes."""
+    from tests.loss_reference import bucket_log_masses_fp64
     from verl_ext.core.coarsened_kl import log_masses_of_rows, topk_of_rows
     from verl_ext.core.entropy import chunk_rows_for
 
@@ -1029,11 +1019,11 @@ def test_pi_olds_top_k_over_rows_in_chunks_equals_the_direct_log_softmax() -> No
     assert (masses.shape, masses.dtype, ids.shape, ids.dtype) == ((130, 6), torch.float32, (130, 5), torch.int32)
     expected = torch.topk(logits[rows], 5, dim=-1).indices
     assert torch.equal(ids.long(), expected)
-    assert torch.allclose(masses.double(), _reference_log_masses(logits[rows], ids), atol=2e-5)
+    assert torch.allclose(masses.double(), bucket_log_masses_fp64(logits[rows], ids), atol=2e-5)
     other = torch.argsort(torch.rand(130, 65_536, generator=generator), dim=-1)[:, :3]
     again = log_masses_of_rows(logits, rows, other)
     assert again.shape == (130, 4) and again.dtype == torch.float32
-    assert torch.allclose(again.double(), _reference_log_masses(logits[rows], other), atol=2e-5)
+    assert torch.allclose(again.double(), bucket_log_masses_fp64(logits[rows], other), atol=2e-5)
     none = torch.zeros(0, dtype=torch.long)
     half = logits[:2].bfloat16()  # empty results are float32 / int32 whatever the logits' dtype
     empty_masses, empty_ids = topk_of_rows(half, none, 5)
@@ -1111,7 +1101,7 @@ def test_a_top_k_size_must_be_an_int_within_the_vocabulary(bad: object) -> None:
     from verl_ext.core.coarsened_kl import check_top_k
 
     assert check_top_k(10, 10) == 10
-    with pytest.raises(ValueError, match=r"=" + re_escape(bad) + r" must lie in \[1, vocabulary size 10\]"):
+    with pytest.raises(ValueError, match=r"=" + re.escape(repr(bad)) + r" must lie in \[1, vocabulary size 10\]"):
         check_top_k(bad, 10)  # type: ignore[arg-type]
 
 

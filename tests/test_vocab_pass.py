@@ -282,12 +282,9 @@ def reference_buckets(
     hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, temperature: float
 ) -> torch.Tensor:
     """fp64 log-masses on ``ids`` plus the tail (every other id), from the full log-softmax."""
-    import math
+    from tests.loss_reference import bucket_log_masses_fp64
 
-    log_p = torch.log_softmax((hidden.double() @ weight.double().t()) / temperature, dim=-1)
-    in_buckets = torch.zeros_like(log_p, dtype=torch.bool).scatter_(1, ids, True)
-    tail = torch.logsumexp(log_p.masked_fill(in_buckets, -math.inf), dim=-1, keepdim=True)
-    return torch.cat([log_p.gather(1, ids), tail], dim=1)
+    return bucket_log_masses_fp64((hidden.double() @ weight.double().t()) / temperature, ids)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
