@@ -1,12 +1,13 @@
 """verl's real actor stack (TrainingWorker -> FSDPEngineWithLMHead, FSDP2 on gloo) on the CPU platform.
 
-Each job runs in spawned rank processes (recipe/bench/harness.py::run_ranks), once per module, and
+Each job runs in new rank processes (recipe/bench/harness.py::run_ranks), once per module, and
 the tests assert on what the ranks returned:
 
 * 1 rank: loss finite and parameters change; remove-padding on/off give the same log-probs, entropy
   and update; the detached-entropy path (verl_ext.entropy) gives verl's entropy values, no graph,
   and the same update for a loss that uses the entropy only as a mask.
 * 2 ranks: the same update as 1 rank on the whole batch, and identical parameters on both ranks.
+* run_ranks itself: ranks forked from its fork server, or spawned where the environment changed.
 """
 
 from __future__ import annotations
@@ -271,3 +272,43 @@ def test_ranks_rendezvous_on_the_store_the_caller_serves() -> None:
     clients: no port is found free in one process and bound in another (test_two_ranks_match_one_rank once lost
     that race to EADDRINUSE). A rank that tried to bind the caller's port would fail here."""
     assert run_ranks(job_rendezvous, 2) == [{"sum": 1.0, "agent_store": "True"}] * 2
+
+
+# run_ranks' fork server: ranks forked from a server that imported torch and verl once, spawned where the caller's
+# environment changed since that server started; either way a fresh process per rank.
+
+_PROBE_VAR = "DIVCLIP_TEST_RUN_RANKS_PROBE"
+
+
+def job_process_facts(rank: int, world_size: int) -> dict[str, Any]:
+    import os
+    import sys
+
+    import recipe.bench.harness as harness
+
+    first = not hasattr(harness, "_probe_mark")
+    harness._probe_mark = True  # a later job sees this only if its process were reused
+    return {
+        "pid": os.getpid(),
+        "parent": os.getppid(),
+        "verl_loaded": "verl" in sys.modules,
+        "probe": os.environ.get(_PROBE_VAR),
+        "first": first,
+    }
+
+
+def test_ranks_fork_from_a_server_unless_the_environment_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    forked = run_ranks(job_process_facts, 2)
+    again = run_ranks(job_process_facts, 1)
+    # forked from one server (not this process), fresh processes every call, nothing kept from the last job
+    assert {r["parent"] for r in forked + again} == {forked[0]["parent"]} != {os.getpid()}
+    assert len({r["pid"] for r in forked + again}) == 3 and all(r["first"] for r in forked + again)
+    assert all(r["verl_loaded"] and r["probe"] is None for r in forked + again)
+    monkeypatch.setenv(_PROBE_VAR, "changed")
+    spawned = run_ranks(job_process_facts, 2)
+    # a changed environment: spawned by this process, and the ranks see the change
+    assert {r["parent"] for r in spawned} == {os.getpid()} and {r["probe"] for r in spawned} == {"changed"}
+    monkeypatch.delenv(_PROBE_VAR)
+    assert run_ranks(job_process_facts, 1)[0]["parent"] == forked[0]["parent"]  # back to the server

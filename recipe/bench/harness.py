@@ -11,7 +11,7 @@ Pieces (all CPU, no downloads):
   :func:`bench_micro_batch` gives the engine benchmarks' shared model and micro-batch shape.
 * :func:`build_actor_worker` builds and initialises the ``TrainingWorker`` (``VERL_PLATFORM=cpu``,
   FSDP2 on gloo). It initialises the process group itself from ``RANK``/``WORLD_SIZE``/``MASTER_*``
-  like a Ray worker does; :func:`run_ranks` sets those for 1..N spawned ranks. ``WorkerOptions`` also
+  like a Ray worker does; :func:`run_ranks` sets those for 1..N rank processes. ``WorkerOptions`` also
   puts verl's LoRA adapter on the actor (``lora_rank``) or builds verl's critic instead
   (``model_type="value_model"``: ``FSDPEngineWithValueHead``).
 * :func:`make_rollout_batch` builds a batch in verl's no-padding ``TensorDict`` layout, as the v1
@@ -564,12 +564,38 @@ def _rank_entry(rank: int, world_size: int, port: int, out_dir: str, job: Callab
         torch.distributed.destroy_process_group()
 
 
+#: What the ranks' fork server imports once, so that each rank starts without importing them again (about 6 s of
+#: CPU per rank on 2 cores, more than many jobs' own work).
+FORK_SERVER_PRELOAD = ("torch", "verl")
+#: Variables that change while a caller runs and that nothing reads at import (pytest's current test id).
+_VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
+_fork_server_env: Optional[dict[str, str]] = None
+
+
+def _start_method() -> str:
+    """``forkserver`` while the environment is the one the fork server started with, else ``spawn``.
+
+    A forked rank keeps its server's environment and modules, imported under that environment (verl's
+    plugins, the key recorder, the platform); a caller that has changed a variable since gets fresh
+    interpreters, which see it as ``spawn`` always did."""
+    global _fork_server_env
+    env = {k: v for k, v in os.environ.items() if k not in _VOLATILE_ENV}
+    if _fork_server_env is None:
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload(list(FORK_SERVER_PRELOAD))
+        _fork_server_env = env  # the server starts with the first call, in this environment
+    return "forkserver" if env == _fork_server_env else "spawn"
+
+
 def run_ranks(job: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """Run ``job(rank, world_size, *args)`` in ``world_size`` spawned processes (gloo on loopback)
+    """Run ``job(rank, world_size, *args)`` in ``world_size`` new processes (gloo on loopback)
     and return each rank's (picklable) result, rank order. ``job`` must be a module-level function.
 
-    Each rank is a fresh interpreter, so the platform choice and process group never leak into the
-    caller (pytest) process. A failing rank raises here with its traceback.
+    Each rank is a fresh process -- forked from a server that has only imported torch and verl
+    (:data:`FORK_SERVER_PRELOAD`), or spawned when the environment has changed since that server started
+    (:func:`_start_method`) -- so the platform choice, the process group and anything a job patches never
+    leak into the caller (pytest) process or into the next job. A failing rank raises here with its traceback.
     """
     import torch.multiprocessing as mp
 
@@ -587,7 +613,7 @@ def run_ranks(job: Callable[..., Any], world_size: int, *args: Any) -> list[Any]
                 args=(world_size, port, out_dir, job, args),
                 nprocs=world_size,
                 join=True,
-                start_method="spawn",
+                start_method=_start_method(),
             )
             return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
     finally:
