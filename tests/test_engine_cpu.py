@@ -1,6 +1,6 @@
 """verl's real actor stack (TrainingWorker -> FSDPEngineWithLMHead, FSDP2 on gloo) on the CPU platform.
 
-Each job runs in new rank processes (recipe/bench/harness.py::run_ranks), once per module, and
+Each job runs in new rank processes (recipe/bench/ranks.py::run_ranks), once per module, and
 the tests assert on what the ranks returned:
 
 * 1 rank: loss finite and parameters change; remove-padding on/off give the same log-probs, entropy
@@ -31,11 +31,11 @@ from recipe.bench.harness import (
     make_rollout_batch,
     param_delta,
     ppo_loss_fn,
-    run_ranks,
     save_tiny_qwen3,
     shard_for_rank,
     update_actor,
 )
+from recipe.bench.ranks import run_ranks
 
 SPEC = TinyQwen3Spec()
 PROMPT_LENS = [3, 5, 4, 6]

@@ -36,10 +36,10 @@ from recipe.bench.harness import (
     make_actor_config,
     make_rollout_batch,
     param_delta,
-    run_ranks,
     save_tiny_qwen3,
     update_actor,
 )
+from recipe.bench.ranks import run_ranks
 
 SPEC = TinyQwen3Spec()
 HEAD_SCALE = 1000.0  # makes about half of the tokens' entropy <= 1e-6 nats

@@ -29,10 +29,10 @@ from recipe.bench.harness import (
     compute_log_prob,
     make_actor_config,
     make_rollout_batch,
-    run_ranks,
     save_tiny_qwen3,
     update_actor,
 )
+from recipe.bench.ranks import run_ranks
 
 SPEC = TinyQwen3Spec()
 PROMPT_LENS = [3, 5, 4, 6]

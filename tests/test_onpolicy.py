@@ -34,11 +34,11 @@ from recipe.bench.harness import (
     make_actor_config,
     make_rollout_batch,
     param_delta,
-    run_ranks,
     save_tiny_qwen3,
     shard_for_rank,
     update_actor,
 )
+from recipe.bench.ranks import run_ranks
 from verl_ext.engine.packing import first_epoch_mini_batches
 
 PROMPT_LENS = [3, 5, 4, 6, 2, 7, 5, 3]

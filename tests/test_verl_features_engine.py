@@ -61,10 +61,10 @@ from recipe.bench.harness import (
     make_rollout_batch,
     param_delta,
     ppo_loss_fn,
-    run_ranks,
     save_tiny_qwen3,
     update_actor,
 )
+from recipe.bench.ranks import run_ranks
 from tests.test_onpolicy import divclip_loss  # the divclip actor loss as DivClipTrainer installs it
 from verl_ext.engine.swap import Swap, swapped
 

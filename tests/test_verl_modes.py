@@ -30,10 +30,10 @@ from recipe.bench.harness import (
     make_actor_config,
     make_rollout_batch,
     param_delta,
-    run_ranks,
     save_tiny_qwen3,
     update_actor,
 )
+from recipe.bench.ranks import run_ranks
 
 VERL_MODES = ["vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro", "cispo"]
 WIDE = dict(erc_beta_low=0.99, erc_beta_high=1e6)

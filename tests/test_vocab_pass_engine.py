@@ -35,11 +35,11 @@ from recipe.bench.harness import (
     make_rollout_batch,
     param_delta,
     ppo_loss_fn,
-    run_ranks,
     save_tiny_qwen3,
     shard_for_rank,
     update_actor,
 )
+from recipe.bench.ranks import run_ranks
 
 SPEC = TinyQwen3Spec()
 PROMPT_LENS = [3, 5, 4, 6, 2, 7]

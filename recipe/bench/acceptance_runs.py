@@ -263,9 +263,9 @@ def run_losses(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
         build_actor_worker,
         compute_log_prob,
         make_rollout_batch,
-        single_rank_env,
         update_actor,
     )
+    from recipe.bench.ranks import single_rank_env
 
     single_rank_env(device=args.device)
     cuda = args.device == "cuda"
@@ -390,9 +390,9 @@ def run_packing(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
         build_actor_worker,
         compute_log_prob,
         make_rollout_batch,
-        single_rank_env,
         update_actor,
     )
+    from recipe.bench.ranks import single_rank_env
     from verl_ext.engine.packing import UpdatePacking
     from verl_ext.engine.seam import set_pack_old_log_prob_as_update
 

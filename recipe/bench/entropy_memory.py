@@ -60,9 +60,9 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
         make_rollout_batch,
         ppo_loss_fn,
         save_tiny_qwen3,
-        single_rank_env,
         update_actor,
     )
+    from recipe.bench.ranks import single_rank_env
 
     single_rank_env()
     shape = bench_micro_batch(tokens, sequences, vocab, hidden)

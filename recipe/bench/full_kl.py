@@ -78,9 +78,9 @@ def _run_variant(
         make_actor_config,
         make_rollout_batch,
         save_tiny_qwen3,
-        single_rank_env,
         update_actor,
     )
+    from recipe.bench.ranks import single_rank_env
 
     single_rank_env()
     from verl_ext.actor_loss import build_actor_loss

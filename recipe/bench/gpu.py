@@ -123,9 +123,9 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
         make_actor_config,
         make_rollout_batch,
         ppo_loss_fn,
-        single_rank_env,
         update_actor,
     )
+    from recipe.bench.ranks import single_rank_env
 
     spec = VARIANTS[name]
     single_rank_env(device=args.device)

@@ -42,7 +42,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 def _run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from recipe.bench.harness import single_rank_env
+    from recipe.bench.ranks import single_rank_env
 
     single_rank_env(device=args.device)  # before verl picks its platform (the imports below)
     from recipe.bench.harness import (

@@ -216,7 +216,8 @@ def _case(
 def _run_cases(threads: int, seeds: list[int], modes: list[str]) -> list[dict[str, Any]]:
     import torch
 
-    from recipe.bench.harness import TinyQwen3Spec, save_tiny_qwen3, single_rank_env
+    from recipe.bench.harness import TinyQwen3Spec, save_tiny_qwen3
+    from recipe.bench.ranks import single_rank_env
 
     single_rank_env()
     torch.set_num_threads(threads)
@@ -247,8 +248,8 @@ def _run_cost(arm: str, mode: str, tokens: int, vocab: int, sequences: int, roun
         compute_log_prob,
         make_rollout_batch,
         save_tiny_qwen3,
-        single_rank_env,
     )
+    from recipe.bench.ranks import single_rank_env
     from verl_ext.engine.seam import set_pack_old_log_prob_as_update
 
     single_rank_env()
