@@ -404,7 +404,7 @@ RULES: tuple[KeyRule, ...] = (
             refused_when="a value other than verl's default ppo_clip", check=check_loss_type),
     # --- dynamic sampling ------------------------------------------------------------------------------------------
     KeyRule("algorithm.filter_groups", H, "DAPO dynamic sampling through verl's replay buffer",
-            evidence="`tests/test_dynamic_sampling_cpu.py`"),
+            evidence="`tests/test_smoke_cpu.py`"),
     KeyRule("algorithm.filter_groups.max_num_gen_batches", F, "ignored by verl 0.9.1's v1 trainer (its replay buffer "
                                                               "refills dropped groups)",
             refused_when="> 0 with filter_groups.enable=true", check="validate_filter_groups"),

@@ -26,7 +26,6 @@ LONGEST_FIRST = (
     "test_recipe_main.py",
     "test_bench_entropy_memory.py",
     "test_cpu_rollout.py",
-    "test_dynamic_sampling_cpu.py",
     "test_bench_onpolicy.py",
     "test_knobs.py",
 )

@@ -13,8 +13,11 @@ is exactly 0 on every step of every run (the trainer hands the update's split to
 and the update checked that it ran that packing). The main run trains ERC-DAPO through the vocabulary pass
 with the KL3-vs-trust-region diagnostic over pi_old's stored top-k (``kl_full`` itself runs through the actor
 worker in tests/test_full_kl_engine.py and tests/test_onpolicy.py; kl3 with the diagnostic from verl's logits
-through the trainer in tests/test_sft_chain_cpu.py); ERC-DAPO with ``pack_old_log_prob_as_update=false`` is the
-control, and shows the noise (the gauge > 0 on some step)."""
+through the trainer in tests/test_sft_chain_cpu.py), with the released scripts' training mechanics: dynamic
+sampling on the reward's ``acc`` (``algorithm.filter_groups``), the +1 / -1 reward, and the micro-batch-normalised
+NLL on correct responses with dual-clip 10 (the smoke's tiny model writes no ``</think>``, so the think rule stays
+off: every response would score -0.5 and no group would ever be kept); ERC-DAPO with
+``pack_old_log_prob_as_update=false`` is the control, and shows the noise (the gauge > 0 on some step)."""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import json
 import os
 import subprocess
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -145,7 +148,8 @@ def erc_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     head's input in slices, no logits tensor), with the KL3-vs-trust-region diagnostic: pi_old's top-8 taken by
     the pass and stored by verl's old-log-prob pass through TransferQueue. Also records, in every process of the
     run, which of verl's classes and globals it has patched (:mod:`tests.process_probe`, imported by each
-    process's ``import verl``)."""
+    process's ``import verl``). Trained with the released scripts' mechanics (:data:`RELEASED_PROFILE`), its
+    rollouts dumped (``trainer.rollout_data_dir``)."""
     out = tmp_path_factory.mktemp("smoke_erc")
     args = validation_length_args(out)
     run_smoke(
@@ -154,6 +158,8 @@ def erc_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         2,
         *args,
         *TOP_K_DIAGNOSTIC,
+        *RELEASED_PROFILE,
+        f"trainer.rollout_data_dir={out / 'rollouts'}",
         SAVE_FREQ="2",
         TEST_FREQ="2",
         RESPONSE_LEN=str(TRAIN_LENGTH),
@@ -168,6 +174,18 @@ TOP_K_DIAGNOSTIC = (
     "actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=True",
     "actor_rollout_ref.actor.policy_loss.kl_full_top_k=8",
 )
+#: the released scripts' training mechanics: dynamic sampling on ``acc``, the +1 / -1 reward, the correct-response
+#: NLL normalised per micro-batch, dual-clip 10
+RELEASED_PROFILE = (
+    "algorithm.filter_groups.enable=true",
+    "algorithm.filter_groups.metric=acc",
+    "algorithm.filter_groups.max_inflight_gen_batches=2",
+    "+reward.custom_reward_function.reward_kwargs.wrong_score=-1.0",
+    "actor_rollout_ref.actor.policy_loss.dual_clip_c=10.0",
+    "actor_rollout_ref.actor.policy_loss.correct_nll_coef=0.1",
+    "actor_rollout_ref.actor.policy_loss.correct_nll_norm=micro_batch",
+)
+BATCH, ROLLOUT_N = 16, 8  # run_smoke_cpu.sh's defaults: prompts per step, responses per prompt
 
 
 def probe_env(folder: Path) -> dict[str, str]:
@@ -267,7 +285,7 @@ def test_trainer_runs_erc_dapo_end_to_end(erc_run: Path) -> None:
     assert {1, 2} <= set(metrics)
     for step in (1, 2):
         data = metrics[step]
-        assert 0.0 <= data["critic/score/mean"] <= 1.0
+        assert -1.0 <= data["critic/score/mean"] <= 1.0  # the +1 / -1 reward
         # our actor loss ran, with ERC on and both entropies available
         assert "actor/divclip/erc/ratio_mean" in data and data["actor/divclip/erc/ratio_mean"] > 0
         assert "actor/divclip/kl3_mean" in data
@@ -302,6 +320,29 @@ def test_validation_runs_each_benchmark_at_its_own_length_and_n(erc_run: Path) -
     rows = [json.loads(line) for line in (erc_run / "validation" / "0.jsonl").read_text().splitlines()]
     per_prompt = Counter(row["uid"].rsplit("_", 2)[0] for row in rows)
     assert Counter(per_prompt.values()) == {1: 20, 3: 20} and len(rows) == 80
+
+
+def test_every_trained_group_has_mixed_results(erc_run: Path) -> None:
+    """Dynamic sampling: every group the update trained has both rewards (+1 and -1), never all alike."""
+    for step in (1, 2):
+        rows = [json.loads(line) for line in (erc_run / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+        groups: dict[str, list[float]] = defaultdict(list)
+        for row in rows:
+            groups[row["uid"].split("_")[0]].append(row["score"])
+        assert len(groups) == BATCH and all(len(scores) == ROLLOUT_N for scores in groups.values()), step
+        for scores in groups.values():
+            assert set(scores) == {1.0, -1.0}, (step, scores)
+
+
+def test_filtering_dropped_groups_and_the_nll_ran(erc_run: Path) -> None:
+    metrics = step_metrics(erc_run)
+    for step in (1, 2):
+        data = metrics[step]
+        assert data["training/filter_groups/evicted_samples"] > 0  # uniform groups occurred and were replaced
+        assert data["actor/divclip/correct_nll"] > 0 and 0 < data["actor/divclip/correct_fraction"] < 1
+        # dynamic sampling refilled the batch, the old-log-prob pass still packed as the update: ERC on-policy exact
+        assert data["actor/divclip/onpolicy/erc_masked_frac"] == 0.0
+        assert data["actor/divclip/onpolicy/erc_ratio_dev_max"] == 0.0
 
 
 def test_margin_test_arithmetic() -> None:
