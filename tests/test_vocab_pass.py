@@ -347,3 +347,162 @@ def test_bucket_log_masses_per_token_temperature_equals_scalar_rows(vocab_slices
         torch.testing.assert_close(got[row : row + 1], alone, rtol=0, atol=0)
         ref = reference_buckets(hidden[row : row + 1], weight, ids[row : row + 1].long(), float(temperature[row]))
         assert float(((got[row].double() - ref[0]).abs() / ref[0].abs().clamp_min(1.0)).max()) <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# The pass's contract at its edges: dtype and device of everything it makes, its defaults, the shapes
+# it takes and the inputs it refuses (held by mutation testing: tools/mutation.py)
+# ------------------------------------------------------------------------------------------------
+
+
+def _pass_and_grads(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: Any, entropy_grad: bool
+) -> tuple[torch.Tensor, ...]:
+    """Every output and both gradients of one call (log-prob loss, plus the entropy's when it has a graph)."""
+    h = hidden.detach().clone().requires_grad_(True)
+    w = weight.detach().clone().requires_grad_(True)
+    out = vocab_pass(h, w, labels, temperature, top_k=4, entropy_grad=entropy_grad, chunk_bytes=7 * VOCAB * 4)
+    loss = out.log_probs.sum() + (0.3 * out.entropy.sum() if entropy_grad else 0.0)
+    loss.backward()
+    return out.log_probs, out.entropy, out.top_log_probs, out.top_ids, h.grad, w.grad
+
+
+@pytest.mark.parametrize("default_dtype", [torch.float64, torch.float16])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_the_pass_computes_in_float32_whatever_the_default_dtype(
+    default_dtype: torch.dtype, entropy_grad: bool, vocab_slices: str
+) -> None:
+    """Every buffer the pass makes is float32 (ids int64) by its own choice, not the process's default dtype: a
+    float64 or float16 default changes no bit of any output or gradient (random inputs, not the exact-logit ones,
+    so that a buffer rounded through another dtype shows)."""
+    hidden, weight, labels = make_inputs(torch.float32)
+    temperature = torch.linspace(0.6, 1.4, TOKENS)
+    expected = _pass_and_grads(hidden, weight, labels, temperature, entropy_grad)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(default_dtype)
+    try:
+        got = _pass_and_grads(hidden, weight, labels, temperature, entropy_grad)
+        scalar_t = _pass_and_grads(hidden, weight, labels, 0.7, entropy_grad)
+    finally:
+        torch.set_default_dtype(previous)
+    assert [t.dtype for t in got] == [torch.float32, torch.float32, torch.float32, torch.int64] + [torch.float32] * 2
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(scalar_t[0], _pass_and_grads(hidden, weight, labels, 0.7, entropy_grad)[0])
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+@pytest.mark.parametrize("temperature", [0.7, "per token"])
+def test_the_pass_stays_on_its_inputs_device_under_another_default_device(
+    entropy_grad: bool, temperature: Any, vocab_slices: str
+) -> None:
+    """Every buffer the pass makes, forward and backward, is put on the inputs' device: under another default device
+    (``meta``, which holds no values) the outputs and gradients are the CPU ones, bit for bit."""
+    hidden, weight, labels = make_inputs(torch.float32)
+    t = torch.linspace(0.6, 1.4, TOKENS) if temperature == "per token" else temperature
+    expected = _pass_and_grads(hidden, weight, labels, t, entropy_grad)
+    with torch.device("meta"):
+        got = _pass_and_grads(hidden, weight, labels, t, entropy_grad)
+    for a, b in zip(got, expected, strict=True):
+        assert a.device.type == "cpu" and torch.equal(a, b)
+
+
+def test_no_top_k_unless_asked() -> None:
+    hidden, weight, labels = make_inputs(torch.float32)
+    for out in (vocab_pass(hidden, weight, labels), vocab_pass(hidden, weight, labels, top_k=0)):
+        assert out.top_log_probs is None and out.top_ids is None
+    hidden.requires_grad_(True)
+    with_entropy_grad = vocab_pass(hidden, weight, labels, top_k=3, entropy_grad=True)
+    assert with_entropy_grad.top_log_probs.shape == (TOKENS, 3) and not with_entropy_grad.top_log_probs.requires_grad
+    assert with_entropy_grad.top_ids.dtype == torch.int64
+
+
+def test_leading_dims_and_narrow_integer_labels_give_the_flat_int64_call() -> None:
+    """``(batch, seq, hidden)`` states are the flat call reshaped (seq != hidden, so a wrong axis shows); labels of
+    any integer dtype (uint8, int16) are the int64 labels' results, gradients included."""
+    hidden, weight, labels = make_inputs(torch.float32)
+    vocab = 200
+    weight, labels = weight[:vocab].contiguous(), labels % vocab
+    flat = _pass_and_grads(hidden, weight, labels, 0.8, True)
+    h = hidden.detach().clone().reshape(2, TOKENS // 2, HIDDEN).requires_grad_(True)
+    out = vocab_pass(h, weight, labels.reshape(2, TOKENS // 2), 0.8, top_k=4)
+    assert out.log_probs.shape == (2, TOKENS // 2) and out.top_ids.shape == (2, TOKENS // 2, 4)
+    assert torch.equal(out.log_probs.reshape(-1), flat[0]) and torch.equal(out.top_ids.reshape(-1, 4), flat[3])
+    for dtype in (torch.uint8, torch.int16):
+        narrow = _pass_and_grads(hidden, weight, labels.to(dtype), 0.8, True)
+        for a, b in zip(narrow, flat, strict=True):
+            assert torch.equal(a, b), dtype
+
+
+def test_the_pass_refuses_bad_input_naming_it() -> None:
+    """Each refusal's whole message: what was wrong and with which values (a message lost or naming another key
+    fails here), and the valid edges of each check accepted."""
+    hidden, weight, labels = make_inputs(torch.float32)
+    cases = [
+        ((hidden[:, :-1], weight, labels), {}, r"hidden \(96, 31\) and head weight \(1000, 32\) do not match"),
+        ((hidden, weight.unsqueeze(-1), labels), {}, r"hidden \(96, 32\) and head weight \(1000, 32, 1\) do not match"),
+        (
+            (hidden, weight, labels, 0.0),
+            {},
+            r"temperature must be finite and > 0 \(actor_rollout_ref\.rollout\.temperature\)",
+        ),
+        (
+            (hidden, weight, labels, torch.ones(2)),
+            {},
+            r"temperature has 2 values for 96 tokens \(give a scalar or one per token\)",
+        ),
+        ((hidden, weight, labels), {"top_k": VOCAB + 1}, r"top_k=1001 must lie in \[0, vocabulary size 1000\]"),
+        ((hidden, weight, labels), {"chunk_bytes": 0}, r"chunk_bytes must be positive, got 0"),
+    ]
+    for args, kwargs, message in cases:
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            vocab_pass(*args, **kwargs)
+    # the edges: a top-k wider than the hidden size, a one-byte budget (one row, one column at a time), and a
+    # one-value temperature tensor as every token's
+    exact_h, exact_w, exact_y = exact_logit_inputs()
+    assert vocab_pass(exact_h, exact_w, exact_y, top_k=HIDDEN + 1).top_ids.shape == (TOKENS, HIDDEN + 1)
+    one_byte, default = vocab_pass(exact_h, exact_w, exact_y, chunk_bytes=1), vocab_pass(exact_h, exact_w, exact_y)
+    assert torch.equal(one_byte.log_probs, default.log_probs) and torch.equal(one_byte.entropy, default.entropy)
+    for t in (torch.tensor(0.7), torch.tensor([0.7])):
+        assert torch.equal(
+            vocab_pass(hidden, weight, labels, t).log_probs, vocab_pass(hidden, weight, labels, 0.7).log_probs
+        )
+
+
+def test_zero_tokens_give_empty_outputs_and_zero_gradients() -> None:
+    weight = make_inputs(torch.float32)[1].requires_grad_(True)
+    hidden = torch.zeros(0, HIDDEN, requires_grad=True)
+    out = vocab_pass(hidden, weight, torch.zeros(0, dtype=torch.int64), top_k=2)
+    assert out.log_probs.shape == (0,) and out.top_ids.shape == (0, 2)
+    out.log_probs.sum().backward()
+    assert hidden.grad.shape == (0, HIDDEN) and torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+def test_a_temperature_tensor_of_any_float_dtype_is_read_in_float32() -> None:
+    """A bf16 (or float64) per-token temperature is converted to float32 before its reciprocal: the results equal
+    those of a float32 tensor holding the same values, bit for bit."""
+    hidden, weight, labels = make_inputs(torch.float32)
+    t_bf16 = torch.linspace(0.6, 1.4, TOKENS).to(torch.bfloat16)
+    expected = vocab_pass(hidden, weight, labels, t_bf16.float())
+    for t in (t_bf16, t_bf16.double()):
+        got = vocab_pass(hidden, weight, labels, t)
+        assert torch.equal(got.log_probs, expected.log_probs) and torch.equal(got.entropy, expected.entropy), t.dtype
+
+
+def test_tf32_matmuls_sets_the_legacy_flag_where_fp32_precision_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``fp32_precision`` (older torch), ``allow_tf32`` is switched on inside the block and given back after
+    it, also when the block raises; ``enabled=False`` touches nothing."""
+    from types import SimpleNamespace
+
+    from verl_ext.core.vocab_pass import tf32_matmuls
+
+    legacy = SimpleNamespace(allow_tf32=False)
+    monkeypatch.setattr(torch.backends.cuda, "matmul", legacy)
+    with tf32_matmuls(True):
+        assert legacy.allow_tf32 is True
+    assert legacy.allow_tf32 is False
+    with pytest.raises(RuntimeError, match="inside"), tf32_matmuls(True):
+        raise RuntimeError("inside")
+    assert legacy.allow_tf32 is False
+    with tf32_matmuls(False):
+        assert legacy.allow_tf32 is False

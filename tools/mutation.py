@@ -129,7 +129,33 @@ _BLOCK_ROWS = (
     "the block's row count computed otherwise (the given chunk_bytes ignored, or a block starting at every row): "
     "each row's masses are computed again from the same slices, equal up to the matmul's rounding at another row count"
 )
+_TOPK_2D = "topk without dim=1 on a tensor that is always 2-D: the default dim=-1 is the same axis"
+_INT_NOT_DIFFERENTIABLE = (
+    "top_ids (int64) left out of mark_non_differentiable: autograd never makes an integer tensor require grad, "
+    "and backward ignores that output's slot"
+)
+_GRADS_MATERIALISED = (
+    "a branch for an undefined incoming gradient: autograd.Function materialises undefined gradients as zeros "
+    "(set_materialize_grads is never turned off), so grad_log_probs / grad_entropy are never None"
+)
+_AUTOGRAD_CASTS = (
+    "the hidden states' float32 gradient returned without .to(hidden.dtype): autograd casts a returned gradient "
+    "to its input's dtype (validate_outputs), the same rounding"
+)
 EQUIVALENT: dict[str, str] = {
+    # VocabPass.forward / backward (seventh session, each read against the source)
+    "verl_ext.core.vocab_pass.xǁVocabPassǁforward__mutmut_154": _TOPK_2D,
+    "verl_ext.core.vocab_pass.xǁVocabPassǁforward__mutmut_175": _TOPK_2D,
+    "verl_ext.core.vocab_pass.xǁVocabPassǁforward__mutmut_232": _INT_NOT_DIFFERENTIABLE,
+    "verl_ext.core.vocab_pass.xǁVocabPassǁforward__mutmut_248": _INT_NOT_DIFFERENTIABLE,
+    "verl_ext.core.vocab_pass.xǁVocabPassǁbackward__mutmut_13": _GRADS_MATERIALISED,
+    "verl_ext.core.vocab_pass.xǁVocabPassǁbackward__mutmut_37": _GRADS_MATERIALISED,
+    "verl_ext.core.vocab_pass.xǁVocabPassǁbackward__mutmut_38": _AUTOGRAD_CASTS,
+    "verl_ext.core.vocab_pass.xǁVocabPassǁbackward__mutmut_120": (
+        "the float32 slice of the weight's gradient assigned without .to(weight.dtype): the slice assignment "
+        "rounds to the buffer's dtype exactly as .to does"
+    ),
+    "verl_ext.core.vocab_pass.xǁVocabPassǁbackward__mutmut_125": _AUTOGRAD_CASTS,
     "verl_ext.core.vocab_pass.x_bucket_log_masses__mutmut_8": _LAST_OF_TWO,
     "verl_ext.core.vocab_pass.x_bucket_log_masses__mutmut_57": _BLOCK_ROWS,
     "verl_ext.core.vocab_pass.x_bucket_log_masses__mutmut_112": _BLOCK_ROWS,
