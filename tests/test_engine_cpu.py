@@ -297,18 +297,23 @@ def job_process_facts(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
-def test_ranks_fork_from_a_server_unless_the_environment_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ranks_fork_from_a_server_started_under_the_callers_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
     forked = run_ranks(job_process_facts, 2)
     again = run_ranks(job_process_facts, 1)
+    server = forked[0]["parent"]
     # forked from one server (not this process), fresh processes every call, nothing kept from the last job
-    assert {r["parent"] for r in forked + again} == {forked[0]["parent"]} != {os.getpid()}
+    assert {r["parent"] for r in forked + again} == {server} != {os.getpid()}
     assert len({r["pid"] for r in forked + again}) == 3 and all(r["first"] for r in forked + again)
     assert all(r["verl_loaded"] and r["probe"] is None for r in forked + again)
     monkeypatch.setenv(_PROBE_VAR, "changed")
-    spawned = run_ranks(job_process_facts, 2)
-    # a changed environment: spawned by this process, and the ranks see the change
-    assert {r["parent"] for r in spawned} == {os.getpid()} and {r["probe"] for r in spawned} == {"changed"}
+    changed = run_ranks(job_process_facts, 2)
+    # a changed environment: a new server, started from this process under it, and its ranks see the change
+    new_server = changed[0]["parent"]
+    assert {r["parent"] for r in changed} == {new_server} and new_server not in (server, os.getpid())
+    assert {r["probe"] for r in changed} == {"changed"}
+    assert run_ranks(job_process_facts, 1)[0]["parent"] == new_server  # the same environment: the same server
     monkeypatch.delenv(_PROBE_VAR)
-    assert run_ranks(job_process_facts, 1)[0]["parent"] == forked[0]["parent"]  # back to the server
+    back = run_ranks(job_process_facts, 1)[0]
+    assert back["probe"] is None and back["parent"] not in (new_server, os.getpid())

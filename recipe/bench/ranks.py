@@ -1,6 +1,6 @@
 """Rank processes on loopback for the CPU harness (:mod:`recipe.bench.harness`): the rendezvous store the ranks
 connect to, :func:`single_rank_env` for a rank in the calling process, and :func:`run_ranks` for 1..N new processes,
-forked from a server that has imported torch and verl once (spawned where the caller changed the environment)."""
+forked from a server that has imported torch and verl once, under the caller's environment."""
 
 from __future__ import annotations
 
@@ -93,19 +93,28 @@ _fork_server_env: Optional[dict[str, str]] = None
 
 
 def _start_method() -> str:
-    """``forkserver`` while the environment is the one the fork server started with, else ``spawn``.
+    """``forkserver``, its server (re)started under the caller's current environment; ``spawn`` where this
+    Python's fork server cannot be stopped.
 
-    A forked rank keeps its server's environment and modules, imported under that environment (verl's
-    plugins, the key recorder, the platform); a caller that has changed a variable since gets fresh
-    interpreters, which see it as ``spawn`` always did."""
+    A forked rank keeps its server's environment and the modules it imported under it (verl's plugins, the key
+    recorder, the platform). So when the caller has changed a variable since the server started, the server is
+    stopped and the next start forks a new one from this process, which imports under the caller's environment:
+    the ranks see what a spawned rank would, and later calls in the same environment fork again (a test that left a
+    variable changed once made every later call in its process spawn, at ~6 s of imports per rank)."""
     global _fork_server_env
+    import multiprocessing
+    from multiprocessing import forkserver
+
     env = {k: v for k, v in os.environ.items() if k not in _VOLATILE_ENV}
     if _fork_server_env is None:
-        import multiprocessing
-
         multiprocessing.set_forkserver_preload(list(FORK_SERVER_PRELOAD))
-        _fork_server_env = env  # the server starts with the first call, in this environment
-    return "forkserver" if env == _fork_server_env else "spawn"
+    elif env != _fork_server_env:
+        stop = getattr(forkserver._forkserver, "_stop", None)  # CPython's own, 3.8 onwards
+        if stop is None:
+            return "spawn"
+        stop()
+    _fork_server_env = env  # the server starts with the next start, in this environment
+    return "forkserver"
 
 
 def run_ranks(job: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
@@ -113,7 +122,7 @@ def run_ranks(job: Callable[..., Any], world_size: int, *args: Any) -> list[Any]
     and return each rank's (picklable) result, rank order. ``job`` must be a module-level function.
 
     Each rank is a fresh process -- forked from a server that has only imported torch and verl
-    (:data:`FORK_SERVER_PRELOAD`), or spawned when the environment has changed since that server started
+    (:data:`FORK_SERVER_PRELOAD`), a new server whenever the environment has changed since the last one started
     (:func:`_start_method`) -- so the platform choice, the process group and anything a job patches never
     leak into the caller (pytest) process or into the next job. A failing rank raises here with its traceback.
     """
