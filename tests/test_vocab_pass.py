@@ -180,6 +180,57 @@ def test_fp32_top_k_matches_reference(vocab_slices: str) -> None:
     assert not out.top_log_probs.requires_grad
 
 
+def test_top_k_across_a_last_slice_narrower_than_k(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slices of 333 columns: the last holds one (1000 = 3 x 333 + 1), fewer than k, and the merged top-k is
+    still the whole vocabulary's."""
+    monkeypatch.setattr("verl_ext.core.vocab_pass.VOCAB_SLICE", 333)
+    hidden, weight, labels = make_inputs(torch.float32, scale_range=(-1.0, 0.5))
+    weight[-1] = hidden.mean(0) / hidden.mean(0).norm() * 4  # the last column among some rows' top-5
+    g = torch.ones(TOKENS, dtype=torch.float64)
+    *_, ref_log_p = reference(hidden, weight, labels, 1.0, 0.0, g)
+    out, _, _ = ours(hidden, weight, labels, 1.0, 0.0, g.float(), top_k=5)
+    ref_values, ref_ids = ref_log_p.topk(5, dim=-1)
+    assert (ref_ids == VOCAB - 1).any()
+    assert torch.equal(out.top_ids, ref_ids)
+    assert rel_err(out.top_log_probs, ref_values) <= 1e-5
+
+
+@pytest.mark.parametrize("tokens, vocab", [(1, 1), (3, 33), (96, 1000), (5, 9000), (20000, 151936)])
+def test_each_sweeps_float32_block_is_the_largest_that_fits_chunk_bytes(tokens: int, vocab: int) -> None:
+    """The forward's ``rows x slice`` block and the backward's ``tokens x slice`` logits: at most
+    ``chunk_bytes`` of float32 (one row where a row alone is larger), and no smaller than that allows."""
+    from verl_ext.core.vocab_pass import VOCAB_SLICE, _backward_slice, _forward_blocks
+
+    width = min(vocab, VOCAB_SLICE)
+    for chunk in sorted({1, 3, 4, 7, 4 * width - 1, 4 * width, 8 * width - 1, 8 * width, 4 * tokens * 3, 2**20, 2**33}):
+        rows, slice_width = _forward_blocks(tokens, vocab, chunk)
+        assert slice_width == width and 1 <= rows <= tokens
+        assert rows == 1 or rows * 4 * width <= chunk, (tokens, vocab, chunk, rows)
+        assert rows == tokens or (rows + 1) * 4 * width > chunk, (tokens, vocab, chunk, rows)
+        head_rows = _backward_slice(tokens, vocab, chunk)
+        assert 1 <= head_rows <= vocab
+        assert head_rows == 1 or 4 * tokens * head_rows <= chunk, (tokens, vocab, chunk, head_rows)
+        assert head_rows == vocab or 4 * tokens * (head_rows + 1) > chunk, (tokens, vocab, chunk, head_rows)
+
+
+def test_each_slices_logits_are_written_into_the_blocks_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_logit_slices`` yields each slice's ``(rows, v1 - v0)`` logits as a view of the one buffer (no new
+    allocation per slice), the last, narrower slice included, each ``hidden @ weight[v0:v1]^T / T``."""
+    from verl_ext.core.vocab_pass import _logit_slices
+
+    hidden, weight, _ = exact_logit_inputs()
+    rows, width = 7, 128
+    buffer = torch.empty(rows, width)
+    inv_t = torch.full((rows, 1), 2.0)
+    seen = []
+    for v0, v1, z in _logit_slices(hidden[:rows], weight, inv_t, buffer, False):
+        assert z.shape == (rows, v1 - v0) and z.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        assert z.stride() == buffer.stride()  # the buffer's own columns, not a resized view of its memory
+        assert torch.equal(z, hidden[:rows] @ weight[v0:v1].t() * 2.0)
+        seen.append((v0, v1))
+    assert seen == [(v0, min(v0 + width, VOCAB)) for v0 in range(0, VOCAB, width)] and seen[-1] == (896, 1000)
+
+
 def test_tied_head_gradients_match_reference() -> None:
     """One weight as embedding and head: hidden = RMS-free toy ``E[ids] * s``; logits ``E h``."""
     gen = torch.Generator().manual_seed(3)

@@ -148,6 +148,11 @@ EQUIVALENT: dict[str, str] = {
     "verl_ext.core.vocab_pass.xǁVocabPassǁforward__mutmut_175": _TOPK_2D,
     "verl_ext.core.vocab_pass.xǁVocabPassǁforward__mutmut_232": _INT_NOT_DIFFERENTIABLE,
     "verl_ext.core.vocab_pass.xǁVocabPassǁforward__mutmut_248": _INT_NOT_DIFFERENTIABLE,
+    "verl_ext.core.vocab_pass.xǁVocabPassǁforward__mutmut_123": (
+        "a label on a slice's upper edge (label == v1) taken as inside that slice too: the next slice, which holds "
+        "it, runs later and overwrites the picked logit (labels are token ids below the vocabulary size, as verl's "
+        "own log-prob functions assume)"
+    ),
     "verl_ext.core.vocab_pass.xǁVocabPassǁbackward__mutmut_13": _GRADS_MATERIALISED,
     "verl_ext.core.vocab_pass.xǁVocabPassǁbackward__mutmut_37": _GRADS_MATERIALISED,
     "verl_ext.core.vocab_pass.xǁVocabPassǁbackward__mutmut_38": _AUTOGRAD_CASTS,

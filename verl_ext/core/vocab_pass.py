@@ -132,9 +132,16 @@ def _float32_logits_into(out: torch.Tensor, hidden32: torch.Tensor, weight_slice
 def _forward_blocks(tokens: int, vocab: int, chunk_bytes: int) -> tuple[int, int]:
     """``(rows per block, columns per vocabulary slice)`` of a forward sweep: the slice width is fixed
     (:data:`VOCAB_SLICE`), so a row's logits never depend on the batch size; one block's float32
-    ``rows x slice`` buffer holds at most ``chunk_bytes``."""
+    ``rows x slice`` buffer holds at most ``chunk_bytes`` (one row where a row alone is larger)."""
     slice_width = min(vocab, VOCAB_SLICE)
     return max(1, min(tokens, chunk_bytes // (4 * slice_width))), slice_width
+
+
+def _backward_slice(tokens: int, vocab: int, chunk_bytes: int) -> int:
+    """Head rows per slice of the backward sweep, which recomputes all tokens' logits against one slice of the
+    head at a time: the float32 ``tokens x slice`` logits hold at most ``chunk_bytes`` (one row where a row
+    alone is larger)."""
+    return max(1, min(vocab, chunk_bytes // (4 * tokens)))
 
 
 def _logit_slices(
@@ -253,7 +260,7 @@ class VocabPass(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight)
         if tokens == 0 or (g_lp is None and g_h is None):
             return grad_hidden32.to(hidden.dtype), grad_weight, None, None, None, None, None, None
-        slice_rows = max(1, min(vocab, ctx.chunk_bytes // (4 * tokens)))
+        slice_rows = _backward_slice(tokens, vocab, ctx.chunk_bytes)
         with torch.autocast(device_type=device.type, enabled=False):
             hidden32 = hidden.float()
             rows = torch.arange(tokens, device=device)
