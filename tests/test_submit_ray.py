@@ -16,23 +16,31 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBMIT = ROOT / "launch" / "submit.sh"
 
-# A head on loopback (`ray start` would replace 127.0.0.1 by the routable address). Closing
-# stdin shuts it down; its whole process group is killed afterwards in any case. 8 logical CPUs,
-# as the CPU smoke's TaskRunner, workers, rollout server, reward and TransferQueue each hold one.
-# The dashboard binds its own port (Ray's default, or the next free one) and the head prints its address.
+# A head on loopback, every port it binds chosen free (`ray start` would replace 127.0.0.1 by the routable
+# address; `ray.init` binds the dashboard agent to Ray's default 52365, taken by any other Ray on the machine, and the
+# job API then has no agent). Closing stdin shuts it down; its whole process group is killed afterwards in any case.
+# 8 logical CPUs, as the CPU smoke's TaskRunner, workers, rollout server, reward and TransferQueue each hold one.
 HEAD = """
 import sys, ray
-context = ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=True, dashboard_host="127.0.0.1",
-                   num_cpus=8, num_gpus=0, _temp_dir=sys.argv[1], log_to_driver=False)
-print("READY", context.dashboard_url, flush=True)
+from ray.cluster_utils import Cluster
+
+temp_dir, (gcs_port, dashboard_port, agent_port) = sys.argv[1], map(int, sys.argv[2:5])
+cluster = Cluster(initialize_head=True, head_node_args=dict(
+    num_cpus=8, num_gpus=0, node_ip_address="127.0.0.1", gcs_server_port=gcs_port, include_dashboard=True,
+    dashboard_host="127.0.0.1", dashboard_port=dashboard_port, dashboard_agent_listen_port=agent_port,
+    temp_dir=temp_dir))
+# where a job's supervisor looks up its cluster (temp_dir/ray_current_cluster): not another Ray on the machine
+ray._private.utils.write_ray_address(cluster.head_node.gcs_address, temp_dir)
+print("READY", flush=True)
 sys.stdin.read()
-ray.shutdown()
+cluster.shutdown()
 """
 
 
@@ -46,6 +54,19 @@ def _ray_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     # no token auth (a ~/.ray/auth_token would otherwise switch it on), no usage stats
     env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    return env
+
+
+def loopback_env(temp_dir: Optional[str] = None) -> dict[str, str]:
+    """Ray's environment for a cluster on one host: Ray turns a "127.0.0.1" bootstrap address into the host's
+    routable IP unless its cluster mode is off, which keeps every node, agent and job on loopback. Given the
+    cluster's ``temp_dir`` (for the process that starts it): Ray's ``Cluster`` writes its address file into
+    ``RAY_TMPDIR/ray`` (by default /tmp/ray, read by any bare ``ray.init`` on the machine), here the cluster's own
+    folder, which this creates."""
+    env = {**_ray_env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    if temp_dir is not None:
+        (Path(temp_dir) / "ray").mkdir(exist_ok=True)
+        env["RAY_TMPDIR"] = temp_dir
     return env
 
 
@@ -74,20 +95,21 @@ def _wait_for_job_agent(address: str, timeout_s: float = 600) -> None:
 @pytest.fixture(scope="module")
 def ray_head():
     temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths are length-limited
+    ports = _free_port(), _free_port(), _free_port()  # the GCS's, the dashboard's (the job API) and its agent's
     head = subprocess.Popen(
-        [sys.executable, "-c", HEAD, temp_dir],
+        [sys.executable, "-c", HEAD, temp_dir, *map(str, ports)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
-        env=_ray_env(),
+        env=loopback_env(temp_dir),
         start_new_session=True,
     )
     try:
         ready, _, _ = select.select([head.stdout], [], [], 180)
         line = head.stdout.readline() if ready else ""
-        assert line.startswith("READY "), f"Ray head did not start within 180 s (exit {head.poll()}): {line!r}"
-        address = "http://" + line.split()[1].removeprefix("http://")
+        assert line.startswith("READY"), f"Ray head did not start within 180 s (exit {head.poll()}): {line!r}"
+        address = f"http://127.0.0.1:{ports[1]}"
         _wait_for_job_agent(address)
         yield address
     finally:

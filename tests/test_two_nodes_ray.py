@@ -56,7 +56,7 @@ from typing import Any, Optional
 import pytest
 
 from tests.test_smoke_cpu import SMOKE_TIMEOUT_S, assert_on_policy_exact
-from tests.test_submit_ray import _free_port, _ray_env, _wait_for_job_agent
+from tests.test_submit_ray import _free_port, _wait_for_job_agent, loopback_env
 from verl_ext.config import DivClipPolicyLossConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,12 +114,6 @@ RUN_ARGS = [
     f"actor_rollout_ref.actor.policy_loss.adaptive_delta_tolerance={ADAPTIVE['tolerance']}",
     f"actor_rollout_ref.actor.policy_loss.adaptive_delta_rate={ADAPTIVE['rate']}",
 ]
-
-
-def loopback_env() -> dict[str, str]:
-    """Ray's environment for a cluster on one host: Ray turns a "127.0.0.1" bootstrap address into the
-    host's routable IP unless its cluster mode is off, which keeps every node, agent and job on loopback."""
-    return {**_ray_env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 # -- the cluster's processes ------------------------------------------------------------------------------
@@ -312,9 +306,6 @@ def two_nodes() -> Iterator[dict[str, Any]]:
     temp_dir = tempfile.mkdtemp(prefix="r2n", dir="/tmp")  # short: Ray's socket paths are length-limited
     gcs_port, dashboard_port, agent_port = _free_port(), _free_port(), _free_port()
     launcher_log = Path(temp_dir) / "launcher.err"
-    # Ray's Cluster writes its address file into the default Ray folder, /tmp/ray: absent on a fresh machine,
-    # and read by any bare ray.init there. RAY_TMPDIR moves that folder into the test's own.
-    (Path(temp_dir) / "ray").mkdir()
     with launcher_log.open("w") as launcher_err:
         launcher = subprocess.Popen(
             [sys.executable, "-c", CLUSTER, str(gcs_port), str(dashboard_port), temp_dir, str(agent_port)],
@@ -322,7 +313,7 @@ def two_nodes() -> Iterator[dict[str, Any]]:
             stdout=subprocess.PIPE,
             stderr=launcher_err,
             text=True,
-            env={**loopback_env(), "RAY_TMPDIR": temp_dir},
+            env=loopback_env(temp_dir),
             start_new_session=True,
         )
     watch = ClusterProcesses(temp_dir, launcher.pid)
