@@ -213,6 +213,27 @@ def test_each_sweeps_float32_block_is_the_largest_that_fits_chunk_bytes(tokens: 
         assert head_rows == vocab or 4 * tokens * (head_rows + 1) > chunk, (tokens, vocab, chunk, head_rows)
 
 
+def test_the_forward_computes_each_logit_once(vocab_slices: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of 16 rows (``chunk_bytes`` for 16 rows of the widest slice) over 96 tokens, each against every
+    vocabulary slice in turn: each ``(block, slice)`` logits computed once, at the slice's width."""
+    import verl_ext.core.vocab_pass as module
+
+    calls: list[tuple[int, int]] = []
+    compute = module._float32_logits_into
+
+    def counted(out: torch.Tensor, hidden32: torch.Tensor, weight_slice: torch.Tensor, tf32: bool) -> None:
+        calls.append((hidden32.shape[0], weight_slice.shape[0]))
+        compute(out, hidden32, weight_slice, tf32)
+
+    monkeypatch.setattr(module, "_float32_logits_into", counted)
+    hidden, weight, labels = make_inputs(torch.float32)
+    width = min(VOCAB, module.VOCAB_SLICE)
+    vocab_pass(hidden, weight, labels, 1.0, chunk_bytes=16 * 4 * width)
+    slices = [min(v0 + width, VOCAB) - v0 for v0 in range(0, VOCAB, width)]
+    assert calls == [(16, columns) for _ in range(TOKENS // 16) for columns in slices]
+    assert len(slices) == (1 if vocab_slices == "one_slice" else 8)
+
+
 def test_each_slices_logits_are_written_into_the_blocks_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
     """``_logit_slices`` yields each slice's ``(rows, v1 - v0)`` logits as a view of the one buffer (no new
     allocation per slice), the last, narrower slice included, each ``hidden @ weight[v0:v1]^T / T``."""
