@@ -234,6 +234,27 @@ def test_the_forward_computes_each_logit_once(vocab_slices: str, monkeypatch: py
     assert len(slices) == (1 if vocab_slices == "one_slice" else 8)
 
 
+@pytest.mark.parametrize("requested", [None, False, True])
+def test_tensor_cores_reaches_the_decision(requested: Optional[bool], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tensor_cores`` of :func:`vocab_pass` and :func:`bucket_log_masses` is the ``requested`` of
+    :func:`tensor_core_matmuls` (``False`` forces float32 on a GPU; on the CPU, where the decision is always
+    float32, nothing else shows it)."""
+    import verl_ext.core.vocab_pass as module
+
+    asked: list[Optional[bool]] = []
+    decide = module.tensor_core_matmuls
+
+    def recorded(hidden: torch.Tensor, weight: torch.Tensor, request: Optional[bool] = None) -> bool:
+        asked.append(request)
+        return decide(hidden, weight, request)
+
+    monkeypatch.setattr(module, "tensor_core_matmuls", recorded)
+    hidden, weight, labels = make_inputs(torch.float32)
+    out = vocab_pass(hidden, weight, labels, 1.0, top_k=4, tensor_cores=requested)
+    bucket_log_masses(hidden, weight, out.top_ids, 1.0, tensor_cores=requested)
+    assert asked == [requested, requested]
+
+
 def test_each_slices_logits_are_written_into_the_blocks_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
     """``_logit_slices`` yields each slice's ``(rows, v1 - v0)`` logits as a view of the one buffer (no new
     allocation per slice), the last, narrower slice included, each ``hidden @ weight[v0:v1]^T / T``."""
