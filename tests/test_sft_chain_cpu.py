@@ -24,6 +24,7 @@ import torch
 
 from tests.test_smoke_cpu import (
     GPU_PACKING,
+    SMOKE_TIMEOUT_S,
     assert_coarsened_kl_from_stored_top_k,
     assert_on_policy_exact,
     step_metrics,
@@ -68,7 +69,8 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     sft_log = out / "sft_metrics.jsonl"
     _run(["bash", str(ROOT / "launch/run_sft_openmath_qwen3_1.7b.sh"), *CPU_SFT_OVERRIDES],
          _env(MODEL_PATH=str(assets / "model"), TRAIN_FILES=str(assets / "data/sft_train.parquet"),
-              CKPT_DIR=str(out / "sft"), MERGED_DIR=str(merged), VERL_FILE_LOGGER_PATH=str(sft_log)), 900)  # fmt: skip
+              CKPT_DIR=str(out / "sft"), MERGED_DIR=str(merged), VERL_FILE_LOGGER_PATH=str(sft_log)),
+         SMOKE_TIMEOUT_S)  # fmt: skip
     rl_out = out / "rl"
     # kl3 with the opt-in KL3-vs-trust-region diagnostic (pi_old's top-8 from verl's logits, stored by the
     # old-log-prob pass through TransferQueue), trained as GPU users run verl (bf16, dynamic batching 2:1,
@@ -78,7 +80,7 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
           "actor_rollout_ref.actor.policy_loss.kl_full_top_k=8"],
          _env(SMOKE_OUT=str(rl_out), SMOKE_MODEL=str(merged), LOSS="kl3", STEPS=str(RL_STEPS), SAVE_FREQ="-1",
               TEST_FREQ="-1", **packing),
-         900)  # fmt: skip
+         SMOKE_TIMEOUT_S)  # fmt: skip
     return {"assets": assets, "merged": merged, "sft_log": sft_log, "rl": rl_out, "ckpt": out / "sft"}
 
 
