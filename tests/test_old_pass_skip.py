@@ -284,6 +284,8 @@ BLOCKERS: dict[str, tuple[list[str], str]] = {
         ],
         "pack_old_log_prob_as_update",
     ),
+    # bypass mode's own reason, packing left on (validation refuses the pair; the rule still names bypass mode)
+    "bypass mode, packed": (["algorithm.rollout_correction.bypass_mode=true"], "bypass_mode=true"),
     "an estimator reading pi_old": (["algorithm.adv_estimator=optimal_token_baseline"], "optimal_token_baseline"),
     "a Decoupled-PPO cycle": (["trainer.v1.trainer_mode=separate_async"], "separate_async"),
 }

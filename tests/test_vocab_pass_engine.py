@@ -402,6 +402,10 @@ def test_config_key_is_declared_and_reaches_the_loss() -> None:
             ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj,lm_head]"],
             r"target_modules=\['q_proj', 'lm_head'\] puts a LoRA adapter on lm_head",
         ),
+        (  # the smallest rank is a LoRA too
+            ["actor_rollout_ref.model.lora_rank=1", "actor_rollout_ref.model.target_modules=[lm_head]"],
+            r"target_modules=\['lm_head'\] puts a LoRA adapter on lm_head",
+        ),
     ],
 )
 def test_refused_combinations_name_the_key(overrides: list[str], message: str) -> None:
