@@ -81,6 +81,19 @@ TESTS = [
             "test_no_graph_and_logits_untouched",
         )
     ),
+    # the config rules' own tests (config_rules/, config_checks): composed configs, no engine
+    "tests/test_verl_keys.py",
+    "tests/test_checkpoints.py",
+    *(
+        f"tests/test_old_pass_skip.py::{name}"
+        for name in (
+            "test_where_it_is_not_exact_it_is_not_taken",
+            "test_kl_fulls_top_k_does_not_block_it",
+            "test_asked_where_it_is_not_exact_is_refused_naming_the_key",
+            "test_a_model_with_dropout_is_not_taken_on_the_worker",
+        )
+    ),
+    # (tests/test_vocab_pass_engine.py's refusals would belong here too, but DESELECT's -k matches the file's name)
 ]
 #: tests of those files that start engines or subprocesses (deselected: their fixtures take minutes)
 DESELECT = "not engine and not subprocess"
