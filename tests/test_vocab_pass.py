@@ -255,7 +255,7 @@ def test_tensor_cores_reaches_the_decision(requested: Optional[bool], monkeypatc
     assert asked == [requested, requested]
 
 
-def test_each_slices_logits_are_written_into_the_blocks_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_slices_logits_are_written_into_the_blocks_buffer() -> None:
     """``_logit_slices`` yields each slice's ``(rows, v1 - v0)`` logits as a view of the one buffer (no new
     allocation per slice), the last, narrower slice included, each ``hidden @ weight[v0:v1]^T / T``."""
     from verl_ext.core.vocab_pass import _logit_slices
