@@ -317,3 +317,28 @@ def test_ranks_fork_from_a_server_started_under_the_callers_environment(monkeypa
     monkeypatch.delenv(_PROBE_VAR)
     back = run_ranks(job_process_facts, 1)[0]
     assert back["probe"] is None and back["parent"] not in (new_server, os.getpid())
+
+
+def test_ranks_spawn_after_a_change_where_the_fork_server_cannot_be_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    from multiprocessing import forkserver
+
+    from recipe.bench import ranks
+
+    class Server:  # a fork server as CPython's, its stops counted
+        stops = 0
+
+        def _stop(self) -> None:
+            Server.stops += 1
+
+    started = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    monkeypatch.setattr(ranks, "_fork_server_env", started)
+    monkeypatch.setattr(forkserver, "_forkserver", Server())
+    assert ranks._start_method() == "forkserver" and Server.stops == 0  # the same environment: the same server
+    monkeypatch.setenv(_PROBE_VAR, "changed")
+    assert ranks._start_method() == "forkserver" and Server.stops == 1  # changed: that server stopped, a new one
+    assert ranks._fork_server_env == {**started, _PROBE_VAR: "changed"}
+    monkeypatch.setattr(forkserver, "_forkserver", object())  # a Python whose server has no _stop
+    monkeypatch.setenv(_PROBE_VAR, "changed again")
+    assert ranks._start_method() == "spawn" and ranks._start_method() == "spawn"  # every call, as the env stays changed
+    assert ranks._fork_server_env[_PROBE_VAR] == "changed"  # the server it cannot stop is still the one recorded

@@ -6,48 +6,64 @@ through the script -- to two nodes, with a rank killed and a resume -- is tests/
 from __future__ import annotations
 
 import base64
+import json
 import os
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
+
+from recipe.bench.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBMIT = ROOT / "launch" / "submit.sh"
 
-# A head on loopback, every port it binds chosen free (`ray start` would replace 127.0.0.1 by the routable
+# A cluster on loopback, every port it binds chosen free (`ray start` would replace 127.0.0.1 by the routable
 # address; `ray.init` binds the dashboard agent to Ray's default 52365, taken by any other Ray on the machine, and the
-# job API then has no agent). Closing stdin shuts it down; its whole process group is killed afterwards in any case.
-# 8 logical CPUs, as the CPU smoke's TaskRunner, workers, rollout server, reward and TransferQueue each hold one.
-HEAD = """
-import sys, ray
+# job API then has no agent). Its arguments: its temp_dir, the GCS's, the dashboard's (the job API) and its agent's
+# ports, and a JSON list of each node's `Cluster` arguments, the head's first. Once every node is up it prints their
+# ids (a JSON list); closing stdin shuts it down. Its whole process group is killed afterwards in any case.
+CLUSTER = """
+import json, sys, ray
 from ray.cluster_utils import Cluster
 
-temp_dir, (gcs_port, dashboard_port, agent_port) = sys.argv[1], map(int, sys.argv[2:5])
+temp_dir, (gcs_port, dashboard_port, agent_port), (head, *others) = (
+    sys.argv[1], map(int, sys.argv[2:5]), json.loads(sys.argv[5]))
 cluster = Cluster(initialize_head=True, head_node_args=dict(
-    num_cpus=8, num_gpus=0, node_ip_address="127.0.0.1", gcs_server_port=gcs_port, include_dashboard=True,
-    dashboard_host="127.0.0.1", dashboard_port=dashboard_port, dashboard_agent_listen_port=agent_port,
-    temp_dir=temp_dir))
-# where a job's supervisor looks up its cluster (temp_dir/ray_current_cluster): not another Ray on the machine
+    node_ip_address="127.0.0.1", gcs_server_port=gcs_port, include_dashboard=True, dashboard_host="127.0.0.1",
+    dashboard_port=dashboard_port, dashboard_agent_listen_port=agent_port, temp_dir=temp_dir, **head))
+nodes = [cluster.head_node, *(cluster.add_node(node_ip_address="127.0.0.1", **node) for node in others)]
+cluster.wait_for_nodes()
+# where a job's supervisor looks up its cluster (temp_dir/ray_current_cluster; Cluster writes it under RAY_TMPDIR/ray
+# instead): without it, with another Ray on the machine, a job's driver may join that one
 ray._private.utils.write_ray_address(cluster.head_node.gcs_address, temp_dir)
-print("READY", flush=True)
+print(json.dumps([node.node_id for node in nodes]), flush=True)
 sys.stdin.read()
 cluster.shutdown()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def launch_cluster(temp_dir: str, nodes: list[dict[str, Any]], stderr: Any) -> tuple[subprocess.Popen, str]:
+    """:data:`CLUSTER` started in a session of its own with ``nodes`` (the head's arguments first); the process and
+    the address of its job API."""
+    ports = free_port(), free_port(), free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-c", CLUSTER, temp_dir, *map(str, ports), json.dumps(nodes)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=loopback_env(temp_dir),
+        start_new_session=True,
+    )
+    return process, f"http://127.0.0.1:{ports[1]}"
 
 
 def _ray_env() -> dict[str, str]:
@@ -95,21 +111,12 @@ def _wait_for_job_agent(address: str, timeout_s: float = 600) -> None:
 @pytest.fixture(scope="module")
 def ray_head():
     temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths are length-limited
-    ports = _free_port(), _free_port(), _free_port()  # the GCS's, the dashboard's (the job API) and its agent's
-    head = subprocess.Popen(
-        [sys.executable, "-c", HEAD, temp_dir, *map(str, ports)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=loopback_env(temp_dir),
-        start_new_session=True,
-    )
+    # 8 logical CPUs, as the CPU smoke's TaskRunner, workers, rollout server, reward and TransferQueue each hold one
+    head, address = launch_cluster(temp_dir, [{"num_cpus": 8, "num_gpus": 0}], subprocess.DEVNULL)
     try:
         ready, _, _ = select.select([head.stdout], [], [], 180)
         line = head.stdout.readline() if ready else ""
-        assert line.startswith("READY"), f"Ray head did not start within 180 s (exit {head.poll()}): {line!r}"
-        address = f"http://127.0.0.1:{ports[1]}"
+        assert line.startswith("["), f"Ray head did not start within 180 s (exit {head.poll()}): {line!r}"
         _wait_for_job_agent(address)
         yield address
     finally:

@@ -56,7 +56,7 @@ from typing import Any, Optional
 import pytest
 
 from tests.test_smoke_cpu import SMOKE_TIMEOUT_S, assert_on_policy_exact
-from tests.test_submit_ray import _free_port, _wait_for_job_agent, loopback_env
+from tests.test_submit_ray import _wait_for_job_agent, launch_cluster, loopback_env
 from verl_ext.config import DivClipPolicyLossConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,29 +72,10 @@ CLUSTER_EXIT_GRACE_S = 30
 UPDATES_PER_STEP = 2
 """Optimizer steps per training step: two PPO mini-batches (BATCH / 2 prompts each), one epoch."""
 
-# Each node: one device slot (its bundle holds 3 CPUs for the colocated workers) and the CPUs the
-# helpers there need; Ray's CPU count is logical (2 physical cores serve both nodes). The head's dashboard
-# agent (the job API's agent) gets a free port too: Ray's default, 52365, is taken by any other Ray head on
-# the machine, and the job API then has no agent ("No available agent to submit job").
-CLUSTER = """
-import json, sys
-import ray
-from ray.cluster_utils import Cluster
-
-gcs_port, dashboard_port, temp_dir, agent_port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-common = dict(node_ip_address="127.0.0.1", resources={"cpu_device": 1}, object_store_memory=300 * 1024**2)
-cluster = Cluster(initialize_head=True, head_node_args=dict(
-    num_cpus=10, gcs_server_port=gcs_port, include_dashboard=True, dashboard_host="127.0.0.1",
-    dashboard_port=dashboard_port, dashboard_agent_listen_port=agent_port, temp_dir=temp_dir, **common))
-second = cluster.add_node(num_cpus=6, **common)
-cluster.wait_for_nodes()
-# Where a job's supervisor looks up its cluster's address (temp_dir/ray_current_cluster; Cluster writes it under
-# RAY_TMPDIR/ray instead): without it, with another Ray running on the machine, a job's driver may join that one.
-ray._private.utils.write_ray_address(cluster.head_node.gcs_address, temp_dir)
-print(json.dumps({"head": cluster.head_node.node_id, "second": second.node_id}), flush=True)
-sys.stdin.read()
-cluster.shutdown()
-"""
+# Each node (test_submit_ray's CLUSTER): one device slot (its bundle holds 3 CPUs for the colocated workers) and the
+# CPUs the helpers there need; Ray's CPU count is logical (2 physical cores serve both nodes).
+_NODE = {"resources": {"cpu_device": 1}, "object_store_memory": 300 * 1024**2}
+NODES = [{**_NODE, "num_cpus": 10}, {**_NODE, "num_cpus": 6}]
 
 # A target no update's mean KL3 reaches (KL3 >= 0 stays below target / tolerance): the controller widens
 # delta by ``rate`` after every update, whatever the rollouts. (A target below every KL3 would not do: a
@@ -304,30 +285,20 @@ def job_leftovers(watch: ClusterProcesses, submitted_at: float) -> dict[str, Any
 @pytest.fixture(scope="module")
 def two_nodes() -> Iterator[dict[str, Any]]:
     temp_dir = tempfile.mkdtemp(prefix="r2n", dir="/tmp")  # short: Ray's socket paths are length-limited
-    gcs_port, dashboard_port, agent_port = _free_port(), _free_port(), _free_port()
     launcher_log = Path(temp_dir) / "launcher.err"
     with launcher_log.open("w") as launcher_err:
-        launcher = subprocess.Popen(
-            [sys.executable, "-c", CLUSTER, str(gcs_port), str(dashboard_port), temp_dir, str(agent_port)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=launcher_err,
-            text=True,
-            env=loopback_env(temp_dir),
-            start_new_session=True,
-        )
+        launcher, address = launch_cluster(temp_dir, NODES, launcher_err)
     watch = ClusterProcesses(temp_dir, launcher.pid)
     watch.start()
     verdict: list[str] = []
     try:
         ready, _, _ = select.select([launcher.stdout], [], [], 240)
         line = launcher.stdout.readline() if ready else ""
-        assert line.startswith("{"), (
+        assert line.startswith("["), (
             f"the two-node cluster did not start within 240 s (exit {launcher.poll()}): "
             + launcher_log.read_text()[-3000:]
         )
-        nodes = json.loads(line)
-        address = f"http://127.0.0.1:{dashboard_port}"
+        nodes = dict(zip(("head", "second"), json.loads(line), strict=True))
         _wait_for_job_agent(address)
         yield {"address": address, "nodes": nodes, "temp_dir": temp_dir, "processes": watch}
     finally:
