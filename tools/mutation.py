@@ -93,10 +93,38 @@ TESTS = [
             "test_a_model_with_dropout_is_not_taken_on_the_worker",
         )
     ),
-    # (tests/test_vocab_pass_engine.py's refusals would belong here too, but DESELECT's -k matches the file's name)
+    # the vocabulary pass's refusals (the file's other tests run engines)
+    *(
+        f"tests/test_vocab_pass_engine.py::{name}"
+        for name in (
+            "test_refusals_name_the_key",
+            "test_config_key_is_declared_and_reaches_the_loss",
+            "test_refused_combinations_name_the_key",
+            "test_stored_topk_is_accepted_with_the_pass",
+            "test_lora_elsewhere_is_accepted",
+        )
+    ),
 ]
-#: tests of those files that start engines or subprocesses (deselected: their fixtures take minutes)
-DESELECT = "not engine and not subprocess"
+#: tests of those files left out of the selection (minutes each): those taking one of these fixtures (they run
+#: engines) and those named for a subprocess. Matched on the test's own fixtures and function name, not on
+#: ``-k``, which also matches the file's name and left ``tests/test_engine_seam.py`` out whole.
+ENGINE_FIXTURES = ("engine", "engine_run", "on_policy", "every_mode", "atr_shape")
+DESELECT_NAMED = "subprocess"
+#: appended to the copy's tests/conftest.py: the deselection above, after the suite's own ordering
+_DESELECT_HOOK = """
+
+# appended by tools/mutation.py (the mutation copy only): its deselection
+_suite_order = pytest_collection_modifyitems
+
+
+def pytest_collection_modifyitems(items):
+    _suite_order(items)
+    items[:] = [
+        item for item in items
+        if not set(getattr(item, "fixturenames", ())) & {fixtures!r}
+        and {named!r} not in getattr(item, "originalname", item.name)
+    ]
+"""
 
 #: mutants that cannot change behaviour, by mutmut name, with the reason (docs/benchmarks.md, "Mutation score")
 _EXTRA_REDUCTION = "only adds the reduction over valid tokens, whose result equals the value already there"
@@ -372,7 +400,7 @@ def mutmut_config(mutated: list[str], tests: list[str]) -> str:
         f'source_paths = ["verl_ext", "recipe"]\n'
         'also_copy = ["README.md", "configs", "docs", "launch", "data_prep"]\n'  # files the tests read
         f"only_mutate = {quoted(mutated)}\n"
-        f"pytest_add_cli_args_test_selection = {quoted([*tests, '-k', DESELECT])}\n"
+        f"pytest_add_cli_args_test_selection = {quoted(tests)}\n"
         f'pytest_add_cli_args = ["-p", "no:xdist", "-p", "no:cacheprovider"]\n'
         'process_isolation = "forkserver"\n'
         "use_git_change_detection = false\n"
@@ -405,6 +433,8 @@ def prepare(work: Path, tests_from: str | None, mutated: list[str], tests: list[
             path.write_text(undecorate(path.read_text()))
     with open(work / "pyproject.toml", "a", encoding="utf-8") as handle:
         handle.write(mutmut_config(mutated, tests))
+    with open(work / "tests" / "conftest.py", "a", encoding="utf-8") as handle:
+        handle.write(_DESELECT_HOOK.format(fixtures=set(ENGINE_FIXTURES), named=DESELECT_NAMED))
 
 
 def run_mutmut(work: Path, budget_s: float, log: Path, children: int = 1) -> float:
