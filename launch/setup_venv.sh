@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Create (or refresh) the project's virtual environment at <repo>/.venv.
 # CPU torch 2.13.0 is installed *before* anything that depends on torch: with no torch
-# present, verl's unpinned requirement would pull a multi-GB CUDA build. --no-compile: pip would byte-compile all
-# ~20,000 modules (about a minute of CPU); Python compiles the ones a process imports on first use, and keeps them.
+# present, verl's unpinned requirement would pull a multi-GB CUDA build.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
@@ -11,8 +10,8 @@ py="$venv/bin/python"
 stamp="$venv/.divclip-installed"
 want="$(cat "$root/pyproject.toml" "$root/launch/setup_venv.sh" | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
-    "$py" -m pip install -q --no-compile --upgrade pip
-    "$py" -m pip install -q --no-compile "torch==${TORCH_VERSION:-2.13.0}"
-    "$py" -m pip install -q --no-compile -e "$root[test]"
+    "$py" -m pip install -q --upgrade pip
+    "$py" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+    "$py" -m pip install -q -e "$root[test]"
     echo "$want" > "$stamp"
 fi

