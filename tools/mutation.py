@@ -110,10 +110,29 @@ TESTS = [
 #: ``-k``, which also matches the file's name and left ``tests/test_engine_seam.py`` out whole.
 ENGINE_FIXTURES = ("engine", "engine_run", "on_policy", "every_mode", "atr_shape")
 DESELECT_NAMED = "subprocess"
-#: appended to the copy's tests/conftest.py: the deselection above, after the suite's own ordering
+#: results the tests cache across tests (module:name of a dict), emptied before each test of mutmut's stats run: mutmut
+#: maps each test to the functions it calls then, and a test served from a cache would call none of them (seen:
+#: ``test_no_grad_frac_counts_the_dropped_tokens`` read ``run_mode``'s cached kl3 run and was never run on
+#: ``_metrics``' mutants, which it kills)
+STATS_UNCACHED = ("tests.test_knobs:_RUNS",)
+#: appended to the copy's tests/conftest.py: the deselection above, after the suite's own ordering, and the caches
 _DESELECT_HOOK = """
 
-# appended by tools/mutation.py (the mutation copy only): its deselection
+# appended by tools/mutation.py (the mutation copy only): its deselection, and no cached results in its stats run
+import os as _os
+import sys as _sys
+
+
+@pytest.fixture(autouse=True)
+def _stats_without_caches():
+    if _os.environ.get("MUTANT_UNDER_TEST") == "stats":
+        for entry in {uncached!r}:
+            module, name = entry.split(":")
+            if module in _sys.modules:
+                getattr(_sys.modules[module], name).clear()
+    yield
+
+
 _suite_order = pytest_collection_modifyitems
 
 
@@ -434,7 +453,9 @@ def prepare(work: Path, tests_from: str | None, mutated: list[str], tests: list[
     with open(work / "pyproject.toml", "a", encoding="utf-8") as handle:
         handle.write(mutmut_config(mutated, tests))
     with open(work / "tests" / "conftest.py", "a", encoding="utf-8") as handle:
-        handle.write(_DESELECT_HOOK.format(fixtures=set(ENGINE_FIXTURES), named=DESELECT_NAMED))
+        handle.write(
+            _DESELECT_HOOK.format(fixtures=set(ENGINE_FIXTURES), named=DESELECT_NAMED, uncached=STATS_UNCACHED)
+        )
 
 
 def run_mutmut(work: Path, budget_s: float, log: Path, children: int = 1) -> float:
