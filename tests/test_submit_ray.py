@@ -50,20 +50,39 @@ cluster.shutdown()
 """
 
 
-def launch_cluster(temp_dir: str, nodes: list[dict[str, Any]], stderr: Any) -> tuple[subprocess.Popen, str]:
-    """:data:`CLUSTER` started in a session of its own with ``nodes`` (the head's arguments first); the process and
-    the address of its job API."""
-    ports = free_port(), free_port(), free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-c", CLUSTER, temp_dir, *map(str, ports), json.dumps(nodes)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-        env=loopback_env(temp_dir),
-        start_new_session=True,
-    )
-    return process, f"http://127.0.0.1:{ports[1]}"
+#: How long a cluster (head, dashboard, nodes) may take to start: minutes on a machine running two suites
+START_WITHIN_S = 600
+
+
+def start_cluster(temp_dir: str, nodes: list[dict[str, Any]], stderr: Any) -> tuple[subprocess.Popen, str, list[str]]:
+    """:data:`CLUSTER` with ``nodes`` (the head's arguments first), in a session of its own, started until it prints
+    its nodes' ids: the process, the address of its job API and the ids. Ray gives each raylet a fixed 30 s to
+    register with the GCS, which a machine running two suites exceeded; a start that fails so is ended (its process
+    group) and tried again on new ports until :data:`START_WITHIN_S` has passed."""
+    deadline = time.monotonic() + START_WITHIN_S
+    while True:
+        ports = free_port(), free_port(), free_port()
+        process = subprocess.Popen(
+            [sys.executable, "-c", CLUSTER, temp_dir, *map(str, ports), json.dumps(nodes)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=loopback_env(temp_dir),
+            start_new_session=True,
+        )
+        ready, _, _ = select.select([process.stdout], [], [], max(deadline - time.monotonic(), 0))
+        line = process.stdout.readline() if ready else ""
+        if line.startswith("["):
+            return process, f"http://127.0.0.1:{ports[1]}", json.loads(line)
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait(timeout=30)
+        if not ready or time.monotonic() >= deadline:
+            log = Path(stderr.name).read_text()[-3000:] if hasattr(stderr, "name") else ""
+            raise AssertionError(f"the Ray cluster did not start within {START_WITHIN_S} s: {line!r} {log}")
 
 
 def _ray_env() -> dict[str, str]:
@@ -79,7 +98,10 @@ def loopback_env(temp_dir: Optional[str] = None) -> dict[str, str]:
     cluster's ``temp_dir`` (for the process that starts it): Ray's ``Cluster`` writes its address file into
     ``RAY_TMPDIR/ray`` (by default /tmp/ray, read by any bare ``ray.init`` on the machine), here the cluster's own
     folder, which this creates."""
+    # Ray gives its dashboard (the job API) 60 s to start; with two suites on 2 cores it took longer (the two-node
+    # cluster failed to start so): the ready waits below bound the start instead
     env = {**_ray_env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env["RAY_DASHBOARD_STARTUP_TIMEOUT_S"] = str(START_WITHIN_S)
     if temp_dir is not None:
         (Path(temp_dir) / "ray").mkdir(exist_ok=True)
         env["RAY_TMPDIR"] = temp_dir
@@ -112,11 +134,8 @@ def _wait_for_job_agent(address: str, timeout_s: float = 600) -> None:
 def ray_head():
     temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths are length-limited
     # 8 logical CPUs, as the CPU smoke's TaskRunner, workers, rollout server, reward and TransferQueue each hold one
-    head, address = launch_cluster(temp_dir, [{"num_cpus": 8, "num_gpus": 0}], subprocess.DEVNULL)
+    head, address, _ = start_cluster(temp_dir, [{"num_cpus": 8, "num_gpus": 0}], subprocess.DEVNULL)
     try:
-        ready, _, _ = select.select([head.stdout], [], [], 180)
-        line = head.stdout.readline() if ready else ""
-        assert line.startswith("["), f"Ray head did not start within 180 s (exit {head.poll()}): {line!r}"
         _wait_for_job_agent(address)
         yield address
     finally:
