@@ -99,7 +99,7 @@ def loopback_env(temp_dir: Optional[str] = None) -> dict[str, str]:
     ``RAY_TMPDIR/ray`` (by default /tmp/ray, read by any bare ``ray.init`` on the machine), here the cluster's own
     folder, which this creates."""
     # Ray gives its dashboard (the job API) 60 s to start; with two suites on 2 cores it took longer (the two-node
-    # cluster failed to start so): the ready waits below bound the start instead
+    # cluster failed to start so): start_cluster's own wait bounds the start instead
     env = {**_ray_env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env["RAY_DASHBOARD_STARTUP_TIMEOUT_S"] = str(START_WITHIN_S)
     if temp_dir is not None:
