@@ -114,6 +114,9 @@ esac
 
 export VERL_PLATFORM=cpu              # the cpu platform, Ray CPU pools and hf_cpu rollout (verl_ext plugin)
 export TOKENIZERS_PARALLELISM=false RAY_DEDUP_LOGS=0 RAY_USAGE_STATS_ENABLED=0
+# torch's OpenMP threads sleep between parallel regions instead of spinning: the run's nine processes share a few
+# cores, and a spinning thread takes one from the others (the run's thread counts, and its results, unchanged).
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 # verl's file logger truncates its file on open: each attempt gets its own log, merged afterwards.
 mkdir -p "$SMOKE_OUT/logs"
 export VERL_FILE_LOGGER_PATH="$SMOKE_OUT/logs/attempt-$(date +%Y%m%d-%H%M%S)-$$.jsonl"
