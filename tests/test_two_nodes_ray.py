@@ -158,7 +158,7 @@ class ClusterProcesses:
     samples every :attr:`interval_s` so that each job's processes are seen while the job runs.
     """
 
-    def __init__(self, temp_dir: str, launcher_pid: int, interval_s: float = 1.0) -> None:
+    def __init__(self, temp_dir: str, launcher_pid: Optional[int] = None, interval_s: float = 1.0) -> None:
         self.temp_dir = temp_dir
         self.launcher_pid = launcher_pid
         self.interval_s = interval_s
@@ -285,10 +285,18 @@ def job_leftovers(watch: ClusterProcesses, submitted_at: float) -> dict[str, Any
 def two_nodes() -> Iterator[dict[str, Any]]:
     temp_dir = tempfile.mkdtemp(prefix="r2n", dir="/tmp")  # short: Ray's socket paths are length-limited
     launcher_log = Path(temp_dir) / "launcher.err"
-    with launcher_log.open("w") as launcher_err:
-        launcher, address, ids = start_cluster(temp_dir, NODES, launcher_err)
-    watch = ClusterProcesses(temp_dir, launcher.pid)
+    # watched from before the first start: the processes of a start that failed (start_cluster ends its process
+    # group and tries again) are the cluster's too, and the shutdown check below covers them
+    watch = ClusterProcesses(temp_dir)
     watch.start()
+    try:
+        with launcher_log.open("w") as launcher_err:
+            launcher, address, ids = start_cluster(temp_dir, NODES, launcher_err)
+    except BaseException:
+        watch.stop()
+        _end([k.pid for k in watch.scan()])
+        raise
+    watch.launcher_pid = launcher.pid
     verdict: list[str] = []
     try:
         nodes = dict(zip(("head", "second"), ids, strict=True))
