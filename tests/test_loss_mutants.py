@@ -1219,3 +1219,64 @@ def test_bucket_log_masses_compute_in_float32_slices_at_temperature_one_by_defau
     finally:
         torch.set_default_dtype(previous)
     assert again.dtype == torch.float32 and torch.equal(again, plain)
+
+
+def _operator_metrics(n_valid: int, **extra) -> dict[str, float]:
+    """The operator's metrics (``surrogate._metrics``) of one row of four tokens, the first ``n_valid`` valid:
+    tokens 0 and 1 clipped, token 0 on the upper side, a scalar ratio interval."""
+    from verl_ext.core.region import TrustRegion
+    from verl_ext.core.surrogate import _metrics
+
+    mask = torch.tensor([[True] * n_valid + [False] * (4 - n_valid)])
+    log_ratio = torch.tensor([[0.4, -0.5, 0.1, 0.0]], dtype=torch.float64)
+    return _metrics(
+        mask,
+        log_ratio,
+        TrustRegion(torch.ones_like(mask), 0.8, 1.2),
+        clipped=torch.tensor([[True, True, False, False]]),
+        upper_side=torch.tensor([[True, False, False, True]]),
+        no_grad=None,
+        dual=None,
+        **{"erc": None, **extra},
+    )
+
+
+def test_clipfrac_lower_counts_the_clipped_tokens_below_the_range() -> None:
+    """Of four valid tokens one is clipped above and one below: each side's fraction a quarter, verl's
+    ``pg_clipfrac`` their sum (the lower side is the total less the upper: its own key, not a renamed one)."""
+    metrics = _operator_metrics(4)
+    assert metrics["actor/divclip/clipfrac_upper"] == 0.25
+    assert metrics["actor/divclip/clipfrac_lower"] == 0.25
+    assert metrics["actor/pg_clipfrac"] == 0.5
+
+
+def test_seq_kl3_mean_of_one_sequence_is_its_kl3() -> None:
+    """A sequence-level constraint's ``seq_kl3_mean`` over a batch of one sequence is that sequence's KL3
+    (divided by the count of sequences, 1, not by a floor above it)."""
+    from verl_ext.core import divergences
+
+    log_s = torch.tensor([0.3], dtype=torch.float64)
+    metrics = _operator_metrics(4, sequence_log_ratio=log_s)
+    assert metrics["actor/divclip/seq_kl3_mean"] == pytest.approx(float(divergences.kl3(log_s)[0]), rel=1e-12)
+    assert metrics["actor/divclip/seq_kl3_mean"] == metrics["actor/divclip/seq_kl3_max"]
+
+
+@pytest.mark.parametrize("n_valid", [0, 1])
+def test_erc_extremes_are_left_out_only_when_no_token_is_valid(n_valid: int) -> None:
+    """ERC's ``ratio_min`` / ``ratio_max`` are the extremes over valid tokens: with one valid token they are its
+    ratio (eps = 1: (0.5 + 1) / (1 + 1) = 0.75); with none, neither is reported (an empty set has no extremes),
+    while the band's counts still are."""
+    from verl_ext.core.erc import entropy_ratio_band
+
+    mask = torch.tensor([[True] * n_valid + [False] * (4 - n_valid)])
+    band = entropy_ratio_band(
+        torch.ones(1, 4),
+        torch.tensor([[0.5, 3.0, 3.0, 3.0]]),
+        mask,
+        policy(erc_beta_low=0.05, erc_beta_high=0.05, erc_eps=1.0),
+        torch.float64,
+    )
+    metrics = _operator_metrics(n_valid, erc=band)
+    extremes = {key: metrics.get(f"actor/divclip/erc/ratio_{key}") for key in ("min", "max")}
+    assert extremes == ({"min": 0.75, "max": 0.75} if n_valid else {"min": None, "max": None})
+    assert metrics["actor/divclip/erc/clipfrac_lower"] == float(n_valid)

@@ -327,6 +327,9 @@ EQUIVALENT: dict[str, str] = {
     "verl_ext.core.surrogate.x_sequence_mean_log_ratio__mutmut_16": _LAST_OF_TWO,
     "verl_ext.core.surrogate.x__metrics__mutmut_40": _LAST_OF_TWO,
     "verl_ext.core.surrogate.x__metrics__mutmut_109": "zip(strict=None): None is falsy, as strict=False",
+    "verl_ext.core.surrogate.x__metrics__mutmut_112": "zip() without strict: its default is strict=False",
+    "verl_ext.core.surrogate.x__metrics__mutmut_114": "zip(strict=True): the keys of sums and the values stacked from "
+    "them always have the same length",
     "verl_ext.verl_modes.x__sequence_interval__mutmut_16": _LAST_OF_TWO,
     "verl_ext.verl_modes.x__sequence_interval__mutmut_19": _LAST_OF_TWO,
     "verl_ext.verl_modes.x__binary_kl_interval__mutmut_23": _NO_MOVE,
