@@ -1280,3 +1280,13 @@ def test_erc_extremes_are_left_out_only_when_no_token_is_valid(n_valid: int) -> 
     extremes = {key: metrics.get(f"actor/divclip/erc/ratio_{key}") for key in ("min", "max")}
     assert extremes == ({"min": 0.75, "max": 0.75} if n_valid else {"min": None, "max": None})
     assert metrics["actor/divclip/erc/clipfrac_lower"] == float(n_valid)
+
+
+def test_gppo_no_grad_frac_counts_the_dual_clipped_tokens() -> None:
+    """GPPO keeps a gradient on clipped tokens, so only dual-clip takes one away there: its ``no_grad_frac`` is
+    ``dualclip_frac`` (> 0 on the declaration test's sweep at c = 1.5), not 0."""
+    from tests.test_knobs import run_mode
+
+    metrics = run_mode("gppo", {"dual_clip_c": 1.5}).metrics
+    assert metrics["actor/divclip/dualclip_frac"] > 0.0
+    assert metrics["actor/divclip/no_grad_frac"] == pytest.approx(metrics["actor/divclip/dualclip_frac"])
