@@ -11,6 +11,7 @@ import json
 import math
 import re
 from pathlib import Path
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -1221,7 +1222,9 @@ def test_bucket_log_masses_compute_in_float32_slices_at_temperature_one_by_defau
     assert again.dtype == torch.float32 and torch.equal(again, plain)
 
 
-def _operator_metrics(n_valid: int, **extra) -> dict[str, float]:
+def _operator_metrics(
+    n_valid: int, erc: Optional[Any] = None, sequence_log_ratio: Optional[torch.Tensor] = None
+) -> dict[str, float]:
     """The operator's metrics (``surrogate._metrics``) of one row of four tokens, the first ``n_valid`` valid:
     tokens 0 and 1 clipped, token 0 on the upper side, a scalar ratio interval."""
     from verl_ext.core.region import TrustRegion
@@ -1237,7 +1240,8 @@ def _operator_metrics(n_valid: int, **extra) -> dict[str, float]:
         upper_side=torch.tensor([[True, False, False, True]]),
         no_grad=None,
         dual=None,
-        **{"erc": None, **extra},
+        erc=erc,
+        sequence_log_ratio=sequence_log_ratio,
     )
 
 

@@ -149,18 +149,18 @@ def _is_pool_title(title: str) -> bool:
 class ClusterProcesses:
     """The test cluster's processes, found by what they are rather than by a marker the test put there.
 
-    Seeds: the launcher (whose ``Cluster`` starts the GCS, raylets, dashboard and monitors) and every
-    process whose command line, working directory or open files lie in the test's own Ray folder (Ray's
-    session folder with its logs, sockets and runtime envs is inside it). Closure: the children of a member
+    Seeds: every process whose command line, working directory or open files lie in the test's own Ray folder:
+    each launcher (whose ``Cluster`` starts the GCS, raylets, dashboard and monitors; the folder is its first
+    argument, so the launchers of failed starts are found too) and Ray's (its session folder with its logs,
+    sockets and runtime envs is inside it). Closure: the children of a member
     (a raylet's workers, a job supervisor's entrypoint shell and driver) and the processes of a member's
     session (Ray's job entrypoints run in sessions of their own; a child re-parented to init keeps its
     session). The test process, its ancestors and its own session are never members. A background thread
     samples every :attr:`interval_s` so that each job's processes are seen while the job runs.
     """
 
-    def __init__(self, temp_dir: str, launcher_pid: Optional[int] = None, interval_s: float = 1.0) -> None:
+    def __init__(self, temp_dir: str, interval_s: float = 1.0) -> None:
         self.temp_dir = temp_dir
-        self.launcher_pid = launcher_pid
         self.interval_s = interval_s
         self.records: dict[ProcKey, ProcRecord] = {}
         self._lock = threading.Lock()
@@ -194,7 +194,7 @@ class ClusterProcesses:
         members = {
             pid
             for pid, (_, _, _, cmdline) in table.items()
-            if pid == self.launcher_pid or self.temp_dir in cmdline or _refers_to(pid, self.temp_dir)
+            if self.temp_dir in cmdline or _refers_to(pid, self.temp_dir)
         }
         while True:
             sessions = {table[pid][1] for pid in members} - {self._own_sid, 0, 1}
@@ -296,7 +296,6 @@ def two_nodes() -> Iterator[dict[str, Any]]:
         watch.stop()
         _end([k.pid for k in watch.scan()])
         raise
-    watch.launcher_pid = launcher.pid
     verdict: list[str] = []
     try:
         nodes = dict(zip(("head", "second"), ids, strict=True))
