@@ -1294,3 +1294,162 @@ def test_gppo_no_grad_frac_counts_the_dual_clipped_tokens() -> None:
     metrics = run_mode("gppo", {"dual_clip_c": 1.5}).metrics
     assert metrics["actor/divclip/dualclip_frac"] > 0.0
     assert metrics["actor/divclip/no_grad_frac"] == pytest.approx(metrics["actor/divclip/dualclip_frac"])
+
+
+def _operator(
+    mode: str,
+    adv_scale: float = 1.0,
+    dtype: torch.dtype = torch.float64,
+    via: Optional[torch.dtype] = None,
+    **knobs: Any,
+):
+    """The operator on :func:`tests.test_full_kl.operator_batch` (KL from ~0 to large: ratios on both sides of
+    every region, some above 1.5), its advantages times ``adv_scale``, in ``dtype`` (rounded to ``via`` first,
+    when given); ERC's entropies when its knobs are given. Returns the loss, the gradient of the log-probs, the
+    metrics."""
+    from tests.test_full_kl import operator_batch
+    from verl_ext.config import DivClipPolicyLossConfig
+    from verl_ext.core.surrogate import constrained_policy_loss
+
+    old, new, adv, mask, topk = operator_batch(11)
+    cast = (lambda x: x.to(via).to(dtype)) if via is not None else (lambda x: x.to(dtype))  # noqa: E731
+    entropies = {}
+    if "erc_beta_low" in knobs:
+        gen = torch.Generator().manual_seed(3)
+        old_entropy = torch.rand(mask.shape, generator=gen, dtype=torch.float64) + 0.1
+        new_entropy = old_entropy * (0.8 + 0.4 * torch.rand(mask.shape, generator=gen, dtype=torch.float64))
+        entropies = dict(old_entropy=cast(old_entropy), entropy=cast(new_entropy))
+    log_prob = cast(new).requires_grad_(True)
+    loss, metrics = constrained_policy_loss(
+        cast(old),
+        log_prob,
+        cast(adv * adv_scale),
+        mask,
+        mode=mode,
+        policy=DivClipPolicyLossConfig(loss_mode=mode, **knobs),
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        topk=topk,
+        **entropies,
+    )
+    loss.backward()
+    return loss.detach(), log_prob.grad, metrics
+
+
+def test_the_operator_refuses_an_unknown_mode_and_erc_without_both_entropies_naming_them() -> None:
+    """An unknown mode names itself and the known ones; ERC with either entropy missing names the mode."""
+    from verl_ext.config import DivClipPolicyLossConfig
+    from verl_ext.core.surrogate import constrained_policy_loss
+
+    x, mask = torch.zeros(1, 2), torch.ones(1, 2)
+    args = dict(clip_ratio_low=0.2, clip_ratio_high=0.2)
+    with pytest.raises(ValueError, match=r"loss_mode='nope' is not a divclip mode; known: \[.*'kl3'"):
+        constrained_policy_loss(x, x, x, mask, mode="nope", policy=DivClipPolicyLossConfig(loss_mode="kl3"), **args)
+    erc = DivClipPolicyLossConfig(loss_mode="clip", erc_beta_low=0.05, erc_beta_high=0.05)
+    for entropies in ({"entropy": x}, {"old_entropy": x}, {}):
+        with pytest.raises(ValueError, match=r"enable ERC for loss_mode='clip', but no per-token entropies"):
+            constrained_policy_loss(x, x, x, mask, mode="clip", policy=erc, **args, **entropies)
+
+
+def test_a_preserving_constraint_with_sampled_bounds_is_refused_naming_it() -> None:
+    """GPPO-style preservation needs a bound per token; a constraint that reports a sample of bounds cannot."""
+    from verl_ext.core.region import CONSTRAINTS, TrustRegion, define_constraint
+
+    @define_constraint("test_sampled_preserve", on_violation="preserve")
+    def sampled(inputs: Any) -> TrustRegion:
+        no_bounds = inputs.ratio.new_zeros(0)
+        return TrustRegion(torch.ones_like(inputs.response_mask), no_bounds, no_bounds, bounds_sampled=True)
+
+    try:
+        with pytest.raises(ValueError, match="constraint 'test_sampled_preserve' reports sampled bounds"):
+            _operator("test_sampled_preserve")
+    finally:
+        del CONSTRAINTS["test_sampled_preserve"]
+
+
+def _divclip_modes() -> list[str]:
+    from verl_ext.core.region import CONSTRAINTS
+    from verl_ext.core.surrogate import constrained_policy_loss  # noqa: F401  (defines the constraints)
+
+    return sorted(CONSTRAINTS)
+
+
+@pytest.mark.parametrize("mode", _divclip_modes())
+def test_tokens_without_advantage_are_neither_clipped_nor_dual_clipped(mode: str) -> None:
+    """Dr.GRPO gives a group of equal rewards A = 0: such a token is on neither side of the pessimistic min
+    ((w - 1) A = 0) and below no dual-clip cap (A < 0 is the rule), so it counts in no clip fraction, whatever
+    its ratio. Control arm: the same ratios with the batch's advantages are clipped and dual-clipped (a small
+    delta: TRGPPO's bounds are wide for the batch's unlikely tokens at the default)."""
+    from verl_ext.core.region import CONSTRAINTS
+
+    knobs = {"dual_clip_c": 1.5, **({"delta": 0.005} if "delta" in CONSTRAINTS[mode].reads else {})}
+    _, grad, zero = _operator(mode, adv_scale=0.0, **knobs)
+    _, _, moving = _operator(mode, **knobs)
+    assert moving["actor/pg_clipfrac"] > 0 and moving["actor/divclip/dualclip_frac"] > 0
+    assert moving["actor/divclip/no_grad_frac"] > 0 or mode == "gppo"
+    for name in ("actor/pg_clipfrac", "actor/divclip/clipfrac_upper", "actor/divclip/dualclip_frac"):
+        assert zero[name] == 0.0, name
+    assert zero["actor/divclip/no_grad_frac"] == 0.0
+    assert not grad.any()
+
+
+@pytest.mark.parametrize("mode", _divclip_modes())
+def test_erc_takes_the_gradient_of_the_tokens_outside_its_band_in_every_mode(mode: str) -> None:
+    """ERC is hard whatever the advantage's sign: with A = 0 (no token clipped or dual-clipped, as above) the
+    tokens without a gradient are exactly those outside the entropy band, and ``no_grad_frac`` is their share --
+    in the gradient-preserving mode (GPPO) as in the dropping ones."""
+    _, _, metrics = _operator(mode, adv_scale=0.0, dual_clip_c=1.5, erc_beta_low=0.05, erc_beta_high=0.05)
+    outside = metrics["actor/divclip/erc/clipfrac_upper"] + metrics["actor/divclip/erc/clipfrac_lower"]
+    assert outside > 0.1  # the band's control: this batch's entropies move by up to 20 %
+    assert metrics["actor/pg_clipfrac"] == 0.0
+    assert metrics["actor/divclip/no_grad_frac"] == pytest.approx(outside, rel=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["clip", "gppo"])
+def test_dual_clip_caps_a_ratio_above_c_not_at_it(mode: str) -> None:
+    """``A < 0 and w > c`` (module docstring): a token whose ratio is exactly c keeps its ratio and its gradient,
+    the next representable ratio above c is capped to the constant c (no gradient). c is taken from the
+    computed ratio itself, so the two are equal in floating point."""
+    from verl_ext.config import DivClipPolicyLossConfig
+    from verl_ext.core.surrogate import constrained_policy_loss
+
+    old = torch.zeros(1, 2, dtype=torch.float64)
+    new = torch.tensor([[math.log(2.0), math.log(2.0)]], dtype=torch.float64)
+    c = float(torch.exp(new[0, 0]))
+    new[0, 1] = torch.log(torch.nextafter(torch.tensor(c, dtype=torch.float64), torch.tensor(3.0, dtype=torch.float64)))
+    log_prob = new.clone().requires_grad_(True)
+    loss, metrics = constrained_policy_loss(
+        old,
+        log_prob,
+        torch.full((1, 2), -1.0, dtype=torch.float64),
+        torch.ones(1, 2),
+        mode=mode,
+        policy=DivClipPolicyLossConfig(loss_mode=mode, dual_clip_c=c),
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.2,
+    )
+    loss.backward()
+    ratio = torch.exp(new)
+    assert ratio[0, 0] == c and ratio[0, 1] > c
+    assert metrics["actor/divclip/dualclip_frac"] == 0.5
+    # token-mean over 2 tokens of -(A * w): d/d log pi = w / 2 at the ratio, 0 under the cap
+    assert log_prob.grad[0].tolist() == [c / 2, 0.0]
+
+
+@pytest.mark.parametrize("mode", _divclip_modes())
+def test_bf16_inputs_give_the_loss_of_their_values_computed_in_float32(mode: str) -> None:
+    """verl's default bf16 log-probs, advantages and entropies: the operator computes in float32
+    (``promote_types(bf16, float32)``), so the loss and the metrics equal, bit for bit, those of float32 inputs
+    holding the same values, and the bf16 gradient is that float32 gradient rounded to bf16. (Control: the case
+    tells the two apart -- the ratios of its bf16 log-probs are not bf16-exact.)"""
+    knobs = {"dual_clip_c": 1.5, "erc_beta_low": 0.05, "erc_beta_high": 0.05}
+    loss16, grad16, metrics16 = _operator(mode, dtype=torch.bfloat16, **knobs)
+    loss32, grad32, metrics32 = _operator(mode, dtype=torch.float32, via=torch.bfloat16, **knobs)
+    assert loss16.dtype == torch.float32 and grad16.dtype == torch.bfloat16
+    assert loss16 == loss32
+    assert torch.equal(grad16, grad32.to(torch.bfloat16))
+    assert metrics16 == metrics32
+    from tests.test_full_kl import operator_batch
+
+    old, new = (x.to(torch.bfloat16) for x in operator_batch(11)[:2])
+    assert not torch.equal(torch.exp(new - old).float(), torch.exp(new.float() - old.float()))

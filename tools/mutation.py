@@ -202,6 +202,19 @@ _AUTOGRAD_CASTS = (
     "the hidden states' float32 gradient returned without .to(hidden.dtype): autograd casts a returned gradient "
     "to its input's dtype (validate_outputs), the same rounding"
 )
+_PROMOTED = (
+    "an input left in its own dtype (bf16 or float32) instead of the compute dtype: each use meets a float32 "
+    "operand (the other log-prob, the ratio, the surrogate) or compares with 0, and torch promotes bf16 exactly; "
+    "autograd casts the gradient back at that operation as at the cast (verl's weights and advantages are float32)"
+)
+_NEVER_CLIPPED_AT_ONE = (
+    "upper_side at w exactly 1: read only where a token is clipped (GPPO's bound, clipfrac_upper), and w = 1 never "
+    "is: (w - 1) A = 0 is not on the pessimistic side"
+)
+_CPU_BOUND = (
+    "GPPO's bound and slope made as 0-dim CPU tensors instead of on the ratio's device: torch.where takes them "
+    "beside tensors of any device as scalars, the same values (checked on the meta device, the rule CUDA shares)"
+)
 EQUIVALENT: dict[str, str] = {
     # VocabPass.forward / backward (seventh session, each read against the source)
     "verl_ext.core.vocab_pass.xǁVocabPassǁforward__mutmut_154": _TOPK_2D,
@@ -330,6 +343,13 @@ EQUIVALENT: dict[str, str] = {
     "verl_ext.core.surrogate.x__metrics__mutmut_112": "zip() without strict: its default is strict=False",
     "verl_ext.core.surrogate.x__metrics__mutmut_114": "zip(strict=True): the keys of sums and the values stacked from "
     "them always have the same length",
+    "verl_ext.core.surrogate.x_constrained_policy_loss__mutmut_20": _PROMOTED,
+    "verl_ext.core.surrogate.x_constrained_policy_loss__mutmut_24": _PROMOTED,
+    "verl_ext.core.surrogate.x_constrained_policy_loss__mutmut_208": _PROMOTED,
+    "verl_ext.core.surrogate.x_constrained_policy_loss__mutmut_66": _LAST_OF_TWO,
+    "verl_ext.core.surrogate.x_constrained_policy_loss__mutmut_104": _NEVER_CLIPPED_AT_ONE,
+    "verl_ext.core.surrogate.x_constrained_policy_loss__mutmut_121": _CPU_BOUND,
+    "verl_ext.core.surrogate.x_constrained_policy_loss__mutmut_124": _CPU_BOUND,
     "verl_ext.verl_modes.x__sequence_interval__mutmut_16": _LAST_OF_TWO,
     "verl_ext.verl_modes.x__sequence_interval__mutmut_19": _LAST_OF_TWO,
     "verl_ext.verl_modes.x__binary_kl_interval__mutmut_23": _NO_MOVE,
