@@ -1432,3 +1432,51 @@ def test_bf16_inputs_give_the_loss_of_their_values_computed_in_float32(mode: str
 
     old, new = (x.to(torch.bfloat16) for x in operator_batch(11)[:2])
     assert not torch.equal(torch.exp(new - old).float(), torch.exp(new.float() - old.float()))
+
+
+AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]
+BATCH_INFOS = [
+    None,
+    {"batch_num_tokens": 24},
+    {"global_batch_size": 4},
+    {"batch_num_tokens": 24, "global_batch_size": 4},
+]
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("info", BATCH_INFOS, ids=["no-global-counts", "tokens", "sequences", "both"])
+def test_a_micro_batch_without_a_valid_token_adds_zero_whatever_global_counts_are_given(agg: str, info: Any) -> None:
+    """Every aggregation, with or without the global token and sequence counts verl's ``ppo_loss`` passes: the
+    loss of a micro-batch whose mask is all padding is exactly 0 with a zero gradient, never 0 / 0. Control arm:
+    verl's ``agg_loss`` alone gives NaN where the count its mode divides by is not given (it counts the
+    micro-batch's own: 0), and the loss of a valid token is not 0."""
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    from verl_ext.config import DivClipPolicyLossConfig
+    from verl_ext.core.surrogate import constrained_policy_loss
+
+    gen = torch.Generator().manual_seed(0)
+    old, new, adv = (torch.randn(4, 6, generator=gen, dtype=torch.float64) for _ in range(3))
+    losses = []
+    for mask in (torch.zeros(4, 6), torch.eye(4, 6)):
+        log_prob = new.clone().requires_grad_(True)
+        loss, _ = constrained_policy_loss(
+            old,
+            log_prob,
+            adv,
+            mask,
+            mode="kl3",
+            policy=DivClipPolicyLossConfig(loss_mode="kl3"),
+            clip_ratio_low=0.2,
+            clip_ratio_high=0.2,
+            loss_agg_mode=agg,
+            global_batch_info=info,
+        )
+        loss.backward()
+        losses.append((float(loss.detach()), log_prob.grad))
+    (empty, empty_grad), (valid, _) = losses
+    assert empty == 0.0 and not empty_grad.any()
+    assert valid != 0.0
+    reads = {"token-mean": "batch_num_tokens", "token-sum": None}.get(agg, "global_batch_size")
+    alone = agg_loss(torch.ones(4, 6), torch.zeros(4, 6), agg, **(info or {}))
+    assert math.isnan(alone) == (reads is not None and reads not in (info or {})), float(alone)

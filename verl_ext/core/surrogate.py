@@ -188,12 +188,12 @@ def constrained_policy_loss(
     if rollout_is_weights is not None:
         surrogate = surrogate * rollout_is_weights.detach().to(compute_dtype)
 
-    batch_info = dict(global_batch_info or {})
-    if not batch_info.get("batch_num_tokens") and not batch_info.get("global_batch_size") and not mask.any():
-        # A micro-batch without a single valid token: agg_loss would divide 0 by 0.
+    if not mask.any():
+        # A micro-batch without a single valid token adds nothing to any aggregate. (agg_loss would divide 0 by 0
+        # where its mode's global count -- tokens or sequences -- is not given and it counts the micro-batch's own.)
         loss = (surrogate * 0.0).sum()
     else:
-        loss = -agg_loss(loss_mat=surrogate, loss_mask=mask, loss_agg_mode=loss_agg_mode, **batch_info)
+        loss = -agg_loss(loss_mat=surrogate, loss_mask=mask, loss_agg_mode=loss_agg_mode, **(global_batch_info or {}))
     vocab_sums = None
     if full_kl is not None:
         with torch.no_grad():
