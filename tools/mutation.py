@@ -350,6 +350,8 @@ EQUIVALENT: dict[str, str] = {
     "verl_ext.core.surrogate.x_constrained_policy_loss__mutmut_104": _NEVER_CLIPPED_AT_ONE,
     "verl_ext.core.surrogate.x_constrained_policy_loss__mutmut_121": _CPU_BOUND,
     "verl_ext.core.surrogate.x_constrained_policy_loss__mutmut_124": _CPU_BOUND,
+    "verl_ext.core.surrogate.x_constrained_policy_loss__mutmut_235": "vocab_sums '' instead of None without kl_full: "
+    "_metrics updates its sums with it, and an empty string adds nothing",
     "verl_ext.verl_modes.x__sequence_interval__mutmut_16": _LAST_OF_TWO,
     "verl_ext.verl_modes.x__sequence_interval__mutmut_19": _LAST_OF_TWO,
     "verl_ext.verl_modes.x__binary_kl_interval__mutmut_23": _NO_MOVE,
