@@ -1480,3 +1480,33 @@ def test_a_micro_batch_without_a_valid_token_adds_zero_whatever_global_counts_ar
     reads = {"token-mean": "batch_num_tokens", "token-sum": None}.get(agg, "global_batch_size")
     alone = agg_loss(torch.ones(4, 6), torch.zeros(4, 6), agg, **(info or {}))
     assert math.isnan(alone) == (reads is not None and reads not in (info or {})), float(alone)
+
+
+def test_the_step_path_metrics_are_the_seams_record_or_seam_0_without_one() -> None:
+    """``actor/divclip/path/*``: a micro-batch the seam never stepped reports ``seam = 0`` (a measurement, not a
+    claim); one it stepped reports each recorded feature as a float, under its own name."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    from verl_ext.actor_loss import PATH_METRIC, step_path_metrics
+    from verl_ext.engine.request import STEP_PATH_KEY
+
+    data = TensorDict({"x": torch.zeros(2, 1)}, batch_size=[2])
+    assert step_path_metrics(data) == {f"{PATH_METRIC}seam": 0.0}
+    tu.assign_non_tensor(data, **{STEP_PATH_KEY: {"seam": True, "vocab_pass": False, "old_log_prob_from_update": 0.5}})
+    assert step_path_metrics(data) == {
+        f"{PATH_METRIC}seam": 1.0,
+        f"{PATH_METRIC}vocab_pass": 0.0,
+        f"{PATH_METRIC}old_log_prob_from_update": 0.5,
+    }
+
+
+def test_a_missing_micro_batch_field_is_named_with_why_and_the_fields_present() -> None:
+    from tensordict import TensorDict
+
+    from verl_ext.actor_loss import _require
+
+    data = TensorDict({"b": torch.zeros(1), "a": torch.zeros(1)}, batch_size=[1])
+    assert _require(data, "a", "unused") == "a"
+    with pytest.raises(KeyError, match=r"ERC needs it, but the micro-batch has no 'entropy' \(fields: \['a', 'b'\]\)"):
+        _require(data, "entropy", "ERC needs it")

@@ -215,6 +215,10 @@ _CPU_BOUND = (
     "GPPO's bound and slope made as 0-dim CPU tensors instead of on the ratio's device: torch.where takes them "
     "beside tensors of any device as scalars, the same values (checked on the meta device, the rule CUDA shares)"
 )
+_LOSS_MODE_FIELD = (
+    "policy_loss.get('loss_mode', <default>) with another default: verl's PolicyLossConfig always has the field "
+    "(its own default is 'vanilla'), so the default is never read"
+)
 EQUIVALENT: dict[str, str] = {
     # VocabPass.forward / backward (seventh session, each read against the source)
     "verl_ext.core.vocab_pass.xǁVocabPassǁforward__mutmut_154": _TOPK_2D,
@@ -360,6 +364,11 @@ EQUIVALENT: dict[str, str] = {
     "verl_ext.actor_loss.x__correct_response_nll__mutmut_3": _LAST_OF_TWO,
     "verl_ext.actor_loss.x__correct_response_nll__mutmut_9": _LAST_OF_TWO,
     "verl_ext.actor_loss.x_padded_response__mutmut_7": _LAST_OF_TWO,
+    "verl_ext.actor_loss.x_divclip_actor_loss__mutmut_7": _LOSS_MODE_FIELD,
+    "verl_ext.actor_loss.x_divclip_actor_loss__mutmut_9": _LOSS_MODE_FIELD,
+    "verl_ext.actor_loss.x_divclip_actor_loss__mutmut_12": _LOSS_MODE_FIELD,
+    "verl_ext.actor_loss.x_build_actor_loss__mutmut_31": "the loss partial's positional arguments dropped: it has none "
+    "(the config is bound by keyword, and declare keeps the partial's arguments as they are)",
     "verl_ext.registry.x_register_modes__mutmut_10": _HAS_MODULE,
     "verl_ext.registry.x_register_modes__mutmut_13": _HAS_MODULE,
     "verl_ext.registry.x_register_modes__mutmut_16": _HAS_MODULE,
