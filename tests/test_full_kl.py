@@ -156,7 +156,7 @@ def operator_batch(seed: int, rows: int = 4, cols: int = 12, vocab: int = 64, k:
     return old_lp, new_lp, adv, mask, topk
 
 
-def run_operator(mode, old_lp, new_lp, adv, mask, topk, **policy):
+def run_operator(mode, old_lp, new_lp, adv, mask, topk, loss_agg_mode="token-mean", global_batch_info=None, **policy):
     log_prob = new_lp.clone().requires_grad_(True)
     loss, metrics = constrained_policy_loss(
         old_lp,
@@ -167,6 +167,8 @@ def run_operator(mode, old_lp, new_lp, adv, mask, topk, **policy):
         policy=DivClipPolicyLossConfig(loss_mode=mode, **policy),
         clip_ratio_low=0.2,
         clip_ratio_high=0.28,
+        loss_agg_mode=loss_agg_mode,
+        global_batch_info=global_batch_info,
         topk=topk,
     )
     loss.backward()

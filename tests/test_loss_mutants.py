@@ -1452,28 +1452,14 @@ def test_a_micro_batch_without_a_valid_token_adds_zero_whatever_global_counts_ar
     micro-batch's own: 0), and the loss of a valid token is not 0."""
     from verl.trainer.ppo.core_algos import agg_loss
 
-    from verl_ext.config import DivClipPolicyLossConfig
-    from verl_ext.core.surrogate import constrained_policy_loss
+    from tests.test_full_kl import run_operator
 
     gen = torch.Generator().manual_seed(0)
     old, new, adv = (torch.randn(4, 6, generator=gen, dtype=torch.float64) for _ in range(3))
     losses = []
     for mask in (torch.zeros(4, 6), torch.eye(4, 6)):
-        log_prob = new.clone().requires_grad_(True)
-        loss, _ = constrained_policy_loss(
-            old,
-            log_prob,
-            adv,
-            mask,
-            mode="kl3",
-            policy=DivClipPolicyLossConfig(loss_mode="kl3"),
-            clip_ratio_low=0.2,
-            clip_ratio_high=0.2,
-            loss_agg_mode=agg,
-            global_batch_info=info,
-        )
-        loss.backward()
-        losses.append((float(loss.detach()), log_prob.grad))
+        loss, grad, _ = run_operator("kl3", old, new, adv, mask, None, loss_agg_mode=agg, global_batch_info=info)
+        losses.append((float(loss), grad))
     (empty, empty_grad), (valid, _) = losses
     assert empty == 0.0 and not empty_grad.any()
     assert valid != 0.0
