@@ -78,7 +78,6 @@ def divclip_actor_loss(
         data: the micro-batch: ``old_log_probs``, ``advantages``, ``response_mask``, the global batch
             sizes, and ``entropy`` (pi_old) when ERC is on.
     """
-    key_reads.bind(config, ACTOR_KEY)
     mode = config.policy_loss.get("loss_mode", "vanilla")
     policy = divclip_policy_config(config)
     erc = policy is not None and policy.erc_enabled
