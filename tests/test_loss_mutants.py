@@ -1496,3 +1496,37 @@ def test_a_missing_micro_batch_field_is_named_with_why_and_the_fields_present() 
     assert _require(data, "a", "unused") == "a"
     with pytest.raises(KeyError, match=r"ERC needs it, but the micro-batch has no 'entropy' \(fields: \['a', 'b'\]\)"):
         _require(data, "entropy", "ERC needs it")
+
+
+def test_erc_through_the_actor_loss_names_each_missing_entropy() -> None:
+    """ERC's two entropies, each missing in turn from a call of the actor loss: pi_old's (the micro-batch's
+    ``entropy``, from verl's old-log-prob pass) is named with why ERC needs it; the current one (absent from the
+    engine's output, or None there) names the key that turns it on."""
+    from tests.test_loss_breaks import (
+        PROMPT_LENS,
+        RESPONSE_LENS,
+        ParityCase,
+        divclip_config,
+        make_micro_batch,
+        model_output_values,
+        run_erc_loss,
+    )
+    from verl_ext.actor_loss import divclip_actor_loss
+
+    config = divclip_config("kl3", ParityCase("erc", entropy=True), erc_beta_low=0.05, erc_beta_high=0.05)
+    data = make_micro_batch(ParityCase("no_old_entropy"))
+    del data["entropy"]  # what verl's old-log-prob pass stores (the fixture's batch carries one)
+    with pytest.raises(
+        KeyError, match=r"^\"ERC needs pi_old's per-token entropy \(data\['entropy'\]\), but the micro-batch has no "
+    ):
+        run_erc_loss(divclip_actor_loss, config, data, model_output_values(data))
+    data = make_micro_batch(ParityCase("erc", entropy=True))
+    offsets = torch.tensor([0] + [p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS, strict=True)]).cumsum(0)
+    log_probs = torch.nested.nested_tensor_from_jagged(model_output_values(data)["log_probs"], offsets=offsets)
+    for model_output in ({"log_probs": log_probs}, {"log_probs": log_probs, "entropy": None}):
+        with pytest.raises(
+            ValueError,
+            match=r"^ERC needs the current per-token entropy, but the engine returned none: set "
+            r"actor_rollout_ref\.actor\.calculate_entropy=True$",
+        ):
+            divclip_actor_loss(config, model_output, data.clone())

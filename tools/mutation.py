@@ -364,9 +364,11 @@ EQUIVALENT: dict[str, str] = {
     "verl_ext.actor_loss.x__correct_response_nll__mutmut_3": _LAST_OF_TWO,
     "verl_ext.actor_loss.x__correct_response_nll__mutmut_9": _LAST_OF_TWO,
     "verl_ext.actor_loss.x_padded_response__mutmut_7": _LAST_OF_TWO,
-    "verl_ext.actor_loss.x_divclip_actor_loss__mutmut_7": _LOSS_MODE_FIELD,
+    # numbered as in the source of d547341 on (the loss's key_reads.bind line gone: 7, 9, 12, 13 before)
+    "verl_ext.actor_loss.x_divclip_actor_loss__mutmut_3": _LOSS_MODE_FIELD,
+    "verl_ext.actor_loss.x_divclip_actor_loss__mutmut_5": _LOSS_MODE_FIELD,
+    "verl_ext.actor_loss.x_divclip_actor_loss__mutmut_8": _LOSS_MODE_FIELD,
     "verl_ext.actor_loss.x_divclip_actor_loss__mutmut_9": _LOSS_MODE_FIELD,
-    "verl_ext.actor_loss.x_divclip_actor_loss__mutmut_12": _LOSS_MODE_FIELD,
     "verl_ext.actor_loss.x_build_actor_loss__mutmut_31": "the loss partial's positional arguments dropped: it has none "
     "(the config is bound by keyword, and declare keeps the partial's arguments as they are)",
     "verl_ext.registry.x_register_modes__mutmut_10": _HAS_MODULE,

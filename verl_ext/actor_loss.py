@@ -88,7 +88,7 @@ def divclip_actor_loss(
     fields = ["response_mask", "old_log_probs"]
     if erc:
         fields.append(_require(data, "entropy", "ERC needs pi_old's per-token entropy (data['entropy'])"))
-        if model_output.get("entropy", None) is None:
+        if model_output.get("entropy") is None:
             raise ValueError(
                 "ERC needs the current per-token entropy, but the engine returned none: set "
                 "actor_rollout_ref.actor.calculate_entropy=True"
