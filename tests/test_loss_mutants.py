@@ -1530,3 +1530,24 @@ def test_erc_through_the_actor_loss_names_each_missing_entropy() -> None:
             r"actor_rollout_ref\.actor\.calculate_entropy=True$",
         ):
             divclip_actor_loss(config, model_output, data.clone())
+
+
+@pytest.mark.parametrize(
+    "mode, knobs", [("kl_full", {}), ("kl3", {"kl_full_diagnostic": True})], ids=["kl_full", "kl3_diagnostic"]
+)
+def test_a_mode_reading_pi_olds_top_k_names_what_is_missing(mode: str, knobs: dict) -> None:
+    """``kl_full`` and the trust-region diagnostic read pi_old's top-k (stored by the trainer's old-log-prob pass)
+    and the current one (returned by the engine seam): each missing in turn is named, with the mode."""
+    from tests.test_loss_breaks import ParityCase, divclip_config, make_micro_batch, model_output_values, run_erc_loss
+    from verl_ext.actor_loss import divclip_actor_loss
+    from verl_ext.engine.topk_capture import NEW_TOPK_LOG_PROBS, OLD_TOPK_LOG_PROBS
+
+    why = rf"^\"?loss_mode='{mode}' with policy_loss\.loss_mode=kl_full or kl_full_diagnostic=True needs pi_old's "
+    why += "top-k, "
+    config = divclip_config(mode, ParityCase(mode), **knobs)
+    data = make_micro_batch(ParityCase(mode))
+    with pytest.raises(KeyError, match=why + rf"stored by .*, but the micro-batch has no '{OLD_TOPK_LOG_PROBS}'"):
+        run_erc_loss(divclip_actor_loss, config, data, model_output_values(data))
+    data[OLD_TOPK_LOG_PROBS] = data["old_log_probs"].clone()  # present: the next check is the engine's output
+    with pytest.raises(ValueError, match=why + rf"stored by .*, but the engine returned no '{NEW_TOPK_LOG_PROBS}'"):
+        run_erc_loss(divclip_actor_loss, config, data, model_output_values(data))
