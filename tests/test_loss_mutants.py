@@ -1549,5 +1549,8 @@ def test_a_mode_reading_pi_olds_top_k_names_what_is_missing(mode: str, knobs: di
     with pytest.raises(KeyError, match=why + rf"stored by .*, but the micro-batch has no '{OLD_TOPK_LOG_PROBS}'"):
         run_erc_loss(divclip_actor_loss, config, data, model_output_values(data))
     data[OLD_TOPK_LOG_PROBS] = data["old_log_probs"].clone()  # present: the next check is the engine's output
-    with pytest.raises(ValueError, match=why + rf"stored by .*, but the engine returned no '{NEW_TOPK_LOG_PROBS}'"):
+    seam = r"the engine seam \(verl_ext\.engine\.seam\.install\) is not installed in this process, or the engine "
+    seam += "is not one it covers$"
+    missing_new = rf"stored by .*, but the engine returned no '{NEW_TOPK_LOG_PROBS}': {seam}"
+    with pytest.raises(ValueError, match=why + missing_new):
         run_erc_loss(divclip_actor_loss, config, data, model_output_values(data))
