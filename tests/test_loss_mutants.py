@@ -1554,3 +1554,53 @@ def test_a_mode_reading_pi_olds_top_k_names_what_is_missing(mode: str, knobs: di
     missing_new = rf"stored by .*, but the engine returned no '{NEW_TOPK_LOG_PROBS}': {seam}"
     with pytest.raises(ValueError, match=why + missing_new):
         run_erc_loss(divclip_actor_loss, config, data, model_output_values(data))
+
+
+def _rewarded(fields: dict[str, list[bool]], mask_dtype: torch.dtype = torch.int64):
+    """The parity micro-batch with each named reward field (1 on the last token of a response marked correct, else
+    0) and the actor loss's correct-response NLL on (coefficient 0.1): its ``correct_fraction`` and loss."""
+    from tests.test_loss_breaks import (
+        RESPONSE_LENS,
+        ParityCase,
+        divclip_config,
+        make_micro_batch,
+        model_output_values,
+        run_erc_loss,
+    )
+    from tests.test_ppo_loss_parity import _nested
+    from verl_ext.actor_loss import divclip_actor_loss
+
+    data = make_micro_batch(ParityCase("nll"))
+    for name, correct in fields.items():
+        rows = [torch.zeros(n) for n in RESPONSE_LENS]
+        for row, is_correct in zip(rows, correct, strict=True):
+            row[-1] = float(is_correct)
+        data[name] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    if mask_dtype is not torch.int64:
+        mask = data["response_mask"]
+        data["response_mask"] = _nested([row.to(mask_dtype) for row in mask.unbind()])
+    config = divclip_config("kl3", ParityCase("nll"), correct_nll_coef=0.1)
+    run = run_erc_loss(divclip_actor_loss, config, data, model_output_values(data))
+    return float(run.metrics["actor/divclip/correct_fraction"].values[0]), run.loss
+
+
+def test_the_correct_response_nll_reads_token_level_rewards_before_rm_scores_and_names_them_when_both_are_missing():
+    """verl's v1 trainer stores the rule reward as ``rm_scores`` and writes ``token_level_rewards`` back only with
+    the KL in the reward: the NLL's correct responses are those of ``token_level_rewards`` where the micro-batch has
+    it, else those of ``rm_scores``; with neither the loss names both. Any mask dtype verl hands over (int64, bool,
+    float) gives the same loss."""
+    from tests.test_loss_breaks import RESPONSE_LENS
+
+    rows = len(RESPONSE_LENS)
+    first, others = [i == 0 for i in range(rows)], [i != 0 for i in range(rows)]
+    fraction, loss = _rewarded({"token_level_rewards": first, "rm_scores": others})
+    assert fraction == 1 / rows
+    assert _rewarded({"rm_scores": others})[0] == (rows - 1) / rows  # the control: the two fields differ
+    for dtype in (torch.bool, torch.float32):
+        torch.testing.assert_close(_rewarded({"token_level_rewards": first}, dtype)[1], loss, rtol=0, atol=0)
+    with pytest.raises(
+        KeyError,
+        match=r"^\"policy_loss\.correct_nll_coef > 0 needs token_level_rewards or rm_scores, but the micro-batch has "
+        r"no 'rm_scores'",
+    ):
+        _rewarded({})
