@@ -565,15 +565,16 @@ def _dump_config(dump: Path, **knobs: int) -> object:
 
 
 def test_the_token_dump_caps_a_step_over_all_its_calls_and_dumps_on_verls_step(tmp_path: Path) -> None:
-    """One writer per dump path for the process: two loss calls at verl's step 6 write at most the step's
-    budget of rows in all; the step is the batch's ``global_steps`` (every 3rd step: 6 is dumped, 7 is not,
-    whatever this process's count of loss calls)."""
+    """One writer per dump path for the process: two loss calls at verl's step 9000 write at most the step's
+    budget of rows in all; the step is the batch's ``global_steps`` (every 3rd step: 9000 is dumped, 9001 is not),
+    not this process's count of loss calls (a few, which the steps are far from: with steps 6 and 7 the count
+    matched them whenever four dump calls had run before in the process, as in mutmut's runs)."""
     dump = tmp_path / "dump.jsonl"
     config = _dump_config(dump, token_dump_every_n_steps=3, token_dump_max_tokens=5)
-    for step in (6, 6, 7):
+    for step in (9000, 9000, 9001):
         _dump_call(config, step)
     rows = [json.loads(line) for line in dump.read_text().splitlines()]
-    assert len(rows) == 5 and {row["step"] for row in rows} == {6}, rows
+    assert len(rows) == 5 and {row["step"] for row in rows} == {9000}, rows
 
 
 def test_without_verls_step_the_dump_counts_the_processes_loss_calls(tmp_path: Path) -> None:
