@@ -1536,7 +1536,7 @@ def test_erc_through_the_actor_loss_names_each_missing_entropy() -> None:
 @pytest.mark.parametrize(
     "mode, knobs", [("kl_full", {}), ("kl3", {"kl_full_diagnostic": True})], ids=["kl_full", "kl3_diagnostic"]
 )
-def test_a_mode_reading_pi_olds_top_k_names_what_is_missing(mode: str, knobs: dict) -> None:
+def test_a_mode_reading_pi_olds_top_k_names_what_is_missing(mode: str, knobs: dict[str, bool]) -> None:
     """``kl_full`` and the trust-region diagnostic read pi_old's top-k (stored by the trainer's old-log-prob pass)
     and the current one (returned by the engine seam): each missing in turn is named, with the mode."""
     from tests.test_loss_breaks import ParityCase, divclip_config, make_micro_batch, model_output_values, run_erc_loss
@@ -1557,7 +1557,7 @@ def test_a_mode_reading_pi_olds_top_k_names_what_is_missing(mode: str, knobs: di
         run_erc_loss(divclip_actor_loss, config, data, model_output_values(data))
 
 
-def _rewarded(fields: dict[str, list[bool]], mask_dtype: torch.dtype = torch.int64):
+def _rewarded(fields: dict[str, list[bool]], mask_dtype: torch.dtype = torch.int64) -> tuple[float, torch.Tensor]:
     """The parity micro-batch with each named reward field (1 on the last token of a response marked correct, else
     0) and the actor loss's correct-response NLL on (coefficient 0.1): its ``correct_fraction`` and loss."""
     from tests.test_loss_breaks import (
@@ -1585,7 +1585,7 @@ def _rewarded(fields: dict[str, list[bool]], mask_dtype: torch.dtype = torch.int
     return float(run.metrics["actor/divclip/correct_fraction"].values[0]), run.loss
 
 
-def test_the_correct_response_nll_reads_token_level_rewards_before_rm_scores_and_names_them_when_both_are_missing():
+def test_the_nll_reads_token_level_rewards_before_rm_scores_and_names_both_when_missing() -> None:
     """verl's v1 trainer stores the rule reward as ``rm_scores`` and writes ``token_level_rewards`` back only with
     the KL in the reward: the NLL's correct responses are those of ``token_level_rewards`` where the micro-batch has
     it, else those of ``rm_scores``; with neither the loss names both. Any mask dtype verl hands over (int64, bool,
