@@ -1576,7 +1576,7 @@ def _rewarded(fields: dict[str, list[bool]], mask_dtype: torch.dtype = torch.int
         rows = [torch.zeros(n) for n in RESPONSE_LENS]
         for row, is_correct in zip(rows, correct, strict=True):
             row[-1] = float(is_correct)
-        data[name] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+        data[name] = _nested(rows)
     if mask_dtype is not torch.int64:
         mask = data["response_mask"]
         data["response_mask"] = _nested([row.to(mask_dtype) for row in mask.unbind()])
