@@ -7,6 +7,7 @@ dtype the loss asks for, whatever the entropies' dtype.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -1531,6 +1532,70 @@ def test_erc_through_the_actor_loss_names_each_missing_entropy() -> None:
             r"actor_rollout_ref\.actor\.calculate_entropy=True$",
         ):
             divclip_actor_loss(config, model_output, data.clone())
+
+
+def test_erc_without_a_bonus_runs_no_backward_through_the_current_entropy() -> None:
+    """ERC with ``entropy_coeff`` 0 (the only one its config check lets through) reads the current entropy as a
+    mask: the actor loss hands verl's bonus term a detached entropy, so no backward reaches it, while the
+    log-probs keep their gradient. Control: verl's own ``ppo_loss`` on the same engine output does take the
+    (zero) bonus term's backward through the entropy -- the effect the detach removes."""
+    from verl.workers.config import PolicyLossConfig
+    from verl.workers.utils import losses as verl_losses
+
+    from recipe.bench.harness import make_actor_config
+    from tests.test_loss_breaks import (
+        CLIP_RATIOS,
+        PROMPT_LENS,
+        RESPONSE_LENS,
+        ParityCase,
+        divclip_config,
+        make_micro_batch,
+        model_output_values,
+    )
+    from verl_ext.actor_loss import divclip_actor_loss
+
+    case = ParityCase("erc", entropy=True)
+    data = make_micro_batch(case)
+    values = model_output_values(data)
+    offsets = torch.tensor([0] + [p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS, strict=True)]).cumsum(0)
+    erc = divclip_config("kl3", case, erc_beta_low=0.05, erc_beta_high=0.05)
+    plain = make_actor_config(policy_loss=PolicyLossConfig(loss_mode="vanilla"), **CLIP_RATIOS)
+    assert erc.entropy_coeff == plain.entropy_coeff == 0
+    for loss_fn, config, entropy_grad in ((divclip_actor_loss, erc, False), (verl_losses.ppo_loss, plain, True)):
+        leaves = [values[key].clone().requires_grad_(True) for key in ("log_probs", "entropy")]
+        model_output = {
+            key: torch.nested.nested_tensor_from_jagged(leaf, offsets=offsets)
+            for key, leaf in zip(("log_probs", "entropy"), leaves, strict=True)
+        }
+        loss, _ = loss_fn(config, model_output, data.clone())
+        log_prob_grad, entropy_grad_seen = torch.autograd.grad(loss, leaves, allow_unused=True)
+        assert log_prob_grad is not None and log_prob_grad.abs().sum() > 0, loss_fn
+        assert (entropy_grad_seen is not None) is entropy_grad, loss_fn
+
+
+def test_the_actor_loss_hands_verls_dp_group_on_to_ppo_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl's engine calls the loss with ``dp_group=`` (its data-parallel group): the actor loss passes that very
+    object on to verl's ``ppo_loss`` (which verl 0.9.1 accepts without reading), so a verl that reduces over it
+    gets it. Control: called without one, ``ppo_loss`` sees its own default, None."""
+    import verl_ext.actor_loss as actor_loss
+    from tests.test_loss_breaks import ParityCase, divclip_config, make_micro_batch, model_output_values
+    from tests.test_ppo_loss_parity import run_loss
+
+    seen: list[Any] = []
+
+    def recording(config: Any, model_output: Any, data: Any, dp_group: Any = None) -> Any:
+        seen.append(dp_group)
+        return ppo_loss(config, model_output, data, dp_group)
+
+    ppo_loss = actor_loss.ppo_loss
+    monkeypatch.setattr(actor_loss, "ppo_loss", recording)
+    case = ParityCase("dp_group")
+    config, data = divclip_config("kl3", case), make_micro_batch(case)
+    group = object()
+    with_group = functools.partial(actor_loss.divclip_actor_loss, dp_group=group)
+    for loss_fn in (with_group, actor_loss.divclip_actor_loss):
+        run_loss(loss_fn, config, data, model_output_values(data), with_entropy=False)
+    assert len(seen) == 2 and seen[0] is group and seen[1] is None
 
 
 @pytest.mark.parametrize(

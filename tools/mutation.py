@@ -374,6 +374,8 @@ EQUIVALENT: dict[str, str] = {
     "verl_ext.actor_loss.x_divclip_actor_loss__mutmut_92": "log_prob / entropy start as '' instead of None: both are "
     "set wherever a reader runs (the gauge, the NLL and the dump need the padded copy; the entropy is read only "
     "with ERC on, which pads it)",
+    "verl_ext.actor_loss.x_divclip_actor_loss__mutmut_141": _LAST_OF_TWO,
+    "verl_ext.actor_loss.x_divclip_actor_loss__mutmut_147": _LAST_OF_TWO,
     "verl_ext.actor_loss.x_build_actor_loss__mutmut_31": "the loss partial's positional arguments dropped: it has none "
     "(the config is bound by keyword, and declare keeps the partial's arguments as they are)",
     "verl_ext.registry.x_register_modes__mutmut_10": _HAS_MODULE,
