@@ -17,7 +17,8 @@ cd "$root"
 # thread count, and so every result, stays as given (tests/test_old_pass_skip.py alone: 116 -> 94 CPU seconds).
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 set +e
-"$root/.venv/bin/python" -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
+# --durations: the slowest setups and calls end the output, so a slow run says where its time went
+"$root/.venv/bin/python" -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=25 "$@"
 rc=$?
 set -e
 # pytest exits 5 when nothing was collected: that is a failure here, not a pass.
