@@ -39,3 +39,19 @@ def test_the_gauge_is_not_the_actors_clip_range_where_the_mode_has_its_own() -> 
     kl3 = run_installed_loss(actor_config("kl3"), on_policy=True).metrics[GAUGE]
     clip = run_installed_loss(actor_config("clip"), on_policy=True).metrics[GAUGE]
     assert kl3 != pytest.approx(clip)
+
+
+def test_a_verl_mode_without_a_declaration_is_gauged_by_the_actors_clip_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mode registered in verl's policy-loss registry after ours (a user's own; every verl 0.9.1 mode is declared)
+    has no rule of its own to gauge: ``ratio_clipfrac`` counts the tokens outside the actor's clip interval,
+    which is vanilla's declared rule -- so a copy of vanilla registered under another name gauges as vanilla does.
+    Control: the sweep puts tokens outside that interval (the gauge is not 0)."""
+    from verl.trainer.ppo import core_algos
+
+    from verl_ext.verl_modes import VERL_MODE_READS
+
+    monkeypatch.setitem(core_algos.POLICY_LOSS_REGISTRY, "users_mode", core_algos.POLICY_LOSS_REGISTRY["vanilla"])
+    assert "users_mode" not in VERL_MODE_READS
+    users = run_installed_loss(actor_config("users_mode"), on_policy=True).metrics[GAUGE]
+    vanilla = run_installed_loss(actor_config("vanilla"), on_policy=True).metrics[GAUGE]
+    assert users == vanilla > 0
