@@ -1650,6 +1650,39 @@ def _rewarded(fields: dict[str, list[bool]], mask_dtype: torch.dtype = torch.int
     return float(run.metrics["actor/divclip/correct_fraction"].values[0]), run.loss
 
 
+def test_the_nll_adds_its_coefficient_times_the_reported_nll_to_the_loss() -> None:
+    """The correct-response NLL enters the loss as ``+ correct_nll_coef * NLL`` (the released ERC scripts' term),
+    with the NLL reported as ``actor/divclip/correct_nll``: the loss at 0.1 and at 0.3 is the loss without the term
+    (coefficient 0) plus that multiple of the reported, positive NLL, to float32 rounding."""
+    from tests.test_loss_breaks import (
+        RESPONSE_LENS,
+        ParityCase,
+        divclip_config,
+        make_micro_batch,
+        model_output_values,
+        run_erc_loss,
+    )
+    from tests.test_ppo_loss_parity import _nested
+    from verl_ext.actor_loss import divclip_actor_loss
+
+    data = make_micro_batch(ParityCase("nll"))
+    data["rm_scores"] = _nested([torch.zeros(n).index_fill_(0, torch.tensor([n - 1]), 1.0) for n in RESPONSE_LENS])
+    runs = {
+        coef: run_erc_loss(
+            divclip_actor_loss,
+            divclip_config("kl3", ParityCase("nll"), correct_nll_coef=coef),
+            data,
+            model_output_values(data),
+        )
+        for coef in (0.0, 0.1, 0.3)
+    }
+    assert "actor/divclip/correct_nll" not in runs[0.0].metrics
+    for coef in (0.1, 0.3):
+        (nll,) = runs[coef].metrics["actor/divclip/correct_nll"].values
+        assert float(nll) > 0
+        torch.testing.assert_close(runs[coef].loss, runs[0.0].loss + coef * float(nll), rtol=1e-6, atol=1e-7)
+
+
 def test_the_nll_reads_token_level_rewards_before_rm_scores_and_names_both_when_missing() -> None:
     """verl's v1 trainer stores the rule reward as ``rm_scores`` and writes ``token_level_rewards`` back only with
     the KL in the reward: the NLL's correct responses are those of ``token_level_rewards`` where the micro-batch has
