@@ -110,6 +110,11 @@ TESTS = [
 #: ``-k``, which also matches the file's name and left ``tests/test_engine_seam.py`` out whole.
 ENGINE_FIXTURES = ("engine", "engine_run", "on_policy", "every_mode", "atr_shape")
 DESELECT_NAMED = "subprocess"
+#: functions that find their caller by counting frames (``sys._getframe``): mutmut 3.8's trampoline lives in its
+#: own module (``mutmut.mutation.trampoline``), so around a mutated function it adds frames the count does not
+#: expect, and the key recorder found no product frame where it counted (nothing recorded: its tests failed). In the
+#: copy they stay as written (no trampoline, no mutants: unmeasured, not scored).
+FRAME_COUNTING = {"verl_ext/core/key_reads.py": ("_reader", "record")}
 #: results the tests cache across tests (module:name of a dict), emptied before each test of mutmut's stats run: mutmut
 #: maps each test to the functions it calls then, and a test served from a cache would call none of them (seen:
 #: ``test_no_grad_frac_counts_the_dropped_tokens`` read ``run_mode``'s cached kl3 run and was never run on
@@ -455,6 +460,19 @@ def undecorate(source: str) -> str:
     return "".join(lines)
 
 
+def unmutated(source: str, names: tuple[str, ...]) -> str:
+    """The module's top-level functions ``names`` marked ``# pragma: no mutate block`` (on their header line):
+    mutmut then leaves them as written, with no trampoline and no mutants."""
+    lines = source.splitlines(keepends=True)
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and node.name in names:
+            header = node.body[0].lineno - 2  # the line before the body's first statement (0-based): the colon
+            while not lines[header].rstrip().endswith(":"):
+                header -= 1
+            lines[header] = lines[header].rstrip("\n") + "  # pragma: no mutate block\n"
+    return "".join(lines)
+
+
 def mutmut_config(mutated: list[str], tests: list[str]) -> str:
     quoted = lambda items: "[" + ", ".join(json.dumps(item) for item in items) + "]"  # noqa: E731
     return (
@@ -492,7 +510,9 @@ def prepare(work: Path, tests_from: str | None, mutated: list[str], tests: list[
         tests = [test for test in tests if test not in missing]
     for pattern in mutated:
         for path in work.glob(pattern):
-            path.write_text(undecorate(path.read_text()))
+            source = undecorate(path.read_text())
+            names = FRAME_COUNTING.get(str(path.relative_to(work)), ())
+            path.write_text(unmutated(source, names) if names else source)
     with open(work / "pyproject.toml", "a", encoding="utf-8") as handle:
         handle.write(mutmut_config(mutated, tests))
     with open(work / "tests" / "conftest.py", "a", encoding="utf-8") as handle:
