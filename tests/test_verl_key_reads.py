@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,10 +76,99 @@ def test_a_dry_run_reads_only_recorded_keys_and_the_core_set(tmp_path: Path) -> 
     assert not unknown, f"read by the product but not in {READ_KEYS_PATH}: {unknown} (python -m recipe.verl_key_reads)"
 
 
-def test_nothing_is_recorded_without_the_variable(tmp_path: Path) -> None:
-    proc = dry_run(*ERC, f"{ACTOR}.calculate_entropy=true", env={RECORD_ENV: ""})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert not list(tmp_path.iterdir())
+@pytest.fixture
+def recorder(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``verl_ext.core.key_reads`` as this process's recorder: its state fresh, and OmegaConf's readers and verl's
+    ``BaseConfig.__getattribute__`` put back as they were after the test (``install`` replaces them)."""
+    from omegaconf import DictConfig, OmegaConf
+    from verl.base_config import BaseConfig
+
+    from verl_ext.core import key_reads
+
+    for name in ("__getattr__", "__getitem__", "get"):
+        monkeypatch.setattr(DictConfig, name, DictConfig.__dict__[name])
+    monkeypatch.setattr(OmegaConf, "select", OmegaConf.__dict__["select"])
+    monkeypatch.setattr(BaseConfig, "__getattribute__", BaseConfig.__getattribute__)
+    monkeypatch.setattr(key_reads, "_installed", [False])
+    monkeypatch.setattr(key_reads, "_seen", set())
+    return types.SimpleNamespace(
+        key_reads=key_reads,
+        install=lambda: key_reads.install(DictConfig, OmegaConf, BaseConfig),
+        select=OmegaConf.select,
+    )
+
+
+def _run_as(module: str, code: str, **names: Any) -> dict[str, Any]:
+    """``code`` run as if in ``module`` (the recorder attributes a read to its frame's module)."""
+    scope = {"__name__": module, **names}
+    exec(code, scope)  # noqa: S102 -- the test's own literal code
+    return scope
+
+
+def test_the_recorder_records_the_products_leaf_reads_by_key_and_module(
+    recorder: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """In one process, as the plugin installs it: a product module's leaf reads of a ``DictConfig`` (attribute,
+    item, ``get``, ``OmegaConf.select`` from the root and from a sub-config, an empty mapping), of a bound verl
+    dataclass config (its fields, a nested config's, verl's ``engine`` alias as ``fsdp_config``, through verl's
+    ``get`` / ``[]``) and :func:`record`'s keys (the caller's module, or ``depth`` frames above it) are each written
+    once, with the reading module. Not recorded: navigation to a subtree, private attributes, an unbound config's
+    fields, and every read from a module outside the product (this test's)."""
+    from omegaconf import OmegaConf
+
+    from recipe.bench.harness import make_actor_config
+
+    key_reads = recorder.key_reads
+    monkeypatch.setenv(RECORD_ENV, str(tmp_path))
+    recorder.install()
+    cfg = OmegaConf.create({"a": {"b": 1, "c": {}, "d": 2, "e": 3, "f": {"g": 4}, "h": 5}, "n": 6})
+    actor, unbound = make_actor_config(), make_actor_config()
+    assert key_reads.bind(actor, ACTOR) is actor
+    helper = _run_as("verl_ext.probe", "def helper(key_reads):\n    key_reads.record('r.above', depth=1)\n")["helper"]
+    reads = """
+cfg.a.b, cfg["a"]["d"], cfg.a.get("e"), OmegaConf.select(cfg, "a.f.g"), OmegaConf.select(cfg.a, "h"), cfg.a.c, cfg.a.b
+actor.clip_ratio_low, actor.policy_loss.loss_mode, actor.engine.param_offload, actor.get("ppo_epochs"), actor["shuffle"]
+actor._frozen if hasattr(actor, "_frozen") else None
+unbound.clip_ratio_high
+key_reads.record("r.here", "r.also")
+helper(key_reads)
+"""
+    names = dict(cfg=cfg, actor=actor, unbound=unbound, OmegaConf=OmegaConf, key_reads=key_reads, helper=helper)
+    _run_as("recipe.probe", reads, **names)
+    _run_as(__name__, "cfg.n, actor.ppo_micro_batch_size_per_gpu, key_reads.record('r.tests')", **names)
+    expected = [
+        *("a.b", "a.d", "a.e", "a.f.g", "a.h", "a.c"),
+        *(f"{ACTOR}.{key}" for key in ("clip_ratio_low", "policy_loss.loss_mode", "fsdp_config.param_offload")),
+        *(f"{ACTOR}.{key}" for key in ("ppo_epochs", "shuffle")),
+        *("r.here", "r.also", "r.above"),
+    ]
+    assert read_records(tmp_path) == {key: {"recipe.probe"} for key in expected}
+    lines = [line for path in tmp_path.glob("keys-*.tsv") for line in path.read_text().splitlines()]
+    assert sorted(lines) == sorted(f"{key}\trecipe.probe" for key in expected)  # each once
+
+
+def test_nothing_is_wrapped_or_recorded_without_the_variable(recorder: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``DIVCLIP_RECORD_KEYS`` (unset or blank) ``install`` replaces none of the readers, ``bind`` leaves the
+    config unmarked and ``record`` writes nothing (a read from the product then costs nothing)."""
+    from omegaconf import DictConfig
+    from verl.base_config import BaseConfig
+
+    from recipe.bench.harness import make_actor_config
+
+    before = [DictConfig.__dict__[name] for name in ("__getattr__", "__getitem__", "get")]
+    for value in (None, "  "):
+        if value is None:
+            monkeypatch.delenv(RECORD_ENV, raising=False)
+        else:
+            monkeypatch.setenv(RECORD_ENV, value)
+        assert recorder.key_reads.record_dir() is None
+        recorder.install()
+        assert [DictConfig.__dict__[name] for name in ("__getattr__", "__getitem__", "get")] == before
+        assert "__getattribute__" not in BaseConfig.__dict__ or BaseConfig.__getattribute__ is object.__getattribute__
+        actor = make_actor_config()
+        assert recorder.key_reads.bind(actor, ACTOR) is actor and recorder.key_reads.ROOT_ATTR not in vars(actor)
+        _run_as("recipe.probe", "key_reads.record('r.off')", key_reads=recorder.key_reads)
+        assert not recorder.key_reads._seen
 
 
 @pytest.mark.parametrize("compile_on", [True, False])
