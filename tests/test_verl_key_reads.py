@@ -114,19 +114,27 @@ def test_the_recorder_records_the_products_leaf_reads_by_key_and_module(
     ``get`` / ``[]``) and :func:`record`'s keys (the caller's module, or ``depth`` frames above it) are each written
     once, with the reading module. Not recorded: navigation to a subtree, private attributes, an unbound config's
     fields, and every read from a module outside the product (this test's)."""
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     from recipe.bench.harness import make_actor_config
 
     key_reads = recorder.key_reads
-    monkeypatch.setenv(RECORD_ENV, str(tmp_path))
+    folder = tmp_path / "not" / "yet"  # made on the first write, parents too
+    monkeypatch.setenv(RECORD_ENV, str(folder))
+    originals = (DictConfig.__dict__["get"], OmegaConf.select)
     recorder.install()
+    installed = (DictConfig.__dict__["get"], OmegaConf.select)
+    recorder.install()  # once per process: a second call wraps nothing again
+    assert (DictConfig.__dict__["get"], OmegaConf.select) == installed
+    assert (installed[0].__wrapped__, installed[1].__wrapped__) == originals
     cfg = OmegaConf.create({"a": {"b": 1, "c": {}, "d": 2, "e": 3, "f": {"g": 4}, "h": 5}, "n": 6})
     actor, unbound = make_actor_config(), make_actor_config()
     assert key_reads.bind(actor, ACTOR) is actor
     helper = _run_as("verl_ext.probe", "def helper(key_reads):\n    key_reads.record('r.above', depth=1)\n")["helper"]
     reads = """
 cfg.a.b, cfg["a"]["d"], cfg.a.get("e"), OmegaConf.select(cfg, "a.f.g"), OmegaConf.select(cfg.a, "h"), cfg.a.c, cfg.a.b
+assert (cfg.a.get("y", 7), cfg.a.get("z", default_value=8), OmegaConf.select(cfg, "a.zz", default=9)) == (7, 8, 9)
+assert OmegaConf.select(cfg, "a.h") == 5 and OmegaConf.select(cfg, "a.f") == {"g": 4}
 actor.clip_ratio_low, actor.policy_loss.loss_mode, actor.engine.param_offload, actor.get("ppo_epochs"), actor["shuffle"]
 actor._frozen if hasattr(actor, "_frozen") else None
 unbound.clip_ratio_high
@@ -135,15 +143,16 @@ helper(key_reads)
 """
     names = dict(cfg=cfg, actor=actor, unbound=unbound, OmegaConf=OmegaConf, key_reads=key_reads, helper=helper)
     _run_as("recipe.probe", reads, **names)
-    _run_as(__name__, "cfg.n, actor.ppo_micro_batch_size_per_gpu, key_reads.record('r.tests')", **names)
+    outside = "cfg.n, OmegaConf.select(cfg, 'n'), actor.ppo_micro_batch_size_per_gpu, key_reads.record('r.tests')"
+    _run_as(__name__, outside, **names)
     expected = [
-        *("a.b", "a.d", "a.e", "a.f.g", "a.h", "a.c"),
+        *("a.b", "a.d", "a.e", "a.f.g", "a.h", "a.c", "a.y", "a.z", "a.zz"),
         *(f"{ACTOR}.{key}" for key in ("clip_ratio_low", "policy_loss.loss_mode", "fsdp_config.param_offload")),
         *(f"{ACTOR}.{key}" for key in ("ppo_epochs", "shuffle")),
         *("r.here", "r.also", "r.above"),
     ]
-    assert read_records(tmp_path) == {key: {"recipe.probe"} for key in expected}
-    lines = [line for path in tmp_path.glob("keys-*.tsv") for line in path.read_text().splitlines()]
+    assert read_records(folder) == {key: {"recipe.probe"} for key in expected}
+    lines = [line for path in folder.glob("keys-*.tsv") for line in path.read_text().splitlines()]
     assert sorted(lines) == sorted(f"{key}\trecipe.probe" for key in expected)  # each once
 
 

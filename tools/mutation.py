@@ -383,6 +383,21 @@ EQUIVALENT: dict[str, str] = {
     "verl_ext.actor_loss.x_divclip_actor_loss__mutmut_147": _LAST_OF_TWO,
     "verl_ext.actor_loss.x_build_actor_loss__mutmut_31": "the loss partial's positional arguments dropped: it has none "
     "(the config is bound by keyword, and declare keeps the partial's arguments as they are)",
+    # key_reads.py (thirteenth session)
+    **{
+        f"verl_ext.core.key_reads.{name}": "the recorder's files hold ASCII keys and module names, one tab per line: "
+        "read and written alike in any encoding that reads ASCII, split alike from either end"
+        for name in (
+            "x__write__mutmut_14",
+            "x__write__mutmut_17",
+            "x__write__mutmut_22",
+            "x_read_records__mutmut_6",
+            "x_read_records__mutmut_8",
+            "x_read_records__mutmut_11",
+        )
+    },
+    "verl_ext.core.key_reads.x__wrap_dictconfig__mutmut_59": "OmegaConf's _get_full_key(None) is _get_full_key(''): "
+    "the node's own key (checked for a root and a nested config)",
     "verl_ext.registry.x_register_modes__mutmut_10": _HAS_MODULE,
     "verl_ext.registry.x_register_modes__mutmut_13": _HAS_MODULE,
     "verl_ext.registry.x_register_modes__mutmut_16": _HAS_MODULE,
