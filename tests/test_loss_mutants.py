@@ -1622,9 +1622,9 @@ def test_a_mode_reading_pi_olds_top_k_names_what_is_missing(mode: str, knobs: di
         run_erc_loss(divclip_actor_loss, config, data, model_output_values(data))
 
 
-def _rewarded(fields: dict[str, list[bool]], mask_dtype: torch.dtype = torch.int64) -> tuple[float, torch.Tensor]:
-    """The parity micro-batch with each named reward field (1 on the last token of a response marked correct, else
-    0) and the actor loss's correct-response NLL on (coefficient 0.1): its ``correct_fraction`` and loss."""
+def _rewarded_run(fields: dict[str, list[bool]], mask_dtype: torch.dtype = torch.int64, coef: float = 0.1) -> Any:
+    """The actor loss's run on the parity micro-batch with each named reward field (1 on the last token of a
+    response marked correct, else 0) and the correct-response NLL at coefficient ``coef``."""
     from tests.test_loss_breaks import (
         RESPONSE_LENS,
         ParityCase,
@@ -1645,8 +1645,13 @@ def _rewarded(fields: dict[str, list[bool]], mask_dtype: torch.dtype = torch.int
     if mask_dtype is not torch.int64:
         mask = data["response_mask"]
         data["response_mask"] = _nested([row.to(mask_dtype) for row in mask.unbind()])
-    config = divclip_config("kl3", ParityCase("nll"), correct_nll_coef=0.1)
-    run = run_erc_loss(divclip_actor_loss, config, data, model_output_values(data))
+    config = divclip_config("kl3", ParityCase("nll"), correct_nll_coef=coef)
+    return run_erc_loss(divclip_actor_loss, config, data, model_output_values(data))
+
+
+def _rewarded(fields: dict[str, list[bool]], mask_dtype: torch.dtype = torch.int64) -> tuple[float, torch.Tensor]:
+    """:func:`_rewarded_run` at coefficient 0.1: its ``correct_fraction`` and loss."""
+    run = _rewarded_run(fields, mask_dtype)
     return float(run.metrics["actor/divclip/correct_fraction"].values[0]), run.loss
 
 
@@ -1654,28 +1659,9 @@ def test_the_nll_adds_its_coefficient_times_the_reported_nll_to_the_loss() -> No
     """The correct-response NLL enters the loss as ``+ correct_nll_coef * NLL`` (the released ERC scripts' term),
     with the NLL reported as ``actor/divclip/correct_nll``: the loss at 0.1 and at 0.3 is the loss without the term
     (coefficient 0) plus that multiple of the reported, positive NLL, to float32 rounding."""
-    from tests.test_loss_breaks import (
-        RESPONSE_LENS,
-        ParityCase,
-        divclip_config,
-        make_micro_batch,
-        model_output_values,
-        run_erc_loss,
-    )
-    from tests.test_ppo_loss_parity import _nested
-    from verl_ext.actor_loss import divclip_actor_loss
+    from tests.test_loss_breaks import RESPONSE_LENS
 
-    data = make_micro_batch(ParityCase("nll"))
-    data["rm_scores"] = _nested([torch.zeros(n).index_fill_(0, torch.tensor([n - 1]), 1.0) for n in RESPONSE_LENS])
-    runs = {
-        coef: run_erc_loss(
-            divclip_actor_loss,
-            divclip_config("kl3", ParityCase("nll"), correct_nll_coef=coef),
-            data,
-            model_output_values(data),
-        )
-        for coef in (0.0, 0.1, 0.3)
-    }
+    runs = {coef: _rewarded_run({"rm_scores": [True] * len(RESPONSE_LENS)}, coef=coef) for coef in (0.0, 0.1, 0.3)}
     assert "actor/divclip/correct_nll" not in runs[0.0].metrics
     for coef in (0.1, 0.3):
         (nll,) = runs[coef].metrics["actor/divclip/correct_nll"].values
