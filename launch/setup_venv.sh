@@ -12,6 +12,7 @@ want="$(cat "$root/pyproject.toml" "$root/launch/setup_venv.sh" | sha256sum | cu
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
     "$py" -m pip install -q --upgrade pip
     "$py" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
-    "$py" -m pip install -q -e "$root[test]"
+    # flock: .ci/run builds .venv-vllm at the same time, and both editable installs write the checkout's egg-info
+    flock "$root/pyproject.toml" "$py" -m pip install -q -e "$root[test]"
     echo "$want" > "$stamp"
 fi

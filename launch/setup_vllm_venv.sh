@@ -91,7 +91,8 @@ with zipfile.ZipFile(os.path.join(out, "vllm-0.24.0+cpu-py3-none-any.whl"), "w")
 EOF
     "$py" -m pip install -q --no-deps --force-reinstall "$alias/vllm-0.24.0+cpu-py3-none-any.whl"
     # 3. verl and the project (its own pins: verl[verl-core]==0.9.1, hydra-core, math-verify, ...).
-    "$py" -m pip install -q -c "$pins" -e "$root[test]"
+    # flock: the editable install writes the checkout's egg-info, as launch/setup_venv.sh's does (.ci/run: at once)
+    flock "$root/pyproject.toml" "$py" -m pip install -q -c "$pins" -e "$root[test]"
     "$py" -c "import torch, vllm, verl, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, \
 'verl', verl.__version__, 'transformers', transformers.__version__)"
     echo "$want" > "$stamp"
