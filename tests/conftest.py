@@ -14,7 +14,7 @@ import verl  # noqa: F401  (runs the verl.plugins entry points)
 LONGEST_FIRST = (
     "test_trainer_modes_cpu.py",
     "test_smoke_cpu.py",
-    "test_vllm_cpu.py",  # with .venv-vllm (about 12 minutes in the suite); skipped in a moment without it
+    "test_vllm_cpu.py",  # with .venv-vllm (about 6 minutes in the suite); skipped in a moment without it
     "test_two_nodes_ray.py",
     "test_verl_features_engine.py",
     "test_bench_gpu_probe_cpu.py",

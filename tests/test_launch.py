@@ -146,14 +146,19 @@ def script_config(printer: str, script: str, *args: str, env: dict[str, str] | N
     from the command line the script builds (read with :data:`PRINTER`): the script's own environment mapping,
     argument handling and checks run as they are; only the Python start per script is saved. A few scripts
     still dry-run for real (:func:`dry_runs`), which covers ``recipe.main --dry-run`` itself."""
+    proc = run_script(script, *args, env={**(env or {}), "PYTHON": printer})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return composed(proc.stdout)
+
+
+def composed(printed: str) -> dict[str, Any]:
+    """The resolved config of one command line :data:`PRINTER` printed, composed and validated in this process."""
     from omegaconf import OmegaConf
 
     from recipe.main import validate
     from tests.test_recipe_main import compose_config
 
-    proc = run_script(script, *args, env={**(env or {}), "PYTHON": printer})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data_dir, *argv = proc.stdout.split("\0")[:-1]
+    data_dir, *argv = printed.split("\0")[:-1]
     assert argv[:2] == ["-m", "recipe.main"], argv
     flags = [arg for arg in argv[2:] if arg.startswith("-")]
     assert flags in ([], ["--dry-run"]), flags  # Hydra's own flags: the real dry runs
@@ -686,12 +691,14 @@ def test_atr_gpus_per_node_is_the_one_scaling_knob():
     assert config["data"]["train_batch_size"] == 4 and actor["ppo_mini_batch_size"] == 4 and actor["ppo_epochs"] == 2
 
 
-def test_sweep_seeds():
-    """--seeds runs every row once per seed, each named <row>_seed<S> with data.seed=S."""
-    proc = run_script("sweep_atr_baselines.sh", "--dry-run", "--only", "atr", "--seeds", "1,2", env={"SWEEP_JOBS": "2"})
+def test_sweep_seeds(printer: str):
+    """--seeds runs every row once per seed, each named <row>_seed<S> with data.seed=S (each run's command line
+    composed as :func:`script_config` composes it; the sweep's real dry run: :func:`dry_runs`)."""
+    env = {"SWEEP_JOBS": "2", "PYTHON": printer}
+    proc = run_script("sweep_atr_baselines.sh", "--dry-run", "--only", "atr", "--seeds", "1,2", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    names = re.findall(r"^--- # (\S+)$", proc.stdout, flags=re.M)
-    configs = dict(zip(names, yaml.safe_load_all(proc.stdout), strict=True))
+    _, *labelled = re.split(r"--- # (\S+)\n", proc.stdout)  # each run's printed command line follows its label
+    configs = {name: composed(printed) for name, printed in zip(labelled[::2], labelled[1::2], strict=True)}
     assert list(configs) == ["atr_seed1", "atr_seed2"]
     for seed in (1, 2):
         config = configs[f"atr_seed{seed}"]
