@@ -19,6 +19,7 @@ On verl's real actor worker (FSDP2, CPU), under verl's default bf16, with the ol
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -270,24 +271,44 @@ def test_the_erc_shape_runs_seven_eighths_of_the_old_pass(model: str) -> None:
 # Where it is not exact
 # ------------------------------------------------------------------------------------------------
 
+PACKING_OFF = "actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=false"
+ROLLOUT_CORRECTION_READS = (
+    "algorithm.rollout_correction.rollout_is / rollout_rs (their weights and rejection read pi_old before the update)"
+)
+ULYSSES = "actor_rollout_ref.actor.ulysses_sequence_parallel_size > 1 (one rank returns the group's outputs)"
+#: case -> (overrides, the reason the rule gives, word for word: it is the refusal's and the metric's text)
 BLOCKERS: dict[str, tuple[list[str], str]] = {
-    "packing off": (
-        ["actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=false"],
-        "pack_old_log_prob_as_update",
+    "packing off": ([PACKING_OFF], f"{PACKING_OFF} (the pass is not packed as the update)"),
+    "KL in the reward": (
+        ["algorithm.use_kl_in_reward=true"],
+        "algorithm.use_kl_in_reward=true (verl's apply_kl_penalty reads pi_old before the update)",
     ),
-    "KL in the reward": (["algorithm.use_kl_in_reward=true"], "use_kl_in_reward"),
-    "rollout correction": (["algorithm.rollout_correction.rollout_is=token"], "rollout_is"),
+    "rollout correction": (["algorithm.rollout_correction.rollout_is=token"], ROLLOUT_CORRECTION_READS),
+    "rejection sampling alone": (["algorithm.rollout_correction.rollout_rs=token_k3"], ROLLOUT_CORRECTION_READS),
     "bypass mode": (
-        [
-            "algorithm.rollout_correction.bypass_mode=true",
-            "actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=false",
-        ],
-        "pack_old_log_prob_as_update",
+        ["algorithm.rollout_correction.bypass_mode=true", PACKING_OFF],
+        f"{PACKING_OFF} (the pass is not packed as the update)",
     ),
     # bypass mode's own reason, packing left on (validation refuses the pair; the rule still names bypass mode)
-    "bypass mode, packed": (["algorithm.rollout_correction.bypass_mode=true"], "bypass_mode=true"),
-    "an estimator reading pi_old": (["algorithm.adv_estimator=optimal_token_baseline"], "optimal_token_baseline"),
-    "a Decoupled-PPO cycle": (["trainer.v1.trainer_mode=separate_async"], "separate_async"),
+    "bypass mode, packed": (
+        ["algorithm.rollout_correction.bypass_mode=true"],
+        "algorithm.rollout_correction.bypass_mode=true (there is no old-log-prob pass)",
+    ),
+    "an estimator reading pi_old": (
+        ["algorithm.adv_estimator=optimal_token_baseline"],
+        "algorithm.adv_estimator=optimal_token_baseline (the estimator reads pi_old)",
+    ),
+    "the other estimator reading pi_old": (
+        ["algorithm.adv_estimator=tir_optimal_token_baseline"],
+        "algorithm.adv_estimator=tir_optimal_token_baseline (the estimator reads pi_old)",
+    ),
+    "a Decoupled-PPO cycle": (
+        ["trainer.v1.trainer_mode=separate_async"],
+        "trainer.v1.trainer_mode=separate_async (a Decoupled-PPO cycle's pi_old is its first weights, not the "
+        "update's)",
+    ),
+    "Ulysses on the actor": (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], ULYSSES),
+    "Ulysses on its engine": (["actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2"], ULYSSES),
 }
 
 
@@ -301,10 +322,57 @@ def trainer_config(overrides: list[str]) -> Any:
 def test_where_it_is_not_exact_it_is_not_taken(case: str) -> None:
     from verl_ext.config_rules.composed import old_log_prob_from_update_blocker
 
-    overrides, named = BLOCKERS[case]
+    overrides, expected = BLOCKERS[case]
     assert old_log_prob_from_update_blocker(trainer_config([])) is None  # the default config: taken
-    reason = old_log_prob_from_update_blocker(trainer_config(overrides))
-    assert reason is not None and named in reason, reason
+    assert old_log_prob_from_update_blocker(trainer_config(overrides)) == expected
+
+
+def test_rollout_correction_without_the_rollouts_log_probs_reads_no_pi_old() -> None:
+    """Without ``rollout.calculate_log_probs`` verl computes no IS weights or rejection from mu (nothing before the
+    update reads pi_old), so rollout correction alone does not block the skip."""
+    from verl_ext.config_rules.composed import old_log_prob_from_update_blocker
+
+    overrides = ["algorithm.rollout_correction.rollout_is=token", "actor_rollout_ref.rollout.calculate_log_probs=false"]
+    assert old_log_prob_from_update_blocker(trainer_config(overrides)) is None
+    assert old_log_prob_from_update_blocker(trainer_config(overrides[:1])) == ROLLOUT_CORRECTION_READS  # the control
+
+
+def test_no_rollout_correction_at_all_blocks_nothing() -> None:
+    """``algorithm.rollout_correction=null``: verl runs no rollout correction (neither bypass nor weights), and the
+    rules read it so -- the skip is taken, and ERC is accepted."""
+    from recipe.config_checks import validate_divclip_config
+    from tests.test_recipe_main import ERC, compose_config
+    from verl_ext.config_rules.composed import old_log_prob_from_update_blocker
+
+    assert old_log_prob_from_update_blocker(trainer_config(["algorithm.rollout_correction=null"])) is None
+    erc = [*ERC, "actor_rollout_ref.actor.calculate_entropy=true"]
+    validate_divclip_config(compose_config(*erc, "algorithm.rollout_correction=null"))
+
+
+@pytest.mark.parametrize(
+    "model_config, expected",
+    [
+        ({"hidden_size": 64, "hidden_dropout": 0.1}, "hidden_dropout=0.1"),
+        ({"hidden_size": 64, "attention_dropout": 0.0, "hidden_dropout": 0}, None),  # zero: no dropout
+        ({"hidden_size": 64, "use_dropout": True}, None),  # a switch, not a probability
+        ({"hidden_size": 64, "num_layers": 2}, None),  # positive values of other keys
+        ({"hidden_size": 64, "classifier_dropout": None}, None),
+    ],
+    ids=["positive", "zero", "a bool", "other keys", "null"],
+)
+def test_a_local_model_with_dropout_is_not_taken_before_ray(
+    tmp_path: Path, model_config: dict[str, Any], expected: str | None
+) -> None:
+    """The rule reads a local checkpoint's config.json (a hub id it cannot read: the worker checks the model it
+    built, :func:`test_a_model_with_dropout_is_not_taken_on_the_worker`)."""
+    from verl_ext.config_rules.composed import old_log_prob_from_update_blocker
+
+    (tmp_path / "config.json").write_text(json.dumps(model_config))
+    reason = old_log_prob_from_update_blocker(trainer_config([f"actor_rollout_ref.model.path={tmp_path}"]))
+    if expected is None:
+        assert reason is None
+    else:
+        assert reason == f"the model's {expected} (a train-mode forward is not the eval-mode pass)"
 
 
 @pytest.mark.parametrize(

@@ -54,79 +54,117 @@ def test_dry_run_prints_only_the_resolved_yaml():
     assert "${" not in proc.stdout  # resolved
 
 
-@pytest.mark.parametrize(
-    "overrides, message",
-    [
-        (ERC, r"set actor_rollout_ref\.actor\.calculate_entropy=True"),
-        (
-            [*ERC, "actor_rollout_ref.actor.calculate_entropy=true", "algorithm.rollout_correction.bypass_mode=true"],
-            r"algorithm\.rollout_correction\.bypass_mode",
-        ),
-        (
-            [*ERC, "actor_rollout_ref.actor.calculate_entropy=true", "actor_rollout_ref.actor.entropy_coeff=0.001"],
-            r"ERC: actor_rollout_ref\.actor\.entropy_coeff=0\.001 adds an entropy bonus",
-        ),
-        (
-            [
-                *ERC,
-                "actor_rollout_ref.actor.calculate_entropy=true",
-                "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
-                "actor_rollout_ref.actor.policy_loss._target_=verl.workers.config.PolicyLossConfig",
-            ],
-            r"actor_rollout_ref\.actor\.policy_loss\.erc_beta_high=0\.05 is a divclip knob: it needs "
-            r"actor_rollout_ref\.actor\.policy_loss\._target_=verl_ext\.config\.DivClipPolicyLossConfig",
-        ),
-        (
-            [
-                *ERC,
-                "actor_rollout_ref.actor.calculate_entropy=true",
-                "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
-                "actor_rollout_ref.actor.policy_loss.dual_clip_c=10",
-            ],
-            r"policy_loss\.dual_clip_c is the divclip modes' dual-clip cap; verl's loss_mode='gspo'",
-        ),
-        (["actor_rollout_ref.actor.policy_loss.loss_mode=kl4"], r"policy_loss\.loss_mode='kl4' is not a registered"),
-        (["actor_rollout_ref.actor.policy_loss.delta=0"], r"policy_loss\.delta must be"),
-        (["actor_rollout_ref.actor.clip_ratio_low=1.5"], r"actor_rollout_ref\.actor\.clip_ratio_low must lie in"),
-        (
-            ["actor_rollout_ref.actor.policy_loss._target_=verl.workers.config.PolicyLossConfig"],
-            r"needs actor_rollout_ref\.actor\.policy_loss\._target_=verl_ext\.config\.DivClipPolicyLossConfig",
-        ),
-        # kl_full: pi_old's top-k must be stored, k within [1, vocabulary], a known direction
-        ([*KL_FULL, "algorithm.rollout_correction.bypass_mode=true"], r"algorithm\.rollout_correction\.bypass_mode"),
-        ([*KL_FULL, "actor_rollout_ref.model.use_fused_kernels=true"], r"actor_rollout_ref\.model\.use_fused_kernels"),
-        (
-            [*KL_FULL, "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2"],
-            r"actor_rollout_ref\.actor\.fsdp_config\.ulysses_sequence_parallel_size=2 must be 1",
-        ),
-        (
-            [
-                "actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=true",
-                "actor_rollout_ref.model.use_fused_kernels=true",
-            ],
-            r"kl_full_diagnostic=true needs the logits",
-        ),
-        (
-            [*KL_FULL, "actor_rollout_ref.actor.policy_loss.kl_full_top_k=0"],
-            r"policy_loss\.kl_full_top_k must be an integer >= 1",
-        ),
-        (
-            [*KL_FULL, "actor_rollout_ref.actor.policy_loss.kl_full_top_k=null"],
-            r"policy_loss\.kl_full_top_k must be an integer >= 1",
-        ),
-        (
-            [*KL_FULL, "actor_rollout_ref.actor.policy_loss.kl_full_direction=sideways"],
-            r"policy_loss\.kl_full_direction must be one of",
-        ),
-    ],
+ACTOR_KEY = "actor_rollout_ref.actor"
+PACK_OFF = "actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=false"
+CALC = "actor_rollout_ref.actor.calculate_entropy=true"
+GSPO = "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"
+PLAIN_TARGET = "actor_rollout_ref.actor.policy_loss._target_=verl.workers.config.PolicyLossConfig"
+DIVCLIP_TARGET = "actor_rollout_ref.actor.policy_loss._target_=verl_ext.config.DivClipPolicyLossConfig"
+ERC_BYPASS = (
+    "ERC needs pi_old's per-token entropy, which only the old-log-prob recompute produces; "
+    "algorithm.rollout_correction.bypass_mode=True skips it. Set it to False or turn ERC off."
 )
-def test_config_errors_name_the_key(overrides, message):
-    with pytest.raises(ConfigError, match=message):
+FUSED = (
+    "needs the logits to take pi_old's top-k and pi_theta's log-probs on it; verl's fused kernels never "
+    "materialise them: set actor_rollout_ref.model.use_fused_kernels=False"
+)
+
+
+def _unregistered(mode: str) -> str:
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    known = sorted(POLICY_LOSS_REGISTRY)
+    return f"{ACTOR_KEY}: {ACTOR_KEY}.policy_loss.loss_mode={mode!r} is not a registered policy loss; known: {known}"
+
+
+#: each refusal and its message, word for word (what the user reads: a change of wording is a change here)
+CONFIG_ERRORS = {
+    "ERC without the entropy": (
+        ERC,
+        f"ERC ({ACTOR_KEY}.policy_loss.erc_beta_low/erc_beta_high set) needs the current per-token entropy: "
+        f"set {ACTOR_KEY}.calculate_entropy=True",
+    ),
+    "ERC in bypass mode": ([*ERC, CALC, "algorithm.rollout_correction.bypass_mode=true"], ERC_BYPASS),
+    # ERC's own rule, not only the packing's (which refuses bypass_mode with the pass packed)
+    "ERC in bypass mode, unpacked": (
+        [*ERC, CALC, "algorithm.rollout_correction.bypass_mode=true", PACK_OFF],
+        ERC_BYPASS,
+    ),
+    "ERC with an entropy bonus": (
+        [*ERC, CALC, f"{ACTOR_KEY}.entropy_coeff=0.001"],
+        f"ERC: {ACTOR_KEY}.entropy_coeff=0.001 adds an entropy bonus, which needs the entropy gradient; the detached "
+        "entropy path (verl_ext.engine.request.entropy_as_mask) is only valid with entropy_coeff=0. Leave the loss "
+        "function undeclared to keep verl's autograd entropy.",
+    ),
+    "a divclip knob under verl's config class": (
+        [*ERC, CALC, GSPO, PLAIN_TARGET],
+        f"{ACTOR_KEY}.policy_loss.erc_beta_high=0.05 is a divclip knob: it needs {DIVCLIP_TARGET} (got "
+        "'verl.workers.config.PolicyLossConfig'); verl's modes accept it there too",
+    ),
+    "dual-clip on a verl mode": (
+        [*ERC, CALC, GSPO, f"{ACTOR_KEY}.policy_loss.dual_clip_c=10"],
+        f"{ACTOR_KEY}: {ACTOR_KEY}.policy_loss.dual_clip_c is the divclip modes' dual-clip cap; verl's "
+        f"loss_mode='gspo' reads its own ({ACTOR_KEY}.clip_ratio_c, which verl's vanilla applies; the other verl "
+        "modes have no dual-clip rule): remove dual_clip_c",
+    ),
+    "an unregistered mode": ([f"{ACTOR_KEY}.policy_loss.loss_mode=kl4"], _unregistered("kl4")),
+    # the dataclass's own message, not the wrapping of Hydra's instantiation (its cause chain's root)
+    "delta 0": (
+        [f"{ACTOR_KEY}.policy_loss.delta=0"],
+        f"{ACTOR_KEY}: {ACTOR_KEY}.policy_loss.delta must be a finite number > 0, got 0",
+    ),
+    "clip_ratio_low 1.5": (
+        [f"{ACTOR_KEY}.clip_ratio_low=1.5"],
+        f"{ACTOR_KEY}.clip_ratio_low must lie in [0, 1), got 1.5",
+    ),
+    "a divclip mode under verl's config class": (
+        [PLAIN_TARGET],
+        f"{ACTOR_KEY}.policy_loss.loss_mode='kl3' needs {DIVCLIP_TARGET} (got 'verl.workers.config.PolicyLossConfig'): "
+        "verl's PolicyLossConfig cannot carry the divclip knobs",
+    ),
+    # kl_full: pi_old's top-k must be stored, k within [1, vocabulary], a known direction
+    "kl_full in bypass mode": (
+        [*KL_FULL, "algorithm.rollout_correction.bypass_mode=true"],
+        f"{ACTOR_KEY}.policy_loss.loss_mode=kl_full needs pi_old's top-k, stored by the old-log-prob recompute; "
+        "algorithm.rollout_correction.bypass_mode=True skips it. Set it to False.",
+    ),
+    "kl_full with fused kernels": (
+        [*KL_FULL, "actor_rollout_ref.model.use_fused_kernels=true"],
+        f"{ACTOR_KEY}.policy_loss.loss_mode=kl_full {FUSED}",
+    ),
+    "kl_full with Ulysses": (
+        [*KL_FULL, f"{ACTOR_KEY}.fsdp_config.ulysses_sequence_parallel_size=2"],
+        f"{ACTOR_KEY}.policy_loss.loss_mode=kl_full takes the top-k from the logits of whole packed sequences; "
+        f"Ulysses sequence parallelism shards them: {ACTOR_KEY}.fsdp_config.ulysses_sequence_parallel_size=2 must be 1",
+    ),
+    "the diagnostic with fused kernels": (
+        [f"{ACTOR_KEY}.policy_loss.kl_full_diagnostic=true", "actor_rollout_ref.model.use_fused_kernels=true"],
+        f"{ACTOR_KEY}.policy_loss.kl_full_diagnostic=true {FUSED}",
+    ),
+    "top-k 0": (
+        [*KL_FULL, f"{ACTOR_KEY}.policy_loss.kl_full_top_k=0"],
+        f"{ACTOR_KEY}: {ACTOR_KEY}.policy_loss.kl_full_top_k must be an integer >= 1, got 0",
+    ),
+    "top-k null": (
+        [*KL_FULL, f"{ACTOR_KEY}.policy_loss.kl_full_top_k=null"],
+        f"{ACTOR_KEY}: {ACTOR_KEY}.policy_loss.kl_full_top_k must be an integer >= 1, got None",
+    ),
+    "an unknown direction": (
+        [*KL_FULL, f"{ACTOR_KEY}.policy_loss.kl_full_direction=sideways"],
+        f"{ACTOR_KEY}: {ACTOR_KEY}.policy_loss.kl_full_direction must be one of ('forward', 'reverse'), got 'sideways'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_ERRORS))
+def test_config_errors_name_the_key(case: str) -> None:
+    overrides, message = CONFIG_ERRORS[case]
+    with pytest.raises(ConfigError) as refused:
         validate_divclip_config(compose_config(*overrides))
+    assert str(refused.value) == message
 
 
 MEGATRON = "actor_rollout_ref.actor.strategy=megatron"
-PACK_OFF = "actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=false"
 
 
 @pytest.mark.parametrize(
@@ -370,48 +408,72 @@ SEPARATE = [
     [
         (
             ["distillation.enabled=true"],
-            r"distillation\.enabled=true: verl's actor would train with distillation_ppo_loss",
+            "distillation.enabled=true: verl's actor would train with distillation_ppo_loss, which verl-divclip "
+            "replaces with its own actor loss (every mode, through set_loss_fn), dropping the distillation term. "
+            "Distillation is not supported by recipe.main: run verl's main_ppo for it, or set "
+            "distillation.enabled=false",
         ),
-        (["trainer.use_v1=false"], r"trainer\.use_v1=false selects verl's legacy trainer"),
+        (
+            ["trainer.use_v1=false"],
+            "trainer.use_v1=false selects verl's legacy trainer, which recipe.main does not run (its hooks are the v1"
+            " trainer's, in every trainer.v1.trainer_mode): set trainer.use_v1=true",
+        ),
         (
             ["actor_rollout_ref.actor.calculate_sum_pi_squared=true"],
-            r"actor_rollout_ref\.actor\.calculate_sum_pi_squared=true has no effect in verl 0\.9\.1's v1 trainer",
+            "actor_rollout_ref.actor.calculate_sum_pi_squared=true has no effect in verl 0.9.1's v1 trainer (it never"
+            " asks the engine for the sum of squared probabilities; only the legacy trainer's optimal-token baseline "
+            "reads it): set it false",
         ),
         (
             ["trainer.v1.trainer_mode=fully_async"],
-            r"trainer\.v1\.trainer_mode='fully_async': Unknown trainer 'fully_async'",
+            "trainer.v1.trainer_mode='fully_async': Unknown trainer 'fully_async'. Available trainers: "
+            "colocate_async, separate_async, sync.",
         ),
         (
             ["trainer.v1.trainer_mode=colocate_async", "actor_rollout_ref.rollout.calculate_log_probs=false"],
-            r"trainer\.v1\.trainer_mode=colocate_async .*actor_rollout_ref\.rollout\.calculate_log_probs=true is "
-            r"needed",
+            "trainer.v1.trainer_mode=colocate_async trains on samples of older policies: "
+            "actor_rollout_ref.rollout.calculate_log_probs=true is needed for the behaviour policy's log-probs (the "
+            "staleness figures actor/divclip/staleness/* and verl's algorithm.rollout_correction read them)",
         ),
         (
             [*SEPARATE, "data.train_batch_size=12"],
-            r"data\.train_batch_size=12 must equal trainer\.v1\.separate_async\.parameter_sync_step=4 x "
-            r"actor_rollout_ref\.actor\.ppo_mini_batch_size=4",
+            "trainer.v1.trainer_mode=separate_async trains one mini-batch per weight sync step: "
+            "data.train_batch_size=12 must equal trainer.v1.separate_async.parameter_sync_step=4 x "
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         ),
-        ([*SEPARATE, "actor_rollout_ref.rollout.nnodes=0"], r"actor_rollout_ref\.rollout\.nnodes must be > 0"),
+        (
+            [*SEPARATE, "actor_rollout_ref.rollout.nnodes=0"],
+            "trainer.v1.trainer_mode=separate_async generates on a standalone rollout pool: "
+            "actor_rollout_ref.rollout.nnodes must be > 0 (got 0)",
+        ),
         (
             [*SEPARATE, "actor_rollout_ref.rollout.checkpoint_engine.backend=naive"],
-            r"actor_rollout_ref\.rollout\.checkpoint_engine\.backend=naive only serves colocated rollouts",
+            "trainer.v1.trainer_mode=separate_async moves weights to the standalone rollout pool with a checkpoint "
+            "engine: actor_rollout_ref.rollout.checkpoint_engine.backend=naive only serves colocated rollouts (nccl, "
+            "nixl, ... on GPUs; cpu_gloo on the cpu platform)",
         ),
         (
             [*SEPARATE, "trainer.device=cpu", "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"],
-            r"on the cpu platform \(trainer\.device=cpu\) moves weights with the cpu_gloo checkpoint engine: "
-            r"actor_rollout_ref\.rollout\.checkpoint_engine\.backend=nccl needs GPUs",
+            "trainer.v1.trainer_mode=separate_async on the cpu platform (trainer.device=cpu) moves weights with the "
+            "cpu_gloo checkpoint engine: actor_rollout_ref.rollout.checkpoint_engine.backend=nccl needs GPUs",
         ),
         (
             [*SEPARATE, "actor_rollout_ref.hybrid_engine=false"],
-            r"actor_rollout_ref\.hybrid_engine=false fails inside verl",
+            "trainer.v1.trainer_mode=separate_async with actor_rollout_ref.hybrid_engine=false fails inside verl "
+            "0.9.1's PPOTrainerSeparateAsync._setup (a logger call with flush=True): leave "
+            "actor_rollout_ref.hybrid_engine=true",
         ),
         (
             [*SEPARATE, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"],
-            r"trains 4 samples per update .* actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu=3 must divide",
+            "trainer.v1.trainer_mode=separate_async trains 4 samples per update (data.train_batch_size / "
+            "parameter_sync_step x rollout.n) over 1 data-parallel actor ranks; "
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3 must divide each rank's 4",
         ),
         (
             [*SEPARATE, "reward.reward_model.enable=true"],
-            r"separate_async never pauses .* set reward\.reward_model\.enable_resource_pool=true",
+            "trainer.v1.trainer_mode=separate_async never pauses the standalone rollout to free memory for a "
+            "colocated reward model: with reward.reward_model.enable=true set "
+            "reward.reward_model.enable_resource_pool=true",
         ),
         (
             [
@@ -419,22 +481,30 @@ SEPARATE = [
                 "trainer.v1.separate_async.hybrid_rollout.enable_switch=true",
                 "actor_rollout_ref.rollout.disaggregation.enabled=true",
             ],
-            r"hybrid_rollout\.enable_switch=true does not support actor_rollout_ref\.rollout\.disaggregation\.enabled",
+            "trainer.v1.trainer_mode=separate_async: trainer.v1.separate_async.hybrid_rollout.enable_switch=true does"
+            " not support actor_rollout_ref.rollout.disaggregation.enabled=true (verl moves paused replicas' queued "
+            "requests)",
         ),
         (
             [*SEPARATE, "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"],
-            r"over 2 data-parallel actor ranks; actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu=4 must divide "
-            r"each rank's 2",
+            "trainer.v1.trainer_mode=separate_async trains 4 samples per update (data.train_batch_size / "
+            "parameter_sync_step x rollout.n) over 2 data-parallel actor ranks; "
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 must divide each rank's 2",
         ),
         (
             ["algorithm.rollout_correction.bypass_mode=true"],
-            r"bypass_mode=true skips the old-log-prob pass .*pack_old_log_prob_as_update=true has no pass to pack",
+            "algorithm.rollout_correction.bypass_mode=true skips the old-log-prob pass (pi_old is the rollout's mu), "
+            "so actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=true has no pass to pack as the "
+            "update: set it false (a key of "
+            "actor_rollout_ref.actor.policy_loss._target_=verl_ext.config.DivClipPolicyLossConfig)",
         ),
     ],
 )
 def test_verl_features_the_path_would_drop_are_refused_naming_the_key(overrides: list[str], message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
+    """Each refusal, its message word for word (what the user reads)."""
+    with pytest.raises(ConfigError) as refused:
         validate_divclip_config(compose_config(*overrides))
+    assert str(refused.value) == message
 
 
 VERL_TRAINERS = {

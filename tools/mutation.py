@@ -91,6 +91,9 @@ TESTS = [
             "test_kl_fulls_top_k_does_not_block_it",
             "test_asked_where_it_is_not_exact_is_refused_naming_the_key",
             "test_a_model_with_dropout_is_not_taken_on_the_worker",
+            "test_rollout_correction_without_the_rollouts_log_probs_reads_no_pi_old",
+            "test_a_local_model_with_dropout_is_not_taken_before_ray",
+            "test_no_rollout_correction_at_all_blocks_nothing",
         )
     ),
     # the vocabulary pass's refusals (the file's other tests run engines)

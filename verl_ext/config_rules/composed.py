@@ -110,16 +110,16 @@ def validate_data_trace(config: DictConfig) -> None:
 
 def validate_filter_groups(config: DictConfig) -> None:
     """Dynamic sampling keys that verl 0.9.1's v1 trainer would only warn about and ignore."""
-    filter_groups = config.algorithm.get("filter_groups", None) or {}
-    if not filter_groups.get("enable", False):
+    filter_groups = config.algorithm.filter_groups
+    if not filter_groups.enable:
         return
-    if filter_groups.get("max_num_gen_batches", 0) > 0:
+    if filter_groups.max_num_gen_batches > 0:
         raise ValueError(
             "algorithm.filter_groups.max_num_gen_batches is ignored by verl 0.9.1's v1 trainer (its replay buffer "
             "refills dropped groups until data.train_batch_size remain); set it to 0 and bound generation with "
             "algorithm.filter_groups.max_inflight_gen_batches (in units of data.train_batch_size)"
         )
-    gen_batch_size = config.data.get("gen_batch_size", None)
+    gen_batch_size = config.data.gen_batch_size
     if gen_batch_size not in (None, 1):
         raise ValueError(
             f"data.gen_batch_size={gen_batch_size} is replaced by 1 in verl 0.9.1's v1 trainer when "
@@ -184,7 +184,7 @@ def check_actor_config(config: DictConfig, actor: Any) -> None:
 def check_adaptive_delta_updates(config: DictConfig, actor: Any) -> None:
     """``policy_loss.adaptive_delta_target`` needs one update a step (``parameter_sync_step=1``) that is not
     on-policy (more than one PPO mini-batch or epoch): the controller reads each update's KL3 from its pi_old."""
-    train_prompts = config.data.get("train_batch_size", None)
+    train_prompts = config.data.train_batch_size
     on_policy = actor.ppo_epochs == 1 and train_prompts is not None and actor.ppo_mini_batch_size >= train_prompts
     trainer_mode = OmegaConf.select(config, TRAINER_MODE, default="sync")
     sync_step = OmegaConf.select(config, f"trainer.v1.{trainer_mode}.parameter_sync_step", default=1)
@@ -206,6 +206,13 @@ def check_adaptive_delta_updates(config: DictConfig, actor: Any) -> None:
         )
 
 
+def _bypass_mode(config: DictConfig) -> bool:
+    """``algorithm.rollout_correction.bypass_mode`` (pi_old := mu, no old-log-prob pass); verl reads a null
+    ``rollout_correction`` as no rollout correction at all."""
+    rollout_correction = config.algorithm.rollout_correction
+    return rollout_correction is not None and bool(rollout_correction.bypass_mode)
+
+
 def check_erc(config: DictConfig, actor: Any) -> None:
     """ERC needs both entropies: the current one (``actor.calculate_entropy``, no entropy bonus) and pi_old's,
     which only the old-log-prob recompute gives (not ``rollout_correction.bypass_mode``)."""
@@ -218,27 +225,24 @@ def check_erc(config: DictConfig, actor: Any) -> None:
         check_entropy_as_mask(entropy_coeff=actor.entropy_coeff)
     except ValueError as error:
         raise ValueError(f"ERC: {error}") from error
-    rollout_correction = config.algorithm.get("rollout_correction", None) or {}
-    if rollout_correction.get("bypass_mode", False):
+    if _bypass_mode(config):
         raise ValueError(
             "ERC needs pi_old's per-token entropy, which only the old-log-prob recompute produces; "
             "algorithm.rollout_correction.bypass_mode=True skips it. Set it to False or turn ERC off."
         )
 
 
-def requested_features(policy: Any) -> dict[str, bool]:
-    """Config key -> whether the policy-loss config ``policy`` (a ``DivClipPolicyLossConfig``, or ``None`` for
-    verl's plain config, which the divclip actor loss packs as the update) turns on a feature only the seam
-    provides."""
+def requested_features(policy: DivClipPolicyLossConfig | None) -> dict[str, bool]:
+    """Config key -> whether the policy-loss config ``policy`` (``None`` for verl's plain config, which the
+    divclip actor loss packs as the update) turns on a feature only the seam provides."""
     if policy is None:
         return {f"{POLICY_LOSS_KEY}.pack_old_log_prob_as_update": True}
-    get = policy.get if hasattr(policy, "get") else (lambda key, default=None: getattr(policy, key, default))
     return {
-        f"{POLICY_LOSS_KEY}.erc_beta_low/erc_beta_high": get("erc_beta_low", None) is not None,
-        f"{POLICY_LOSS_KEY}.vocab_pass": bool(get("vocab_pass", False)),
-        f"{POLICY_LOSS_KEY}.loss_mode=kl_full": get("loss_mode", None) == "kl_full",
-        f"{POLICY_LOSS_KEY}.kl_full_diagnostic": bool(get("kl_full_diagnostic", False)),
-        f"{POLICY_LOSS_KEY}.pack_old_log_prob_as_update": bool(get("pack_old_log_prob_as_update", True)),
+        f"{POLICY_LOSS_KEY}.erc_beta_low/erc_beta_high": policy.erc_enabled,
+        f"{POLICY_LOSS_KEY}.vocab_pass": bool(policy.vocab_pass),
+        f"{POLICY_LOSS_KEY}.loss_mode=kl_full": policy.loss_mode == "kl_full",
+        f"{POLICY_LOSS_KEY}.kl_full_diagnostic": bool(policy.kl_full_diagnostic),
+        f"{POLICY_LOSS_KEY}.pack_old_log_prob_as_update": bool(policy.pack_old_log_prob_as_update),
     }
 
 
@@ -289,7 +293,7 @@ def check_async_behaviour_log_probs(config: DictConfig, actor: Any) -> None:
     """Async modes: ``rollout.calculate_log_probs=true`` -- the behaviour policy's log-probs, from which the
     staleness figures (mu against pi_old) and verl's rollout correction are computed."""
     mode = _trainer_mode(config)
-    if mode in ASYNC_MODES and not config.actor_rollout_ref.rollout.get("calculate_log_probs", False):
+    if mode in ASYNC_MODES and not config.actor_rollout_ref.rollout.calculate_log_probs:
         raise ValueError(
             f"{TRAINER_MODE}={mode} trains on samples of older policies: {ROLLOUT}.calculate_log_probs=true is needed "
             "for the behaviour policy's log-probs (the staleness figures actor/divclip/staleness/* and verl's "
@@ -298,7 +302,7 @@ def check_async_behaviour_log_probs(config: DictConfig, actor: Any) -> None:
 
 
 def _sync_step(config: DictConfig) -> int:
-    return int(config.trainer.v1.separate_async.get("parameter_sync_step", 1))
+    return int(config.trainer.v1.separate_async.parameter_sync_step)
 
 
 def check_separate_async_batch(config: DictConfig, actor: Any) -> None:
@@ -339,7 +343,7 @@ def check_separate_async_weight_transfer(config: DictConfig, actor: Any) -> None
             f"{ROLLOUT}.checkpoint_engine.backend=naive only serves colocated rollouts (nccl, nixl, ... on GPUs; "
             "cpu_gloo on the cpu platform)"
         )
-    if config.trainer.get("device", None) == "cpu" and backend != "cpu_gloo":
+    if config.trainer.device == "cpu" and backend != "cpu_gloo":
         raise ValueError(
             f"{TRAINER_MODE}=separate_async on the cpu platform (trainer.device=cpu) moves weights with the cpu_gloo "
             f"checkpoint engine: {ROLLOUT}.checkpoint_engine.backend={backend} needs GPUs"
@@ -348,7 +352,7 @@ def check_separate_async_weight_transfer(config: DictConfig, actor: Any) -> None
 
 def check_separate_async_hybrid_engine(config: DictConfig, actor: Any) -> None:
     """``separate_async``: verl's hybrid engine on (``hybrid_engine=false`` fails inside verl 0.9.1)."""
-    if _trainer_mode(config) == "separate_async" and not config.actor_rollout_ref.get("hybrid_engine", True):
+    if _trainer_mode(config) == "separate_async" and not config.actor_rollout_ref.hybrid_engine:
         raise ValueError(
             f"{TRAINER_MODE}=separate_async with actor_rollout_ref.hybrid_engine=false fails inside verl 0.9.1's "
             "PPOTrainerSeparateAsync._setup (a logger call with flush=True): leave actor_rollout_ref.hybrid_engine=true"
@@ -373,7 +377,7 @@ def check_separate_async_switch(config: DictConfig, actor: Any) -> None:
     if (
         _trainer_mode(config) == "separate_async"
         and OmegaConf.select(config.trainer.v1.separate_async, "hybrid_rollout.enable_switch", default=False)
-        and config.actor_rollout_ref.get("hybrid_engine", True)
+        and config.actor_rollout_ref.hybrid_engine
         and OmegaConf.select(config.actor_rollout_ref.rollout, "disaggregation.enabled", default=False)
     ):
         raise ValueError(
@@ -393,7 +397,7 @@ def check_separate_async_micro_batches(config: DictConfig, actor: Any) -> None:
     rows = int(config.data.train_batch_size) // _sync_step(config) * int(rollout.n)
     for key, size in (
         (f"{ACTOR}.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu),
-        (f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", rollout.get("log_prob_micro_batch_size_per_gpu")),
+        (f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", rollout.log_prob_micro_batch_size_per_gpu),
     ):
         if size and (rows % ranks or (rows // ranks) % int(size)):
             raise ValueError(
@@ -429,9 +433,8 @@ def _ulysses_size(actor: Any) -> int:
 def validate_bypass_mode(config: DictConfig, actor: Any) -> None:
     """``algorithm.rollout_correction.bypass_mode=true`` skips the old-log-prob pass (pi_old := mu, the rollout's
     log-probs), so there is no pass to pack as the update: ``pack_old_log_prob_as_update`` must be false."""
-    rollout_correction = config.algorithm.get("rollout_correction", None) or {}
     policy = actor.policy_loss
-    if rollout_correction.get("bypass_mode", False) and bool(getattr(policy, "pack_old_log_prob_as_update", True)):
+    if _bypass_mode(config) and bool(getattr(policy, "pack_old_log_prob_as_update", True)):
         raise ValueError(
             "algorithm.rollout_correction.bypass_mode=true skips the old-log-prob pass (pi_old is the rollout's mu), "
             f"so {ACTOR}.policy_loss.pack_old_log_prob_as_update=true has no pass to pack as the update: set it false "
@@ -454,28 +457,29 @@ def old_log_prob_from_update_blocker(config: DictConfig) -> str | None:
     rejection, the optimal-token-baseline estimators); the worker checks its model for dropout itself."""
     actor = config.actor_rollout_ref.actor
     policy = actor.policy_loss
-    rollout_correction = config.algorithm.get("rollout_correction", None) or {}
+    rollout_correction = config.algorithm.rollout_correction
     trainer_mode = OmegaConf.select(config, TRAINER_MODE, default="sync")
     if not bool(policy.get("pack_old_log_prob_as_update", True)):
         return f"{ACTOR}.policy_loss.pack_old_log_prob_as_update=false (the pass is not packed as the update)"
-    if rollout_correction.get("bypass_mode", False):
+    if _bypass_mode(config):
         return "algorithm.rollout_correction.bypass_mode=true (there is no old-log-prob pass)"
-    if config.algorithm.get("use_kl_in_reward", False):
+    if config.algorithm.use_kl_in_reward:
         return "algorithm.use_kl_in_reward=true (verl's apply_kl_penalty reads pi_old before the update)"
-    if config.actor_rollout_ref.rollout.get("calculate_log_probs", False) and (
-        rollout_correction.get("rollout_is", None) is not None or rollout_correction.get("rollout_rs", None) is not None
+    if config.actor_rollout_ref.rollout.calculate_log_probs and (
+        rollout_correction is not None
+        and (rollout_correction.rollout_is is not None or rollout_correction.rollout_rs is not None)
     ):
         return (
             "algorithm.rollout_correction.rollout_is / rollout_rs (their weights and rejection read pi_old before the "
             "update)"
         )
-    if config.algorithm.get("adv_estimator", None) in _ESTIMATORS_READING_PI_OLD:
+    if config.algorithm.adv_estimator in _ESTIMATORS_READING_PI_OLD:
         return f"algorithm.adv_estimator={config.algorithm.adv_estimator} (the estimator reads pi_old)"
     if trainer_mode == "separate_async":
         return f"{TRAINER_MODE}=separate_async (a Decoupled-PPO cycle's pi_old is its first weights, not the update's)"
     if _ulysses_size(actor) > 1:
         return f"{ACTOR}.ulysses_sequence_parallel_size > 1 (one rank returns the group's outputs)"
-    dropout = _local_dropout(config.actor_rollout_ref.model.get("path", None))
+    dropout = _local_dropout(config.actor_rollout_ref.model.path)
     if dropout is not None:
         return f"the model's {dropout} (a train-mode forward is not the eval-mode pass)"
     return None
@@ -514,14 +518,14 @@ def validate_vocab_pass(config: DictConfig, actor: Any) -> None:
     the logits, ``calculate_sum_pi_squared`` and distillation, are refused for every run:
     :func:`validate_verl_features`.)"""
     model = config.actor_rollout_ref.model
-    if model.get("use_fused_kernels", False):
+    if model.use_fused_kernels:
         raise ValueError(
             f"{VOCAB_PASS}=true and actor_rollout_ref.model.use_fused_kernels=true both replace the LM head's logits "
             "(verl's fused forward reads lm_head.weight outside the head and fails under FSDP2): set one of them false"
         )
-    lora_rank = model.get("lora_rank", 0) or 0
-    if lora_rank > 0 or model.get("lora_adapter_path", None):
-        targets = model.get("target_modules", None)
+    lora_rank = model.lora_rank or 0
+    if lora_rank > 0 or model.lora_adapter_path:
+        targets = model.target_modules
         names = [targets] if isinstance(targets, str) else list(targets or [])
         if any("lm_head" in str(name) for name in names):
             raise ValueError(
@@ -540,14 +544,13 @@ def validate_old_topk(config: DictConfig, actor: Any, policy: DivClipPolicyLossC
         if policy.loss_mode == "kl_full"
         else f"{ACTOR}.policy_loss.kl_full_diagnostic=true"
     )
-    rollout_correction = config.algorithm.get("rollout_correction", None) or {}
-    if rollout_correction.get("bypass_mode", False):
+    if _bypass_mode(config):
         raise ValueError(
             f"{what} needs pi_old's top-k, stored by the old-log-prob recompute; "
             "algorithm.rollout_correction.bypass_mode=True skips it. Set it to False."
         )
     model = config.actor_rollout_ref.model
-    if model.get("use_fused_kernels", False):
+    if model.use_fused_kernels:
         raise ValueError(
             f"{what} needs the logits to take pi_old's top-k and pi_theta's log-probs on it; verl's fused kernels "
             "never materialise them: set actor_rollout_ref.model.use_fused_kernels=False"
@@ -558,7 +561,7 @@ def validate_old_topk(config: DictConfig, actor: Any, policy: DivClipPolicyLossC
             f"{what} takes the top-k from the logits of whole packed sequences; Ulysses sequence parallelism shards "
             f"them: {ACTOR}.fsdp_config.ulysses_sequence_parallel_size={sp_size} must be 1"
         )
-    vocab = _local_vocab_size(model.get("path", None))
+    vocab = _local_vocab_size(model.path)
     if vocab is not None:
         try:
             check_top_k(policy.kl_full_top_k, vocab)  # the one check of a top-k against a vocabulary
