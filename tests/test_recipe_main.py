@@ -171,6 +171,11 @@ MEGATRON = "actor_rollout_ref.actor.strategy=megatron"
     "overrides, keys",
     [
         ([MEGATRON], ["pack_old_log_prob_as_update"]),  # on by default: every mode asks for pack_old_log_prob_as_update
+        # verl's own config class: the divclip actor loss still packs the pass as the update
+        (
+            [MEGATRON, PLAIN_TARGET, "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla"],
+            ["pack_old_log_prob_as_update"],
+        ),
         ([MEGATRON, PACK_OFF, *ERC, "actor_rollout_ref.actor.calculate_entropy=true"], ["erc_beta_low/erc_beta_high"]),
         ([MEGATRON, PACK_OFF, *KL_FULL], ["loss_mode=kl_full"]),
         ([MEGATRON, PACK_OFF, "actor_rollout_ref.actor.policy_loss.kl_full_diagnostic=true"], ["kl_full_diagnostic"]),
@@ -493,6 +498,17 @@ SEPARATE = [
         ),
         (
             ["algorithm.rollout_correction.bypass_mode=true"],
+            "algorithm.rollout_correction.bypass_mode=true skips the old-log-prob pass (pi_old is the rollout's mu), "
+            "so actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=true has no pass to pack as the "
+            "update: set it false (a key of "
+            "actor_rollout_ref.actor.policy_loss._target_=verl_ext.config.DivClipPolicyLossConfig)",
+        ),
+        (
+            [  # verl's own config class has no pack_old_log_prob_as_update: the divclip actor loss packs the pass
+                PLAIN_TARGET,
+                "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla",
+                "algorithm.rollout_correction.bypass_mode=true",
+            ],
             "algorithm.rollout_correction.bypass_mode=true skips the old-log-prob pass (pi_old is the rollout's mu), "
             "so actor_rollout_ref.actor.policy_loss.pack_old_log_prob_as_update=true has no pass to pack as the "
             "update: set it false (a key of "

@@ -105,6 +105,7 @@ TESTS = [
             "test_refused_combinations_name_the_key",
             "test_stored_topk_is_accepted_with_the_pass",
             "test_lora_elsewhere_is_accepted",
+            "test_lm_head_in_the_targets_is_accepted_with_lora_off",
         )
     ),
 ]

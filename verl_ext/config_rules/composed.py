@@ -186,7 +186,7 @@ def check_adaptive_delta_updates(config: DictConfig, actor: Any) -> None:
     on-policy (more than one PPO mini-batch or epoch): the controller reads each update's KL3 from its pi_old."""
     train_prompts = config.data.train_batch_size
     on_policy = actor.ppo_epochs == 1 and train_prompts is not None and actor.ppo_mini_batch_size >= train_prompts
-    trainer_mode = OmegaConf.select(config, TRAINER_MODE, default="sync")
+    trainer_mode = _trainer_mode(config)
     sync_step = OmegaConf.select(config, f"trainer.v1.{trainer_mode}.parameter_sync_step", default=1)
     if sync_step != 1:
         # the controller reads one update a step, its KL3 against the pi_old it started from; in a Decoupled-PPO
@@ -275,7 +275,7 @@ def validate_trainer_mode(config: DictConfig, actor: Any) -> None:
 
 
 def _trainer_mode(config: DictConfig) -> str:
-    return OmegaConf.select(config, TRAINER_MODE, default="sync")
+    return config.trainer.v1.trainer_mode
 
 
 def check_trainer_mode_registered(config: DictConfig, actor: Any) -> None:
@@ -458,8 +458,8 @@ def old_log_prob_from_update_blocker(config: DictConfig) -> str | None:
     actor = config.actor_rollout_ref.actor
     policy = actor.policy_loss
     rollout_correction = config.algorithm.rollout_correction
-    trainer_mode = OmegaConf.select(config, TRAINER_MODE, default="sync")
-    if not bool(policy.get("pack_old_log_prob_as_update", True)):
+    trainer_mode = _trainer_mode(config)
+    if not policy.pack_old_log_prob_as_update:
         return f"{ACTOR}.policy_loss.pack_old_log_prob_as_update=false (the pass is not packed as the update)"
     if _bypass_mode(config):
         return "algorithm.rollout_correction.bypass_mode=true (there is no old-log-prob pass)"
@@ -523,8 +523,7 @@ def validate_vocab_pass(config: DictConfig, actor: Any) -> None:
             f"{VOCAB_PASS}=true and actor_rollout_ref.model.use_fused_kernels=true both replace the LM head's logits "
             "(verl's fused forward reads lm_head.weight outside the head and fails under FSDP2): set one of them false"
         )
-    lora_rank = model.lora_rank or 0
-    if lora_rank > 0 or model.lora_adapter_path:
+    if model.lora_rank > 0 or model.lora_adapter_path:
         targets = model.target_modules
         names = [targets] if isinstance(targets, str) else list(targets or [])
         if any("lm_head" in str(name) for name in names):
