@@ -209,7 +209,7 @@ class DivClipTrainer(ValidationLengthTrainerMixin):
         # workers pack that pass exactly as the update's first epoch and record what they packed.
         packing = UpdatePacking.from_actor_config(actor_rollout_ref.actor, actor_rollout_ref.rollout.n)
         batch.extra_info.update(packing.as_extra_info())
-        from_update = self._old_log_prob_from_update() and getattr(self, "local_trigger_step", 0) == 0
+        from_update = self._old_log_prob_from_update() and self.local_trigger_step == 0  # verl's __init__ sets it
         if from_update:  # the first mini-batch's pi_old comes from the update: verl's metrics of it come after
             batch.extra_info[OLD_FROM_UPDATE_KEY] = True
         # kl_full / kl_full_diagnostic: this pass (and only this one) stores pi_old's top-k

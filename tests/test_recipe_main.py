@@ -263,6 +263,7 @@ def test_trainer_stores_the_top_k_in_the_old_log_prob_pass_only(monkeypatch):
         trainer = object.__new__(DivClipPPOTrainerSync)
         trainer.config = compose_config(*overrides, "actor_rollout_ref.rollout.calculate_log_probs=false")
         trainer.global_steps = 1
+        trainer.local_trigger_step = 0  # what verl's __init__ sets
         assert trainer._compute_old_log_prob(batch, metrics={}) is batch
         assert seen[-1].get(CAPTURE_KEY) == expected
         assert (
