@@ -56,7 +56,7 @@ from recipe.data_trace import DataTrace
 from recipe.validation.length import ValidationLengthTrainerMixin
 from verl_ext.actor_loss import build_actor_loss
 from verl_ext.adaptive_delta import AdaptiveDelta
-from verl_ext.config_rules.composed import old_log_prob_from_update_blocker
+from verl_ext.config_rules.composed import bypass_mode, old_log_prob_from_update_blocker
 from verl_ext.core.region import CONSTRAINTS
 from verl_ext.core.staleness import behaviour_divergence
 from verl_ext.engine.old_from_update import COLLECT_KEY, OLD_FROM_UPDATE_KEY
@@ -186,10 +186,6 @@ class DivClipTrainer(ValidationLengthTrainerMixin):
 
     # -- one update ------------------------------------------------------------------------------
 
-    def _bypass_mode(self) -> bool:
-        rollout_correction = self.config.algorithm.get("rollout_correction", None) or {}
-        return bool(rollout_correction.get("bypass_mode", False))
-
     def _old_log_prob_from_update(self) -> bool:
         """Whether this run takes the first mini-batch's pi_old from its update forward
         (``policy_loss.old_log_prob_from_update``: null = where exact, logged once when not taken)."""
@@ -279,7 +275,7 @@ class DivClipTrainer(ValidationLengthTrainerMixin):
         # pi_old came from this rank's packed old pass (so the workers compare the update with its record)
         # unless bypass_mode skipped that pass; and pi_theta is pi_old when the update starts, unless pi_old
         # is the behaviour policy (bypass) or the first weights of a Decoupled-PPO cycle (a later update of it)
-        bypass = self._bypass_mode()
+        bypass = bypass_mode(self.config)
         # verl's trainer base sets local_trigger_step in __init__ for every mode (0 but in a cycle's later updates)
         starts_on_policy = not bypass and self.local_trigger_step == 0
         batch.extra_info.update({UPDATE_FOLLOWS_OLD_PASS_KEY: not bypass, ON_POLICY_KEY: starts_on_policy})

@@ -391,14 +391,14 @@ def test_config_key_is_declared_and_reaches_the_loss() -> None:
     assert request_of(loss).entropy_as_mask  # ERC's mask declaration is kept
 
 
+VOCAB_PASS_KEY = "actor_rollout_ref.actor.policy_loss.vocab_pass"
+
+
 def _lm_head_message(targets: str) -> str:
     return (
         f"{VOCAB_PASS_KEY}=true reads the LM head's own weight; actor_rollout_ref.model.target_modules={targets} "
         "puts a LoRA adapter on lm_head: drop lm_head from target_modules or set the vocabulary pass false"
     )
-
-
-VOCAB_PASS_KEY = "actor_rollout_ref.actor.policy_loss.vocab_pass"
 
 
 @pytest.mark.parametrize(

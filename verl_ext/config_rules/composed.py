@@ -206,7 +206,7 @@ def check_adaptive_delta_updates(config: DictConfig, actor: Any) -> None:
         )
 
 
-def _bypass_mode(config: DictConfig) -> bool:
+def bypass_mode(config: DictConfig) -> bool:
     """``algorithm.rollout_correction.bypass_mode`` (pi_old := mu, no old-log-prob pass); verl reads a null
     ``rollout_correction`` as no rollout correction at all."""
     rollout_correction = config.algorithm.rollout_correction
@@ -225,7 +225,7 @@ def check_erc(config: DictConfig, actor: Any) -> None:
         check_entropy_as_mask(entropy_coeff=actor.entropy_coeff)
     except ValueError as error:
         raise ValueError(f"ERC: {error}") from error
-    if _bypass_mode(config):
+    if bypass_mode(config):
         raise ValueError(
             "ERC needs pi_old's per-token entropy, which only the old-log-prob recompute produces; "
             "algorithm.rollout_correction.bypass_mode=True skips it. Set it to False or turn ERC off."
@@ -434,7 +434,7 @@ def validate_bypass_mode(config: DictConfig, actor: Any) -> None:
     """``algorithm.rollout_correction.bypass_mode=true`` skips the old-log-prob pass (pi_old := mu, the rollout's
     log-probs), so there is no pass to pack as the update: ``pack_old_log_prob_as_update`` must be false."""
     policy = actor.policy_loss
-    if _bypass_mode(config) and bool(getattr(policy, "pack_old_log_prob_as_update", True)):
+    if bypass_mode(config) and bool(getattr(policy, "pack_old_log_prob_as_update", True)):
         raise ValueError(
             "algorithm.rollout_correction.bypass_mode=true skips the old-log-prob pass (pi_old is the rollout's mu), "
             f"so {ACTOR}.policy_loss.pack_old_log_prob_as_update=true has no pass to pack as the update: set it false "
@@ -461,7 +461,7 @@ def old_log_prob_from_update_blocker(config: DictConfig) -> str | None:
     trainer_mode = _trainer_mode(config)
     if not policy.pack_old_log_prob_as_update:
         return f"{ACTOR}.policy_loss.pack_old_log_prob_as_update=false (the pass is not packed as the update)"
-    if _bypass_mode(config):
+    if bypass_mode(config):
         return "algorithm.rollout_correction.bypass_mode=true (there is no old-log-prob pass)"
     if config.algorithm.use_kl_in_reward:
         return "algorithm.use_kl_in_reward=true (verl's apply_kl_penalty reads pi_old before the update)"
@@ -543,7 +543,7 @@ def validate_old_topk(config: DictConfig, actor: Any, policy: DivClipPolicyLossC
         if policy.loss_mode == "kl_full"
         else f"{ACTOR}.policy_loss.kl_full_diagnostic=true"
     )
-    if _bypass_mode(config):
+    if bypass_mode(config):
         raise ValueError(
             f"{what} needs pi_old's top-k, stored by the old-log-prob recompute; "
             "algorithm.rollout_correction.bypass_mode=True skips it. Set it to False."
