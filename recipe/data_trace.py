@@ -15,8 +15,8 @@ TransferQueue, each with verl's status of the group at the checkpoint (``pending
 generates anew with the resumed weights, finished ones keep their samples); ``trained`` (once per actor update,
 sorted, with the rollout samples counted) lists what an update trained on. Each attempt of a run appends to the
 same file.
-``tests/test_two_nodes_ray.py`` compares a crashed and a resumed attempt with an uninterrupted run of the same
-seed; tests/test_trainer_modes_cpu.py checks an asynchronous resume.
+``tests/test_two_nodes_ray.py`` compares a crashed and a resumed attempt with verl's sampler order;
+tests/test_trainer_modes_cpu.py checks an asynchronous resume.
 """
 
 from __future__ import annotations

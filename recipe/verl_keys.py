@@ -100,8 +100,8 @@ RECIPE_MAIN_TEST = "tests/test_recipe_main.py"
 #: the knob declarations' refusal (verl_ext/knobs.py): a value away from verl's default that the loss mode reads not
 UNREAD = "away from verl's default where the loss mode and its features read it not (verl_ext/knobs.py)"
 PACKING_EVIDENCE = (
-    "`tests/test_onpolicy.py`; `tests/test_smoke_cpu.py::test_verls_packing_of_the_old_pass_shows_the_"
-    "noise_the_alignment_removes`; refusals: `tests/test_verl_keys.py`"
+    "`tests/test_onpolicy.py::test_verls_own_packing_shows_the_noise_the_alignment_removes`; "
+    "refusals: `tests/test_verl_keys.py`"
 )
 
 # a table, one rule per entry: kept as written, not formatted

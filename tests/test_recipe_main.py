@@ -356,13 +356,15 @@ def test_lora_rank_is_checked_without_vllm():
     import sys
 
     from recipe.config_checks import _VLLM_UTILS, lora_rank_check_without_vllm
+    from recipe.main import validate
 
     assert importlib.util.find_spec("vllm") is None  # the CPU machines this suite runs on
-    proc = dry_run("actor_rollout_ref.model.lora_rank=32", "actor_rollout_ref.rollout.name=vllm")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert yaml.safe_load(proc.stdout)["actor_rollout_ref"]["model"]["lora_rank"] == 32
-    proc = dry_run("actor_rollout_ref.model.lora_rank=1024", "actor_rollout_ref.rollout.name=vllm")
-    assert proc.returncode != 0 and "lora_rank must be <= 512" in proc.stderr
+    config = compose_config("actor_rollout_ref.model.lora_rank=32", "actor_rollout_ref.rollout.name=vllm")
+    validate(config)  # the entry point's validation, ours then verl's: accepted
+    assert config.actor_rollout_ref.model.lora_rank == 32
+    config = compose_config("actor_rollout_ref.model.lora_rank=1024", "actor_rollout_ref.rollout.name=vllm")
+    with pytest.raises(ValueError, match="lora_rank must be <= 512 for vLLM, got 1024"):
+        validate(config)
     with lora_rank_check_without_vllm():
         assert sys.modules[_VLLM_UTILS].get_vllm_max_lora_rank(20) == 32
     assert _VLLM_UTILS not in sys.modules  # the stand-in is gone afterwards

@@ -16,8 +16,11 @@ worker in tests/test_full_kl_engine.py and tests/test_onpolicy.py; kl3 with the 
 through the trainer in tests/test_sft_chain_cpu.py), with the released scripts' training mechanics: dynamic
 sampling on the reward's ``acc`` (``algorithm.filter_groups``), the +1 / -1 reward, and the micro-batch-normalised
 NLL on correct responses with dual-clip 10 (the smoke's tiny model writes no ``</think>``, so the think rule stays
-off: every response would score -0.5 and no group would ever be kept); ERC-DAPO with
-``pack_old_log_prob_as_update=false`` is the control, and shows the noise (the gauge > 0 on some step)."""
+off: every response would score -0.5 and no group would ever be kept). The gauge's control -- verl's own packing
+of the old pass (``pack_old_log_prob_as_update=false``) shows the kernels' noise, the gauge > 0 -- runs through
+verl's actor worker at the configs' packings in tests/test_onpolicy.py
+(``test_verls_own_packing_shows_the_noise_the_alignment_removes``), with LoRA and the fused kernels in
+tests/test_verl_features_engine.py."""
 
 from __future__ import annotations
 
@@ -247,37 +250,6 @@ PROCESS_KINDS = {
     "reward worker": "ray::RewardLoopWorker",
     "rollout server": "ray::HFCpuServer",
 }
-
-
-@pytest.fixture(scope="module")
-def erc_control(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """ERC-DAPO (without the erc_run's vocabulary pass and diagnostic), with verl's own packing of the
-    old-log-prob pass."""
-    out = tmp_path_factory.mktemp("smoke_erc_control")
-    run_smoke(
-        out,
-        "erc_dapo",
-        3,
-        "trainer.val_before_train=False",
-        PACK_OLD_LOG_PROB_AS_UPDATE="false",
-        SAVE_FREQ="-1",
-        TEST_FREQ="-1",
-        RESPONSE_LEN=str(TRAIN_LENGTH),
-    )
-    return out
-
-
-def test_verls_packing_of_the_old_pass_shows_the_noise_the_alignment_removes(erc_run: Path, erc_control: Path) -> None:
-    """The control arm: the same training with pack_old_log_prob_as_update=false packs the old-log-prob pass by
-    its own (twice larger) budget, so on-policy log-ratios leave 0 on some step -- the kernels' noise, which the
-    aligned runs read as exactly 0 on every step. Which step shows it depends on the machine's kernels."""
-    control = step_metrics(erc_control)
-    gauge = "actor/divclip/onpolicy/log_ratio_abs_max"
-    assert {1, 2, 3} <= set(control)
-    assert max(control[step][gauge] for step in (1, 2, 3)) > 0, [control[step][gauge] for step in (1, 2, 3)]
-    assert all(control[step]["actor/divclip/path/pack_old_log_prob_as_update"] == 0.0 for step in (1, 2, 3))
-    aligned = step_metrics(erc_run)
-    assert all(aligned[step][gauge] == 0.0 for step in (1, 2))
 
 
 def test_trainer_runs_erc_dapo_end_to_end(erc_run: Path) -> None:

@@ -1,4 +1,5 @@
-"""Real training submitted to a two-node Ray cluster, a rank killed mid-run, nothing lost on resume.
+"""Real training submitted to a two-node Ray cluster, a rank killed mid-run, nothing lost on resume; and a dry run
+submitted to the same cluster (:func:`test_submit_runs_a_dry_run_job`: its output and runtime env).
 
 The test starts its own cluster on loopback (``ray.cluster_utils.Cluster`` in a child process of its own
 session: a head with its dashboard -- the job API -- and a second node, each offering one device slot of
@@ -7,20 +8,22 @@ submits ``launch/submit.sh run_smoke_cpu.sh`` with ``NNODES=2`` and one rank per
 with the adaptive delta, FSDP2 on gloo across the two raylets, ``hf_cpu`` rollouts, a checkpoint every
 step, validation at the end, and the data trace (each step's prompts).
 
-1. **Uninterrupted**: the job SUCCEEDS through Ray's job API; Ray's own state API places the actor's two
-   ranks on different nodes; every step's on-policy gauge reads 0 with the seam's path recorded, the loss
-   is finite, the adaptive delta follows its rule, validation ran, the checkpoints hold both ranks' shards.
-2. **A rank killed**: a second run of the same seed is submitted; once its first checkpoint is complete,
-   the rank on the second node is SIGKILLed by the pid Ray reports for it. The job ends FAILED within
-   :data:`FAIL_WITHIN_S`, and its logs report the death of that very actor (its actor id and pid, as Ray's
-   state API gave them); the checkpoint directory holds only complete checkpoints.
-3. **Resumed**: the same submission again continues from the last complete checkpoint and SUCCEEDS. Both
+1. **A rank killed**: the job is submitted; Ray's own state API places the actor's two ranks on different
+   nodes; once its first checkpoint is complete, the rank on the second node is SIGKILLed by the pid Ray
+   reports for it. The job ends FAILED within :data:`FAIL_WITHIN_S`, and its logs report the death of that very
+   actor (its actor id and pid, as Ray's state API gave them); the checkpoint directory holds only complete
+   checkpoints.
+2. **Resumed**: the same submission again continues from the last complete checkpoint and SUCCEEDS. Both
    ranks' optimizer state continues the saved one by value: the resumed run's next checkpoint (its AdamW
    moments, step counters and parameters) is, element by element and to float32 rounding, what two AdamW
    updates from the saved moments and parameters produce (:func:`adam_misfits`); a fresh optimizer, or
-   another run's saved state, does not fit. The step counter and the adaptive delta continue.
+   other moments of the same run, do not fit. The step counter and the adaptive delta continue.
+3. **Every step, whichever attempt ran it**: the on-policy gauge reads 0 with the seam's path recorded, the
+   loss is finite, the adaptive delta follows its rule, validation ran at the last step, the checkpoints hold
+   both ranks' shards and the controller's state.
 4. **Nothing lost, nothing repeated**: the prompts of the steps kept from the crashed attempt (up to its
-   checkpoint) and of the resumed attempt are, step by step, those of the uninterrupted run.
+   checkpoint) and of the resumed attempt are, step by step, the next ones of verl's sampler order (its own
+   ``create_rl_sampler`` over the run's train file).
 
 Processes (:class:`ClusterProcesses`): a background sampler finds the cluster's processes by what they
 are -- the launcher's process tree and sessions (GCS, raylets, dashboard, agents, Ray workers, each job's
@@ -35,6 +38,7 @@ the test starts is ended by its own id also when the test fails.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import math
@@ -55,11 +59,11 @@ from typing import Any, Optional
 import pytest
 
 from tests.test_smoke_cpu import SMOKE_TIMEOUT_S, assert_on_policy_exact
-from tests.test_submit_ray import _wait_for_job_agent, loopback_env, start_cluster
+from tests.test_submit_ray import SUBMIT, _ray_env, _wait_for_job_agent, loopback_env, start_cluster
+from tests.test_trainer_modes_cpu import epoch_order
 from verl_ext.config import DivClipPolicyLossConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBMIT = ROOT / "launch" / "submit.sh"
 
 STEPS = 2
 FAIL_WITHIN_S = 240
@@ -68,6 +72,8 @@ JOB_EXIT_GRACE_S = 30
 """How long a job's driver and workers may outlive the job's terminal status."""
 CLUSTER_EXIT_GRACE_S = 30
 """How long the cluster's processes may outlive the launcher's return from ``cluster.shutdown()``."""
+BATCH = 8
+"""Prompts per training step (4 samples each)."""
 UPDATES_PER_STEP = 2
 """Optimizer steps per training step: two PPO mini-batches (BATCH / 2 prompts each), one epoch."""
 
@@ -351,7 +357,7 @@ def submit(cluster: dict[str, Any], out: Path, submission_id: str, wait: bool) -
         "STEPS": str(STEPS),
         "NNODES": "2",
         "N_DEVICES": "1",
-        "BATCH": "8",
+        "BATCH": str(BATCH),
         "ROLLOUT_N": "4",
         "SAVE_FREQ": "1",
         "TEST_FREQ": str(STEPS),
@@ -479,6 +485,20 @@ def load_shards(step_folder: Path, rank: int) -> tuple[dict[str, Any], dict[str,
         mesh_log.setLevel(level)
 
 
+def with_moments_of(
+    state: tuple[dict[str, Any], dict[str, Any]], donor: tuple[dict[str, Any], dict[str, Any]]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``state`` (a rank's optimizer and model shards) with the AdamW moments of ``donor`` in place of its own:
+    the step counters and parameters stay ``state``'s."""
+    optim, model = state
+    donated = donor[0]["state"]
+    moments = {
+        index: {**saved, "exp_avg": donated[index]["exp_avg"], "exp_avg_sq": donated[index]["exp_avg_sq"]}
+        for index, saved in optim["state"].items()
+    }
+    return {**optim, "state": moments}, model
+
+
 def _f64(value: Any) -> Any:
     """A shard's local values (FSDP2 saves DTensors) in float64."""
     return (value.to_local() if hasattr(value, "to_local") else value).double()
@@ -547,6 +567,57 @@ def adam_misfits(
     return misfits, elements
 
 
+def test_submit_runs_a_dry_run_job(two_nodes: dict[str, Any]) -> None:
+    """A dry run submitted through the script: its output is the resolved config, its runtime env carries the
+    checkout, the plugin module and the launcher's variables encoded."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    ray_head = two_nodes["address"]
+
+    submission_id = f"divclip-test-{os.getpid()}"
+    env = {
+        **_ray_env(),
+        "RAY_ADDRESS": ray_head,
+        "PYTHON": sys.executable,
+        "SUBMIT_ID": submission_id,
+        "EXPERIMENT_NAME": "erc dapo $HOME",
+        "NNODES": "2",
+    }
+    proc = subprocess.run(
+        [
+            "bash",
+            str(SUBMIT),
+            "run_erc_dapo_7b.sh",
+            "--dry-run",
+            "trainer.project_name='p q'",
+            "actor_rollout_ref.actor.optim.lr=3e-6",
+        ],
+        cwd="/",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the job's output is the dry run's YAML: the script's config, the env and the overrides
+    assert "experiment_name: erc dapo $HOME" in out  # travelled unexpanded
+    assert "project_name: p q" in out and "lr: 3.0e-06" in out and "nnodes: 2" in out
+    assert "erc_beta_low: 0.05" in out and "_target_: verl_ext.config.DivClipPolicyLossConfig" in out
+
+    client = JobSubmissionClient(ray_head)
+    info = client.get_job_info(submission_id)
+    assert info.status == JobStatus.SUCCEEDED
+    assert info.entrypoint == "bash launch/submit.sh --job-entry run_erc_dapo_7b.sh"
+    runtime_env = info.runtime_env
+    assert runtime_env["working_dir"].startswith("gcs://")  # this checkout, uploaded to the cluster
+    assert ".venv" in runtime_env["excludes"] and ".git" in runtime_env["excludes"]
+    assert runtime_env["env_vars"]["VERL_USE_EXTERNAL_MODULES"] == "verl_ext.plugin"
+    # launcher variables and arguments travel encoded (Ray would expand $VAR in env_vars)
+    job_script = base64.b64decode(runtime_env["env_vars"]["DIVCLIP_JOB_B64"]).decode()
+    assert "export NNODES=2" in job_script and "HOME" in job_script
+
+
 @pytest.fixture(scope="module")
 def runs(two_nodes: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from ray.job_submission import JobStatus, JobSubmissionClient
@@ -556,29 +627,7 @@ def runs(two_nodes: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) ->
     started = time.monotonic()
     result: dict[str, Any] = {}
 
-    # 1. uninterrupted, and where Ray put the ranks while it ran
-    straight = tmp_path_factory.mktemp("uninterrupted")
-    placements: list[Any] = []
-    submitted_at = time.time()
-    proc = submit(two_nodes, straight, "divclip-two-nodes-straight", wait=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    while not (straight / "ckpt" / "latest_checkpointed_iteration.txt").exists():
-        assert job_status(two_nodes, "divclip-two-nodes-straight") not in (JobStatus.FAILED, JobStatus.STOPPED), (
-            client.get_job_logs("divclip-two-nodes-straight")[-4000:]
-        )
-        placements = actor_ranks(two_nodes) or placements
-        time.sleep(1)
-    placements = actor_ranks(two_nodes) or placements
-    result["straight"] = {
-        "out": straight,
-        "placements": placements,
-        "status": wait_for_status(two_nodes, "divclip-two-nodes-straight", 900)[0],
-        "logs": client.get_job_logs("divclip-two-nodes-straight"),
-    }
-    result["straight"]["leftovers"] = job_leftovers(watch, submitted_at)
-    (straight / "job.log").write_text(result["straight"]["logs"])
-
-    # 2. the same run, a rank killed after its first complete checkpoint
+    # 1. the run, a rank killed after its first complete checkpoint; where Ray put the ranks while it ran
     crashed = tmp_path_factory.mktemp("crashed")
     submitted_at = time.time()
     proc = submit(two_nodes, crashed, "divclip-two-nodes-crash", wait=False)
@@ -592,13 +641,15 @@ def runs(two_nodes: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) ->
         ), client.get_job_logs("divclip-two-nodes-crash")[-4000:]
         time.sleep(0.5)
     ranks = actor_ranks(two_nodes)
-    victim = next(a for a in ranks if a.node_id == two_nodes["nodes"]["second"])
+    victim = next((a for a in ranks if a.node_id == two_nodes["nodes"]["second"]), None)
+    assert victim is not None, ranks  # no rank on the second node
     os.kill(victim.pid, signal.SIGKILL)
     status, seconds = wait_for_status(two_nodes, "divclip-two-nodes-crash", FAIL_WITHIN_S)
     result["crashed"] = {
         "out": crashed,
         "status": status,
         "seconds_to_fail": seconds,
+        "placements": ranks,
         "victim": victim,
         "survivor": next(a for a in ranks if a.actor_id != victim.actor_id),
         "logs": client.get_job_logs("divclip-two-nodes-crash"),
@@ -606,7 +657,7 @@ def runs(two_nodes: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) ->
     result["crashed"]["leftovers"] = job_leftovers(watch, submitted_at)
     (crashed / "job-crashed.log").write_text(result["crashed"]["logs"])
 
-    # 3. resumed: the same submission again
+    # 2. resumed: the same submission again
     submitted_at = time.time()
     proc = submit(two_nodes, crashed, "divclip-two-nodes-resume", wait=True)
     result["resumed"] = {
@@ -630,13 +681,19 @@ def assert_no_leftovers(job: dict[str, Any]) -> None:
     )
 
 
-def test_training_is_submitted_to_two_nodes_and_succeeds(runs: dict[str, Any], two_nodes: dict[str, Any]) -> None:
+def test_training_runs_on_two_nodes_with_the_rules_on_every_step(
+    runs: dict[str, Any], two_nodes: dict[str, Any]
+) -> None:
+    """The run's steps -- the first from the attempt that was killed after it, the rest from the resumed one --
+    with one rank on each node: every step on-policy exact with ERC's ratio and a finite loss, the adaptive delta
+    following its rule, validation at the last step, and every step's checkpoint holding the delta the controller
+    set next."""
     from ray.job_submission import JobStatus
 
-    straight = runs["straight"]
-    assert straight["status"] == JobStatus.SUCCEEDED, straight["logs"][-4000:]
-    assert sorted(a.node_id for a in straight["placements"]) == sorted(two_nodes["nodes"].values())  # one rank per node
-    metrics = step_metrics(straight["out"])
+    crashed, resumed = runs["crashed"], runs["resumed"]
+    assert resumed["status"] == JobStatus.SUCCEEDED, resumed["logs"][-4000:]
+    assert sorted(a.node_id for a in crashed["placements"]) == sorted(two_nodes["nodes"].values())  # one rank per node
+    metrics = step_metrics(crashed["out"])
     assert sorted(metrics) == list(range(1, STEPS + 1))
     for step, data in sorted(metrics.items()):
         assert_on_policy_exact(data, erc=True)
@@ -644,14 +701,13 @@ def test_training_is_submitted_to_two_nodes_and_succeeds(runs: dict[str, Any], t
         assert data["actor/divclip/delta"] == pytest.approx(expected_delta(step), rel=1e-12), step
         assert 0 <= data["actor/divclip/kl3_mean"] < ADAPTIVE["target"] / ADAPTIVE["tolerance"], step  # the premise
     assert any(k.startswith("val-core/") for k in metrics[STEPS])  # validated at the last step
-    assert assert_only_complete_checkpoints(straight["out"] / "ckpt") == STEPS
+    assert assert_only_complete_checkpoints(crashed["out"] / "ckpt") == STEPS
     for step in range(1, STEPS + 1):  # the controller's state saved with each checkpoint is the delta it set next
         state = json.loads(
-            (straight["out"] / "ckpt" / f"global_step_{step}" / "divclip_adaptive_delta.json").read_text()
+            (crashed["out"] / "ckpt" / f"global_step_{step}" / "divclip_adaptive_delta.json").read_text()
         )
         assert state["delta"] == pytest.approx(metrics[step]["actor/divclip/delta_next"], rel=1e-12)
         assert state["metric"] == "actor/divclip/kl3_mean"
-    assert_no_leftovers(straight)
 
 
 def test_a_killed_rank_fails_the_job_in_bounded_time_leaving_complete_checkpoints(runs: dict[str, Any]) -> None:
@@ -677,7 +733,7 @@ def test_resume_continues_from_the_last_complete_checkpoint_and_repeats_no_promp
 
     from recipe.data_trace import read_trace
 
-    resumed, crashed_out, straight_out = runs["resumed"], runs["crashed"]["out"], runs["straight"]["out"]
+    resumed, crashed_out = runs["resumed"], runs["crashed"]["out"]
     assert resumed["status"] == JobStatus.SUCCEEDED, resumed["logs"][-4000:]
     assert assert_only_complete_checkpoints(crashed_out / "ckpt") == STEPS
     trace = read_trace(str(crashed_out / "trace.jsonl"))
@@ -691,9 +747,9 @@ def test_resume_continues_from_the_last_complete_checkpoint_and_repeats_no_promp
     # Both ranks' optimizer state continues the saved one, by value. The resumed run's first checkpoint
     # after the resume (written by it: newer than its submission) holds the moments, step counters and
     # parameters after two AdamW updates from whatever the ranks loaded. Two runs of one seed do not draw
-    # the same rollouts (measured: the uninterrupted and the crashed run's step-1 checkpoints already differ
-    # by as much as the moments' own size), so the uninterrupted run's checkpoint is no reference for the
-    # moments; instead adam_misfits eliminates the unknown gradients and requires every element to follow
+    # the same rollouts (measured: an uninterrupted and a crashed run's step-1 checkpoints already differ
+    # by as much as the moments' own size), so no other run's checkpoint is a reference for the moments;
+    # instead adam_misfits eliminates the unknown gradients and requires every element to follow
     # from the saved moments and parameters to float32 rounding. Had the
     # optimizer not been restored (a fresh AdamW: zero moments, step 0), or restored from other values,
     # the step counters would read 2 fewer and the moments and parameters would not fit: the controls below
@@ -705,14 +761,12 @@ def test_resume_continues_from_the_last_complete_checkpoint_and_repeats_no_promp
     for rank in (0, 1):
         assert (written / "actor" / f"optim_world_size_2_rank_{rank}.pt").stat().st_mtime >= resumed["submitted_at"]
         before, after = load_shards(saved, rank), load_shards(written, rank)
-        reference = load_shards(straight_out / "ckpt" / f"global_step_{resumed_from + 1}", rank)
         misfits, elements = adam_misfits(before, after)
         assert misfits == 0, f"rank {rank}: {misfits} of {elements} elements do not continue the saved optimizer state"
         steps = {int(s["step"]) for s in after[0]["state"].values()}
         assert (
             steps
             == {int(s["step"]) + UPDATES_PER_STEP for s in before[0]["state"].values()}
-            == {int(s["step"]) for s in reference[0]["state"].values()}
             == {UPDATES_PER_STEP * (resumed_from + 1)}
         ), rank
         hyper = [
@@ -720,28 +774,28 @@ def test_resume_continues_from_the_last_complete_checkpoint_and_repeats_no_promp
             for g in (before[0]["param_groups"][0], after[0]["param_groups"][0])
         ]
         assert hyper[0] == hyper[1], rank  # the same lr (constant schedule), betas, eps and weight decay
-        # the check's controls: the uninterrupted run's own update passes it; a fresh optimizer and the
-        # uninterrupted run's saved state (a real AdamW state, not the one loaded) fail it nearly everywhere
-        straight_saved = load_shards(straight_out / "ckpt" / f"global_step_{resumed_from}", rank)
-        assert adam_misfits(straight_saved, reference)[0] == 0
+        # the check's controls: a fresh optimizer, and other moments of this very run (the ones the resumed
+        # run wrote two updates later: a real AdamW state, not the one loaded) under the saved step counter
+        # and parameters, fail it nearly everywhere
         fresh = adam_misfits(before, after, prior="fresh")[0]
-        foreign = adam_misfits(straight_saved, after)[0]
+        foreign = adam_misfits(with_moments_of(before, after), after)[0]
         assert min(fresh, foreign) > elements / 2, (rank, fresh, foreign, elements)
         print(
             f"two-node test: rank {rank}: 0 of {elements} elements misfit the saved optimizer state; "
-            f"{fresh} misfit a fresh one, {foreign} the uninterrupted run's"
+            f"{fresh} misfit a fresh one, {foreign} another one of the run"
         )
         # and each rank loaded its own shard of that checkpoint (one rank on each node)
         assert (
             f"[Rank {rank}] Loaded optimizer from {saved}/actor/optim_world_size_2_rank_{rank}.pt" in resumed["logs"]
         ), rank
     # the prompts kept (the crashed attempt up to the checkpoint, then the resumed one) are, step by step,
-    # the uninterrupted run's: none skipped, none seen twice
+    # the next BATCH of verl's sampler order for the epoch: none skipped, none seen twice
     kept = {line["step"]: line["prompts"] for line in first if line["step"] <= resumed_from}
     kept.update({line["step"]: line["prompts"] for line in second})
-    reference_trace = {line["step"]: line["prompts"] for line in read_trace(str(straight_out / "trace.jsonl"))}
-    assert sorted(kept) == sorted(reference_trace) == list(range(1, STEPS + 1))
-    assert kept == reference_trace
+    assert sorted(kept) == list(range(1, STEPS + 1))
+    order = epoch_order(crashed_out / "assets" / "data" / "train.parquet")
+    for step, prompts in kept.items():
+        assert [index for index, _ in prompts] == sorted(order[(step - 1) * BATCH : step * BATCH]), step
     # the adaptive delta continued from the checkpoint's controller state, not from its initial value
     metrics = step_metrics(crashed_out)
     assert metrics[resumed_from + 1]["actor/divclip/delta"] == pytest.approx(
@@ -751,9 +805,9 @@ def test_resume_continues_from_the_last_complete_checkpoint_and_repeats_no_promp
     for data in metrics.values():
         assert_on_policy_exact(data, erc=True)
     assert_no_leftovers(resumed)
-    jobs = {name: runs[name]["leftovers"] for name in ("straight", "crashed", "resumed")}
+    jobs = {name: runs[name]["leftovers"] for name in ("crashed", "resumed")}
     print(
-        f"two-node test: {runs['seconds']:.0f} s for the three jobs; failed {runs['crashed']['seconds_to_fail']:.0f} s "
+        f"two-node test: {runs['seconds']:.0f} s for the two jobs; failed {runs['crashed']['seconds_to_fail']:.0f} s "
         f"after the kill; processes per job (all ended, seconds after the job's end): "
         + ", ".join(f"{n} {j['processes']} ({j['seconds']:.1f} s)" for n, j in jobs.items())
     )
