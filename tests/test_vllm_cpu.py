@@ -117,6 +117,7 @@ def _probe(out_json: str, model_dir: str, extension: str) -> None:
 
     os.environ.setdefault("VERL_RAY_JOB_ID", f"probe{os.getpid()}")
     os.environ.setdefault("VERL_REPLICA_RANK", "0")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import verl  # noqa: F401  (the plugin sets the cpu platform up)
     from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
     from vllm import LLM, SamplingParams
@@ -137,6 +138,7 @@ def _probe(out_json: str, model_dir: str, extension: str) -> None:
         max_model_len=64,
         seed=0,
         worker_extension_cls=extension,
+        distributed_executor_backend="uni",  # the engine and its worker in this process: no two more interpreters
     )
     handle = f"ipc:///tmp/rl-colocate-zmq-{os.environ['VERL_RAY_JOB_ID']}-replica-0-rank-0.sock"
 
@@ -191,8 +193,8 @@ def _max_abs_diff(a: list[float], b: list[float]) -> float:
 
 
 def _run_probe(tmp_path: Path, extension: str) -> dict:
-    """Run the probe in .venv-vllm in a session of its own, and end that session afterwards: vLLM's engine-core
-    and worker processes can outlive the probe (they would hold a captured pipe open)."""
+    """Run the probe in .venv-vllm in a session of its own, and end that session afterwards: any process vLLM or
+    torch started (inductor's compile checks, a resource tracker) could outlive the probe."""
     import signal
 
     assert VLLM_PYTHON.exists(), _REASON
