@@ -140,14 +140,15 @@ def merge_checkpoint(step_dir: str | os.PathLike[str], target_dir: str | os.Path
     Written to a temporary sibling and renamed, so an interrupted merge never leaves a half model
     under ``target_dir``; an existing ``target_dir`` is replaced only once the new one is complete.
     """
+    if not Path(step_dir).is_dir():  # a bad path is refused before torch, transformers and verl are imported
+        raise SFTConfigError(f"checkpoint {step_dir} is not a folder")
+    shards = _shard_dir(Path(step_dir))
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from verl.model_merger.base_model_merger import ModelMergerConfig
     from verl.model_merger.fsdp_model_merger import FSDPModelMerger
 
-    if not Path(step_dir).is_dir():
-        raise SFTConfigError(f"checkpoint {step_dir} is not a folder")
-    shards = _shard_dir(Path(step_dir))
     target = Path(target_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(target.name + ".merging")
