@@ -682,10 +682,9 @@ def test_atr_reward_is_one_or_zero(dry_runs, script):
     }
 
 
-def test_atr_gpus_per_node_is_the_one_scaling_knob():
+def test_atr_gpus_per_node_is_the_one_scaling_knob(printer: str):
     """GPUS_PER_NODE=D spreads the paper's 32-completion optimizer step over D GPUs; the step is unchanged."""
-    proc = run_script("run_atr_grpo_qwen3_1.7b.sh", "--dry-run", env={"GPUS_PER_NODE": "8"})
-    config = _load(proc)
+    config = script_config(printer, "run_atr_grpo_qwen3_1.7b.sh", "--dry-run", env={"GPUS_PER_NODE": "8"})
     actor = _actor(config)
     assert config["trainer"]["n_gpus_per_node"] == 8
     assert config["data"]["train_batch_size"] == 4 and actor["ppo_mini_batch_size"] == 4 and actor["ppo_epochs"] == 2
