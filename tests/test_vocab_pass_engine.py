@@ -472,27 +472,22 @@ def test_lora_elsewhere_is_accepted() -> None:
     assert actor.policy_loss.vocab_pass is True
 
 
-def test_every_launch_script_passes_vocab_pass_through() -> None:
+def test_every_launch_script_passes_vocab_pass_through(tmp_path: Path) -> None:
     """``VOCAB_PASS`` is read by launch/common.sh (every ``divclip_launch`` script and the sweep) and
-    by launch/run_smoke_cpu.sh; a bad value exits 2 naming the variable."""
+    by launch/run_smoke_cpu.sh; a bad value exits 2 naming the variable. (The script's dry run composed and
+    validated in this process from the command line it builds: tests/test_launch.py's ``script_config``.)"""
     import os
     import subprocess
-    import sys
 
-    import yaml
+    from tests.test_launch import PRINTER, script_config
 
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "VOCAB_PASS": "1", "PYTHON": sys.executable}
-    proc = subprocess.run(
-        ["bash", str(root / "launch/run_erc_dapo_1.5b.sh"), "--dry-run"],
-        cwd="/",
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert yaml.safe_load(proc.stdout)["actor_rollout_ref"]["actor"]["policy_loss"]["vocab_pass"] is True
+    printer = tmp_path / "print_argv"
+    printer.write_text(PRINTER)
+    printer.chmod(0o755)
+    config = script_config(str(printer), "run_erc_dapo_1.5b.sh", "--dry-run", env={"VOCAB_PASS": "1"})
+    assert config["actor_rollout_ref"]["actor"]["policy_loss"]["vocab_pass"] is True
+    env = dict(os.environ)
     for script in ("run_grpo_7b.sh", "run_smoke_cpu.sh"):
         bad = subprocess.run(
             ["bash", str(root / "launch" / script), "--dry-run"],
