@@ -374,6 +374,73 @@ def test_lora_rank_is_checked_without_vllm():
     assert _VLLM_UTILS not in sys.modules  # the stand-in is gone afterwards
 
 
+def test_the_lora_rank_stand_in_follows_verls_fallback_list() -> None:
+    """The stand-in's ranks: the smallest of verl's fallback list at or above the rank; 0, negative or above the
+    list's last refused, naming the key."""
+    from recipe.config_checks import VERL_FALLBACK_LORA_RANKS, _max_lora_rank_without_vllm
+
+    assert [_max_lora_rank_without_vllm(r) for r in (1, 2, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
+    assert VERL_FALLBACK_LORA_RANKS[-1] == 512
+    for rank in (0, -4):
+        with pytest.raises(ValueError) as refused:
+            _max_lora_rank_without_vllm(rank)
+        assert str(refused.value) == f"actor_rollout_ref.model.lora_rank must be > 0, got {rank}"
+    with pytest.raises(ValueError) as refused:
+        _max_lora_rank_without_vllm(513)
+    assert str(refused.value) == "actor_rollout_ref.model.lora_rank must be <= 512 for vLLM, got 513"
+
+
+def test_the_lora_rank_stand_in_is_used_only_where_vllm_is_missing(monkeypatch) -> None:
+    """With vLLM installed, or verl's module already imported, nothing is stood in for (and what was imported stays);
+    a stand-in the checked code removed itself is no error on the way out."""
+    import importlib.util
+    import sys
+    import types
+
+    from recipe.config_checks import _VLLM_UTILS, lora_rank_check_without_vllm
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real_find_spec(name, *a)
+    )
+    with lora_rank_check_without_vllm():
+        assert _VLLM_UTILS not in sys.modules  # vLLM "installed": verl imports its own module
+    monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)
+    loaded = types.ModuleType(_VLLM_UTILS)
+    monkeypatch.setitem(sys.modules, _VLLM_UTILS, loaded)
+    with lora_rank_check_without_vllm():
+        assert sys.modules[_VLLM_UTILS] is loaded
+    assert sys.modules[_VLLM_UTILS] is loaded  # kept on the way out
+    monkeypatch.delitem(sys.modules, _VLLM_UTILS)
+    with lora_rank_check_without_vllm():
+        sys.modules.pop(_VLLM_UTILS)
+    assert _VLLM_UTILS not in sys.modules
+
+
+def test_the_ulysses_size_is_the_fsdp_actors_key_or_its_engines_and_1_without_an_fsdp_engine() -> None:
+    from verl_ext.config_rules.composed import _ulysses_size
+
+    def size(*overrides: str) -> int:
+        return _ulysses_size(compose_config(*overrides).actor_rollout_ref.actor)
+
+    assert size() == 1
+    assert size("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2") == 2
+    assert size("actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=4") == 4
+    assert size("model_engine=megatron", PACK_OFF) == 1  # Megatron's actor has neither key
+
+
+def test_a_local_models_dropout_is_read_from_its_folder_only(tmp_path, monkeypatch) -> None:
+    """No model path reads no config.json, not even one in the working directory."""
+    import json
+
+    from verl_ext.config_rules.composed import _local_dropout
+
+    (tmp_path / "config.json").write_text(json.dumps({"attention_dropout": 0.1}))
+    monkeypatch.chdir(tmp_path)
+    assert _local_dropout(str(tmp_path)) == "attention_dropout=0.1"  # the control: the folder itself is read
+    assert _local_dropout("") is None and _local_dropout(None) is None
+
+
 @pytest.mark.parametrize(
     "fused, expected",
     [

@@ -422,12 +422,11 @@ TRAINER_MODE_RULES = (
 
 
 def _ulysses_size(actor: Any) -> int:
-    """The actor's Ulysses sequence-parallel size (the actor's key or its engine's, whichever is set)."""
-    engine = getattr(actor, "fsdp_config", None)
-    return max(
-        int(getattr(actor, "ulysses_sequence_parallel_size", 1) or 1),
-        int(getattr(engine, "ulysses_sequence_parallel_size", 1) or 1),
-    )
+    """The actor's Ulysses sequence-parallel size: the FSDP actor's key or its engine's, whichever is set (verl's
+    ``FSDPActorConfig`` has both); 1 for an actor without an FSDP engine (Megatron's has neither key)."""
+    if "fsdp_config" not in actor:
+        return 1
+    return max(int(actor.ulysses_sequence_parallel_size), int(actor.fsdp_config.ulysses_sequence_parallel_size))
 
 
 def validate_bypass_mode(config: DictConfig, actor: Any) -> None:
@@ -571,5 +570,5 @@ def validate_old_topk(config: DictConfig, actor: Any, policy: DivClipPolicyLossC
 def _local_vocab_size(model_path: Any) -> int | None:
     """``vocab_size`` of a local Hugging Face checkpoint (its config.json); None when the path is not a
     local directory (a hub id: the engine checks k against the logits when it runs)."""
-    vocab = _local_model_config(model_path).get("vocab_size", None)
+    vocab = _local_model_config(model_path).get("vocab_size")
     return int(vocab) if isinstance(vocab, int) else None
