@@ -669,6 +669,15 @@ def test_the_registry_patch_replaces_only_verls_own_class(monkeypatch: pytest.Mo
         register_divclip_trainers()
 
 
+def test_separate_async_refuses_the_rollout_switch_only_with_disaggregation_and_the_hybrid_engine() -> None:
+    """The refusal above needs all three; each alone is accepted."""
+    for alone in (
+        "actor_rollout_ref.rollout.disaggregation.enabled=true",
+        "trainer.v1.separate_async.hybrid_rollout.enable_switch=true",
+    ):
+        validate_divclip_config(compose_config(*SEPARATE, alone))
+
+
 def test_separate_async_divides_an_update_among_data_parallel_ranks_not_ulysses_ranks() -> None:
     """Two ranks in one Ulysses group are one data-parallel rank: its 4 samples fit micro-batches of 4 (refused
     above without sequence parallelism, where each of the two ranks holds 2)."""

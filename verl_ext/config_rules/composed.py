@@ -376,9 +376,9 @@ def check_separate_async_switch(config: DictConfig, actor: Any) -> None:
     """``separate_async``: no rollout disaggregation with the hybrid rollout switch."""
     if (
         _trainer_mode(config) == "separate_async"
-        and OmegaConf.select(config.trainer.v1.separate_async, "hybrid_rollout.enable_switch", default=False)
+        and config.trainer.v1.separate_async.hybrid_rollout.enable_switch
         and config.actor_rollout_ref.hybrid_engine
-        and OmegaConf.select(config.actor_rollout_ref.rollout, "disaggregation.enabled", default=False)
+        and config.actor_rollout_ref.rollout.disaggregation.enabled
     ):
         raise ValueError(
             f"{TRAINER_MODE}=separate_async: trainer.v1.separate_async.hybrid_rollout.enable_switch=true does not "
@@ -486,7 +486,8 @@ def old_log_prob_from_update_blocker(config: DictConfig) -> str | None:
 
 def validate_old_log_prob_from_update(config: DictConfig) -> None:
     """``policy_loss.old_log_prob_from_update=true`` where it is not exact is refused, naming the reason."""
-    if config.actor_rollout_ref.actor.policy_loss.get("old_log_prob_from_update", None) is not True:
+    # verl's own PolicyLossConfig has no such key: nothing asked
+    if config.actor_rollout_ref.actor.policy_loss.get("old_log_prob_from_update") is not True:
         return
     blocker = old_log_prob_from_update_blocker(config)
     if blocker is not None:
