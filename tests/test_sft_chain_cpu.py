@@ -27,6 +27,7 @@ from tests.test_smoke_cpu import (
     SMOKE_TIMEOUT_S,
     assert_coarsened_kl_from_stored_top_k,
     assert_on_policy_exact,
+    run_in_own_session,
     step_metrics,
 )
 
@@ -55,7 +56,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _run(args: list[str], env: dict[str, str], timeout: int) -> subprocess.CompletedProcess:
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_in_own_session(args, env, timeout)  # past its timeout, the run's whole session is killed
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections import Counter, defaultdict
@@ -61,16 +62,48 @@ def run_smoke(out: Path, loss: str, steps: int, *overrides: str, **env: str) -> 
         **env,
     }
     full_env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run(
-        ["bash", str(ROOT / "launch/run_smoke_cpu.sh"), *overrides],
-        cwd=ROOT,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=SMOKE_TIMEOUT_S,
-    )
+    proc = run_in_own_session(["bash", str(ROOT / "launch/run_smoke_cpu.sh"), *overrides], full_env, SMOKE_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def session_members(session: int) -> list[int]:
+    """The pids of every process in ``session`` (field 6 of /proc/PID/stat)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def run_in_own_session(args: list[str], env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
+    """``args`` in a session of its own; past ``timeout_s`` every process of that session -- the script, the
+    training driver and the Ray session it started, whose workers keep the session -- is killed, so that a run
+    that hangs fails its test without running on beside the rest of the suite (a timed-out smoke once left its
+    whole Ray session busy for the rest of a suite)."""
+    proc = subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        for pid in session_members(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # a process that left the session holds the pipes
+            stdout, stderr = "", ""
+        raise AssertionError(
+            f"{' '.join(args[:2])} ran past {timeout_s} s; its session was killed\n{stdout[-3000:]}{stderr[-3000:]}"
+        ) from None
+    return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
 
 
 def assert_on_policy_exact(data: dict, erc: bool, vocab_pass: bool = False) -> None:
