@@ -433,6 +433,20 @@ def expected_delta(step: int) -> float:
     return min(ADAPTIVE["delta"] * ADAPTIVE["rate"] ** (step - 1), DivClipPolicyLossConfig.adaptive_delta_max)
 
 
+def logged_steps(out: Path) -> set[int]:
+    """The training steps the run's attempts have logged so far (verl's file logger, one file per attempt)."""
+    steps = set()
+    for path in (out / "logs").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line being written
+                continue
+            if "actor/pg_loss" in row.get("data", {}):
+                steps.add(row["step"])
+    return steps
+
+
 def step_metrics(out: Path) -> dict[int, dict[str, Any]]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {r["step"]: r["data"] for r in rows if "actor/pg_loss" in r["data"]}
@@ -634,7 +648,9 @@ def runs(two_nodes: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) ->
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     tracker = crashed / "ckpt" / "latest_checkpointed_iteration.txt"
     deadline = time.monotonic() + 900
-    while not (tracker.exists() and tracker.read_text().strip()):
+    # killed once its first checkpoint is complete and its first step's metrics are logged (verl logs a step after
+    # saving its checkpoint: a kill between the two lost step 1's metrics once)
+    while not (tracker.exists() and tracker.read_text().strip() and 1 in logged_steps(crashed)):
         assert time.monotonic() < deadline and job_status(two_nodes, "divclip-two-nodes-crash") in (
             JobStatus.PENDING,
             JobStatus.RUNNING,
