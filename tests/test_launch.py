@@ -133,12 +133,17 @@ def _load(proc: subprocess.CompletedProcess) -> Any:
 PRINTER = '#!/bin/sh\nprintf \'%s\\0\' "$DIVCLIP_DATA_DIR" "$@"\n'
 
 
-@pytest.fixture(scope="module")
-def printer(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("printer") / "print_argv"
+def write_printer(folder: Path) -> str:
+    """:data:`PRINTER` as an executable in ``folder``; its path."""
+    path = folder / "print_argv"
     path.write_text(PRINTER)
     path.chmod(0o755)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def printer(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_printer(tmp_path_factory.mktemp("printer"))
 
 
 def script_config(printer: str, script: str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:

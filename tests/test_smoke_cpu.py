@@ -31,6 +31,7 @@ import subprocess
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -67,17 +68,19 @@ def run_smoke(out: Path, loss: str, steps: int, *overrides: str, **env: str) -> 
     return proc
 
 
+def proc_stat(pid: int) -> Optional[tuple[int, int, int, str]]:
+    """(ppid, session id, start time, state) from /proc/<pid>/stat, or None once the process is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), int(fields[3]), int(fields[19]), fields[0]
+
+
 def session_members(session: int) -> list[int]:
-    """The pids of every process in ``session`` (field 6 of /proc/PID/stat)."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == session:
-            pids.append(int(stat.parent.name))
-    return pids
+    """The pids of every process in ``session``."""
+    pids = [int(path.name) for path in Path("/proc").iterdir() if path.name.isdigit()]
+    return [pid for pid in pids if (stat := proc_stat(pid)) is not None and stat[1] == session]
 
 
 def run_in_own_session(args: list[str], env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:

@@ -58,7 +58,7 @@ from typing import Any, Optional
 
 import pytest
 
-from tests.test_smoke_cpu import SMOKE_TIMEOUT_S, assert_on_policy_exact
+from tests.test_smoke_cpu import SMOKE_TIMEOUT_S, assert_on_policy_exact, proc_stat
 from tests.test_submit_ray import SUBMIT, _ray_env, _wait_for_job_agent, loopback_env, start_cluster
 from tests.test_trainer_modes_cpu import epoch_order
 from verl_ext.config import DivClipPolicyLossConfig
@@ -121,15 +121,6 @@ class ProcRecord:
     titles: dict[str, float] = field(default_factory=dict)
 
 
-def _proc_stat(pid: int) -> Optional[tuple[int, int, int, str]]:
-    """(ppid, session id, start time, state) from /proc/<pid>/stat, or None once the process is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return int(fields[1]), int(fields[3]), int(fields[19]), fields[0]
-
-
 def _refers_to(pid: int, folder: str) -> bool:
     """Whether the process's working directory or one of its open files lies in ``folder``."""
     base = Path(f"/proc/{pid}")
@@ -177,7 +168,7 @@ class ClusterProcesses:
         pid = os.getppid()
         while pid > 1:  # the test's ancestors (pytest, its xdist parent, the shell)
             self._excluded.add(pid)
-            stat = _proc_stat(pid)
+            stat = proc_stat(pid)
             pid = stat[0] if stat else 0
 
     def scan(self) -> dict[ProcKey, str]:
@@ -187,7 +178,7 @@ class ClusterProcesses:
             if not entry.name.isdigit() or int(entry.name) in self._excluded:
                 continue
             pid = int(entry.name)
-            stat = _proc_stat(pid)
+            stat = proc_stat(pid)
             if stat is None or stat[3] == "Z":
                 continue
             try:
@@ -238,7 +229,7 @@ class ClusterProcesses:
 
     @staticmethod
     def alive(key: ProcKey) -> bool:
-        stat = _proc_stat(key.pid)
+        stat = proc_stat(key.pid)
         return stat is not None and stat[2] == key.start and stat[3] != "Z"
 
     def describe(self, key: ProcKey) -> str:
@@ -434,17 +425,14 @@ def expected_delta(step: int) -> float:
 
 
 def logged_steps(out: Path) -> set[int]:
-    """The training steps the run's attempts have logged so far (verl's file logger, one file per attempt)."""
-    steps = set()
-    for path in (out / "logs").glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a line being written
-                continue
-            if "actor/pg_loss" in row.get("data", {}):
-                steps.add(row["step"])
-    return steps
+    """The training steps the run's attempts have logged so far (verl's file logger, one file per attempt, read as
+    the smoke's report reads them); none before the first log line is whole."""
+    from recipe.smoke.report import merge_attempts
+
+    try:
+        return {step for step, data in merge_attempts(out).items() if "actor/pg_loss" in data}
+    except (FileNotFoundError, ValueError):  # no log yet, or a line being written
+        return set()
 
 
 def step_metrics(out: Path) -> dict[int, dict[str, Any]]:

@@ -479,13 +479,10 @@ def test_every_launch_script_passes_vocab_pass_through(tmp_path: Path) -> None:
     import os
     import subprocess
 
-    from tests.test_launch import PRINTER, script_config
+    from tests.test_launch import script_config, write_printer
 
     root = Path(__file__).resolve().parents[1]
-    printer = tmp_path / "print_argv"
-    printer.write_text(PRINTER)
-    printer.chmod(0o755)
-    config = script_config(str(printer), "run_erc_dapo_1.5b.sh", "--dry-run", env={"VOCAB_PASS": "1"})
+    config = script_config(write_printer(tmp_path), "run_erc_dapo_1.5b.sh", "--dry-run", env={"VOCAB_PASS": "1"})
     assert config["actor_rollout_ref"]["actor"]["policy_loss"]["vocab_pass"] is True
     env = dict(os.environ)
     for script in ("run_grpo_7b.sh", "run_smoke_cpu.sh"):
