@@ -83,11 +83,6 @@ def read_keys() -> dict[str, tuple[str, ...]]:
     return {key: tuple(modules) for key, modules in data["keys"].items()}
 
 
-def known_reads() -> frozenset[str]:
-    """Every key of the committed record."""
-    return frozenset(read_keys())
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m recipe.verl_key_reads [tests...]``: record and write :data:`READ_KEYS_PATH`."""
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])

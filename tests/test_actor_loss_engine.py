@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from recipe.bench.harness import (
-    EXACT_SGD,
     TinyQwen3Spec,
     WorkerOptions,
     build_actor_worker,
@@ -28,12 +27,11 @@ from recipe.bench.harness import (
     full_params,
     make_actor_config,
     make_rollout_batch,
-    param_delta,
     save_tiny_qwen3,
-    shard_for_rank,
     update_actor,
 )
 from recipe.bench.ranks import run_ranks
+from tests.helpers import EXACT_SGD, param_delta, shard_for_rank
 
 SPEC = TinyQwen3Spec()
 PROMPT_LENS = [3, 5, 4, 6]
@@ -243,13 +241,13 @@ ENGINE_RUN_CORE = {
 def test_the_run_reads_only_recorded_keys_and_the_core_set(single: dict[str, Any], key_reads_dir: Path) -> None:
     """The engine run above, recorded (verl_ext.core.key_reads): every verl key the product read is in the
     committed record (recipe/verl_keys_read.json), whose rows the key table gives."""
-    from recipe.verl_key_reads import known_reads
+    from recipe.verl_key_reads import read_keys
     from recipe.verl_keys import is_divclip_key
     from verl_ext.core.key_reads import read_records
 
     recorded = {key for key in read_records(key_reads_dir) if not is_divclip_key(key)}
     assert ENGINE_RUN_CORE <= recorded, ENGINE_RUN_CORE - recorded
-    unknown = recorded - known_reads()
+    unknown = recorded - frozenset(read_keys())
     assert not unknown, (
         f"read by the product, not in recipe/verl_keys_read.json: {unknown} (python -m recipe.verl_key_reads)"
     )

@@ -148,16 +148,15 @@ ENGINE_REWARDS = [1.0, -1.0, 1.0, -0.5]  # micro-batches of 2: [correct, wrong],
 
 def _engine_job(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
     from recipe.bench.harness import (
-        EXACT_SGD,
         TinyQwen3Spec,
         WorkerOptions,
         build_actor_worker,
         compute_log_prob,
         full_params,
         make_rollout_batch,
-        param_delta,
         update_actor,
     )
+    from tests.helpers import EXACT_SGD, param_delta
     from verl_ext.actor_loss import build_actor_loss
     from verl_ext.config import DivClipPolicyLossConfig
 

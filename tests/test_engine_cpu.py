@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from recipe.bench.harness import (
-    EXACT_SGD,
     TinyQwen3Spec,
     WorkerOptions,
     build_actor_worker,
@@ -29,13 +28,12 @@ from recipe.bench.harness import (
     full_params,
     make_actor_config,
     make_rollout_batch,
-    param_delta,
     ppo_loss_fn,
     save_tiny_qwen3,
-    shard_for_rank,
     update_actor,
 )
 from recipe.bench.ranks import run_ranks
+from tests.helpers import EXACT_SGD, param_delta, shard_for_rank
 
 SPEC = TinyQwen3Spec()
 PROMPT_LENS = [3, 5, 4, 6]

@@ -26,7 +26,6 @@ import pytest
 import torch
 
 from recipe.bench.harness import (
-    EXACT_SGD,
     FP32_MIXED_PRECISION,
     TinyQwen3Spec,
     WorkerOptions,
@@ -35,11 +34,11 @@ from recipe.bench.harness import (
     full_params,
     make_actor_config,
     make_rollout_batch,
-    param_delta,
     save_tiny_qwen3,
     update_actor,
 )
 from recipe.bench.ranks import run_ranks
+from tests.helpers import EXACT_SGD, param_delta
 
 SPEC = TinyQwen3Spec()
 HEAD_SCALE = 1000.0  # makes about half of the tokens' entropy <= 1e-6 nats

@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from recipe.bench.harness import (
-    EXACT_SGD,
     FP32_MIXED_PRECISION,
     TinyQwen3Spec,
     WorkerOptions,
@@ -33,6 +32,7 @@ from recipe.bench.harness import (
     update_actor,
 )
 from recipe.bench.ranks import run_ranks
+from tests.helpers import EXACT_SGD
 
 SPEC = TinyQwen3Spec()
 PROMPT_LENS = [3, 5, 4, 6]

@@ -25,7 +25,6 @@ import pytest
 import torch
 
 from recipe.bench.harness import (
-    EXACT_SGD,
     TinyQwen3Spec,
     WorkerOptions,
     build_actor_worker,
@@ -33,12 +32,11 @@ from recipe.bench.harness import (
     full_params,
     make_actor_config,
     make_rollout_batch,
-    param_delta,
     save_tiny_qwen3,
-    shard_for_rank,
     update_actor,
 )
 from recipe.bench.ranks import run_ranks
+from tests.helpers import EXACT_SGD, param_delta, shard_for_rank
 from verl_ext.engine.packing import first_epoch_mini_batches
 
 PROMPT_LENS = [3, 5, 4, 6, 2, 7, 5, 3]

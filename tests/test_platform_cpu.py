@@ -69,7 +69,7 @@ PROBE = textwrap.dedent(
 @pytest.fixture(scope="module")
 def probe() -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
-    from recipe.bench.ranks import free_port
+    from tests.helpers import free_port
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     env.pop("VERL_PLATFORM", None)

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import pytest
 
-from recipe.bench.ranks import free_port
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBMIT = ROOT / "launch" / "submit.sh"

@@ -51,7 +51,6 @@ import pytest
 import torch
 
 from recipe.bench.harness import (
-    EXACT_SGD,
     TinyQwen3Spec,
     WorkerOptions,
     build_actor_worker,
@@ -59,12 +58,12 @@ from recipe.bench.harness import (
     full_params,
     make_actor_config,
     make_rollout_batch,
-    param_delta,
     ppo_loss_fn,
     save_tiny_qwen3,
     update_actor,
 )
 from recipe.bench.ranks import run_ranks
+from tests.helpers import EXACT_SGD, param_delta
 from tests.test_onpolicy import divclip_loss  # the divclip actor loss as DivClipTrainer installs it
 from verl_ext.engine.swap import Swap, swapped
 

@@ -12,7 +12,7 @@ import pytest
 
 from recipe import verl_keys
 from recipe.verl_key_checks import compose_verl_schema, key_under, leaf_keys
-from recipe.verl_key_reads import READ_KEYS_PATH, known_reads, read_keys
+from recipe.verl_key_reads import READ_KEYS_PATH, read_keys
 from recipe.verl_keys import KeyClass, row_of
 from tests.test_recipe_main import ERC, dry_run
 from verl_ext.core.key_reads import RECORD_ENV, read_records
@@ -72,7 +72,7 @@ def test_a_dry_run_reads_only_recorded_keys_and_the_core_set(tmp_path: Path) -> 
     assert proc.returncode == 0, proc.stderr[-2000:]
     recorded = {key for key in read_records(tmp_path) if not verl_keys.is_divclip_key(key)}
     assert DRY_RUN_CORE <= recorded, DRY_RUN_CORE - recorded
-    unknown = recorded - known_reads()
+    unknown = recorded - frozenset(read_keys())
     assert not unknown, f"read by the product but not in {READ_KEYS_PATH}: {unknown} (python -m recipe.verl_key_reads)"
 
 

@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from recipe.bench.harness import (
-    EXACT_SGD,
     TinyQwen3Spec,
     WorkerOptions,
     build_actor_worker,
@@ -29,11 +28,11 @@ from recipe.bench.harness import (
     full_params,
     make_actor_config,
     make_rollout_batch,
-    param_delta,
     save_tiny_qwen3,
     update_actor,
 )
 from recipe.bench.ranks import run_ranks
+from tests.helpers import EXACT_SGD, param_delta
 
 VERL_MODES = ["vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro", "cispo"]
 WIDE = dict(erc_beta_low=0.99, erc_beta_high=1e6)

@@ -53,9 +53,6 @@ def select_cpu_platform() -> None:
     register_cpu_platform()
 
 
-QWEN_VOCAB_SIZE = 151_936
-"""Vocabulary size of the Qwen2.5/Qwen3 tokenizers (the logits width that dominates memory)."""
-
 FP32_MIXED_PRECISION: dict[str, str] = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 """FSDP mixed-precision setting for exact comparisons (verl's default computes in bf16)."""
 
@@ -184,11 +181,6 @@ class WorkerOptions:
     lora_alpha: int = 16  # actor_rollout_ref.model.lora_alpha
     target_modules: Any = "all-linear"  # actor_rollout_ref.model.target_modules (a name or a list of module names)
     model_type: str = "language_model"  # TrainingWorkerConfig.model_type: "value_model" builds verl's critic
-
-
-EXACT_SGD: dict[str, Any] = dict(optimizer="SGD", lr=0.5, clip_grad=1e9)
-"""``WorkerOptions`` overrides under which an update is exactly ``-lr * grad`` (SGD, clipping off),
-so tests can compare gradients by comparing parameter updates."""
 
 
 def build_actor_worker(model_path: str, options: Optional[WorkerOptions] = None) -> Any:
@@ -369,16 +361,6 @@ def make_rollout_batch(
     return batch
 
 
-def shard_for_rank(batch: TensorDict, rank: int, world_size: int) -> TensorDict:
-    """The contiguous slice of ``batch`` that verl's dispatch sends to data-parallel ``rank``."""
-    from verl.utils import tensordict_utils as tu
-
-    n = batch.batch_size[0]
-    if n % world_size:
-        raise ValueError(f"batch size {n} is not divisible by world size {world_size}")
-    return tu.chunk_tensordict(batch, world_size)[rank]
-
-
 def update_actor(
     worker: Any,
     batch: TensorDict,
@@ -480,9 +462,3 @@ def full_params(worker: Any) -> dict[str, torch.Tensor]:
             data = data.full_tensor()
         out[name] = data.clone()
     return out
-
-
-def param_delta(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``after - before`` per parameter (with ``WorkerOptions(optimizer="SGD", clip_grad=big)`` this is
-    exactly ``-lr * grad``)."""
-    return {k: after[k] - before[k] for k in before}

@@ -5,7 +5,6 @@ forked from a server that has imported torch and verl once, under the caller's e
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from collections.abc import Callable
 from typing import Any, Optional
@@ -13,15 +12,6 @@ from typing import Any, Optional
 import torch
 
 from recipe.bench.harness import select_cpu_platform
-
-
-def free_port() -> int:
-    """A free TCP port on the loopback interface, for a process that binds it itself at once (the ranks' store
-    is :func:`rendezvous_store`'s, bound by the process that serves it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 _STORES: list[Any] = []  # single_rank_env's, served for the life of the process
 

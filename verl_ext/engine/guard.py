@@ -49,7 +49,6 @@ check still runs; what they cannot see -- changed behaviour under unchanged name
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 WORKER_MODULE = "verl.workers.engine_workers"
-ENGINE_UTILS_MODULE = "verl.workers.engine.utils"
 
 
 class VerlMismatchError(RuntimeError):
