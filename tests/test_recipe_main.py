@@ -678,6 +678,20 @@ def test_separate_async_refuses_the_rollout_switch_only_with_disaggregation_and_
         validate_divclip_config(compose_config(*SEPARATE, alone))
 
 
+def test_separate_async_takes_cpu_gloo_on_the_cpu_platform_and_nccl_off_it() -> None:
+    """The weight-transfer refusals above leave the two backends that serve each platform."""
+    backend = "actor_rollout_ref.rollout.checkpoint_engine.backend"
+    for device, name in (("cpu", "cpu_gloo"), ("cuda", "nccl")):
+        validate_divclip_config(compose_config(*SEPARATE, f"trainer.device={device}", f"{backend}={name}"))
+
+
+def test_separate_async_takes_a_reward_model_in_its_own_pool() -> None:
+    """The reward-model refusal above is lifted by the model's own resource pool."""
+    validate_divclip_config(
+        compose_config(*SEPARATE, "reward.reward_model.enable=true", "reward.reward_model.enable_resource_pool=true")
+    )
+
+
 def test_separate_async_divides_an_update_among_data_parallel_ranks_not_ulysses_ranks() -> None:
     """Two ranks in one Ulysses group are one data-parallel rank: its 4 samples fit micro-batches of 4 (refused
     above without sequence parallelism, where each of the two ranks holds 2)."""

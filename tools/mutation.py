@@ -419,6 +419,11 @@ EQUIVALENT: dict[str, str] = {
     "verl_ext.adaptive_delta.xǁAdaptiveDeltaǁsave__mutmut_20": _JSON_LAYOUT,
     "verl_ext.adaptive_delta.xǁAdaptiveDeltaǁsave__mutmut_23": _JSON_LAYOUT,
     "verl_ext.adaptive_delta.xǁAdaptiveDeltaǁsave__mutmut_25": _JSON_LAYOUT,
+    # the config rules (sixteenth session)
+    "verl_ext.config_rules.composed.x_check_separate_async_micro_batches__mutmut_23": (
+        "(rows // ranks) % size -> (rows / ranks) % size: evaluated only when rows % ranks == 0 (the `or` before it), "
+        "where both quotients are the same integer"
+    ),
 }
 
 #: mutmut's verdicts (``mutmut.stats.status_by_exit_code``) as the table groups them

@@ -363,8 +363,8 @@ def check_separate_async_reward_pool(config: DictConfig, actor: Any) -> None:
     """``separate_async``: a reward model (if any) in its own resource pool."""
     if (
         _trainer_mode(config) == "separate_async"
-        and OmegaConf.select(config, "reward.reward_model.enable", default=False)
-        and not OmegaConf.select(config, "reward.reward_model.enable_resource_pool", default=False)
+        and config.reward.reward_model.enable
+        and not config.reward.reward_model.enable_resource_pool
     ):
         raise ValueError(
             f"{TRAINER_MODE}=separate_async never pauses the standalone rollout to free memory for a colocated reward "
