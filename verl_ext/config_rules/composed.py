@@ -138,19 +138,19 @@ def validate_verl_features(config: DictConfig) -> None:
       squared probabilities (only the legacy trainer's optimal-token baseline reads it), so it does nothing.
     """
 
-    if OmegaConf.select(config, "distillation.enabled", default=False):
+    if config.distillation.enabled:
         raise ValueError(
             "distillation.enabled=true: verl's actor would train with distillation_ppo_loss, which verl-divclip "
             "replaces with its own actor loss (every mode, through set_loss_fn), dropping the distillation term. "
             "Distillation is not supported by recipe.main: run verl's main_ppo for it, or set "
             "distillation.enabled=false"
         )
-    if not OmegaConf.select(config, "trainer.use_v1", default=True):
+    if not config.trainer.use_v1:
         raise ValueError(
             "trainer.use_v1=false selects verl's legacy trainer, which recipe.main does not run (its hooks are the v1 "
             "trainer's, in every trainer.v1.trainer_mode): set trainer.use_v1=true"
         )
-    if OmegaConf.select(config, f"{ACTOR}.calculate_sum_pi_squared", default=False):
+    if config.actor_rollout_ref.actor.calculate_sum_pi_squared:
         raise ValueError(
             f"{ACTOR}.calculate_sum_pi_squared=true has no effect in verl 0.9.1's v1 trainer (it never asks the engine "
             "for the sum of squared probabilities; only the legacy trainer's optimal-token baseline reads it): set it "
