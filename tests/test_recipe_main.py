@@ -526,6 +526,11 @@ SEPARATE = [
             "actor_rollout_ref.rollout.nnodes must be > 0 (got 0)",
         ),
         (
+            [*SEPARATE, "actor_rollout_ref.rollout.n_gpus_per_node=null"],
+            "trainer.v1.trainer_mode=separate_async generates on a standalone rollout pool: "
+            "actor_rollout_ref.rollout.n_gpus_per_node must be > 0 (got None)",
+        ),
+        (
             [*SEPARATE, "actor_rollout_ref.rollout.checkpoint_engine.backend=naive"],
             "trainer.v1.trainer_mode=separate_async moves weights to the standalone rollout pool with a checkpoint "
             "engine: actor_rollout_ref.rollout.checkpoint_engine.backend=naive only serves colocated rollouts (nccl, "

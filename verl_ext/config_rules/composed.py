@@ -324,10 +324,11 @@ def check_separate_async_rollout_pool(config: DictConfig, actor: Any) -> None:
         return
     rollout = config.actor_rollout_ref.rollout
     for key in ("nnodes", "n_gpus_per_node"):
-        if int(rollout.get(key, 0) or 0) <= 0:
+        value = rollout[key]
+        if value is None or int(value) <= 0:
             raise ValueError(
                 f"{TRAINER_MODE}=separate_async generates on a standalone rollout pool: {ROLLOUT}.{key} must be > 0 "
-                f"(got {rollout.get(key, None)})"
+                f"(got {value})"
             )
 
 
