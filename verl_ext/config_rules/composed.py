@@ -172,7 +172,7 @@ def check_actor_config(config: DictConfig, actor: Any) -> None:
     validate_strategy(actor, policy if divclip else None)
     validate_trainer_mode(config, actor)
     if divclip and policy.vocab_pass:
-        validate_vocab_pass(config, actor)
+        validate_vocab_pass(config)
     if divclip and policy.stores_old_topk:
         validate_old_topk(config, actor, policy)
     if divclip and policy.erc_enabled:
@@ -512,7 +512,7 @@ def _local_dropout(model_path: Any) -> str | None:
     return None
 
 
-def validate_vocab_pass(config: DictConfig, actor: Any) -> None:
+def validate_vocab_pass(config: DictConfig) -> None:
     """``policy_loss.vocab_pass=true`` never builds the logits and runs inside verl's FSDP actor
     engine: refuse what needs the logits or another forward (named keys), before Ray starts.
     Per-sample temperatures need nothing: the pass takes one temperature per token. (The other consumers of
