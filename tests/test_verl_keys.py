@@ -219,6 +219,20 @@ def test_a_replaced_or_dropped_key_is_refused_naming_both_keys(overrides: list[s
         assert name in message, (name, message)
 
 
+def test_dynamic_samplings_generation_cap_is_refused_at_one() -> None:
+    """verl 0.9.1's v1 replay buffer refills without a cap (``max_num_gen_batches`` is read by the legacy trainer
+    only): any cap, 1 included, is refused word for word, naming the key that bounds generation instead."""
+    with pytest.raises(ConfigError) as error:
+        validate_divclip_config(
+            compose_config("algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=1")
+        )
+    assert str(error.value) == (
+        "algorithm.filter_groups.max_num_gen_batches is ignored by verl 0.9.1's v1 trainer (its replay buffer "
+        "refills dropped groups until data.train_batch_size remain); set it to 0 and bound generation with "
+        "algorithm.filter_groups.max_inflight_gen_batches (in units of data.train_batch_size)"
+    )
+
+
 ACCEPTED = [
     [],  # every key at the project's defaults
     [f"{ACTOR}.clip_ratio_c=3.0"],  # verl's default

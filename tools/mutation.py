@@ -84,6 +84,7 @@ TESTS = [
     # the config rules' own tests (config_rules/, config_checks): composed configs, no engine
     "tests/test_verl_keys.py",
     "tests/test_checkpoints.py",
+    "tests/test_validation_length.py",
     *(
         f"tests/test_old_pass_skip.py::{name}"
         for name in (
