@@ -633,15 +633,21 @@ def test_profile_validation_names_the_key():
         atr = compose(
             config_name="divclip_trainer", overrides=["+experiments=atr_grpo_qwen3_1.7b", "+profile=released"]
         )
-        with pytest.raises(ConfigError, match=r"\+profile=released .* is for the ERC experiments"):
+        with pytest.raises(ConfigError) as refused:
             validate(atr)
+        assert str(refused.value) == (
+            "+profile=released (configs/profile/released.yaml) is for the ERC experiments "
+            "(configs/experiments/base/erc.yaml), but this config has divclip.paper=None"
+        )
         forged = compose(
             config_name="divclip_trainer", overrides=["+experiments=erc_dapo_7b", "divclip.profile=released2"]
         )
-        with pytest.raises(
-            ConfigError, match=r"divclip.profile='released2' is not a profile; known: \['paper', 'released'\]"
-        ):
+        with pytest.raises(ConfigError) as refused:
             validate(forged)
+        assert str(refused.value) == (
+            "divclip.profile='released2' is not a profile; known: ['paper', 'released'] (select one with "
+            "+profile=<name>, which also applies its settings)"
+        )
         ignored = compose(
             config_name="divclip_trainer",
             overrides=[

@@ -219,9 +219,10 @@ def test_a_replaced_or_dropped_key_is_refused_naming_both_keys(overrides: list[s
         assert name in message, (name, message)
 
 
-def test_dynamic_samplings_generation_cap_is_refused_at_one() -> None:
+def test_dynamic_samplings_generation_keys_are_refused_word_for_word() -> None:
     """verl 0.9.1's v1 replay buffer refills without a cap (``max_num_gen_batches`` is read by the legacy trainer
-    only): any cap, 1 included, is refused word for word, naming the key that bounds generation instead."""
+    only): any cap, 1 included, is refused, naming the key that bounds generation instead; so is a generation batch
+    other than 1, which that trainer replaces by 1."""
     with pytest.raises(ConfigError) as error:
         validate_divclip_config(
             compose_config("algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=1")
@@ -230,6 +231,12 @@ def test_dynamic_samplings_generation_cap_is_refused_at_one() -> None:
         "algorithm.filter_groups.max_num_gen_batches is ignored by verl 0.9.1's v1 trainer (its replay buffer "
         "refills dropped groups until data.train_batch_size remain); set it to 0 and bound generation with "
         "algorithm.filter_groups.max_inflight_gen_batches (in units of data.train_batch_size)"
+    )
+    with pytest.raises(ConfigError) as error:
+        validate_divclip_config(compose_config("algorithm.filter_groups.enable=true", "data.gen_batch_size=8"))
+    assert str(error.value) == (
+        "data.gen_batch_size=8 is replaced by 1 in verl 0.9.1's v1 trainer when algorithm.filter_groups.enable=true; "
+        "unset it and use algorithm.filter_groups.max_inflight_gen_batches"
     )
 
 

@@ -85,6 +85,7 @@ TESTS = [
     "tests/test_verl_keys.py",
     "tests/test_checkpoints.py",
     "tests/test_validation_length.py",
+    "tests/test_launch.py::test_profile_validation_names_the_key",
     *(
         f"tests/test_old_pass_skip.py::{name}"
         for name in (

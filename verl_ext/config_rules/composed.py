@@ -85,25 +85,25 @@ def known_profiles() -> list[str]:
 
 def validate_profile(config: DictConfig) -> None:
     """``divclip.profile`` names a real profile, applied to the experiments it was written for."""
-    divclip = config.get("divclip", None) or {}
-    profile = divclip.get("profile", DEFAULT_PROFILE)
+    divclip = config.divclip
+    profile = divclip.profile
     if profile not in known_profiles():
         raise ValueError(
             f"divclip.profile={profile!r} is not a profile; known: {known_profiles()} "
             "(select one with +profile=<name>, which also applies its settings)"
         )
     paper = PROFILE_PAPER.get(profile)
-    if paper is not None and divclip.get("paper", None) != paper:
+    if paper is not None and divclip.paper != paper:
         raise ValueError(
             f"+profile={profile} (configs/profile/{profile}.yaml) is for the {paper.upper()} experiments "
-            f"(configs/experiments/base/{paper}.yaml), but this config has divclip.paper={divclip.get('paper', None)!r}"
+            f"(configs/experiments/base/{paper}.yaml), but this config has divclip.paper={divclip.paper!r}"
         )
 
 
 def validate_data_trace(config: DictConfig) -> None:
     """``divclip.data_trace`` (:mod:`recipe.data_trace`) is written by the trainer on whichever Ray node it
     runs: only an absolute path means the same file everywhere."""
-    path = (config.get("divclip", None) or {}).get("data_trace", None)
+    path = config.divclip.data_trace
     if path is not None and (not isinstance(path, str) or not Path(path).is_absolute()):
         raise ValueError(f"divclip.data_trace={path!r} must be an absolute path (the trainer writes it on a Ray node)")
 
