@@ -391,6 +391,32 @@ def test_defaults_and_declared_settings_pass() -> None:
         )
 
 
+def test_every_unread_knob_is_refused_in_one_message() -> None:
+    """Two unread knobs: one refusal naming both, each as its own clause (``; `` between them)."""
+    from verl_ext.config_rules.policy import unread_knobs
+
+    actor = actor_config("clip", delta=0.5, gppo_beta_low=0.3)
+    first, second = unread_knobs(actor)
+    prefix = "actor_rollout_ref.actor.policy_loss"
+    assert first.startswith(f"{prefix}.delta=0.5 is not read by loss_mode='clip'"), first
+    assert second.startswith(f"{prefix}.gppo_beta_low=0.3 is not read by loss_mode='clip'"), second
+    with pytest.raises(ValueError) as refused:
+        check_knobs_read(actor)
+    assert str(refused.value) == f"{first}; {second}"
+
+
+def test_the_internal_mode_cannot_be_named() -> None:
+    """The mode the actor loss selects for ERC on verl's own modes is refused by name, word for word."""
+    from verl_ext.registry import ERC_ON_VERL_MODE
+
+    with pytest.raises(ValueError) as refused:
+        DivClipPolicyLossConfig(loss_mode=ERC_ON_VERL_MODE)
+    assert str(refused.value) == (
+        "actor_rollout_ref.actor.policy_loss.loss_mode='divclip_erc_on_verl_mode' is internal to the divclip actor "
+        "loss: name a loss mode"
+    )
+
+
 def test_a_fallback_is_refused_where_the_knobs_it_stands_in_for_are_set() -> None:
     with pytest.raises(ValueError, match=r"actor\.clip_ratio=0\.4 is not read by loss_mode='clip'.*stands in for"):
         check_knobs_read(actor_config("clip", clip_ratio=0.4))
