@@ -42,6 +42,7 @@ from verl_ext.knobs import (
     all_modes,
     declared_knob_names,
     mode_reads,
+    unread_knobs,
 )
 from verl_ext.verl_modes import VERL_MODE_READS
 
@@ -393,8 +394,6 @@ def test_defaults_and_declared_settings_pass() -> None:
 
 def test_every_unread_knob_is_refused_in_one_message() -> None:
     """Two unread knobs: one refusal naming both, each as its own clause (``; `` between them)."""
-    from verl_ext.config_rules.policy import unread_knobs
-
     actor = actor_config("clip", delta=0.5, gppo_beta_low=0.3)
     first, second = unread_knobs(actor)
     prefix = "actor_rollout_ref.actor.policy_loss"
