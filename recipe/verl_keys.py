@@ -48,7 +48,6 @@ from verl_ext.config_rules.policy import CORRECTION, POLICY, REF, ROLLOUT, TRAIN
 from verl_ext.config_rules.verl_keys import (
     ENTROPY_KEYS,
     PACK_KEY,
-    check_clip_ratio_c,
     check_entropy_keys,
     check_log_prob_packing,
     check_loss_type,
@@ -240,8 +239,8 @@ RULES: tuple[KeyRule, ...] = (
             "verl's dual-clip constant: the divclip modes take their dual clip from policy_loss.dual_clip_c alone "
             "(null = off); verl's own modes read it in ppo_loss (and refuse dual_clip_c)",
             replaced_by=f"{POLICY}.dual_clip_c",
-            refused_when="a value other than verl's default 3.0 or dual_clip_c's with a divclip loss_mode",
-            check=check_clip_ratio_c),
+            refused_when="a value other than verl's default 3.0 or dual_clip_c's under a loss_mode not reading it",
+            check="check_knobs_read"),
     KeyRule(f"{ACTOR}.grad_clip", N, "verl's legacy actor key: the v1 engine clips with actor.optim.clip_grad"),
     KeyRule(f"{ACTOR}.use_kl_loss", H, "verl's kl_penalty and agg_loss, bit-identical for all 14 KL types",
             evidence="`tests/test_ppo_loss_parity.py`"),

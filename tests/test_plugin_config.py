@@ -83,3 +83,23 @@ def test_invalid_value_fails_at_construction_naming_it():
     )
     with pytest.raises(InstantiationException, match=r"policy_loss\.delta must be"):
         omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+
+
+def test_a_registered_mode_check_runs_once_at_every_construction():
+    """``register_mode_check`` is how the loss-mode registry's check reaches ``__post_init__`` (the config module
+    imports no other verl_ext module): a check registered twice is kept once and runs on each config built."""
+    from verl_ext import config
+
+    seen: list[tuple[str, str]] = []
+
+    def check(policy: DivClipPolicyLossConfig, prefix: str) -> None:
+        seen.append((policy.loss_mode, prefix))
+
+    try:
+        assert config.register_mode_check(check) is check
+        config.register_mode_check(check)
+        DivClipPolicyLossConfig(loss_mode="kl3")
+        assert seen == [("kl3", "actor_rollout_ref.actor.policy_loss")]
+    finally:
+        config._MODE_CHECKS.remove(check)
+    assert check not in config._MODE_CHECKS

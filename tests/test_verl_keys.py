@@ -92,8 +92,8 @@ def test_every_rule_that_refuses_has_its_check() -> None:
         named = [getattr(module, str(rule.check), None) for module in (composed, policy, config_checks)]
         check = rule.check if callable(rule.check) else next((f for f in named if f is not None), None)
         assert callable(check), rule
-        if rule.key_class is KeyClass.REPLACED:
-            assert callable(rule.check) and rule.check in verl_keys.REPLACED_CHECKS, rule
+        if rule.key_class is KeyClass.REPLACED and callable(rule.check):
+            assert rule.check in verl_keys.REPLACED_CHECKS, rule
 
 
 @pytest.mark.parametrize(
@@ -267,6 +267,67 @@ ACCEPTED = [
 @pytest.mark.parametrize("overrides", ACCEPTED, ids=[" ".join(o) or "defaults" for o in ACCEPTED])
 def test_keys_at_the_value_the_divclip_path_uses_are_accepted(overrides: list[str]) -> None:
     validate_divclip_config(compose_config(*overrides))
+
+
+SYNC_STEP_TAIL = (
+    "Leave it at 1, or use trainer.v1.trainer_mode=separate_async with trainer.v1.separate_async.parameter_sync_step "
+    "(Decoupled PPO, supported)"
+)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["+trainer.v1.sync.parameter_sync_step=3"],  # the active mode's: verl honours it, the gauge would not
+            "trainer.v1.sync.parameter_sync_step=3: verl's base trainer honours it in trainer.v1.trainer_mode=sync "
+            "(each step trains 3 local updates, each on data.train_batch_size / 3 samples of the step's rollouts, "
+            "pi_old recomputed before each), but the divclip on-policy flag treats every later local update as "
+            "off-policy, so its on-policy gauge and packing check never see them. " + SYNC_STEP_TAIL,
+        ),
+        (
+            ["+trainer.v1.colocate_async.parameter_sync_step=2"],  # another mode's: verl never reads it
+            "trainer.v1.colocate_async.parameter_sync_step=2: verl reads only trainer.v1.sync.* in "
+            "trainer.v1.trainer_mode=sync: it has no effect. " + SYNC_STEP_TAIL,
+        ),
+    ],
+    ids=["active-mode", "inactive-mode"],
+)
+def test_parameter_sync_step_refusal_says_whether_verl_reads_it(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        validate_divclip_config(compose_config(*overrides))
+    assert str(error.value) == message
+
+
+def test_an_interpolated_verl_default_is_no_exemption() -> None:
+    """verl's ``rollout.log_prob_max_token_len_per_gpu`` interpolates the actor's token budget: 16384, the value it
+    takes in verl's schema, is not its default once the actor's budget is 8192, so writing 16384 is refused (the
+    pass is packed with 8192); a key verl sets to a plain value may be left at it."""
+    budget = [*DYNAMIC, f"{ACTOR}.ppo_max_token_len_per_gpu=8192"]
+    validate_divclip_config(compose_config(*budget))  # the interpolation follows the actor: accepted
+    assert verl_default(f"{ROLLOUT}.log_prob_max_token_len_per_gpu") == 16384
+    with pytest.raises(ConfigError) as error:
+        validate_divclip_config(compose_config(*budget, f"{ROLLOUT}.log_prob_max_token_len_per_gpu=16384"))
+    assert str(error.value).startswith(
+        f"{ROLLOUT}.log_prob_max_token_len_per_gpu=16384 is not used: with {POLICY}.pack_old_log_prob_as_update=true "
+        f"(the default) the old-log-prob pass is packed exactly as the update, with {ACTOR}.ppo_max_token_len_per_gpu"
+        "=8192. "
+    ), str(error.value)
+
+
+def test_a_missing_verl_schema_file_is_named(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from verl_ext.config_rules import verl_keys as rules
+
+    monkeypatch.setattr(rules, "verl_config_dir", lambda: tmp_path)
+    rules.verl_schema.cache_clear()
+    try:
+        with pytest.raises(FileNotFoundError) as error:
+            rules.verl_schema()
+        assert str(error.value) == (
+            f"verl's flattened ppo_trainer config is missing: {tmp_path / '_generated_ppo_trainer.yaml'}"
+        )
+    finally:
+        rules.verl_schema.cache_clear()
 
 
 def test_the_doc_is_the_table() -> None:

@@ -20,7 +20,6 @@ from verl_ext.config_rules.policy import (
     ROLLOUT,
     TRAINER_MODE,
 )
-from verl_ext.core.region import CONSTRAINTS
 
 # ------------------------------------------------------------------------------------------------
 # verl's keys the divclip path replaces or never reads (the refusals of recipe.verl_keys' table)
@@ -62,7 +61,7 @@ def verl_default(key: str) -> Any:
 def _interpolated_in_verl(key: str) -> bool:
     """Whether verl's schema gives ``key`` an interpolation (its default then is another key's value)."""
     parent, _, name = key.rpartition(".")
-    node = OmegaConf.select(verl_schema(), parent) if parent else verl_schema()
+    node = OmegaConf.select(verl_schema(), parent)  # the root for a top-level key ('' selects it)
     return isinstance(node, DictConfig) and OmegaConf.is_interpolation(node, name)
 
 
@@ -96,36 +95,10 @@ def _packs_as_update(config: DictConfig) -> bool:
     return bool(_policy_knob(config, "pack_old_log_prob_as_update")) if _divclip_policy(config) else True
 
 
-def _loss_mode(config: DictConfig) -> str:
-    return str(_value(config, f"{POLICY}.loss_mode"))
-
-
 PACK_KEY = f"{POLICY}.pack_old_log_prob_as_update"
 
 
 PACK_HINT = f"{PACK_KEY}=false gives verl's packing of the old-log-prob pass back"
-
-
-def check_clip_ratio_c(config: DictConfig) -> None:
-    """``actor.clip_ratio_c`` is verl's dual-clip constant; a divclip mode's dual clip is
-    ``policy_loss.dual_clip_c`` alone (verl's own modes read ``clip_ratio_c`` and refuse ``dual_clip_c``)."""
-    key, replacing = f"{ACTOR}.clip_ratio_c", f"{POLICY}.dual_clip_c"
-    mode, value, default = (
-        _loss_mode(config),
-        _value(config, f"{ACTOR}.clip_ratio_c"),
-        verl_default(f"{ACTOR}.clip_ratio_c"),
-    )
-    if value == default:
-        return
-    dual_clip_c = _policy_knob(config, "dual_clip_c") if _divclip_policy(config) else None
-    if dual_clip_c is not None and float(value) == float(dual_clip_c):
-        return  # both keys say the same c (the released ERC profile sets both)
-    if mode in CONSTRAINTS:
-        raise ValueError(
-            f"{key}={value} is not read by {POLICY}.loss_mode={mode!r} (a divclip mode): its dual clip comes from "
-            f"{replacing} alone (null = off, got {dual_clip_c!r}). Set {replacing}={value} and leave {key} at verl's "
-            f"default {default}"
-        )
 
 
 def check_log_prob_packing(config: DictConfig) -> None:
@@ -205,7 +178,7 @@ def check_parameter_sync_step(config: DictConfig) -> None:
     active = _value(config, TRAINER_MODE)
     for mode in ("sync", "colocate_async"):
         key = f"trainer.v1.{mode}.parameter_sync_step"
-        value = OmegaConf.select(config, key, default=None)
+        value = OmegaConf.select(config, key)  # None where no one set the key (verl's schema lacks it)
         if value is None or value == 1:
             continue
         what = (
