@@ -2,31 +2,9 @@
 
 "For all methods, we perform the supervised fine-tuning on the OpenMathReasoning dataset for
 formatting before the RLVR process." Input: ``nvidia/OpenMathReasoning`` as published (hub id with
-``--split cot``, or local parquet/JSONL files or folders of its shards), whose columns are
-``expected_answer``, ``problem_type``, ``problem_source``, ``generation_model``,
-``pass_rate_72b_tir``, ``problem``, ``generated_solution``, ``inference_mode`` and
-``used_in_kaggle`` (splits ``cot``, ``tir``, ``genselect``, ``additional_problems``).
-
-Output ``<output>/openmathreasoning_sft.parquet``, one row per problem, in the schema verl's SFT
-trainer reads (``messages``, plus ``enable_thinking``, ``data_source``, ``extra_info``):
-
-* user: the problem under DAPO-Math's ``Answer:`` instruction (``data_prep.templates`` ``dapo``), the
-  RL prompt's text; the trainer wraps it in the model's chat template with the generation prompt
-  (non-thinking Qwen3), exactly as the RL rollouts see it (``data_prep.sft_tokens``, which verl's
-  SFT trainer tokenises with too, through ``recipe/sft_dataset.py``).
-* assistant: the written-up chain of thought of ``generated_solution`` (the text after its
-  ``</think>``: the reasoning trace itself is a thinking-mode trace, far beyond 2,048 tokens), then a
-  final line ``Answer: <expected_answer>``, the line the RL reward reads.
-
-Rows kept (every other row is counted under its reason): ``inference_mode == "cot"``;
-``problem_type == "has_answer_extracted"`` (the answer was extracted from the forum: a verifiable
-reference; ``no_answer_extracted`` answers are the generators' majority vote, ``converted_proof``
-are proofs turned into answers); a non-empty ``expected_answer``; a solution with a closing
-``</think>`` and text after it; a problem not among the evaluation sets (``--exclude``); one
-solution per problem (the shortest, so that more problems fit); at most ``--max-tokens`` (2,048)
-tokens of prompt + target under ``--tokenizer``'s chat template. Of the problems left, a
-deterministic pseudo-random sample of ``--sample`` (default 10,000) is written: the order is a
-hash of ``--seed`` and the problem, so it does not depend on the input order or sharding.
+``--split cot``, or local files or folders of its shards). Output: ``<output>/openmathreasoning_sft.parquet``,
+one ``[user, assistant]`` row per problem in verl's SFT schema -- the RL prompt's text, then the solution after
+``</think>`` and a final ``Answer:`` line; the rows kept: docs/experiments.md, "SFT stage".
 """
 
 from __future__ import annotations

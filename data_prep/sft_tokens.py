@@ -1,19 +1,10 @@
 """How one SFT row becomes tokens: the RL prompt, then the target.
 
-A row is ``messages = [user, assistant]``; its tokens are
-
-    chat_template([user], add_generation_prompt=True, **apply_chat_template_kwargs)  # the RL prompt
-    + tokens(assistant content) + [eos]                                                # the target
-
-The prompt part is, token for token, what verl's ``RLHFDataset`` feeds the rollout (same template
-call, same ``apply_chat_template_kwargs``, e.g. Qwen3's ``enable_thinking=False``), so the SFT stage
-teaches the format the RL stage samples in.
-
-Both sides of the SFT stage use these functions: :mod:`data_prep.openmath` measures each row's
-length with them when it writes the set, and :mod:`recipe.sft_dataset` (verl's SFT trainer's
-``data.custom_cls``) tokenises the rows with them when it trains, so a row kept under
-``--max-tokens`` has exactly that many tokens in training. They take a tokenizer object and import
-nothing beyond the standard library.
+A row ``messages = [user, assistant]`` is ``chat_template([user], add_generation_prompt=True,
+**apply_chat_template_kwargs)`` -- token for token the prompt verl's ``RLHFDataset`` feeds the rollout --
+then the assistant text and ``eos``. :mod:`data_prep.openmath` measures rows with these functions and
+:mod:`recipe.sft_dataset` tokenises them, so a row kept under ``--max-tokens`` has exactly that many tokens
+in training. Standard library only.
 """
 
 from __future__ import annotations

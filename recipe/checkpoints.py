@@ -1,15 +1,10 @@
 """Only complete checkpoints in ``trainer.default_local_dir``: what a crash mid-save leaves is set aside.
 
-verl writes a step's checkpoint (``global_step_N/actor`` shards from every rank, ``data.pt`` with the
-dataloader's cursor, the adaptive-delta state) and only then ``latest_checkpointed_iteration.txt``; a
-resume reads that tracker, so a step that was being written when a node died is never *taken* as the
-latest. Its half-written folder would still sit among the complete ones, though, and a later
-``resume_mode=resume_path`` or a person picking "the newest folder" could take it.
-:func:`set_aside_incomplete_checkpoints` (run by :class:`recipe.trainer.DivClipTrainer` before verl's
-resume) moves every ``global_step_N`` newer than the tracker -- written after the last complete
-checkpoint -- to ``incomplete/global_step_N.<time>`` beside them: nothing is deleted, and the checkpoint
-directory holds only complete checkpoints. ``tests/test_two_nodes_ray.py`` kills a rank mid-run and
-checks this on a real two-node cluster; ``tests/test_checkpoints.py`` covers the cases one by one.
+verl writes ``latest_checkpointed_iteration.txt`` only after a step's shards and ``data.pt``, so a resume never
+takes a half-written step, but its folder would still sit among the complete ones (for ``resume_path`` or a
+person picking "the newest folder"). :func:`set_aside_incomplete_checkpoints`, run by
+:class:`recipe.trainer.DivClipTrainer` before verl's resume, moves every ``global_step_N`` newer than the
+tracker to ``incomplete/global_step_N.<time>`` beside them; nothing is deleted.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Fail-fast validation of a composed config, before Ray allocates anything.
 
-verl validates its own keys (``verl.utils.config.validate_config``); :func:`validate_divclip_config` adds what
-the divclip recipe needs and verl cannot know: the plugin is registered, the policy-loss config is ours and
-builds (the dataclass checks its fields), and every config rule holds -- each rule is a function of
-:mod:`verl_ext.config_rules`, run here once, in order, its ``ValueError`` reported as a :class:`ConfigError`;
-per-benchmark validation lengths can be served (:mod:`recipe.validation.length`); the verl keys the divclip
-path replaces or never reads keep what it uses (the table of :mod:`recipe.verl_keys`).
-Every error names the config key to change.
+verl validates its own keys; :func:`validate_divclip_config` adds what the divclip recipe needs: the plugin is
+registered, the policy-loss config is ours and builds, every rule of :mod:`verl_ext.config_rules` holds (its
+``ValueError`` reported as a :class:`ConfigError`), per-benchmark validation lengths can be served, and the verl
+keys of :mod:`recipe.verl_keys` keep what the divclip path uses. Every error names the config key to change.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """Which prompts each training step fetched and trained on, as JSON lines (``divclip.data_trace=FILE``, opt-in).
 
-A resume must neither skip nor repeat prompts: verl restores the dataloader's cursor from the step's
-``data.pt`` and, in the asynchronous trainer modes, the prompt groups TransferQueue held (fetched, not yet
-trained). This trace makes that checkable. The trainer notes every prompt it fetches (its dataset ``index``
-and a hash of the prompt itself, stable across runs, unlike verl's per-fetch uid) and appends one line per
-event, each with the attempt it belongs to::
-
-    {"event": "fetched", "step": 3, "attempt": "<host>-<pid>-<start>", "prompts": [[index, hash], ...]}
-    {"event": "restored", "step": 4, "attempt": ..., "prompts": [...], "status": ["success", "running", ...]}
-    {"event": "trained", "step": 3, "attempt": ..., "prompts": [...], "samples": 32}
-
-``fetched`` lists prompts in fetch order; ``restored`` the groups an asynchronous resume took back from
-TransferQueue, each with verl's status of the group at the checkpoint (``pending`` / ``running`` ones verl
-generates anew with the resumed weights, finished ones keep their samples); ``trained`` (once per actor update,
-sorted, with the rollout samples counted) lists what an update trained on. Each attempt of a run appends to the
-same file.
-``tests/test_two_nodes_ray.py`` compares a crashed and a resumed attempt with verl's sampler order;
-tests/test_trainer_modes_cpu.py checks an asynchronous resume.
+A resume must neither skip nor repeat prompts (verl restores the dataloader's cursor and, in the asynchronous
+modes, TransferQueue's prompt groups); this trace makes that checkable. A prompt is its dataset ``index`` and a
+hash of its text (stable across runs, unlike verl's per-fetch uid); every attempt of a run appends ``fetched``,
+``restored`` and ``trained`` events to the same file (the line format: docs/experiments.md, "Resuming").
 """
 
 from __future__ import annotations

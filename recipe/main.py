@@ -1,14 +1,10 @@
 """``python -m recipe.main [--dry-run] [hydra overrides...]``: the one training entry point.
 
-Composes ``configs/divclip_trainer.yaml`` (verl's ``ppo_trainer`` plus the divclip keys),
-validates it -- ours first, then verl's -- before Ray allocates anything, and runs verl's own ``run_ppo``
-with :class:`recipe.trainer.DivClipTaskRunnerV1`, verl's ``TaskRunnerV1`` whose ``run`` first puts the divclip
-trainer classes in verl's trainer registry -- in the TaskRunner's process only -- so that verl's ``run`` builds
-them for ``trainer.v1.trainer_mode``. With per-benchmark validation lengths, the TaskRunner is also told which
-agent-loop manager to start.
-
-``--dry-run`` (or ``divclip.dry_run=true``) stops after validation and prints the resolved
-config as YAML on stdout, nothing else: no model, data, GPU or Ray needed.
+Composes ``configs/divclip_trainer.yaml``, validates it (ours first, then verl's) before Ray allocates anything,
+names the agent-loop manager when validation lengths are per benchmark, and runs verl's own ``run_ppo`` with
+:class:`recipe.trainer.DivClipTaskRunnerV1`, which puts the divclip trainer classes in verl's trainer registry (in
+the TaskRunner's process only). ``--dry-run`` (or ``divclip.dry_run=true``) stops after validation and prints the
+resolved config as YAML on stdout: no model, data, GPU or Ray needed.
 """
 
 from __future__ import annotations

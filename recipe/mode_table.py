@@ -1,9 +1,7 @@
 """The README's ``policy_loss.loss_mode`` table, rendered from the modes' and features' declarations.
 
-Each row comes from a declaration (:mod:`verl_ext.knobs`): a divclip constraint's ``summary`` and ``reads``
-(``define_constraint``), a feature's (:data:`verl_ext.knobs.FEATURES`), a verl mode's
-(:data:`verl_ext.verl_modes.VERL_MODE_READS`), so the table says what validation enforces and cannot drift from
-it; ``tests/test_knobs.py`` checks the README holds this rendering::
+Each row comes from a declaration (:mod:`verl_ext.knobs`), so the table says what validation enforces and
+cannot drift from it; ``tests/test_knobs.py`` checks the README holds this rendering::
 
     python -m recipe.mode_table --write    # rewrite the table in README.md
     python -m recipe.mode_table            # print it

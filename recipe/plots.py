@@ -1,21 +1,10 @@
 """Figures from training logs: ``python -m recipe.plots {curves,clipfrac,scatter,kl3} ...``.
 
-* ``curves``: training curves like ATR Figure 2 (reward, entropy, response length and the
-  validation mean@k) from verl's file logger (``trainer.logger=[console,file]``), one line per
-  run, with an optional trailing moving average.
-* ``clipfrac``: the loss's clip fractions per step (ratio clipping upper/lower from
-  ``actor/divclip/*``, ERC's entropy-ratio clipping upper/lower, verl's ``actor/pg_clipfrac``).
-* ``scatter``: ERC Figure 3, sampled-token probability vs entropy ratio with clipped tokens in
-  another colour, from the per-token dump of :mod:`verl_ext.token_dump`.
-* ``kl3``: ATR Figure 1, the KL3 constraint w - 1 - log w against the ratio w with the
-  Lambert-W bounds (:func:`verl_ext.core.divergences.kl3_ratio_bounds`) and PPO's symmetric clip.
-
-verl 0.9.1's file logger (``verl.utils.tracking.FileLogger``) writes one JSON object per
-``log`` call: ``{"step": <int>, "data": {<metric>: <number>}}`` to
-``$VERL_FILE_LOGGER_PATH`` or ``$VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl``. The
-trainer logs validation and training metrics of one step in separate calls, so lines with the
-same step are merged; NaN is written as ``null`` by orjson and read as a missing value.
-Everything is drawn with matplotlib's Agg backend into PNG files; nothing needs a display.
+``curves`` (ATR Figure 2) and ``clipfrac`` read verl's file logger (``trainer.logger=[console,file]``; the lines
+of one step are merged, ``null`` is a missing value), ``scatter`` (ERC Figure 3) the per-token dump of
+:mod:`verl_ext.token_dump`; ``kl3`` (ATR Figure 1) draws the Lambert-W bounds of
+:func:`verl_ext.core.divergences.kl3_ratio_bounds` against PPO's clip. PNG files through matplotlib's Agg
+backend (docs/evaluation.md).
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """``python -m recipe.sft [--dry-run] +sft=<name> [hydra overrides...]``: the SFT stage before RL.
 
-Composes ``configs/sft_trainer.yaml`` (verl 0.9.1's ``sft_trainer_engine`` plus ``divclip.*``) with
-``configs/sft/<name>.yaml``, checks it, trains with verl's own ``SFTTrainer``
-(``verl.trainer.sft_trainer``: FSDP engine, LoRA through peft) and then writes the last checkpoint
-as one merged Hugging Face model to ``divclip.merged_dir``: verl's ``model_merger`` gathers the FSDP
-shards into the base weights plus a ``lora_adapter/``, and peft's ``merge_and_unload`` folds the
-adapter in. That folder is what the RL scripts take as ``MODEL_PATH`` (docs/experiments.md,
-"SFT stage").
-
-One GPU: ``python -m recipe.sft ...``. Several: ``torchrun --nproc_per_node=D -m recipe.sft ...``
-(``trainer.n_gpus_per_node=D``). On a machine without GPUs, ``VERL_PLATFORM=cpu`` and
-``trainer.device=cpu`` run the same code on gloo (the CPU test does).
-
-``--dry-run`` (or ``divclip.dry_run=true``) prints the resolved config as YAML on stdout and exits.
+Composes ``configs/sft_trainer.yaml`` with ``configs/sft/<name>.yaml``, checks it, trains with verl's own
+``SFTTrainer`` (FSDP engine, LoRA through peft) and merges the last checkpoint into one Hugging Face model in
+``divclip.merged_dir``, the RL scripts' ``MODEL_PATH`` (docs/experiments.md, "SFT stage"). Several GPUs:
+``torchrun --nproc_per_node=D -m recipe.sft ...``. ``--dry-run`` prints the resolved config as YAML and exits;
 ``python -m recipe.sft merge --checkpoint DIR --output DIR`` merges any LoRA checkpoint (SFT or RL).
 """
 

@@ -1,24 +1,10 @@
 """SFT rows tokenised exactly as the RL rollouts see their prompts (``data.custom_cls`` of verl's SFT trainer).
 
-Each row is ``messages = [user, assistant]``. The input is
-
-    chat_template([user], add_generation_prompt=True, **apply_chat_template_kwargs)  # the RL prompt
-    + tokens(assistant content) + [eos]                                                # the target
-
-and the loss covers the target only. The prompt part is, token for token, what verl's
-``RLHFDataset`` feeds the rollout (same template call, same ``apply_chat_template_kwargs``, e.g.
-Qwen3's ``enable_thinking=False``), so the SFT stage teaches the format the RL stage samples in.
-The tokenisation itself is :mod:`data_prep.sft_tokens`, which ``python -m data_prep
-openmathreasoning`` also measures each row with.
-
-Why not verl's ``MultiTurnSFTDataset`` as is: it renders every turn on its own and checks that
-the concatenation equals the whole conversation rendered at once. Qwen3's template adds the
-``<think>\\n\\n</think>\\n\\n`` block only to an assistant turn that follows a user turn, so the two
-renderings of a ``[user, assistant]`` row differ and its sanity check fails (or, with
-``ignore_input_ids_mismatch``, the loss mask -- computed from a generation prompt that includes
-the think block -- no longer lines up with the turn). Building the row from the generation prompt
-avoids both. Padding, truncation and batching stay verl's (this subclass only replaces how one
-message becomes tokens).
+Each ``[user, assistant]`` row is the RL prompt then the target (:mod:`data_prep.sft_tokens`); the loss covers the
+target only. verl's ``MultiTurnSFTDataset`` renders each turn on its own and checks the concatenation against the
+whole conversation, which Qwen3's template fails (docs/experiments.md, "SFT stage"; with
+``ignore_input_ids_mismatch`` its loss mask would no longer line up with the turn). Padding, truncation and
+batching stay verl's: this subclass replaces only how one message becomes tokens.
 """
 
 from __future__ import annotations

@@ -1,40 +1,10 @@
 """The divclip trainer: what verl-divclip adds to verl 0.9.1's v1 trainer, for every trainer mode.
 
-:class:`DivClipTrainer` is one piece on top of each class verl registers for ``trainer.v1.trainer_mode``:
-:class:`DivClipPPOTrainerSync`, :class:`DivClipPPOTrainerColocateAsync` and
-:class:`DivClipPPOTrainerSeparateAsync`. Importing this module puts them in verl's trainer registry under
-verl's own mode names (:func:`register_divclip_trainers`, the one guarded patch of that registry:
-docs/engine.md, "The trainer classes"), which :class:`DivClipTaskRunnerV1` -- verl's ``TaskRunnerV1``, the
-runner ``recipe.main`` hands verl's ``run_ppo`` -- calls in its own process before verl's unmodified ``run``
-builds the trainer through ``get_trainer_cls``. Importing this module patches nothing: every other process (the
-driver, the actor, rollout, agent-loop and reward workers, a plain verl run) keeps verl's classes. What the
-divclip piece adds:
-
-* the divclip actor loss (:func:`verl_ext.actor_loss.build_actor_loss`) installed on the actor workers with
-  ``set_loss_fn`` once the worker groups exist, and again whenever the opt-in adaptive trust-region
-  controller (``policy_loss.adaptive_delta_target``, :mod:`verl_ext.adaptive_delta`) moves delta after the
-  step's actor update; the controller's state is saved into and restored from verl's ``global_step_N`` folders;
-* the update's packing handed to the old-log-prob pass (:mod:`verl_ext.engine.packing`), and, for the update,
-  whether it follows that pass and whether it starts on-policy (not in ``bypass_mode``, nor in the later
-  updates of a Decoupled-PPO cycle, whose pi_old is the cycle's first weights);
-* pi_old of the first update mini-batch taken from that mini-batch's own forward where it is pi_old bit for bit
-  (``policy_loss.old_log_prob_from_update``, :mod:`verl_ext.engine.old_from_update`): the pass runs for the
-  later mini-batches only, and verl's ``_compute_old_log_prob`` runs again after the update to write and log
-  the completed values;
-* pi_old's top-k stored by the old-log-prob pass for ``loss_mode=kl_full`` / ``kl_full_diagnostic``
-  (:func:`verl_ext.engine.topk_capture.capturing_old_topk`);
-* how far the behaviour policy mu is from pi_old on each trained batch (:mod:`verl_ext.core.staleness`),
-  logged as ``actor/divclip/staleness/*`` (the version lag is verl's ``training/off_policy/*``);
-* validation at each benchmark's own length (``actor_rollout_ref.rollout.custom.validation``,
-  :mod:`recipe.validation.length`; ``recipe.main`` names its agent-loop manager for verl's TaskRunner);
-* only complete checkpoints resumed (:mod:`recipe.checkpoints`) and, with ``divclip.data_trace``, the
-  prompts each step trained on (:mod:`recipe.data_trace`);
-* the check, in the TaskRunner's process, that the ``verl.plugins`` entry point registered the divclip
-  losses there (:func:`verl_ext.plugin.require_registered`).
-
-Where verl's class overrides the same hook (``PPOTrainerSeparateAsync._compute_old_log_prob`` restores the
-cycle's first weights), both run: this class's hook wraps verl's through ``super()``. Everything else
-(rollouts, rewards, advantages, the old-log-prob recompute with entropy, weight sync, checkpoints) is verl's.
+:class:`DivClipTrainer` sits on top of each class verl registers for ``trainer.v1.trainer_mode``; verl's registry
+gets the three (``DivClipPPOTrainerSync``, ``...ColocateAsync``, ``...SeparateAsync``) from :class:`DivClipTaskRunnerV1`
+in the TaskRunner's process only (docs/engine.md, "The trainer classes"). It adds the divclip actor loss, the adaptive
+delta and its saved state, the old-log-prob pass's packing, skip and top-k, the staleness figures, per-benchmark
+validation, complete-checkpoint resume and the data trace (docs/experiments.md, "Trainer modes"); the rest is verl's.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def is_divclip_key(key: str) -> bool:
 
 
 class KeyClass(str, enum.Enum):
-    """What the divclip path does with a verl key (:mod:`recipe.verl_keys`'s docstring)."""
+    """What the divclip path does with a verl key (the sections of docs/verl_features.md)."""
 
     VERL_READS = "verl_reads"
     HONOURED = "honoured"

@@ -1,26 +1,9 @@
 """The actor loss installed on verl's actor workers with ``set_loss_fn``: verl's own ``ppo_loss``, wrapped.
 
-verl's ``ppo_loss`` computes every term (the policy term through ``POLICY_LOSS_REGISTRY``, the entropy bonus,
-the KL loss, the aggregation with the global batch info, the IS weights). Its registry call passes only
-log-probs, advantages, the mask and the IS weights, so Entropy Ratio Clipping (both entropies: pi_old's as
-``data["entropy"]``, kept by the v1 trainer from the old-log-prob pass, pi_theta's as
-``model_output["entropy"]``) and ``kl_full`` (pi_old's top-k) cannot reach the divclip entries through it:
-this wrapper supplies them for the duration of the call (:func:`verl_ext.registry.supplying`), and for ERC on
-one of verl's own modes selects the registry entry that gates that mode's policy term
-(:data:`verl_ext.registry.ERC_ON_VERL_MODE`). One actor loss serves every baseline.
-
-With ``loss_mode=kl_full`` or ``kl_full_diagnostic`` the loss also reads pi_old's stored top-k
-(``data["divclip_old_topk_log_probs"]``) and pi_theta's log-masses on it, which the engine seam adds
-to the model output (:mod:`verl_ext.engine.topk_capture`).
-
-:func:`build_actor_loss` declares on the loss what its engine must do (an
-:class:`~verl_ext.engine.request.EngineRequest`): ERC's fp32 entropy in both passes, the vocabulary pass,
-and -- unless ``policy_loss.pack_old_log_prob_as_update=false`` -- the old-log-prob pass packed as the
-update, so that on-policy every ratio is exactly 1 in every mode. The actor worker that unpickles the loss
-sent by ``set_loss_fn`` installs the seam (:func:`verl_ext.engine.seam.install`) before verl's ``set_loss_fn``
-runs (:class:`ActorLoss`); importing this module installs nothing. Every micro-batch's loss logs the path
-the seam recorded for its step (``actor/divclip/path/*``) and, on the update's on-policy mini-batch, the
-on-policy gauge (``actor/divclip/onpolicy/*``).
+verl's policy-loss registry passes only log-probs, advantages, the mask and the IS weights. This wrapper supplies
+the divclip entries what it lacks (both entropies for ERC, pi_old's top-k for ``kl_full``) for one ``ppo_loss``
+call, selects :data:`verl_ext.registry.ERC_ON_VERL_MODE` for ERC on verl's own modes, and declares what its engine
+must do (:func:`build_actor_loss`). docs/losses.md ("Where ERC gets its entropies") and docs/engine.md say more.
 """
 
 from __future__ import annotations
@@ -64,12 +47,9 @@ def divclip_actor_loss(
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """verl's ``ppo_loss``, with what its policy-loss registry cannot pass supplied to the registered function.
 
-    verl's ``ppo_loss`` computes the whole loss (policy term through the registry, entropy bonus, KL loss,
-    aggregation, global batch info, IS weights); this wrapper supplies the divclip entries what the registry
-    signature lacks (:class:`verl_ext.registry.LossInputs`: both entropies for ERC, pi_old's top-k for
-    ``kl_full``), selects :data:`~verl_ext.registry.ERC_ON_VERL_MODE` for ERC on verl's own modes, and adds
-    what is not a loss term: the on-policy gauge, the engine path, the correct-response NLL of the released
-    ERC scripts, the ERC token dump, and MIN/MAX aggregation of ``*_min`` / ``*_max`` metrics.
+    Besides the supplied inputs it adds only what is not a loss term: the on-policy gauge, the engine path, the
+    correct-response NLL of the released ERC scripts, the ERC token dump, and MIN/MAX aggregation of ``*_min`` /
+    ``*_max`` metrics.
 
     Args:
         config: the actor config; ``config.policy_loss`` selects the mode.

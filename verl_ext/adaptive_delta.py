@@ -1,28 +1,10 @@
 """Adaptive trust-region threshold (ATR-GRPO Sec. 6.5, "Adaptive Trust Region Threshold").
 
-An opt-in controller for the KL-budget modes (``kl3``, ``kl1``, ``kl2``, ``is_kl3``, ``trgppo``,
-``seq_kl3``, ``kl_full``): between actor updates the budget delta moves so that the update's measured mean
-KL3 tracks a target d_targ, with PPO's adaptive-KL rule (Schulman et al. 2017, Sec. 4) acting on
-the budget instead of on a penalty coefficient::
-
-    d > d_targ * tolerance  ->  delta <- max(delta / rate, delta_min)   (updates too large: shrink)
-    d < d_targ / tolerance  ->  delta <- min(delta * rate, delta_max)   (updates too small: widen)
-    otherwise               ->  delta unchanged
-
-d is the actor update's ``actor/divclip/kl3_mean`` (token KL3 w - 1 - log w averaged over valid
-tokens, micro-batches and data-parallel ranks -- verl all-gathers the loss metrics before the
-driver sees them), or ``actor/divclip/seq_kl3_mean`` for ``seq_kl3``, whose budget bounds KL3 of
-the sequence ratio, or ``actor/divclip/kl_full_mean`` for ``kl_full``, whose budget bounds the
-coarsened full-vocabulary KL (each constraint's ``budget_metric``).
-
-Where it runs: on the driver, in ``recipe.trainer.DivClipTrainer``. d is the KL3 of the step's one
-actor update against the pi_old it started from, in every trainer mode (``recipe.config_checks`` refuses
-the controller where a step trains several updates against one pi_old: ``parameter_sync_step > 1``, verl's
-Decoupled PPO). After that update the trainer feeds d to :meth:`AdaptiveDelta.update` and, when delta
-changed, re-installs the actor loss on the workers with the new delta (``set_loss_fn``, dispatched
-ONE_TO_ALL), so every data-parallel rank trains with the same delta by construction. The state is a small JSON file in
-verl's ``global_step_N`` checkpoint folder (:data:`STATE_FILE`), written with the checkpoint and
-read back when verl resumes from it.
+An opt-in controller for the KL-budget modes: between actor updates the budget delta moves so that the update's
+measured mean divergence (each constraint's ``budget_metric``) tracks a target d_targ, with PPO's adaptive-KL rule
+(Schulman et al. 2017, Sec. 4) acting on the budget instead of a penalty coefficient. It runs on the driver, in
+``recipe.trainer.DivClipTrainer``; its state is :data:`STATE_FILE` in verl's checkpoint folder. docs/losses.md
+("Adaptive δ") has the rule, what d is, and the configs refused.
 """
 
 from __future__ import annotations

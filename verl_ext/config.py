@@ -1,23 +1,10 @@
 """Config dataclass for the divergence-clipping policy losses.
 
-verl rejects keys that no dataclass declares, so the new knobs live in a subclass of
-verl's ``PolicyLossConfig`` that a config selects with ``_target_``::
-
-    actor_rollout_ref.actor.policy_loss._target_=verl_ext.config.DivClipPolicyLossConfig
-    actor_rollout_ref.actor.policy_loss.loss_mode=kl3
-    actor_rollout_ref.actor.policy_loss.delta=0.07
-
-The ratio-clip epsilons are verl's own ``actor.clip_ratio_low`` / ``actor.clip_ratio_high``
-(used by ``clip``, ``gppo``, ``trgppo``'s floor and ``dcpo``'s epsilons), so existing DAPO
-configs keep their meaning.
-
-This module is a leaf of :mod:`verl_ext`: it imports verl and the standard library only, and checks
-its own fields here. The rules that need the loss-mode registry (is ``loss_mode`` known, does it have a
-KL budget for the adaptive delta, do ERC / dual-clip compose with a verl mode) are
-:func:`verl_ext.config_rules.check_policy_config`, which registers itself here
-(:func:`register_mode_check`) when :mod:`verl_ext.config_rules` is imported (by the registry), so
-``__post_init__`` runs it too: a config that hydra builds in a process that imported verl (and
-with it the plugin, hence the losses) fails at construction, naming the key.
+verl rejects keys that no dataclass declares, so the new knobs live in a subclass of verl's ``PolicyLossConfig``
+that a config selects with ``_target_`` (:data:`CONFIG_TARGET`); the ratio-clip epsilons stay verl's own
+``actor.clip_ratio_low`` / ``actor.clip_ratio_high``. This module imports verl and the standard library only; the
+checks that need the loss-mode registry run at construction once :mod:`verl_ext.config_rules` registers them
+(:func:`register_mode_check`).
 """
 
 from __future__ import annotations
@@ -62,44 +49,36 @@ def _finite(value: Any) -> bool:
 
 @dataclass
 class DivClipPolicyLossConfig(PolicyLossConfig):
-    """Knobs of the unified divergence-constrained surrogate (ATR-GRPO Eq. 5) and of ERC.
+    """Knobs of the unified divergence-constrained surrogate (ATR-GRPO Eq. 5) and of ERC (docs/losses.md).
 
     Args:
         delta: Per-token divergence budget delta of the ``kl3`` (ATR-GRPO, Theorem 4.2),
             ``kl1``, ``kl2``, ``is_kl3`` and ``trgppo`` constraints, and per-sequence budget of
             ``seq_kl3`` (KL3(s_i) <= delta, ATR-GRPO Sec. 6.5). Paper default 0.07. With the
             adaptive controller on, the initial delta.
-        adaptive_delta_target: Opt-in adaptive trust region (ATR-GRPO Sec. 6.5): the target
-            d_targ of the update's measured mean KL3 (``actor/divclip/kl3_mean``; for
-            ``seq_kl3`` the per-sequence ``actor/divclip/seq_kl3_mean``). After each actor
-            update with measured d: delta <- max(delta / rate, min) if d > d_targ * tolerance,
-            delta <- min(delta * rate, max) if d < d_targ / tolerance, else unchanged (PPO's
-            adaptive-KL rule, Schulman et al. 2017 Sec. 4, acting on the budget instead of the
-            penalty). ``None`` (default) = static delta, the paper's ATR.
+        adaptive_delta_target: Opt-in adaptive trust region (ATR-GRPO Sec. 6.5): the target d_targ of the
+            update's measured mean KL3 (``actor/divclip/kl3_mean``; ``seq_kl3_mean`` for ``seq_kl3``), tracked
+            by PPO's adaptive-KL rule (Schulman et al. 2017 Sec. 4) acting on the budget instead of the penalty
+            (:mod:`verl_ext.adaptive_delta`). ``None`` (default) = static delta, the paper's ATR.
         adaptive_delta_tolerance: The dead band factor (PPO: 1.5), >= 1.
         adaptive_delta_rate: The multiplicative step (> 1; default 1.5).
         adaptive_delta_min: Lower bound of the adaptive delta (default 0.005).
         adaptive_delta_max: Upper bound of the adaptive delta (default 0.5).
-        dual_clip_c: Dual-clip cap c (Ye et al. 2020): for A < 0 the ratio is capped at c.
-            ``None`` (default) disables it, so ``clip`` is exact PPO / DAPO. The divclip modes'
-            key only: verl's own modes read verl's ``actor.clip_ratio_c`` (``vanilla`` always applies
-            it, 3 by default) and refuse this one.
+        dual_clip_c: Dual-clip cap c (Ye et al. 2020): for A < 0 the ratio is capped at c. ``None`` (default)
+            disables it, so ``clip`` is exact PPO / DAPO. The divclip modes' key only: verl's own modes read
+            ``actor.clip_ratio_c`` and refuse this one.
         gppo_beta_low: GPPO (Klear-Reasoner, general form) gradient scale beta_1 of tokens
             clipped at the lower bound (A < 0): their gradient is beta_1 * (1 - eps_low) * A.
         gppo_beta_high: GPPO scale beta_2 of tokens clipped at the upper bound (A > 0):
             gradient beta_2 * (1 + eps_high) * A. Both 1.0 in the paper.
         dcpo_cap: Upper cap of DCPO's dynamic upper bound (DCPO default 10).
-        kl_full_top_k: k of ``kl_full`` (ATR-GRPO Eq. 4): the old-log-prob pass stores pi_old's k most
-            likely ids and log-probs per response token plus the tail bucket's log-mass, and KL_t is
-            computed over those k + 1 buckets (a lower bound of the full-vocabulary KL, exact when the
-            tail holds no mass). 1 <= k <= vocabulary size; default 32 (4 (2k + 1) = 260 bytes per token).
+        kl_full_top_k: k of ``kl_full`` (ATR-GRPO Eq. 4): KL_t over pi_old's k most likely ids plus a tail
+            bucket (a lower bound of the full-vocabulary KL). 1 <= k <= vocabulary size; default 32
+            (260 bytes per token).
         kl_full_direction: ``"forward"`` (default): KL(pi_theta || pi_old), Eq. 4; ``"reverse"``:
             KL(pi_old || pi_theta), the trigger of Truly PPO (Wang et al. 2019).
-        kl_full_diagnostic: Opt-in KL3-vs-trust-region diagnostic on any divclip mode: stores pi_old's
-            top-k (``kl_full_top_k``) and reports, per update, the token fractions where the mode's clip
-            decision and the full-KL rule's (KL_t > delta on Eq. 5's pessimistic side) disagree, at delta
-            and at the KL3 budget of the mode's ratio bounds, and the mean coarsened KL of clipped and
-            unclipped tokens (docs/losses.md). ``False`` (default) = off.
+        kl_full_diagnostic: Opt-in KL3-vs-trust-region diagnostic on any divclip mode: stores pi_old's top-k
+            and reports where the mode's clip decisions and the full-KL rule's disagree. ``False`` (default) = off.
         erc_beta_low: ERC lower band beta_l: tokens with H_new / H_old <= 1 - beta_l lose
             their gradient (ERC paper Eq. 6, beta = 0.05). ``None`` (default) disables ERC.
             Stacks on every divclip mode and on verl's own modes (``verl_ext.verl_modes``).
@@ -107,48 +86,29 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
             their gradient. Set together with ``erc_beta_low``.
         erc_eps: Added to both entropies before the ratio, (H + eps) / (H_old + eps), as the
             reference ERC code does (1e-8), so zero-entropy tokens get ratio 1, not NaN.
-        correct_nll_coef: Weight of an extra negative log-likelihood term on the responses
-            whose summed token-level reward equals ``correct_reward`` (the released ERC
-            scripts used 0.1; the paper text has none). 0 (default) = off. Only the
-            entropy-aware actor loss installed by ``recipe.main`` applies it.
+        correct_nll_coef: Weight of an extra negative log-likelihood term on the responses whose summed
+            token-level reward equals ``correct_reward`` (the released ERC scripts used 0.1; the paper text has
+            none). 0 (default) = off. Only the actor loss installed by ``recipe.main`` applies it.
         correct_reward: Summed token-level reward that marks a response as correct for the
             NLL term (1.0 with this project's rewards).
-        correct_nll_norm: How the NLL term is normalised. ``"global"`` (default): like the
-            policy loss, verl's ``agg_loss`` with the global batch info (for ``token-mean``: the
-            sum over correct-response tokens divided by *all* response tokens of the mini-batch),
-            invariant to data parallelism and micro-batching. ``"micro_batch"``: as the released
-            ERC code -- the token mean over the correct responses of each micro-batch, weighted
-            by the micro-batch's share of the mini-batch's sequences (the reference's
-            ``loss_scale_factor``), so it depends on how micro-batches are formed.
+        correct_nll_norm: How the NLL term is normalised: ``"global"`` (default) like the policy loss (verl's
+            ``agg_loss`` with the global batch info); ``"micro_batch"`` as the released ERC code, per micro-batch.
         token_dump_path: Opt-in per-token JSONL dump for the ERC Figure 3 scatter
             (``python -m recipe.plots scatter``); ``{rank}`` becomes the process rank. ``None``
             (default) = off. Needs ERC on.
         token_dump_every_n_steps: Dump on every n-th training step only.
         token_dump_max_tokens: At most this many tokens per dumped step and process.
-        vocab_pass: Compute log pi(y_t) and the entropy of both actor passes (old-log-prob and
-            update) with the chunked vocabulary pass (:mod:`verl_ext.core.vocab_pass`): float32 logits
-            one chunk at a time, never the ``tokens x vocabulary`` tensor, exact gradients by
-            recomputation, ERC's cancellation-free entropy. ``False`` (default): verl's
-            materialised logits. Refused with ``use_fused_kernels``, ``calculate_sum_pi_squared``,
-            top-k distillation and a LoRA adapter on the head (docs/losses.md, "The vocabulary pass").
-        pack_old_log_prob_as_update: Pack the old-log-prob pass as the update's first epoch (same
-            mini-batch split, seed and shuffle per data-parallel rank, the update's micro-batch
-            settings), in every loss mode: before the first optimizer step every importance ratio is
-            then exactly 1 (and ERC's entropy ratio, ``kl_full``'s KL), instead of the kernel noise of two
-            differently packed passes (verl#6280; docs/losses.md, "On-policy exactness"). ``True``
-            (default); ``False`` keeps verl's own packing of that pass (its
-            ``rollout.log_prob_max_token_len_per_gpu`` / ``log_prob_micro_batch_size_per_gpu``). Needs
-            an FSDP strategy (``actor.strategy`` fsdp or fsdp2): other strategies must turn it off.
-        old_log_prob_from_update: Take pi_old of each step's first update mini-batch (log-probs, ERC's
-            entropy, ``kl_full``'s top-k) from that mini-batch's own update forward, detached, instead of
-            the old-log-prob pass: with the pass packed as the update, that forward runs before any
-            optimizer step on exactly the pass's micro-batches, so it *is* pi_old bit for bit (verl#3996;
-            the importance ratio of PPO's Eq. 7 / ATR's Eq. 5 is then exactly 1 there, as with the pass).
-            The pass runs only for the later mini-batches (none with one mini-batch, e.g. ATR's
-            ``ppo_epochs=2``); verl still writes ``old_log_probs`` / ``entropy`` and logs ``actor/entropy``
-            from the same numbers, after the update.
-            ``None`` (default): taken where exact, otherwise not (logged with the reason); ``True``: refused
-            before Ray where not exact; ``False``: never (docs/engine.md, "pi_old from the update").
+        vocab_pass: Compute log pi(y_t) and the entropy of both actor passes with the chunked vocabulary pass
+            (:mod:`verl_ext.core.vocab_pass`), never building the ``tokens x vocabulary`` logits. ``False``
+            (default): verl's materialised logits.
+        pack_old_log_prob_as_update: Pack the old-log-prob pass as the update's first epoch, so that before the
+            first optimizer step every importance ratio is exactly 1 (verl#6280; docs/losses.md, "On-policy
+            exactness"). ``True`` (default); ``False`` keeps verl's own packing. Needs ``actor.strategy`` fsdp or
+            fsdp2.
+        old_log_prob_from_update: Take pi_old of each step's first update mini-batch from that mini-batch's own
+            update forward, detached, instead of the old-log-prob pass: packed as the pass, it *is* pi_old bit
+            for bit (verl#3996). ``None`` (default): taken where exact, otherwise not (logged with the reason);
+            ``True``: refused before Ray where not exact; ``False``: never (docs/losses.md).
     """
 
     delta: float = 0.07

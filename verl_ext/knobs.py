@@ -1,22 +1,10 @@
 """Which knobs each loss mode reads, declared once, and the check that refuses the rest.
 
-A knob (:data:`KNOBS`) is a key of ``actor_rollout_ref.actor.policy_loss`` (the project's ``delta``,
-``gppo_beta_low``, ``erc_eps``, ...; verl's ``clip_cov_ratio``, ``dro_beta``, ...) or of verl's actor
-(``clip_ratio_low/high``, ``clip_ratio_c``, ``tau_pos``, ...) that some loss reads. Each loss mode declares
-the knobs it reads beside its definition: a divclip constraint with ``define_constraint(reads=...)``
-(:mod:`verl_ext.core.constraints`), each of verl's own modes in :data:`verl_ext.verl_modes.VERL_MODE_READS`
-(what verl 0.9.1's function reads). Each opt-in feature (:data:`FEATURES`: ERC, dual-clip, the adaptive delta,
-the correct-response NLL, the ``kl_full`` diagnostic) declares the modes it stacks on, what switches it on and
-the knobs it reads.
-
-:func:`unread_knobs` lists every knob set away from its default that neither the selected mode nor a
-switched-on feature reads; :func:`check_knobs_read` refuses them, naming the knob, the mode and the modes that
-read it (``recipe.config_checks`` runs it before Ray starts). ``tests/test_knobs.py`` is generated from the
-same declarations: every declared knob moves the installed loss, every undeclared one is refused. The README's
-mode table is rendered from them too (``python -m recipe.mode_table --write``).
-
-Imports :mod:`verl_ext.config`, :mod:`verl_ext.core.region` (the constraints' declarations) and
-:mod:`verl_ext.verl_modes`.
+A knob (:data:`KNOBS`) is a key of ``actor_rollout_ref.actor.policy_loss`` or of verl's actor that some loss
+reads. Each divclip constraint declares its knobs with ``define_constraint(reads=...)``, each of verl's modes in
+:data:`verl_ext.verl_modes.VERL_MODE_READS`, each opt-in feature in :data:`FEATURES`. :func:`check_knobs_read`
+refuses a knob set away from its default that neither the mode nor a switched-on feature reads (before Ray
+starts, run by ``recipe.config_checks``).
 """
 
 from __future__ import annotations

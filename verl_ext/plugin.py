@@ -1,13 +1,9 @@
 """verl plugin: imported by ``import verl`` through the ``verl.plugins`` entry point.
 
-Registers the divclip policy-loss modes in every process that imports verl, Ray workers
-included (and, with ``DIVCLIP_RECORD_KEYS`` set, installs the recorder of the verl keys the product reads:
-:mod:`verl_ext.core.key_reads`), so configs can say ``policy_loss.loss_mode=kl3`` anywhere; with ``VERL_PLATFORM=cpu``
-it also sets the process up for CPU (:func:`verl_ext.cpu.setup_cpu_process`). Without that
-variable :mod:`verl_ext.cpu` is never imported, so a GPU node loads none of the CPU support.
-
-verl swallows plugin import errors at DEBUG level; :func:`require_registered` is the loud
-check that entry points (``recipe.main``) call before anything is scheduled.
+Registers the divclip policy-loss modes in every process that imports verl, Ray workers included, so configs can
+say ``policy_loss.loss_mode=kl3`` anywhere; with ``DIVCLIP_RECORD_KEYS`` it installs the key-read recorder, with
+``VERL_PLATFORM=cpu`` the CPU support (docs/cpu_end_to_end.md). verl swallows plugin import errors at DEBUG
+level; :func:`require_registered` is the loud check that entry points (``recipe.main``) call first.
 """
 
 from __future__ import annotations
@@ -24,10 +20,8 @@ if key_reads.record_dir() is not None:
 
     key_reads.install(DictConfig, OmegaConf, BaseConfig)
 
-# With VERL_PLATFORM=cpu: the `cpu` platform and FSDP2 engine, Ray's CPU resource check and the
-# `hf_cpu` rollout, in every process that imports verl (driver, TaskRunner, workers). The test is
-# verl_ext.cpu.cpu_platform_selected's, inlined: importing that package to ask would load it on
-# every GPU node too.
+# With VERL_PLATFORM=cpu: the CPU platform, resource check and rollout. The test is
+# verl_ext.cpu.cpu_platform_selected's, inlined: importing that package would load it on every GPU node too.
 if os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu":
     from verl_ext.cpu import setup_cpu_process
 

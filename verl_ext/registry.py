@@ -1,25 +1,10 @@
 """The divclip modes inside verl: registered with its ``register_policy_loss``, and the config checks that need it.
 
-* Every constraint of :data:`verl_ext.core.region.CONSTRAINTS` is registered with verl as
-  ``policy_loss.loss_mode=<name>`` (:func:`register_modes`, run on import -- the ``verl.plugins`` entry
-  point imports this module in every process that imports verl). A verl entry of the same name that
-  is not the project's own is never overwritten: registering refuses, naming the mode, so a future verl
-  ``gppo`` or ``dcpo`` cannot be silently shadowed.
-* The registry's loss function for a mode calls the operator
-  (:func:`verl_ext.core.surrogate.constrained_policy_loss`) with what verl's ``ppo_loss`` passes (log-probs,
-  advantages, mask, IS weights). What that signature lacks -- both entropies for ERC, pi_old's top-k for
-  ``kl_full`` -- the actor loss (:mod:`verl_ext.actor_loss`, a thin wrapper around verl's ``ppo_loss``)
-  supplies for the duration of one call (:func:`supplying`); the registered function reads it there.
-* :data:`ERC_ON_VERL_MODE` is registered too: the actor loss selects it for ERC stacked on one of verl's own
-  modes, and it gates the policy term's log-probs (:func:`verl_ext.verl_modes.verl_policy_loss`) before
-  calling verl's registered function -- so the KL loss of ``ppo_loss`` keeps its gradient (ERC refuses an
-  entropy bonus: ``actor.entropy_coeff`` must be 0, and the current entropy is a detached mask).
-* :func:`resolve_policy_config` finds the ``DivClipPolicyLossConfig`` inside an actor config and checks it
-  against the registry (:func:`verl_ext.config_rules.check_policy_config`, which importing this module
-  also registers with the dataclass).
-
-Imports :mod:`verl_ext.config`, :mod:`verl_ext.config_rules`, :mod:`verl_ext.core` and verl's ``core_algos``:
-no engine code.
+Every constraint of :data:`verl_ext.core.region.CONSTRAINTS`, and :data:`ERC_ON_VERL_MODE`, is registered on import
+(:func:`register_modes`), never overwriting a verl entry of the same name. verl's ``ppo_loss`` passes the registered
+function only log-probs, advantages, mask and IS weights; what that lacks the actor loss supplies for one call
+(:func:`supplying`; docs/upstream.md). :func:`resolve_policy_config` finds and checks the divclip config in an actor
+config. Imports no engine code.
 """
 
 from __future__ import annotations

@@ -1,31 +1,9 @@
 """Opt-in, rate-limited per-token dump for the ERC Figure 3 scatter.
 
-ERC's Figure 3 plots, per sampled token, the probability the old policy gave it against the
-entropy ratio rho_t = (H_new + eps) / (H_old + eps), with the tokens ERC clipped in another
-colour. Those are per-token quantities that verl never logs (its file logger only takes
-scalars), so the actor loss calls :meth:`TokenDumpWriter.maybe_dump` and this module writes a
-*small* random sample of tokens to a JSONL file that ``python -m recipe.plots scatter`` reads.
-
-Why rate-limited: a training step has millions of response tokens; dumping all of them would
-cost more I/O than the step itself and produce gigabytes. The writer only acts on every
-``every_n_steps``-th step and writes at most ``max_tokens_per_step`` tokens of that step (the
-budget is shared by all calls of the step, i.e. all micro-batches of one process), sampled
-uniformly from the valid tokens of each call with a generator seeded by the step, so a rerun
-dumps the same tokens.
-
-File format, one JSON object per line::
-
-    {"step": 12, "prob": 0.8731, "entropy_ratio": 1.043, "clipped": false}
-
-``prob`` is ``exp(old_log_prob)`` of the sampled token; ``clipped`` is whatever mask the
-caller passes (ERC's "outside the entropy-ratio band" mask). Tokens with a non-finite
-probability or entropy ratio cannot be written as JSON numbers; they are left out and counted
-in :attr:`TokenDumpWriter.skipped_nonfinite`.
-
-Each process should write its own file: a ``{rank}`` in ``path`` is replaced with the
-``RANK`` environment variable (``0`` when unset, i.e. a single process). Rows of one call are
-appended with a single ``write`` on a file opened in append mode, and the file is closed again
-after each call, so the writer holds no file handle across Ray/fork boundaries.
+ERC's Figure 3 plots, per sampled token, pi_old's probability against the entropy ratio, with ERC's clipped tokens
+apart. verl's loggers only take scalars, so the actor loss calls :meth:`TokenDumpWriter.maybe_dump` and this module
+writes a small, seeded random sample of a step's tokens to a JSONL file that ``python -m recipe.plots scatter``
+reads: dumping every token would cost more I/O than the step. docs/evaluation.md has the format and the limits.
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """ERC on verl's own policy losses (``vanilla``, ``gspo``, ``sapo``, ``clip_cov``, ...).
 
-The divclip modes apply ERC inside the unified operator (Eq. 5) as a *hard* violation. verl's own
-losses are separate functions in its registry; ERC composes with any of them the same way the ERC
-paper describes it ("integrates orthogonally with various reinforcement learning objectives", §3.2;
-"orthogonal [to sequence-level clipping] and can be used simultaneously", §5.7):
-
-    rho_t = (H(pi_theta, t) + eps) / (H(pi_old, t) + eps)
-    log pi_theta(y_t)  ->  sg[log pi_theta(y_t)]   where rho_t <= 1 - beta_l or rho_t >= 1 + beta_h
-
-A token outside the entropy band therefore contributes **no gradient through its own log-prob**,
-while every forward value -- its loss term, its place in the aggregation denominator, and any
-sequence-level quantity it enters (GSPO's sequence ratio, geo_mean's geometric mean) -- is exactly
-verl's. For token-separable losses (vanilla, sapo, cispo, gpg, dro, dppo_*) the other tokens'
-gradients are unchanged; for GSPO the masked tokens drop out of the gradient of the sequence ratio
-but not out of its value; for clip_cov / kl_cov the covariance selection is computed from values,
-so it is unchanged. Per-mode readings: docs/losses.md.
-
-Dual-clip on verl's modes is verl's own: ``vanilla`` applies ``actor.clip_ratio_c``; the divclip modes'
-``policy_loss.dual_clip_c`` is refused on every verl mode (:func:`verl_ext.registry.check_verl_mode_options`).
-
-:data:`VERL_MODE_READS` declares, per verl mode, the knobs verl 0.9.1's registered function reads
-(``verl/trainer/ppo/core_algos.py``; ``tests/test_knobs.py`` checks each entry against that function's source):
-validation refuses any other knob set away from its default (:mod:`verl_ext.knobs`).
+ERC composes with any of verl's registered losses, as the ERC paper says it does (§3.2, §5.7): a token outside the
+entropy band enters verl's function with a detached log-prob, sg[log pi_theta(y_t)], so every forward value is
+verl's and the token adds no gradient through its own log-prob (per-mode readings: docs/losses.md).
+:data:`VERL_MODE_READS` declares, per verl mode, the knobs verl 0.9.1's function reads (:mod:`verl_ext.knobs`).
 """
 
 from __future__ import annotations

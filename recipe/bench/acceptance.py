@@ -2,35 +2,9 @@
 
 ``python -m recipe.bench gpu --acceptance [--out DIR] [--strategies fsdp,fsdp2] [--tokens 16384] [--repeats 5] ...``
 
-Builds R1-Distill-Qwen-1.5B's shape locally from a config (random weights, a scaled head so that most
-tokens are confident; nothing is downloaded), then per strategy (FSDP1 ``fsdp`` and FSDP2 ``fsdp2``) runs
-verl 0.9.1's real actor stack (``TrainingWorker``, one rank, verl's default bf16 mixed precision,
-remove-padding, gradient checkpointing, ``use_torch_compile`` on CUDA) in two fresh processes, each a run of
-:mod:`recipe.bench.acceptance_runs` (which says what each measures and how): **the losses** at one
-micro-batch of ``--tokens`` (update time, memory per phase, model FLOP/s, the longest micro-batch) and
-**the configs' packing** over responses of varied, long-tailed lengths. This module is the command: its
-options, the two children per strategy, the report and the exit code.
-
-It writes ``acceptance.json`` and ``acceptance.md`` into ``--out``
-(:mod:`recipe.bench.acceptance_report`): the targets (``TARGETS``:
-vocabulary pass: loss-phase peak <= 0.50x, longest micro-batch >= 1.5x, update time <= 1.05x; ERC on the
-logits: loss-phase peak <= 1.00x, update time <= 1.05x with its spread; ``kl_full``: loss-phase peak <=
-1.05x; pack_old_log_prob_as_update: old-pass time <= 1.05x, peak <= 1.00x of verl's packing) each with its
-figure and pass / fail, every loss's figures, and the on-policy gauge per strategy and loss.
-
-``--device cpu`` runs the same code on the CPU platform at a small shape (FSDP2 only; the suite runs it
-with ``--allow-unmeasured`` and a declared ``--search-budget-mib``); FSDP1 (CUDA only) then reads
-"unmeasured", as do the targets of a strategy left out of ``--strategies``.
-
-Exit codes (``acceptance_report.verdict``, which also names every target behind a non-zero code):
-
-* 0: every target measured and met, every on-policy check holding; with ``--allow-unmeasured``, every
-  *measured* target met (the unmeasured ones are reported as such);
-* 1: a target missed, a run failed or an on-policy check broken, with or without ``--allow-unmeasured``;
-* 2: bad options, or no CUDA device without ``--device cpu``;
-* 3: nothing failed, but a target went unmeasured and ``--allow-unmeasured`` was not given: an
-  acceptance run that cannot measure a target has not met it (a longest-micro-batch search that stopped
-  on its time bound below the limit leaves its target unmeasured).
+This module is the command: its options, two fresh runs of :mod:`recipe.bench.acceptance_runs` per strategy, the
+report (:mod:`recipe.bench.acceptance_report`) and the exit code: 0 every target met, 1 one missed or a check broken,
+2 bad options or no CUDA without ``--device cpu``, 3 a target unmeasured without ``--allow-unmeasured``.
 """
 
 from __future__ import annotations

@@ -1,43 +1,10 @@
 """The GPU acceptance's two child runs, each in a fresh process started by :mod:`recipe.bench.acceptance`.
 
-Both build verl's actor stack as the parent's docstring says, on the model the parent built, for one strategy
-(``args.strategy``), and return their figures as one JSON-able dict:
-
-* **the losses at one micro-batch of ``--tokens``** on one worker: verl's ``ppo_loss`` without the
-  entropy (``no_entropy``, the baseline: every ratio is against it, measured in the same process), ERC-DAPO
-  on verl's materialised logits (``divclip_erc``), ERC-DAPO through the vocabulary pass
-  (``divclip_erc_vocab_pass``, TF32 tensor cores for the bf16 head), ``kl3``, and ``kl_full`` on the logits
-  and through the pass. A warm-up compiles every path: per loss its old-log-prob pass then ``--warmup``
-  updates (the first one before any optimizer step of its batch: the on-policy gauge). Then
-  ``--repeats`` rounds, the losses **interleaved** (each round runs each loss once, the order rotated by
-  one per round; the first round runs every loss and times its old-log-prob pass, the later ones the
-  baseline and the losses with a time target, :data:`TIMED_LOSSES`): the update time is the median
-  over the rounds, with its min / max and quartiles, and the time ratio's spread is the per-round ratios
-  against the baseline of the same round. Last, the **longest micro-batch** of ``--search-losses``: the
-  configs' sequences (``--tokens / --sequences`` tokens each), more of them per micro-batch, doubling from
-  twice ``--sequences`` then bisecting (:func:`recipe.bench.gpu_workload.longest_fitting`), an update that
-  raises ``torch.OutOfMemoryError`` (or, with ``--search-budget-mib``, peaks above that budget) not
-  fitting; bounded by ``--search-seconds`` per strategy and ``--search-max-tokens``.
-* **the configs' packing** (dynamic batching, the update at ``--tokens / 2`` per micro-batch, the
-  old-log-prob pass at ``--tokens``) over ``2 * --sequences`` responses of **varied, long-tailed lengths**
-  (log-normal, seeded, about ``--tokens`` tokens in all: :func:`recipe.bench.gpu_workload.response_lengths`):
-  ERC-DAPO with the old pass packed as the update (``aligned``, the default) and with verl's packing
-  (``own``), alternating; the aligned pass's time and peak against own, and each arm's on-policy gauge
-  (own's is verl's packing noise: a finding, reported, not a check).
-
-Memory per phase (:class:`recipe.bench.gpu_workload.UpdatePhases`): verl's ``train_batch`` zeroes the
-gradients, runs the forward/backward, then the optimizer step; the losses run keeps the gradients allocated
-(zeroed in place, as under gradient accumulation), so the **loss-phase peak** is the forward/backward's peak
-above the memory held before it (parameters, gradients, optimizer state), and the **optimizer step's peak**
-is reported apart, above the same memory. CUDA reads the allocator
-(``reset_peak_memory_stats`` / ``max_memory_allocated``); the CPU platform reads the process's resident set
-and its high-water mark reset through ``/proc/self/clear_refs`` (children run with
-:data:`recipe.bench.child.LIVE_RSS_ENV`), so the CPU-sized run computes every figure with the same code.
-
-**Model FLOP/s** of each update: verl's own estimate (``FlopsCounter``: ``6 * N * tokens`` plus the attention
-term ``6 * sum(s_i**2) * heads * head_dim * layers``) over the median time, against the device's dense bf16
-peak from verl's table (``get_device_flops``: 989 TFLOP/s for H100 and H200, NVIDIA's dense figure; ``CPU``
-448 GFLOP/s) as MFU.
+Both build verl's actor stack on the model the parent built, for one strategy (``args.strategy``), and return
+their figures as one JSON-able dict: **the losses at one micro-batch of ``--tokens``** (interleaved rounds against
+the ``no_entropy`` baseline, then the longest micro-batch of ``--search-losses``) and **the configs' packing**
+(ERC-DAPO's old pass aligned with the update against verl's own packing, on long-tailed lengths). The rounds,
+memory per phase, model FLOP/s and MFU are defined in docs/benchmarks.md ("GPU acceptance", "What it runs").
 """
 
 from __future__ import annotations

@@ -52,12 +52,9 @@ def run_child(module: str, argv: list[str], env: Optional[dict[str, str]] = None
 # Host-memory benchmarks (entropy-memory, full-kl): children whose RSS tracks live memory
 # ------------------------------------------------------------------------------------------------
 
-# glibc keeps freed heap memory mapped (per-thread arenas, a dynamic mmap threshold), so the RSS peak
-# would depend on allocation history rather than on what is alive at once. Serving every allocation
-# over 64 KiB with mmap returns it to the OS on free: the peak then tracks live memory. The threshold
-# must sit below one bf16 vocabulary row (151,936 x 2 B = 297 KiB): verl's bf16 log-prob path
-# allocates one such buffer per token, and with a 1 MiB threshold those rows stayed in the heap and
-# moved the entropy bench's no-entropy baseline between 4.8 and 5.5 GiB from run to run.
+# glibc keeps freed heap memory mapped, so the RSS peak would follow allocation history: mmap for every
+# allocation over 64 KiB (below one bf16 vocabulary row) returns it on free, so the peak tracks live memory
+# (docs/benchmarks.md, "Entropy memory").
 LIVE_RSS_ENV: tuple[tuple[str, str], ...] = (("MALLOC_MMAP_THRESHOLD_", str(64 << 10)), ("MALLOC_ARENA_MAX", "2"))
 """glibc settings of a memory benchmark's child; a value already in the environment wins."""
 

@@ -2,26 +2,9 @@
 
 ``python -m recipe.bench entropy-memory [--json] [--tokens 4096] [--vocab 151936]``
 
-Runs verl 0.9.1's real actor stack on the CPU platform (``TrainingWorker`` -> ``FSDPEngineWithLMHead``,
-FSDP2 on gloo, verl's default bf16 mixed precision, one rank) on a tiny Qwen3 with the real Qwen
-vocabulary, one micro-batch of ``--tokens`` tokens, one optimizer step, verl's ``ppo_loss``
-(``entropy_coeff=0``). Variants, each in its own fresh process so peaks do not mix:
-
-* ``a_no_entropy``    ``calculate_entropy=False``: the floor.
-* ``b_verl_entropy``  ``calculate_entropy=True`` through verl's engine: entropy with autograd.
-* ``c_detached``      ``calculate_entropy=True`` with the seam's fp32 entropy
-  (``verl_ext.engine.request.entropy_as_mask``): the entropy ERC needs, computed without a graph.
-* ``d_vocab_pass``    as ``c_detached`` (ERC's entropy) through the vocabulary pass
-  (``actor.policy_loss.vocab_pass``, :mod:`verl_ext.engine.vocab_pass_step`): no logits tensor at all.
-* ``e_old_log_prob_detached`` / ``f_old_log_prob_vocab_pass``: the old-log-prob pass
-  (``infer_batch`` with ``calculate_entropy=True``, as the trainer runs it for ERC) instead of the
-  update, materialised with ``c``'s entropy / through the vocabulary pass.
-
-Each variant reports the peak RSS of its process (``ru_maxrss``) and the RSS just before its phase
-(``phase``: the update, or the old-log-prob pass); ratios are against ``a_no_entropy``'s update
-measured in the same run. Only ratios within one run compare.
-Children run with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed buffers leave RSS at once
-(:data:`recipe.bench.child.LIVE_RSS_ENV`).
+verl's real actor stack on the CPU platform; each of :data:`VARIANTS` (docs/benchmarks.md, "Entropy memory" and
+"Vocabulary pass") runs in its own fresh process under :data:`recipe.bench.child.LIVE_RSS_ENV` and reports its peak
+RSS and the RSS before its phase, as ratios against ``a_no_entropy``'s update in the same run.
 """
 
 from __future__ import annotations

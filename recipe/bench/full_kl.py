@@ -3,25 +3,8 @@
 ``python -m recipe.bench full-kl [--json] [--tokens 4096] [--vocab 151936] [--k 32] [--phase update|old]
 [--vocab-pass] [--repeats N]``
 
-Runs verl 0.9.1's real actor stack on the CPU platform (``TrainingWorker`` -> ``FSDPEngineWithLMHead``,
-FSDP2 on gloo, verl's default bf16 mixed precision, one rank) on a tiny Qwen3 with the real Qwen
-vocabulary, one micro-batch of ``--tokens`` tokens, the divclip actor loss
-(``verl_ext.actor_loss.build_actor_loss``). ``--phase`` picks the pass that is measured:
-
-* ``update`` (default): one update with one optimizer step. ``kl3`` is the baseline; ``kl_full`` has
-  pi_old's top-k stored in the batch (k = ``--k``) and additionally evaluates pi_theta's log-masses on
-  those buckets (row chunks of the logits, or the vocabulary pass's slices; no graph) and the
-  coarsened KL.
-* ``old``: the old-log-prob pass. ``kl3`` computes log-probs and entropies; ``kl_full`` also stores
-  pi_old's top-k (the ids and k + 1 log-masses of every response token).
-
-Without ``--vocab-pass`` both variants use verl's materialised logits; with it, both run through
-the vocabulary pass (``policy_loss.vocab_pass=true``), and ``kl_full`` is compared with ``kl3`` on the
-same path. Each variant runs in its own fresh process and reports its peak RSS, the RSS just before
-the measured pass, and the pass's wall and process CPU time (the latter less sensitive to other jobs
-on a shared machine); ratios are against ``kl3`` measured in the same run, variants alternating over
-``--repeats``. Also printed: the stored top-k's bytes per response token and per training step at
-the maximum response length of the ERC 7B and ATR 8B configs (``verl_ext.core.coarsened_kl.stored_bytes_per_token``).
+verl's real actor stack on the CPU platform with the divclip loss; each variant in its own process, alternating
+over ``--repeats``, against ``kl3`` on the same path (docs/benchmarks.md, "Stored top-k").
 """
 
 from __future__ import annotations

@@ -1,48 +1,10 @@
 """GPU probe: ERC's entropy path against verl's on one CUDA GPU, at verl's default bf16 precision.
 
-``python -m recipe.bench gpu [--json] [--out results.json] [--tokens 16384] [--sequences 8] ...``
-``python -m recipe.bench gpu --acceptance [--out DIR] ...``: the acceptance run (:mod:`recipe.bench.acceptance`,
-routed there by ``recipe.bench.__main__``: this module never imports it; what both run is in
-:mod:`recipe.bench.gpu_workload`).
-
-Builds a model locally from a config (R1-Distill-Qwen-1.5B's shape by default, random weights with a
-scaled output head so that most tokens are confident, as a reasoning model's are; nothing is
-downloaded), then, for each variant in its own process, runs verl 0.9.1's real actor stack
-(``TrainingWorker`` -> ``FSDPEngineWithLMHead``, one rank, verl's default bf16 mixed
-precision, remove-padding, gradient checkpointing, AdamW): the old-log-prob pass, then updates of
-one ``--tokens`` micro-batch (FSDP1 too: ``--strategies``).
-
-Variants (``--variants``, comma-separated):
-
-* ``no_entropy``            verl's ``ppo_loss``, ``calculate_entropy=False`` in the update: the baseline.
-* ``verl_compiled``         verl's ``ppo_loss`` with verl's entropy, ``use_torch_compile=True`` (verl's GPU default).
-* ``verl_eager``            the same with ``use_torch_compile=False``.
-* ``divclip_erc``           the divclip ERC-DAPO loss: ``entropy_fp32`` compiled, in both passes.
-* ``divclip_erc_eager``     the same with ``use_torch_compile=False`` (eager float32 chunks).
-* ``divclip_erc_vocab_pass`` the divclip ERC-DAPO loss with ``policy_loss.vocab_pass=true``: both passes
-                            through the chunked vocabulary pass (no logits tensor; ``verl_ext.core.vocab_pass``).
-* ``divclip_erc_fused``     ERC with ``use_fused_kernels=True`` (verl's fused kernel's entropy in both
-                            passes; needs verl's kernel backend; not in the default list).
-* ``divclip_erc_dynamic``   ERC with the ERC configs' packing: dynamic batching, the update in micro-batches
-                            of ``--tokens / 2``, the old-log-prob pass at ``--tokens`` (2:1), which
-                            :mod:`verl_ext.engine.packing` packs as the update.
-* ``divclip_kl3``           ``loss_mode=kl3`` (ATR-GRPO), no entropy: the baseline of the two below.
-* ``divclip_kl_full``       ``loss_mode=kl_full`` (Eq. 4 over pi_old's top-k, k = ``--k``): the old-log-prob
-                            pass stores the top-k, the update evaluates pi_theta on it (verl's logits).
-* ``divclip_kl_full_vocab_pass`` the same through the vocabulary pass (no logits tensor in either pass).
-  These three are not in the default list (``--variants divclip_kl3,divclip_kl_full,...``); their
-  on-policy check is that the first update's coarsened KL is 0 and nothing is clipped.
-
-Every variant runs under each of ``--strategies`` (default on CUDA: ``fsdp``, verl 0.9.1's FSDP1, which
-the launch scripts resolve to, and ``fsdp2``; ratios are against ``no_entropy`` of the same strategy).
-
-Per variant: peak GPU memory of the old-log-prob pass (``old_log_prob_peak_bytes``, CUDA only) and of
-the updates (``torch.cuda.max_memory_allocated``; peak RSS on CPU),
-the median update time over ``--repeats`` updates after ``--warmup`` ones, both as ratios against
-``no_entropy`` measured in the same run, and for the ERC variants the on-policy invariant of the first
-update (before any optimizer step): ``erc/ratio_min == erc/ratio_max == 1`` and nothing masked, with
-the update's ``actor/divclip/onpolicy/*`` gauge.
-``--device cpu`` runs the same code on the CPU platform (small shapes; used by the test suite).
+``python -m recipe.bench gpu [--json] [--out results.json] [--tokens 16384] [--sequences 8] [--variants ...]``
+runs each of :data:`VARIANTS` in its own process under each of ``--strategies`` (CUDA: FSDP1 and FSDP2): verl's
+actor stack on a locally built model, the old-log-prob pass then timed updates, peaks and times against
+``no_entropy`` of the same strategy, and the first update's on-policy check (docs/benchmarks.md, "GPU: ERC's
+entropy path on one H100"). ``--acceptance`` is :mod:`recipe.bench.acceptance`; ``--device cpu``: small shapes.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """What the GPU probe and the GPU acceptance run measure: the model, the strategies and the losses.
 
-Both :mod:`recipe.bench.gpu` (the probe, one variant per process) and :mod:`recipe.bench.acceptance`
-(every target in one call; its runs in :mod:`recipe.bench.acceptance_runs`) build R1-Distill-Qwen-1.5B's
-shape from a config, run it under verl 0.9.1's FSDP1 and FSDP2 and configure ERC-DAPO, ``kl3`` and
-``kl_full`` alike. That shared part lives here, below both, so neither imports the other
-(``tests/test_layout.py`` checks that no module of the project takes part in an import cycle);
-``python -m recipe.bench gpu --acceptance`` reaches the acceptance run through ``recipe.bench.__main__``.
+:mod:`recipe.bench.gpu` (the probe) and :mod:`recipe.bench.acceptance` (every target in one call) both build
+R1-Distill-Qwen-1.5B's shape from a config, run it under verl 0.9.1's FSDP1 and FSDP2 and configure ERC-DAPO,
+``kl3`` and ``kl_full`` alike. That shared part lives here, below both, so neither imports the other
+(``tests/test_layout.py`` forbids import cycles).
 """
 
 from __future__ import annotations
@@ -233,19 +231,12 @@ class UpdatePhases:
     """Records memory per phase of verl's engine by wrapping two methods of one engine instance (three with
     ``hold_gradients``).
 
-    verl 0.9.1's ``BaseEngine.train_batch`` runs ``self.optimizer_zero_grad()``, then
-    ``self.forward_backward_batch(...)``, then ``self.optimizer_step()``, and ``infer_batch`` runs
-    ``self.forward_backward_batch(..., forward_only=True)``: wrapping those two attributes of the
-    instance (verl's own methods run unchanged inside) gives each phase's memory before it began and its
-    peak, without touching the engine's class. A measuring instrument of the benchmark, not a hook of the
-    product (``verl_ext/engine`` owns those).
-
-    With ``hold_gradients`` the instance's ``optimizer_zero_grad`` zeroes the gradients in place
-    (``zero_grad(set_to_none=False)``) instead of freeing them, so that from the second update on they are
-    held before the forward, as they are for every micro-batch after the first of a mini-batch under
-    gradient accumulation: the loss-phase peak is then above parameters, gradients and optimizer state
-    (the definition of the acceptance's targets), and the update's numbers are unchanged (the backward adds into
-    zeros).
+    verl 0.9.1's ``train_batch`` runs ``optimizer_zero_grad``, ``forward_backward_batch`` and ``optimizer_step``;
+    ``infer_batch`` runs ``forward_backward_batch(forward_only=True)``. Wrapping those instance attributes gives
+    each phase's memory before it began and its peak, verl's methods running unchanged inside. With
+    ``hold_gradients``, ``optimizer_zero_grad`` zeroes the gradients in place instead of freeing them, so from the
+    second update on they are held before the forward, as under gradient accumulation: the loss-phase peak is then
+    above parameters, gradients and optimizer state (the acceptance's targets), the update unchanged.
     """
 
     def __init__(self, engine: Any, meter: MemoryMeter, hold_gradients: bool = False) -> None:
@@ -349,10 +340,8 @@ def longest_fitting(
 ) -> Search:
     """The largest ``n`` in ``[1, limit]`` with ``fits(n)``, by doubling from ``start`` then bisection.
 
-    Assumes ``fits`` is monotone (a size fits when a larger one does). Doubling tries ``start``,
-    ``2 * start``, ... (capped at ``limit``) until one fails; bisection then halves the bracket until the
-    smallest failure is within ``resolution`` of the largest fit (or one apart). No try starts once
-    ``clock()`` has passed ``deadline``: the result then says ``stopped="time"``.
+    Assumes ``fits`` is monotone. Bisection stops when the smallest failure is within ``resolution`` of the
+    largest fit (or one apart); no try starts after ``deadline`` (the result then says ``stopped="time"``).
 
     Args:
         fits: Tries one size; True if it fitted.

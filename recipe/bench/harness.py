@@ -1,31 +1,10 @@
 """Reusable harness: verl 0.9.1's real actor training stack on CPU, for tests and benchmarks.
 
-It drives verl's own ``TrainingWorker`` (``verl/workers/engine_workers.py``), constructed directly
-instead of through Ray, so the code under test is exactly what the v1 trainer runs on a GPU node:
-``TrainingWorker.set_loss_fn`` -> ``train_mini_batch`` -> ``train_batch`` -> ``FSDPEngineWithLMHead``
-(FSDP2) -> the loss function. Only the Ray dispatch layer is skipped.
-
-Pieces (all CPU, no downloads):
-
-* :func:`save_tiny_qwen3` writes a random-weight Qwen3 checkpoint built from a config;
-  :func:`bench_micro_batch` gives the engine benchmarks' shared model and micro-batch shape.
-* :func:`build_actor_worker` builds and initialises the ``TrainingWorker`` (``VERL_PLATFORM=cpu``,
-  FSDP2 on gloo). It initialises the process group itself from ``RANK``/``WORLD_SIZE``/``MASTER_*``
-  like a Ray worker does; :mod:`recipe.bench.ranks` sets those for 1..N rank processes. ``WorkerOptions``
-  also puts verl's LoRA adapter on the actor (``lora_rank``) or builds verl's critic instead
-  (``model_type="value_model"``: ``FSDPEngineWithValueHead``).
-* :func:`make_rollout_batch` builds a batch in verl's no-padding ``TensorDict`` layout, as the v1
-  trainer's TransferQueue hands it to ``update_actor`` (nested ``input_ids``/``position_ids`` over
-  prompt+response; nested ``prompts``, ``responses``, ``response_mask``, ``loss_mask``,
-  ``old_log_probs``, ``advantages`` and ``entropy`` (pi_old) over the response).
-* :func:`compute_log_prob` mirrors the trainer's old-log-prob pass (``infer_batch`` with
-  ``calculate_entropy=True``) and :func:`update_actor` its ``_update_actor`` (``train_mini_batch``
-  with the same non-tensor keys).
-* :func:`full_params` gathers full parameters (collective: call on every rank).
-
-Importing this module only registers the ``cpu`` platform; :func:`select_cpu_platform` (called by
-:mod:`recipe.bench.ranks` in each rank and in-process) selects it, so merely importing the
-harness does not change which platform other code in the importing process gets.
+It drives verl's own ``TrainingWorker``, constructed directly instead of through Ray, so the code under test is
+what the v1 trainer runs on a GPU node (``train_mini_batch`` -> ``train_batch`` -> ``FSDPEngineWithLMHead``
+(FSDP2) -> the loss); only the Ray dispatch layer is skipped. All CPU, no downloads. Importing this module only
+registers the ``cpu`` platform; :func:`select_cpu_platform` (called by :mod:`recipe.bench.ranks`) selects it,
+so importing the harness does not change which platform other code in the importing process gets.
 """
 
 from __future__ import annotations
@@ -188,18 +167,12 @@ def build_actor_worker(model_path: str, options: Optional[WorkerOptions] = None)
 
     Needs ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` in the environment (set by
     :mod:`recipe.bench.ranks`: ``run_ranks``, or ``single_rank_env`` for an in-process rank).
-
-    ``options.lora_rank > 0`` gives the model verl's LoRA adapter (``lora_alpha``, ``target_modules``;
-    only the adapter trains). ``options.model_type="value_model"`` builds the critic's worker instead
-    (``FSDPEngineWithValueHead``: the checkpoint loaded as a token classifier with one label, as verl's
-    critic loads it). Its value head, like a LoRA adapter's ``lora_A``, is initialised from torch's global
-    generator: seed it (``torch.manual_seed``) before building two workers that must start equal. verl
-    0.9.1's ``load_valuehead_model`` asks transformers for ``attn_implementation="flash_attention_2"``
-    whatever the config says, and flash-attn does not exist on CPU, so for a value model the loader gets
-    ``options.attn_implementation`` instead while the engine builds (:func:`_value_model_attention`).
-
-    This process builds an actor worker, so it gets the engine seam (:func:`verl_ext.engine.seam.install`), as
-    an actor worker of a training run does when it unpickles its loss. ``options=None``: ``WorkerOptions()``.
+    ``options.lora_rank > 0`` gives the model verl's LoRA adapter (only the adapter trains);
+    ``options.model_type="value_model"`` builds the critic's worker (``FSDPEngineWithValueHead``) instead, loaded
+    with ``options.attn_implementation`` instead of the flash-attn verl asks for (:func:`_value_model_attention`).
+    The value head and ``lora_A`` come from torch's global generator: seed it before building two workers that
+    must start equal. The worker gets the engine seam (:func:`verl_ext.engine.seam.install`), as a training
+    run's actor worker does when it unpickles its loss. ``options=None``: ``WorkerOptions()``.
     """
     options = WorkerOptions() if options is None else options
     from verl.plugin.platform import get_platform

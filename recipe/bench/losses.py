@@ -1,22 +1,10 @@
 """``python -m recipe.bench losses [--json]``: forward+backward time of every divclip mode
 against verl's ``vanilla`` policy loss, interleaved in one process.
 
-Each round times one forward+backward of every variant in turn (so drift in machine load
-hits all of them alike); the figure per variant is the median over rounds, and the ratio is
-against ``vanilla``'s median from the same rounds. ``<verl mode>+erc`` rows are verl's own
-losses with ERC composed on top (``verl_ext.verl_modes``). ERC variants get the per-token entropies
-as inputs (their cost in the trainer is the entropy computation, benchmarked separately by
-``entropy-memory``). fp32 on CPU. ``kl_full`` reads pi_old's stored top-k, which the registry call
-cannot pass: its update is benchmarked in the engine by ``full-kl``.
-
-**The heap is held steady** (``--heap steady``, the default): with glibc's defaults every freed
-block above the mmap threshold, and the heap's free top, go back to the kernel, so each step
-page-faults its tensors in again. On the 2-core VM this bench was written on that was up to 2,500
-minor faults per step, a varying share of a step's time depending on which variant ran before,
-and moved single rows by +-0.15 between runs. ``mallopt`` raises the mmap and trim thresholds at
-start-up (as a caching allocator -- CUDA's, or jemalloc/tcmalloc on CPU -- does), so the timings
-measure the losses' arithmetic; every row reports its ``minor_faults_per_step`` to show it.
-``--heap glibc-default`` measures the old way.
+Each round times every variant in turn; a variant's figure is its median over rounds against ``vanilla``'s from
+the same rounds. ERC variants get the entropies as inputs (the entropy's cost is ``entropy-memory``'s), and
+``kl_full``'s update is ``full-kl``'s. ``--heap steady`` (the default) holds glibc's heap with ``mallopt`` so the
+timings measure the arithmetic, not page faults; ``--heap glibc-default`` measures without it (docs/benchmarks.md).
 """
 
 from __future__ import annotations

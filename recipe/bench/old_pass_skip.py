@@ -1,21 +1,10 @@
 """Actor time per step with and without ``policy_loss.old_log_prob_from_update`` (the old-log-prob pass skipped
 where the update's first forward is pi_old bit for bit; :mod:`verl_ext.engine.old_from_update`).
 
-Per config shape, on verl's real actor worker (FSDP2; :mod:`recipe.bench.harness`): one step as
-``DivClipTrainer`` runs it -- the old-log-prob pass packed as the update, the update, and with the skip the
-collect that hands verl the completed pi_old -- timed per phase. Shapes:
-
-* ``atr``: the ATR configs -- the step's sequences are one mini-batch trained twice (``ppo_epochs=2``); the skip
-  removes the whole pass;
-* ``erc``: the ERC configs -- 8 mini-batches, one epoch; the skip removes the first mini-batch's share (1/8).
-
-Both arms alternate on one worker (learning rate 0, so every round computes the same numbers) after a warm-up
-round; each phase's median over ``--rounds``. ``--device cuda`` runs it on a GPU (one rank, NCCL). Sizes are
-the engine benchmarks' (:func:`recipe.bench.harness.bench_micro_batch`: equal sequences, a quarter prompt) with
-``--layers`` layers.
-
-    python -m recipe.bench old-pass-skip [--shapes atr,erc] [--device cpu|cuda] [--tokens N] [--sequences N]
-        [--vocab N] [--hidden N] [--layers N] [--rounds N] [--json]
+One step as ``DivClipTrainer`` runs it, timed per phase on verl's real actor worker, for the ``atr`` shape (one
+mini-batch trained twice: the skip removes the whole pass) and the ``erc`` shape (8 mini-batches: the first's
+share); both arms alternate on one worker at learning rate 0 (docs/benchmarks.md, "The old-log-prob pass skipped
+where exact"). ``python -m recipe.bench old-pass-skip [--shapes atr,erc] [--device cpu|cuda] [--rounds N] ...``
 """
 
 from __future__ import annotations

@@ -2,27 +2,9 @@
 
 ``python -m recipe.bench onpolicy [--json] [--modes erc,clip,kl3,gspo] [--threads 1,2] [--seeds 4,5,6,7,8]``
 
-verl 0.9.1's real actor stack on the CPU platform (``TrainingWorker`` -> FSDP2, one rank, verl's
-default bf16 mixed precision), a tiny Qwen3 whose scaled head makes most tokens' entropy < 1e-3 nats
-(as a trained reasoning model's are), 8 sequences, dynamic batching with the log-prob pass at twice
-the update's token budget (the configs' 2:1). Per case (mode x budget pair x seed x threads) it runs the
-old-log-prob pass, then one update of the divclip actor loss in that mode on the same batch before any
-optimizer step, twice:
-
-* ``own``: verl's own packing of the old-log-prob pass (its own budget):
-  ``policy_loss.pack_old_log_prob_as_update=false``;
-* ``aligned``: the old-log-prob pass packed as the update (:mod:`verl_ext.engine.packing`, the default).
-
-It reports the on-policy gauge (max |log w|, the ratio-clip fraction), verl's ``pg_clipfrac`` and
-``ppo_kl``, and with ERC its ratio range and masked fraction; for ERC's two arms also where a
-difference enters: forward hooks on the LM head capture its input (the final hidden states, bf16) and
-output (the bf16 logits) in both passes; the bench compares them per token and recomputes the entropy
-ratio from fp32 logits of the captured hidden states (h W^T accumulated and kept in fp32, what an LM head
-that never rounds to bf16 would give).
-
-``--cost`` instead measures the price of the alignment on the old-log-prob pass alone, per mode of
-``--modes``, at a larger shape (Qwen's vocabulary): its time, ``own`` and ``aligned`` alternating on one
-worker (a busy machine slows both alike), and its peak RSS, each arm in a fresh process.
+Per case (mode x budget pair x seed x threads), the old-log-prob pass then one update before any optimizer step,
+verl's packing (``own``) against the pass packed as the update (``aligned``); for ERC, LM-head hooks compare both
+passes. ``--cost``: the alignment's price on the pass alone (docs/benchmarks.md, "On-policy exactness").
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """``python -m recipe.bench reward [--json] [--math500 PATH]``: reward throughput, ours vs verl's.
 
-One mixed corpus (real MATH-500 worked solutions, each against its own answer and against
-the next problem's answer, plus long synthetic chains of thought that end in a boxed answer)
-is scored by three functions under the same conditions: called from a thread pool, as
-verl's reward loop calls a synchronous ``compute_score``. Items/s and the ratios are
-measured in this one run; nothing is asserted. The MATH-500 rows (``solution`` and ``answer``
-per JSON line) come from ``--math500``, by default the checkout's ``../shared`` copy.
+One mixed corpus (MATH-500 solutions against their own and the next problem's answer, long synthetic chains
+of thought) is scored by three functions from a thread pool, as verl's reward loop calls a synchronous
+``compute_score``; items/s and ratios come from this one run and nothing is asserted. ``--math500`` (JSON lines
+with ``solution`` and ``answer``) defaults to the checkout's ``../shared`` copy.
 """
 
 from __future__ import annotations

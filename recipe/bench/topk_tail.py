@@ -2,18 +2,9 @@
 
 ``python -m recipe.bench topk-tail --model PATH --data FILE [--k 1,2,4,8,16,32,64,128] [--json]``
 
-``kl_full`` (ATR-GRPO Eq. 4 over pi_old's top-k plus one tail bucket, :mod:`verl_ext.core.coarsened_kl`) is
-exact when the tail holds no mass and a lower bound of the full-vocabulary KL otherwise: the KL the
-coarsening can miss lives in the tail, so the tail mass of pi_old at k is the quantity that picks k.
-This probe teacher-forces reference solutions through a local Hugging Face checkpoint -- by default
-the rows of a MATH-500-layout JSON-lines file (``problem`` as the user turn through the tokenizer's
-chat template, ``solution`` as the response) -- and reports, for each k, the distribution of the tail
-mass ``1 - sum(top-k probabilities)`` over the response tokens (computed directly as the mass of the
-other ids, not by subtraction) next to the bytes the stored top-k costs per token. The sampling
-temperature (``--temperature``) is applied to the logits as in the actor's passes.
-
-Nothing is asserted: the figures belong in docs/benchmarks.md with the model, data, command and date.
-On a GPU node the model runs in bf16 on CUDA, elsewhere in fp32 on CPU.
+``kl_full`` misses only the mass in pi_old's tail. This probe teacher-forces a MATH-500-layout JSON-lines file
+(``problem`` as the user turn, ``solution`` as the response) through a local checkpoint (bf16 on CUDA, else fp32)
+and reports per k the tail mass over the response tokens and the stored top-k's bytes; nothing is asserted.
 """
 
 from __future__ import annotations

@@ -2,25 +2,9 @@
 against ``colocate_async`` and ``separate_async``, and how stale each async mode's samples were.
 
 ``python -m recipe.bench trainer-modes [--json] [--modes sync,colocate_async,separate_async] [--steps 6]
-[--response-len 48] [--loss kl3] [--out DIR]``
-
-Each mode trains the same run -- ``launch/run_smoke_cpu.sh``, the same seed, model, prompts and loss -- for
-``--steps`` steps, one mode after the other in this one invocation, with responses of up to
-``--response-len`` tokens whose lengths are long-tailed (the random policy stops at EOS with a small
-probability per token, so most responses are short and a few run to the limit: the shape that makes a step
-wait on its longest generations, which the async modes overlap with training). The rollout server generates
-one sequence at a time (``rollout.max_num_seqs=1``), so the long ones cost what they cost on a busy GPU
-server and an abort can catch a request mid-generation.
-
-Per mode it reads verl's own per-step wall time (``perf/time_per_step``) from the run's ``metrics.jsonl`` and
-counts the samples each step trained from the run's data trace (``divclip.data_trace``: one ``trained`` line
-per actor update, with its samples counted, verl's padding left out -- :mod:`recipe.data_trace`); step 1 is
-left out (it includes the async modes' warm-up batches). Samples per second = trained samples / summed step
-time. It prints one row per mode with the ratio to ``sync`` measured in the same invocation, and, for the async
-modes, the mean version lag of the trained samples (verl's ``training/off_policy/trajectory_staleness_worst/mean``:
-versions between the oldest weights a sample was generated with and pi_old's) and the largest number of
-versions a sample spanned (verl's ``training/off_policy/trajectory_spans/max``). No target: two CPU cores
-overlap little (docs/benchmarks.md has the figures and what they do and do not say about a GPU).
+[--response-len 48] [--loss kl3] [--out DIR]``: each mode trains the same ``launch/run_smoke_cpu.sh`` run; samples
+per second are the trained samples the data trace counts (:mod:`recipe.data_trace`) over verl's
+``perf/time_per_step``, step 1 (warm-up) left out (docs/benchmarks.md, "Trainer modes side by side").
 """
 
 from __future__ import annotations

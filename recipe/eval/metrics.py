@@ -1,13 +1,8 @@
 """The metrics: unbiased pass@k, mean@k and maj@k per problem, averaged per benchmark.
 
-Pure functions of per-response correctness (and extracted answers for maj@k); no I/O. Imported by
-:mod:`recipe.eval.tables` and by anything that wants the estimators alone.
-
-* mean@k: accuracy of the first k responses (mean@n uses all of them).
-* pass@k: the unbiased estimator of Chen et al. (2021), 1 - C(n-c, k) / C(n, k), from all n
-  responses of which c are correct; needs n >= k. Computed as a product, never as binomials.
-* maj@k: majority vote over the first k responses' extracted answers (see :func:`majority_vote`
-  for the clustering and the tie rule).
+Pure functions of per-response correctness (and extracted answers for maj@k); no I/O. pass@k is the
+unbiased estimator of Chen et al. (2021), 1 - C(n-c, k) / C(n, k), computed as a product; mean@k and
+maj@k use the first k responses (docs/evaluation.md, "Metric definitions").
 """
 
 from __future__ import annotations

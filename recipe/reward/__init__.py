@@ -1,9 +1,8 @@
 """The math reward and its hang-proofing.
 
-* :mod:`recipe.reward.score` -- what verl calls (``reward.custom_reward_function.path``
-  ``= recipe/reward/score.py``, ``name = compute_score``): anchored answer extraction and scoring;
-* :mod:`recipe.reward.workers` -- math-verify in killable worker processes, so a pathological answer
-  costs a timeout, not a hung reward loop.
+* :mod:`recipe.reward.score` -- what verl calls (``reward.custom_reward_function.path=recipe/reward/score.py``,
+  ``name=compute_score``): anchored answer extraction and scoring;
+* :mod:`recipe.reward.workers` -- math-verify in killable worker processes (a timeout, not a hung reward loop).
 
 This ``__init__`` imports nothing: a math-verify worker process loads only ``workers``.
 """

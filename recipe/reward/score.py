@@ -1,37 +1,10 @@
 """Hang-proof math reward for verl 0.9.1 (``reward.custom_reward_function``).
 
-Configure it as::
-
-    reward.custom_reward_function.path=recipe/reward/score.py
-    reward.custom_reward_function.name=compute_score
-    # optional: +reward.custom_reward_function.reward_kwargs.think=required
-
-Semantics by ``data_source`` (see docs/data_and_reward.md):
-
-* ``math_dapo`` (DAPO ``Answer:`` template): verl's own ``math_dapo`` check; verl's scores
-  are +1 / -1, which stay the default for this source (``wrong_score=None``).
-* everything else: the answer is extracted from an *anchored* place only (the last
-  ``\\boxed{}`` or the last ``Answer:`` line) and compared with math-verify, score 1 / 0.
-  A bare number elsewhere in the text ("I tried 34 cases") is never taken as the answer.
-* long-CoT models (``think="required"``, or a data source whose name contains ``longcot``):
-  only the text after the last ``</think>`` is scored; a response without a closing
-  ``</think>`` (cut off at the length limit) scores ``truncated_score`` (-0.5). The opening
-  ``<think>`` is never required, because many chat templates put it in the prompt.
-
-Every outcome has its own score keyword, so a run states all four in its config
-(``reward.custom_reward_function.reward_kwargs``; :func:`score_table` resolves them):
-``correct_score`` (1), ``wrong_score`` (0; -1 on ``math_dapo``), ``unparseable_score`` (no
-anchored answer at all; default: the wrong score) and ``truncated_score`` (-0.5).
-
-Why worker processes: math-verify (sympy) can spend unbounded time inside C code, e.g.
-evaluating ``5^(5^(5^(5^5)))``, where ``SIGALRM`` cannot interrupt it, and ``SIGALRM`` is not
-usable from the threads verl's reward loop runs us in anyway. Parsing and verification
-therefore run in a small pool of worker processes (:mod:`recipe.reward.workers`); a worker that
-exceeds the hard per-item timeout is killed and replaced, and the item scores as wrong (counted
-in :func:`reward_stats`).
-
-This module holds the reward's semantics: answer extraction (anchored, linear time, cannot hang)
-and scoring. Who may import it: verl (by path), :mod:`recipe.eval`, the benchmarks and tests.
+Configure it with ``reward.custom_reward_function.path=recipe/reward/score.py`` and ``name=compute_score``;
+the routes by ``data_source`` (``math_dapo``, anchored math-verify, long-CoT ``</think>``) and the four outcome
+scores (:func:`score_table`) are in docs/data_and_reward.md. This module holds the reward's semantics: answer
+extraction (anchored, linear time, cannot hang) and scoring; math-verify runs in :mod:`recipe.reward.workers`.
+Who may import it: verl (by path), :mod:`recipe.eval`, the benchmarks and tests.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """math-verify in a pool of killable worker processes: the reward's hang-proofing.
 
-math-verify (sympy) can spend unbounded time inside C code, e.g. evaluating
-``5^(5^(5^(5^5)))``, where ``SIGALRM`` cannot interrupt it, and ``SIGALRM`` is not usable from
-the threads verl's reward loop runs :func:`recipe.reward.score.compute_score` in anyway. Parsing and
-verification therefore run here, in a small pool of worker processes
-(``VERL_DIVCLIP_REWARD_WORKERS``, default one per core, 2 to 8); a worker that exceeds the hard
-per-item timeout is killed and replaced, and the item scores as wrong (counted in
-:func:`reward_stats`).
-
-Who may import it: :mod:`recipe.reward.score` (the only caller of :meth:`WorkerPool.verify`), the
-reward benchmark and tests. A worker process imports only this module (and math-verify).
+math-verify (sympy) can hang inside C code, out of ``SIGALRM``'s reach (docs/data_and_reward.md,
+"Hang-proofing"), so parsing and verification run here; a worker past the per-item timeout is killed and
+replaced, and the item scores as wrong (counted in :func:`reward_stats`). Who may import it:
+:mod:`recipe.reward.score` (the only caller of :meth:`WorkerPool.verify`), the reward benchmark and tests.
+A worker process imports only this module (and math-verify).
 """
 
 from __future__ import annotations

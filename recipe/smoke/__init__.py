@@ -2,8 +2,7 @@
 
 * :mod:`recipe.smoke.task` -- ``python -m recipe.smoke.task``: the generated workload (prompts, the tiny
   random Qwen3, its tokenizer);
-* :mod:`recipe.smoke.report` -- ``python -m recipe.smoke.report``: the run's verdict (curves, margin,
-  the on-policy gauge).
+* :mod:`recipe.smoke.report` -- ``python -m recipe.smoke.report``: the run's verdict (curves, margin, gauge).
 
 This ``__init__`` imports nothing.
 """

@@ -1,12 +1,9 @@
 """``python -m recipe.smoke.report SMOKE_OUT [--require-margin]``: the CPU smoke run's verdict.
 
-1. Merges verl's file-logger files of every attempt (``SMOKE_OUT/logs/*.jsonl``; a resumed run
-   writes a new one) into ``SMOKE_OUT/metrics.jsonl``, one ``{"step", "data"}`` line per step in
-   verl's own format, later attempts winning on a repeated step.
-2. Plots the curves (``recipe.plots``) to ``SMOKE_OUT/curves.png``.
-3. Compares the mean training reward of the last 5 steps with the first 5. "Clear" means a margin
-   of at least ``MIN_MARGIN`` *and* at least ``MIN_T`` standard errors (Welch, from the spread of
-   the per-step rewards), so a lucky step cannot pass it. Writes ``SMOKE_OUT/report.json``.
+Merges verl's file-logger files of every attempt (``SMOKE_OUT/logs/*.jsonl``; later attempts win on a repeated
+step) into ``metrics.jsonl``, plots ``curves.png`` and writes ``report.json``: the mean training reward of the
+last 5 steps against the first 5, "clear" at ``MIN_MARGIN`` *and* ``MIN_T`` Welch standard errors
+(docs/cpu_end_to_end.md).
 """
 
 from __future__ import annotations

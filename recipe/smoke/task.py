@@ -1,43 +1,10 @@
 """A synthetic verifiable task, a tiny Qwen3 model and a chat tokenizer, all generated locally.
 
-This is the workload for running verl's real trainer end to end on a 2-core CPU machine
-(``docs/cpu_end_to_end.md``): nothing is downloaded, everything is built from code in seconds.
-
-Tasks
-    ``echo`` (the default): the prompt is one digit repeated 1-6 times (``"7777"``); the answer
-    is that digit, written ``\\boxed{7}``. Validation holds out the lengths 7 and 8.
-    ``last_digit`` (answer = last digit of 4 random digits) and ``sum_mod10`` (sum of the digits
-    mod 10) are harder variants for longer runs: they need positional attention, and at this
-    scale ``last_digit`` showed no learning within 60 steps (docs/cpu_end_to_end.md).
-
-Why ``echo`` learns in minutes from *random* weights
-    RL can only reinforce what the policy already samples. A random ~80K-parameter model
-    samples near-uniformly from its vocabulary, so a well-formed answer must be cheap to hit
-    by chance. The tokenizer therefore has one whole-word token per boxed answer
-    (``\\boxed{0}`` .. ``\\boxed{9}``, the way a real BPE vocabulary has multi-character
-    tokens for common strings) and a vocabulary of only 33 tokens. In a 4-token response most
-    samples contain a boxed token; the *last* one is what ``recipe.reward.score.compute_score``
-    scores, and it is right 1 time in 10. So the initial mean reward is ~0.1, a group of 8
-    samples often contains a success, and GRPO gets a non-zero advantage from step 1. In
-    ``echo`` every content token of the prompt is the answer digit, so even the random model's
-    near-uniform attention carries it to the answer position: the policy only has to learn a
-    digit -> boxed-digit map (and to stop), not where to look. Measured: mean reward ~0.1 ->
-    0.6-0.8 within ~40 steps of 16 prompts x 8 samples at lr 5e-3.
-
-Reward conventions
-    ``data_source`` is ``smoke_<task>`` (e.g. ``smoke_echo``): not ``math_dapo``, so
-    ``recipe.reward.score.compute_score`` takes its math-verify route: the anchored answer (the
-    last complete ``\\boxed{}``) against ``ground_truth``; equal plain integers score 1 on the
-    exact-match fast path and different ones 0, so no math-verify worker is ever needed.
-
-Files written by :func:`build_smoke_assets`::
-
-    <out>/model/       config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
-                       special_tokens_map.json, generation_config.json, chat_template.jinja
-    <out>/data/train.parquet, <out>/data/val.parquet   (verl RL schema, see docs/data_and_reward.md)
-
-Command line: ``python -m recipe.smoke.task --out DIR [--task echo] [--train 512] [--val 20]``
-prints the paths as JSON.
+The workload for running verl's real trainer end to end on a 2-core CPU machine: nothing is downloaded, everything
+is built from code in seconds. ``echo`` learns from *random* weights because each boxed answer is one of only 33
+tokens (a random policy is right ~1 time in 10, so GRPO has signal from step 1) and every prompt token is the
+answer digit; tasks, reward and figures: docs/cpu_end_to_end.md, "The smoke task".
+``python -m recipe.smoke.task --out DIR [--task echo] [--train 512] [--val 20]`` prints the paths as JSON.
 """
 
 from __future__ import annotations

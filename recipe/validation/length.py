@@ -1,47 +1,10 @@
 """In-training validation at its own response length and sample count, per benchmark.
 
-Both papers score checkpoints at lengths and sample counts of their own: the ERC paper (§4.1)
-evaluates AIME24/25 with 32 samples of up to 32k tokens while training at 16k, HMMT25 and AMC23
-with 32 samples of 16k, MATH-500 and OlympiadBench with 4 samples of 16k; its released scripts
-validate AIME at 32 x 32k. verl 0.9.1 validates every set at ``rollout.response_length`` and one
-``val_kwargs.n`` (verl-project/verl#2997). This module adds, without patching verl::
-
-    actor_rollout_ref.rollout.custom.validation:
-      response_length: 32768          # every validation set; null = rollout.response_length
-      benchmarks:                     # per data_source; a field left out takes the line above /
-        aime24: {response_length: 32768, n: 32}    #   val_kwargs.n; a null entry is no entry
-        math500: {n: 4}
-
-Why the key lives in ``RolloutConfig.custom``: it is verl's declared extension point on the
-dataclass that owns ``response_length`` and ``val_kwargs`` (verl builds it with ``custom`` as a
-plain dict), so the setting sits next to what it overrides, reaches every process that holds the
-rollout config (the agent-loop workers read it there), and needs no second home for rollout
-settings in the recipe's ``divclip:`` section, which holds options of the entry point itself.
-
-How verl 0.9.1 lets it in (read from its source):
-
-* The v1 trainer keeps rollouts ragged in TransferQueue; ``PPOTrainer._validate`` pads validation
-  outputs only to the batch's own longest response, so no tensor is shaped by the length.
-* The length is capped in two places: ``SingleTurnAgentLoop`` truncates to
-  ``rollout.response_length``, and the servers (vLLM, SGLang, ``hf_cpu``) default ``max_tokens``
-  to it when a request names none. Validation rows get their own agent loop
-  (:class:`recipe.validation.rollout.ValidationLengthAgentLoop`) that sends ``max_tokens`` and
-  truncates at the row's length; TensorRT-LLM's server ignores a request's ``max_tokens`` and is
-  refused.
-* Per-row ``n`` is verl's own ``__rollout_n__`` column: ``_validate`` reads it from the batch for
-  its expected-sample counts and the TransferQueue agent-loop worker pops it for the group size.
-
-So :class:`ValidationLengthTrainerMixin` wraps the validation dataloader to add three columns per
-row -- ``__rollout_n__``, ``agent_name`` (the validation loop) and the row's length -- and the
-task runner uses :class:`recipe.validation.rollout.ValidationLengthAgentLoopManager`, which only
-registers that loop in its workers. Training batches never pass through the wrapper and carry no
-``agent_name``: they run verl's ``single_turn_agent`` with verl's sampling parameters, unchanged.
-Validation metrics gain ``val-aux/<data_source>/response_length/{mean,max,min,clip_ratio,limit}``.
-
-:func:`check_validation_length` refuses, before Ray starts and naming the key, what this cannot
-serve: the v0 trainer, multi-turn or a custom agent loop / manager, a rollout other than vLLM,
-SGLang or ``hf_cpu``, ``max_model_len`` below prompt + validation length, a non-positive length
-or ``n``, and a benchmark in the map that no validation file holds.
+Both papers score checkpoints at lengths and sample counts of their own (ERC §4.1: AIME with 32 samples of 32k
+while training at 16k); verl 0.9.1 validates every set at ``rollout.response_length`` and one ``val_kwargs.n``
+(verl-project/verl#2997). This module reads ``actor_rollout_ref.rollout.custom.validation``, refuses before Ray what
+it cannot serve (:func:`check_validation_length`), and :class:`ValidationLengthTrainerMixin` gives each validation
+row ``__rollout_n__``, ``agent_name`` and its length, without patching verl (docs/evaluation.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The rollout side of per-benchmark validation lengths (:mod:`recipe.validation.length`).
 
-:class:`ValidationLengthAgentLoop` is verl's ``SingleTurnAgentLoop`` for validation rows: it sends
-the row's length as ``max_tokens`` (the servers' default is ``rollout.response_length``) and
-truncates at it instead of at ``rollout.response_length``. Importing this module registers it with
-verl's agent-loop registry as :data:`recipe.validation.length.VALIDATION_AGENT_LOOP`; the registry
-is per process, so :class:`ValidationLengthAgentLoopManager` imports it in every agent-loop worker
-it starts. Training rows never name this loop and run verl's ``single_turn_agent`` as before.
+:class:`ValidationLengthAgentLoop` is verl's ``SingleTurnAgentLoop`` that sends a validation row's length as
+``max_tokens`` and truncates at it. Importing this module registers it as
+:data:`recipe.validation.length.VALIDATION_AGENT_LOOP`; the registry is per process, so
+:class:`ValidationLengthAgentLoopManager` imports it in every agent-loop worker it starts.
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """The exact per-token trust region of ATR-GRPO Eq. 4 over pi_old's stored top-k: the math.
 
-ATR-GRPO's framework starts from C_t = KL(pi_theta(.|s_t) || pi_old(.|s_t)) <= delta (Eq. 4; TRPO,
-Truly PPO) and replaces it with the sample estimate KL3 because the full expectation over the
-vocabulary is costly. The update pass already holds pi_theta's full distribution; what it lacks is
-pi_old's, which the old-log-prob pass has and throws away. ``kl_full`` keeps a summary of it:
-
-* **Stored top-k.** Per response token pi_old's k most likely ids (int32) and k + 1 log-masses
-  (float32): the k top-k log-probs and the log of the *tail bucket*, the mass of every other id.
-  :func:`topk_rows` computes them from a row chunk of logits; under the vocabulary pass
-  :func:`verl_ext.core.vocab_pass.bucket_log_masses` computes the same buckets from float32 logit
-  slices. Both take the tail with :func:`tail_log_mass_`, directly (no ``1 - sum(top-k)``).
-* **pi_theta on the same buckets.** :func:`log_masses_rows` evaluates pi_theta's log-probs at pi_old's
-  ids and its log-mass on the complement, without a graph: the constraint is evaluated on detached
-  quantities (Eq. 5).
-* **Coarsened KL.** :func:`coarsened_kl` is the KL between the two (k + 1)-bucket distributions.
-  Merging outcomes never increases a KL (data-processing inequality), so it is a lower bound of the
-  full-vocabulary KL, equal to it when both tails are empty (k = vocabulary).
-
-Both passes compute the log-masses with the same function on the same inputs, so on-policy --
-identical packing -- the coarsened KL is exactly 0 (no token clipped) whatever the dtype. Which pass
-stores and which evaluates, and how the fields travel through verl's batch, is the engine seam's
-business (:mod:`verl_ext.engine.topk_capture`); this module only computes.
-
-Device-agnostic; imports torch, :mod:`verl_ext.config` and :mod:`verl_ext.core.entropy` (chunk sizes).
+``kl_full`` keeps, per response token, pi_old's k most likely ids and k + 1 log-masses (the top-k and a tail
+bucket, :func:`topk_rows`), evaluates pi_theta on the same buckets without a graph (:func:`log_masses_rows`), and
+takes the KL between the two bucket distributions (:func:`coarsened_kl`): a lower bound of the full-vocabulary KL,
+exact when both tails are empty. Which pass stores and which evaluates is :mod:`verl_ext.engine.topk_capture`'s
+business; docs/losses.md has the rest.
 """
 
 from __future__ import annotations

@@ -4,8 +4,6 @@ Clip / Clip-Higher, GPPO, KL3 (ATR-GRPO), KL1, KL2, IS-KL3, TRGPPO, sequence-lev
 Sec. 6.5), the exact trust region on pi_old's top-k (``kl_full``, Eq. 4) and DCPO, each defined with
 :func:`verl_ext.core.region.define_constraint`. Everything else is the shared operator
 (:mod:`verl_ext.core.surrogate`, which imports this module so that every definition is present).
-
-Imports :mod:`verl_ext.core.region` and :mod:`verl_ext.core.divergences`.
 """
 
 from __future__ import annotations

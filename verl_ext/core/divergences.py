@@ -1,24 +1,10 @@
 """Closed forms that turn a per-token divergence budget into a ratio interval.
 
-Every constraint of the unified framework has the form D(w_t) <= delta, where w_t is the
-importance ratio pi_theta / pi_old of the sampled token. For the estimators used here
-D is convex in log w with D(1) = 0, so {w : D(w) <= delta} is an interval [l, u] that
-contains 1. This module computes those intervals:
-
-* KL3 (ATR-GRPO, Theorem 4.2): w - 1 - log w <= delta  <=>  w in [-W0(-e^{-1-delta}),
-  -W_{-1}(-e^{-1-delta})], e.g. [0.671, 1.422] at delta = 0.07. The interval is skewed
-  upwards: 1 - l < u - 1 for every delta > 0.
-* KL1 (Schulman's k1 = -log w, read as |log w| <= delta): [e^{-delta}, e^{delta}].
-* KL2 (Schulman's k2 = (log w)^2 / 2): [e^{-sqrt(2 delta)}, e^{sqrt(2 delta)}].
-* IS-weighted KL3 (w * k3(1/w) = w log w - w + 1, the importance-weighted k3 estimator of
-  KL(pi_theta || pi_old) from pi_old samples): [e^{1 + W_{-1}((delta-1)/e)},
-  e^{1 + W0((delta-1)/e)}]; the lower end is 0 once delta >= 1.
-* TRGPPO: KL between the old and new Bernoulli "sampled token or not" distributions,
-  per token, solved numerically (no closed form).
-* DCPO: closed-form per-token bounds from the old token probability q.
-
-Scalars are computed once in float64 with an own Halley iteration for Lambert W (tested
-against scipy); per-token quantities are torch tensors.
+Every constraint of the unified framework has the form D(w_t) <= delta, w_t = pi_theta / pi_old of the sampled
+token. For the estimators used here D is convex in log w with D(1) = 0, so {w : D(w) <= delta} is an interval
+[l, u] containing 1: Lambert-W closed forms for KL3 (ATR-GRPO, Theorem 4.2) and IS-KL3, exponentials for KL1 and
+KL2, per-token bounds for TRGPPO (numeric) and DCPO (closed form); docs/losses.md has the table. Scalars are
+float64, per-token quantities torch tensors.
 """
 
 from __future__ import annotations

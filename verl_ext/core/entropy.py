@@ -1,25 +1,10 @@
 """The per-token entropy of a softmax, in float32, without cancellation and without a graph.
 
-Entropy Ratio Clipping compares ``H(pi_theta, t)`` (update pass) with ``H(pi_old, t)`` (the
-old-log-prob pass). On-policy the two must be *the same number*, so ERC masks nothing. verl 0.9.1
-computes the entropy as ``logsumexp(x) - sum(softmax(x) * x)`` in the logits' dtype -- bf16 under its
-default mixed precision -- subtracting two numbers of size ~|x| to get an entropy that, for a
-confident token, is 1e-3..1e-8 nats: in bf16 the difference is noise, often exactly 0 (measured: 68%
-of on-policy tokens masked on the CPU engine, 0.6% on an H100; docs/benchmarks.md).
-
-:func:`entropy_fp32` computes it in float32 so that no term cancels: with ``z = x - max(x)`` (the
-arg-max exactly 0), ``S = sum(exp z) = 1 + r`` and ``r = sum_{z<0} exp z + (#ties - 1)``::
-
-    H = log S - sum(exp(z) * z) / S = log1p(r) + sum(exp(z) * (-z)) / (1 + r)
-
-Every term is non-negative, so the relative error stays ~1e-6 down to H ~ 1e-30 (an fp64 reference
-is matched to 1e-4 relative for H >= 1e-6; tests/test_entropy_numerics.py). The three sums split over
-vocabulary slices and merge exactly (:func:`merge_row_stats`), which the vocabulary pass
-(:mod:`verl_ext.core.vocab_pass`) builds on. :func:`entropy_fp32_compiled` is the same formula
-``torch.compile``d into one fused reduction (CUDA with verl's ``use_torch_compile``). The engine seam
-(:mod:`verl_ext.engine`) decides which one an engine's passes use; this module only computes.
-
-Device-agnostic; imports torch only.
+ERC compares H(pi_theta, t) with H(pi_old, t), which on-policy must be the same number; verl computes the entropy
+as ``logsumexp(x) - sum(softmax(x) * x)`` in the logits' dtype, noise for a confident token under bf16.
+:func:`entropy_fp32` uses H = log1p(r) + sum(exp(z) * (-z)) / (1 + r), z = x - max(x), r = sum_{z<0} exp z +
+(#ties - 1): every term is non-negative, so nothing cancels. Its sums merge exactly over vocabulary slices
+(:func:`merge_row_stats`, for the vocabulary pass). docs/losses.md ("One function for both passes") has the rest.
 """
 
 from __future__ import annotations

@@ -3,17 +3,8 @@
     rho_t = (H(pi_theta, t) + eps) / (H(pi_old, t) + eps)
     log pi_theta(y_t)  ->  sg[log pi_theta(y_t)]   where rho_t <= 1 - beta_l or rho_t >= 1 + beta_h
 
-A token outside the band keeps its value everywhere (its loss term, its place in the aggregation,
-any sequence-level quantity it enters) and loses the gradient through its own log-prob: a hard
-violation in the unified operator (Eq. 5 of ATR-GRPO). One implementation for every loss: the
-divclip operator (:func:`verl_ext.core.surrogate.constrained_policy_loss`) and verl's own modes
-(:mod:`verl_ext.verl_modes`) both compute the band with :func:`entropy_ratio_band`, gate the
-gradient with :func:`gate_log_prob_gradient` and report ``actor/divclip/erc/*`` through
-:func:`entropy_band_sums` and :func:`finish_entropy_band_metrics`. The ratio itself and the band test
-are :func:`entropy_ratio` and :func:`outside_band`, used by everything else that reads ERC's band (the
-on-policy gauge, the token dump, the benchmarks).
-
-Imports :mod:`verl_ext.config` only (for the knobs ``erc_beta_low/high`` and ``erc_eps``).
+One implementation for the divclip operator (a hard violation of ATR-GRPO Eq. 5) and verl's own modes: the band
+(:func:`entropy_ratio_band`), the gradient gate (:func:`gate_log_prob_gradient`) and ``actor/divclip/erc/*``.
 """
 
 from __future__ import annotations

@@ -2,10 +2,8 @@
 
 On the update's first mini-batch of a training step pi_theta is pi_old, so every importance ratio and
 every ERC entropy ratio should be exactly 1; :func:`on_policy_gauge` measures how far they are, and how
-many tokens the clip rules would drop because of it. The actor loss logs it as
-``actor/divclip/onpolicy/*`` on the micro-batches the seam marks on-policy
-(:mod:`verl_ext.engine.packing`); with pack_old_log_prob_as_update every value reads 0. Detached: it changes no
-update. Imports torch and :mod:`verl_ext.core.erc`.
+many tokens the clip rules would drop because of it (``actor/divclip/onpolicy/*``, on the micro-batches the seam
+marks on-policy). Detached: it changes no update.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """Which of verl's config keys the product's code reads: an opt-in recorder, off unless asked for.
 
-``recipe.verl_keys`` classifies every key of verl's schema; its rows for the keys the product reads come
-from this recorder, not from a hand list. With ``DIVCLIP_RECORD_KEYS=<dir>`` in the environment,
-:func:`install` (called by ``verl_ext.plugin``, so in every process that imports verl: the driver, the
-TaskRunner and the Ray workers, which inherit the variable) wraps verl's config readers so that every read
-*from a module of the product* (``recipe``, ``verl_ext``; not verl's own reads, not the tests') appends the
-dotted key and the reading module to ``<dir>/keys-<pid>.tsv``:
-
-* ``DictConfig`` attribute, item and ``get`` reads and ``OmegaConf.select`` (OmegaConf keeps each node's full
-  key): leaves only (a read of a subtree is navigation; what is read below it is recorded);
-* the fields of verl's dataclass configs (``verl.base_config.BaseConfig``) once :func:`bind` has told the
-  recorder which key the instance was built from (the product's entry points bind the actor config); nested
-  configs inherit the binding;
-* the engine attributes the seam reads through ``verl_ext.engine.guard.engine_attribute`` and the batch
-  fields that carry a config key (the rollout temperature), which call :func:`record` with the keys they
-  carry.
-
-Without the variable nothing is wrapped, and :func:`bind` / :func:`record` return at once.
-``python -m recipe.verl_keys --record`` runs the suite's trainer and engine tests with it set and writes the
-recorded keys to ``recipe/verl_keys_read.json``.
+``recipe.verl_keys`` classifies every key of verl's schema; its rows for the keys the product reads come from this
+recorder, not from a hand list. With ``DIVCLIP_RECORD_KEYS=<dir>``, :func:`install` (called by ``verl_ext.plugin``
+in every process that imports verl) wraps verl's config readers so that every read from a module of the product
+appends the dotted key and the reading module to ``<dir>/keys-<pid>.tsv``; :func:`bind` and :func:`record` cover
+verl's dataclass configs and the seam's engine attributes. Without the variable nothing is wrapped.
 """
 
 from __future__ import annotations

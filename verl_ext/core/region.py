@@ -5,8 +5,6 @@ log-prob or the coarsened full-vocabulary KL) returning where it holds (:class:`
 :func:`define_constraint` adds it to :data:`CONSTRAINTS` with what a violation does. The definitions
 themselves are :mod:`verl_ext.core.constraints`; the operator that applies them,
 :mod:`verl_ext.core.surrogate`; exposing them to verl's ``POLICY_LOSS_REGISTRY``, :mod:`verl_ext.registry`.
-
-Imports :mod:`verl_ext.config` only.
 """
 
 from __future__ import annotations

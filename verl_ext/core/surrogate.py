@@ -1,43 +1,10 @@
 """The unified divergence-constrained surrogate (ATR-GRPO Eq. 5) and its constraints.
 
-One operator covers every token-level clip rule. For each token t a constraint C_t(theta)
-is evaluated on the detached importance ratio w_t = pi_theta / pi_old. Where it holds the
-token contributes the plain surrogate w_t * A_t. Where it is violated the ratio is replaced
-by the constant w(theta_old) = 1 *inside PPO's pessimistic min*:
-
     L_t = -min(w_t A_t, w~_t A_t),   w~_t = w_t if C_t holds else 1            (Eq. 5)
 
-so the gradient is dropped only when the update would move further outside the trust
-region (w > u with A > 0, or w < l with A < 0). With C_t = {l <= w <= u} this has exactly
-the gradient of PPO's ratio clipping (Theorem 4.1); with C_t = {KL3_t <= delta} it is
-ATR-GRPO, equivalent to an asymmetric ratio clip (Theorem 4.2).
-
-Three further behaviours are explicit options of the same operator, not copies of it:
-
-* ``preserve`` violations (GPPO, Klear-Reasoner): instead of dropping, a clipped token
-  keeps the Clip-Higher forward value bound * A and back-propagates beta * bound * A
-  (the bound / sg(w) gradient-preserving form, with GPPO's general beta_1 / beta_2).
-* ``hard`` violations (ERC): a token whose entropy ratio H_new / H_old leaves
-  (1 - beta_l, 1 + beta_h) loses its gradient whatever the sign of A. Its loss value is
-  kept (detached) and it still counts in the aggregation denominator, as in the reference
-  ERC implementation, so ERC changes which tokens push the policy, not the loss scale.
-* dual-clip (opt-in ``dual_clip_c``): for A < 0 and w > c the ratio is the constant c.
-
-``kl_full`` (ATR-GRPO Eq. 4, the exact per-token trust region) evaluates C_t = KL(pi_theta || pi_old)
-<= delta over pi_old's stored top-k plus a tail bucket (:mod:`verl_ext.core.coarsened_kl`); the same KL
-feeds an opt-in diagnostic on every mode: where the mode's decision and the full-KL rule's disagree.
-
-A constraint registered with ``level="sequence"`` (``seq_kl3``, ATR-GRPO Sec. 6.5) is
-evaluated on GSPO's sequence ratio s_i = exp(mean_t log w_{i,t}) instead of w_t: every
-token of sequence i carries the ratio s_i (value s_i, d s_i / d log pi_t = s_i, GSPO-token
-form), and a violating sequence's ratio is replaced by 1 inside the same pessimistic min.
-
-All masks are explicit ``torch.where`` selections: ``torch.minimum``/``maximum`` split the
-gradient half-half on ties, which would silently halve it at the bounds.
-
-The constraints are :mod:`verl_ext.core.constraints` (imported here, so every definition is present
-when the operator runs); verl sees them through :mod:`verl_ext.registry`. This module imports no
-engine code: torch, verl's ``agg_loss`` and the rest of :mod:`verl_ext.core`.
+One operator covers every clip rule: the gradient drops only on the side the advantage pushes towards, so
+C_t = {l <= w <= u} is PPO's clip (Theorem 4.1) and C_t = {KL3_t <= delta} ATR-GRPO (Theorem 4.2). GPPO, ERC,
+dual-clip, ``kl_full`` (Eq. 4) and ``seq_kl3`` (Sec. 6.5) are options of it, not copies (docs/losses.md).
 """
 
 from __future__ import annotations
@@ -99,15 +66,13 @@ def constrained_policy_loss(
         mode: a registered constraint name (``CONSTRAINTS``).
         policy: the ``DivClipPolicyLossConfig`` with delta, dual-clip, GPPO and ERC knobs.
         clip_ratio_low, clip_ratio_high: verl's actor clip epsilons.
-        loss_agg_mode, global_batch_info: forwarded to ``agg_loss`` so token-mean,
-            seq-mean-token-mean and Dr.GRPO's seq-mean-token-sum-norm stay correct under
-            data parallelism.
+        loss_agg_mode, global_batch_info: forwarded to ``agg_loss`` (every mode correct under data parallelism).
         rollout_is_weights: optional per-token rollout-correction weights (verl).
-        old_entropy, entropy: per-token entropies of pi_old and pi_theta over the full
-            vocabulary, required when ERC is on. Only used as a mask, never differentiated.
-        topk: pi_old's stored top-k log-masses and pi_theta's on the same buckets, ``(batch,
-            response_length, k + 1)``: required by ``kl_full``; with it every mode reports the coarsened
-            KL's metrics, and with ``policy.kl_full_diagnostic`` the KL3-vs-trust-region diagnostic.
+        old_entropy, entropy: per-token entropies of pi_old and pi_theta over the full vocabulary,
+            required when ERC is on. Only used as a mask, never differentiated.
+        topk: pi_old's stored top-k log-masses and pi_theta's on the same buckets, ``(batch, response_length,
+            k + 1)``: required by ``kl_full``; with it every mode reports the coarsened KL's metrics (and the
+            diagnostic with ``policy.kl_full_diagnostic``).
 
     Returns:
         The scalar loss and a dict of ``actor/...`` metrics (floats).

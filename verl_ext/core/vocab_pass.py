@@ -1,47 +1,10 @@
 """The vocabulary pass: log pi(y_t), the entropy and the top-k of pi from the final hidden states,
 without ever materialising the ``tokens x vocabulary`` logits.
 
-Every quantity the clip rules need comes from the softmax over the vocabulary at the sampling
-temperature ``T``: with ``x_t = W h_t`` (the LM head) and ``z_t = x_t / T``,
-
-* ``log pi(y_t) = z_{t,y_t} - logsumexp(z_t)`` (GRPO/DAPO/ATR-GRPO's ratio, Eq. 5's ``log r_t``),
-* ``H_t = -sum_j pi_j log pi_j`` (ERC's ``H(pi_theta, t)`` and ``H(pi_old, t)``, ERC paper Eq. 6),
-* the ``k`` largest ``log pi_j`` and their ids (what a full-KL trust region stores of pi_old),
-* :func:`bucket_log_masses`: ``log pi`` on ``k`` given ids plus the tail bucket of every other id
-  (the coarsened distribution of :mod:`verl_ext.core.coarsened_kl`, evaluated for pi_old and pi_theta alike).
-
-:class:`VocabPass` computes them over blocks of tokens and, within a block, over fixed slices of
-:data:`VOCAB_SLICE` vocabulary columns: each slice's logits are computed in float32 from the head
-weight (cast to float32 one slice at a time, never the whole ``vocab x hidden`` matrix), scaled by
-``1/T`` in float32 -- never rounded to bf16, which removes the logit rounding that makes a bf16
-entropy noisy -- and reduced with the project's cancellation-free row formula
-(:meth:`verl_ext.core.entropy.EagerRows.stats`: ``max``, ``r`` and ``s`` with every term non-negative);
-the slices' sums merge exactly (:func:`verl_ext.core.entropy.merge_row_stats`, still non-negative terms),
-``logsumexp = max + log1p(r)`` and ``H = log1p(r) + s / (1 + r)``, so ``log pi`` of the arg-max token
-and the entropy of a confident token keep their relative precision. Only ``rows x slice`` float32
-buffers of at most :data:`verl_ext.core.entropy.EAGER_CHUNK_BYTES` exist at once; the slices are fixed,
-so a token's result does not depend on the batch it is packed in.
-
-The backward recomputes the logits, one *vocabulary* slice of all tokens at a time: for a slice
-``c`` it forms ``pi_c = exp(z_c - logsumexp)`` from the saved per-token normaliser, the logit
-gradient ``dx_c = (g_logp (onehot_c - pi_c) - g_H pi_c (log pi_c + H)) / T``, then
-``dW_c = dx_c^T h`` (one float32 matmul over all tokens: the weight gradient is accumulated in
-float32 and rounded once, to the weight's dtype) and ``dh += dx_c W_c`` (a ``tokens x hidden``
-float32 accumulator). No ``vocab x hidden`` float32 buffer is ever allocated. The entropy is
-graph-free unless ``entropy_grad=True`` (an entropy bonus, ``actor.entropy_coeff != 0``).
-
-**Tensor cores.** On CUDA with half-precision operands (verl's default mixed precision: bf16 hidden
-states and a bf16 head) the float32 matmuls run as TF32, scoped to these matmuls
-(:func:`tf32_matmuls`). A bf16/fp16 value is exact in TF32, the product of two is exact in float32 and
-tensor cores accumulate in float32, so the logits -- forward and recompute -- are the float32 logits up
-to summation order, at tensor-core rate (an H100 does float32 on CUDA cores at ~1/15 of its bf16
-rate). The gradient matmuls take the logit gradient ``dx`` (a general float32) rounded to TF32: a
-relative error of at most 2^-11 per product term, below the 2^-8 of verl's bf16 logits gradient.
-Anywhere else (fp32 parameters, CPU) every matmul is float32, as before (:func:`tensor_core_matmuls`).
-
-Temperature may be a scalar or one value per token (verl's ``temperature_rmpad``): the formula is
-per row. The engine seam (:mod:`verl_ext.engine.vocab_pass_step`) runs this inside the LM head module's own forward, so
-FSDP1/FSDP2 unshard, reshard and reduce-scatter the head as for any layer.
+:class:`VocabPass` computes, at the sampling temperature, log pi(y_t) (ATR-GRPO Eq. 5's ratio), H_t (ERC paper
+Eq. 6) and ``kl_full``'s top-k and :func:`bucket_log_masses` over blocks of tokens and fixed float32 slices of
+:data:`VOCAB_SLICE` vocabulary columns, merged with the cancellation-free row formula; the backward recomputes the
+logits slice by slice. docs/losses.md ("The vocabulary pass") has the numerics, TF32 on CUDA and the tests.
 """
 
 from __future__ import annotations
@@ -358,16 +321,10 @@ def bucket_log_masses(
 ) -> torch.Tensor:
     """Log-masses of ``softmax(hidden @ weight^T / T)`` on ``k + 1`` buckets, without the logits tensor.
 
-    Each of a token's ``k`` ids is its own bucket; the last bucket, the *tail*, holds every other id
-    (:func:`verl_ext.core.coarsened_kl.log_masses_rows` computes the same from materialised logits). The logits
-    are built in float32 slices of :data:`VOCAB_SLICE` columns as in :func:`vocab_pass`; in each slice
-    the bucket ids' logits are read and then set to ``-inf``, and the slice's remaining columns reduce
-    to their own logsumexp -- the tail is the logsumexp of those per-slice values, computed directly
-    (no ``1 - sum(top-k)`` cancellation, so a tail of 1e-12 keeps its digits). No graph.
-
-    Both passes of a full-KL constraint call this on the same rows (pi_old's response rows and ids in
-    the old-log-prob pass, pi_theta's in the update): same hidden states, ids and row count give the
-    same float operations in the same order, so on-policy the two results are bit-identical.
+    Each of a token's ``k`` ids is its own bucket; the last bucket, the *tail*, holds every other id (as
+    :func:`verl_ext.core.coarsened_kl.log_masses_rows` from materialised logits). The tail is the logsumexp of each
+    float32 slice's non-bucket columns, merged directly (no ``1 - sum(top-k)`` cancellation). No graph. Both passes
+    call it on the same rows, so on-policy the two results are bit-identical.
 
     Args:
         hidden: ``(tokens, hidden)`` final hidden states, any float dtype.

@@ -1,33 +1,10 @@
 """verl on CPU-only machines: the ``cpu`` platform, Ray's CPU resource check, the ``hf_cpu`` rollout.
 
-Support code, not the method: it lets the recipe's trainer (and every test of it) run end to end
-without a GPU. Nothing here is imported on a GPU node: :mod:`verl_ext.plugin` imports this package
-only when ``VERL_PLATFORM=cpu`` (``tests/test_plugin_config.py`` checks it in a fresh interpreter).
-
-What lives here:
-
-* :mod:`verl_ext.cpu.platform` -- :class:`~verl_ext.cpu.platform.PlatformCPU`, verl's platform for
-  ``VERL_PLATFORM=cpu`` (gloo collectives), and the FSDP2 engines registered for ``device="cpu"``.
-* :mod:`verl_ext.cpu.ray_resources` -- ``ResourcePoolManager``'s resource check counting CPUs
-  instead of GPUs on the cpu platform.
-* :mod:`verl_ext.cpu.rollout` -- the ``hf_cpu`` rollout backend (its replica and its weight-sync
-  adapter), registered in verl's rollout registries.
-* :mod:`verl_ext.cpu.server` -- the ``hf_cpu`` generation server (a transformers copy of the policy;
-  abort/resume for partial rollout).
-* :mod:`verl_ext.cpu.sampling` -- the server's batched sampling (torch only: vLLM's semantics).
-* :mod:`verl_ext.cpu.checkpoint_engine` -- the ``cpu_gloo`` checkpoint engine: weights from the actor
-  ranks to a standalone rollout pool over gloo (``separate_async``).
-* :mod:`verl_ext.cpu.vllm_rollout` -- verl's own ``vllm`` rollout on vLLM's CPU build (the replica's
-  device query answered for CPU; refusals for what vLLM's CPU backend lacks). docs/vllm_cpu.md.
-* :mod:`verl_ext.cpu.patch` -- how the CPU layer replaces a verl (or vLLM) function: checked, once.
-
-Who may import it: :mod:`verl_ext.plugin` (lazily, under ``VERL_PLATFORM=cpu``), CPU-only tools and
-tests. The method core (:mod:`verl_ext.core`), the engine seam, the registry and the actor loss
-never do. This package imports verl, torch, Ray and transformers, but nothing else
-of ``verl_ext``.
-
-This ``__init__`` itself imports only the standard library: importing a submodule (or calling
-:func:`setup_cpu_process`) is what pulls in verl.
+Support code, not the method: it lets the recipe's trainer (and every test of it) run end to end without a GPU.
+Only :mod:`verl_ext.plugin` (lazily, under ``VERL_PLATFORM=cpu``), CPU-only tools and tests import it, so a GPU
+node never does; it imports verl, torch, Ray and transformers but nothing else of ``verl_ext``. This ``__init__``
+imports only the standard library: a submodule (or :func:`setup_cpu_process`) pulls in verl.
+docs/cpu_platform.md, docs/cpu_end_to_end.md, docs/vllm_cpu.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """``cpu_gloo``: verl's checkpoint engine for the cpu platform, moving weights over a gloo process group.
 
-``trainer.v1.trainer_mode=separate_async`` generates on a standalone rollout pool and moves the actor's
-weights there with a checkpoint engine (``rollout.checkpoint_engine.backend``; verl's are nccl, nixl,
-mooncake, ... and need GPUs). On every sync ``CheckpointEngineManager.update_weights`` aborts the
-rollout replicas, calls ``prepare`` on every actor rank and rollout worker, hands the metadata to
-:meth:`CpuGlooCheckpointEngine.build_topology`, calls ``init_process_group`` everywhere, then
-``send_weights(engine.get_per_tensor_param())`` on the actor ranks while each rollout worker's
-``CheckpointEngineWorker`` feeds ``receive_weights()`` into its rollout adapter (``hf_cpu``'s ships the
-tensors to its server), then ``finalize`` and resumes the replicas.
-
-The group: actor rank 0 (the source) and every rollout worker, a gloo ``ProcessGroup`` of its own on a
-``TCPStore`` hosted by actor rank 0, built for each sync and dropped by ``finalize`` (the processes' default
-groups are untouched). The other actor ranks get rank -1 and only walk the weight generator: with FSDP
-each item is a ``full_tensor()`` collective over the actor ranks, so rank 0 cannot produce a tensor
-without them. On the wire: buckets of at most ``bucket_size`` bytes
-(``checkpoint_engine.update_weights_bucket_megabytes``), each one broadcast as a header (two lengths),
-the pickled ``TensorMeta`` list and the payload bytes; tensors larger than a bucket travel in chunks
-(verl's ``split_weight_chunks`` / ``merge_weight_chunks``). Bytes travel as they are, so the rollout side
-gets bit-equal tensors of the sender's dtype.
-
-Registered in ``CheckpointEngineRegistry`` when this module is imported: by the ``verl.plugins`` entry
-point under ``VERL_PLATFORM=cpu`` (:func:`verl_ext.cpu.setup_cpu_process`), or by verl itself through
-``rollout.checkpoint_engine.custom_backend_module=verl_ext.cpu.checkpoint_engine``.
+For ``separate_async``'s standalone rollout pool (verl's engines need GPUs). On each sync verl calls ``prepare``,
+:meth:`~CpuGlooCheckpointEngine.build_topology`, ``init_process_group``, ``send_weights`` / ``receive_weights`` and
+``finalize``: actor rank 0 broadcasts buckets of raw bytes to the rollout workers over a gloo group of their own
+(bit-equal tensors); the other actor ranks only walk the weight generator, whose items are FSDP collectives.
+Registered in ``CheckpointEngineRegistry`` when imported. docs/cpu_platform.md.
 """
 
 from __future__ import annotations

@@ -1,38 +1,9 @@
 """A ``cpu`` platform for verl 0.9.1, so recipes can be debugged (and CI-tested) without a GPU.
 
-verl 0.9.1 resolves its device through :mod:`verl.plugin.platform` (``PlatformRegistry``), which
-only knows ``nvidia``, ``huawei`` and ``amd``; and its FSDP engines are registered in
-``EngineRegistry`` for ``device=["cuda", "npu"]`` only. This module adds the missing pieces through
-verl's own extension points, without editing verl:
-
-1. :class:`PlatformCPU`, registered as ``cpu`` in ``PlatformRegistry``. It is selected only
-   explicitly, with ``VERL_PLATFORM=cpu``: auto-detection never picks it, so a GPU job whose driver
-   is momentarily blind to its devices does not silently train on CPU.
-2. The FSDP engines (``FSDPEngineWithLMHead``, ``FSDPEngineWithValueHead``) registered for
-   ``device="cpu"`` with ``backend="fsdp2"``. FSDP2 (``fully_shard``) runs on gloo. FSDP1 does not
-   (its ``device_id``/flat-parameter code assumes an accelerator), so ``strategy=fsdp`` on CPU gets
-   an engine that fails at construction with a message naming the config key to change.
-3. One narrowly-scoped patch, applied only once the ``cpu`` platform is actually selected: verl
-   builds its process-group backend as ``f"cpu:gloo,{device}:{backend}"``, which for device ``cpu``
-   is the invalid ``"cpu:gloo,cpu:gloo"`` (torch rejects duplicate device types). We change the
-   *default* of ``backend`` in ``verl.utils.distributed.initialize_global_process_group_ray`` to
-   ``"cpu:gloo"``. Editing ``__defaults__`` on the function object (instead of rebinding the name)
-   reaches every module that already did ``from verl.utils.distributed import ...``, e.g.
-   ``verl.workers.engine_workers``; callers that pass ``backend=`` explicitly are unaffected.
-4. One more, applied with the engines (in the processes that build verl's FSDP engine on this platform):
-   ``verl.utils.fsdp_utils.fsdp2_sharded_save_to_cpu``, which ``separate_async``'s ``DetachActorWorker``
-   uses to keep the cycle's first weights (pi_old of Decoupled PPO, ``parameter_sync_step > 1``), copies
-   each local shard with ``.cpu()`` -- a no-op on CPU, so the "saved" shards were the live parameters and
-   ``restore_model_from_cpu`` restored whatever the optimizer had made of them. The wrapper copies every
-   saved shard that shares storage with a live parameter (none does on an accelerator).
-
-Registration of the engines is lazy: ``verl.workers.engine.fsdp.transformer_impl`` computes
-``get_device_name()`` at import time and pulls in transformers/peft, so importing it from the
-``verl.plugins`` entry point (which runs inside ``import verl``) would pin the platform early and
-slow every process. Instead, if that module is not imported yet, a one-shot import hook registers
-the engines right after it finishes importing.
-
-See ``docs/cpu_platform.md`` for what works on CPU and what does not.
+Through verl's own extension points, without editing verl: :class:`PlatformCPU`, registered as ``cpu`` and
+selected only by ``VERL_PLATFORM=cpu``; verl's FSDP engines registered for ``device="cpu"`` (FSDP2; FSDP1 refused
+by name), lazily, once verl's engine module has been imported; the Ray workers' process-group backend
+(``cpu:gloo``); and ``fsdp2_sharded_save_to_cpu`` made to copy on CPU. docs/cpu_platform.md.
 """
 
 from __future__ import annotations
@@ -277,7 +248,7 @@ def _live_storages(model: torch.nn.Module) -> set[int]:
 
 
 def _patch_fsdp2_save_to_cpu() -> None:
-    """Make ``fsdp2_sharded_save_to_cpu`` copy the shards it saves (module docstring, 4.). Idempotent."""
+    """Make ``fsdp2_sharded_save_to_cpu`` copy the shards it saves (docs/cpu_platform.md). Idempotent."""
     from verl.utils import fsdp_utils
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -338,7 +309,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 
 def _patch_process_group_backend() -> None:
-    """Make verl's Ray-worker process-group init use plain ``cpu:gloo`` (see module docstring, 3.)."""
+    """Make verl's Ray-worker process-group init use plain ``cpu:gloo`` (docs/cpu_platform.md)."""
     from verl.utils import distributed as verl_dist
 
     fn = verl_dist.initialize_global_process_group_ray

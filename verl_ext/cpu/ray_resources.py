@@ -1,37 +1,10 @@
 """verl's Ray resource pools and worker groups on CPU-only machines (``VERL_PLATFORM=cpu``).
 
-What verl 0.9.1 does, and what it means on the ``cpu`` platform (:mod:`verl_ext.cpu.platform`):
-
-* ``ResourcePoolManager.create_resource_pool`` builds every pool with ``use_gpu=True``: one placement
-  group per node entry of ``trainer.nnodes x trainer.n_gpus_per_node``, each ``STRICT_PACK``, each
-  bundle ``{"CPU": max_colocate_count, <device>: 1}`` with the device named by
-  ``get_platform().ray_resource_name()``. On the cpu platform that is the custom resource
-  :data:`verl_ext.cpu.DEVICE_RESOURCE` (``cpu_device``), which every Ray node advertises as many times
-  as it has device slots -- as a GPU node advertises its GPUs. So a node's placement group needs that
-  node's device slots, and with two nodes of one slot each the two ranks land on different nodes, as
-  on a GPU cluster (a plain CPU count could not tell one node's slots from another's: both groups
-  would fit on the head). ``RayClassWithInitArgs`` asks ``ray_resource_options(1 / max_colocate_count)``
-  per worker: that share of a device slot and of a CPU, so the (up to 3) colocated worker groups verl
-  puts on a device share its bundle exactly as they share a GPU.
-* ``ResourcePoolManager._check_resource_available`` counts only ``"GPU"``/``"NPU"`` in the Ray
-  cluster, so on a CPU-only node it finds 0 and raises. :func:`enable_cpu_ray` replaces that check, on
-  the ``cpu`` platform only, with the same question asked of the device resource: can every node entry
-  of every pool find its own node with enough device slots and the bundles' CPUs, with one CPU to
-  spare for the actors verl creates *outside* the pools without resource options (agent-loop workers,
-  reward-loop workers, the load balancer: Ray needs 1 free CPU to place a default actor, which then
-  holds 0). Its errors say how to give Ray the resource (a local Ray:
-  ``+ray_kwargs.ray_init.resources={cpu_device:N}``; a cluster node:
-  ``ray start --resources='{"cpu_device": N}'``). Ray's CPU count is logical: on a 2-core machine give
-  Ray 8 or more, the processes share the physical cores anyway.
-* Ranks and devices: ``RayWorkerGroup`` passes ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
-  ``MASTER_PORT`` to each worker through ``runtime_env``; ``LOCAL_RANK`` stays ``0`` (no
-  device to map) and the platform's ``visible_devices_envvar`` is a dummy, so no
-  ``CUDA_VISIBLE_DEVICES`` is read or set. The workers' process group is gloo
-  (:mod:`verl_ext.cpu.platform` patches the backend string). Nothing else is needed.
-
-Where verl has no extension point for the resource check, the patch is a method replacement on
-``ResourcePoolManager`` that delegates to verl's original on every other platform, checks the
-method's signature first (raises if verl changed it), and is applied once.
+verl's pools ask each node for the platform's device resource, here ``cpu_device``, which needs nothing more;
+its resource check counts only ``GPU``/``NPU``. :func:`enable_cpu_ray` replaces that check, on the cpu platform
+only, by the same question of ``cpu_device``: every node entry of every pool its own node with enough slots and
+CPUs, plus :data:`SPARE_CPUS`; its errors say how to give Ray the resource. The replacement delegates to verl's
+check on every other platform and checks its signature first (:mod:`verl_ext.cpu.patch`). docs/cpu_platform.md.
 """
 
 from __future__ import annotations

@@ -1,49 +1,10 @@
 """``hf_cpu``: a CPU rollout backend for verl 0.9.1 built on Hugging Face transformers.
 
-verl 0.9.1 only generates through inference *servers* (vLLM, SGLang, TensorRT-LLM), all of which
-need an accelerator here (vLLM's CPU build needs a torch wheel that is not on PyPI). A small server
-(:class:`verl_ext.cpu.server.HFCpuServer`) runs the policy with plain ``transformers`` on CPU; this
-module plugs it into the three seams verl uses for its own backends, so the v1 trainers run unchanged:
-
-1. :class:`HFCpuReplica` (a ``RolloutReplica``) registered in ``RolloutReplicaRegistry`` as
-   ``hf_cpu``. ``LLMServerManager`` builds one replica per ``rollout.tensor_model_parallel_size``
-   actor ranks and calls ``init_hybrid(actor_worker_group)``, or, for ``separate_async``'s standalone
-   pool, ``init_standalone()`` (verl's: a resource pool of ``rollout.n_gpus_per_node`` device slots x
-   ``rollout.nnodes`` and a worker group of verl's ``CheckpointEngineWorker`` on it).
-   :meth:`HFCpuReplica.launch_servers` starts one server Ray actor on the node of the replica's first
-   worker (``NodeAffinitySchedulingStrategy``, as ``vLLMReplica`` does), named
-   ``hf_cpu_server_<replica_rank>_0``.
-2. :class:`HFCpuServerAdapter` (a ``BaseRollout``) registered in ``_ROLLOUT_REGISTRY`` under
-   ``("hf_cpu", "async")``. ``ActorRolloutRefWorker.init_model`` builds it inside each actor
-   worker (``get_rollout_class``), exactly where it builds vLLM's ``ServerAdapter``;
-   ``CheckpointEngineWorker`` builds it in each standalone rollout worker.
-3. Weight sync. Colocated (``naive``): after every step ``CheckpointEngineManager.update_weights``
-   calls ``ActorRolloutRefWorker.update_weights`` on every actor rank, which streams
-   ``engine.get_per_tensor_param()`` into ``self.rollout.update_weights``: our adapter. Every rank
-   iterates the generator (each ``full_tensor()`` is an FSDP collective); the replica's leader rank
-   copies the tensors to CPU and ships them to its server in buckets of
-   ``checkpoint_engine.update_weights_bucket_megabytes`` through the Ray object store (vLLM uses CUDA
-   IPC at this point), and the server copies them into its model. Standalone: the ``cpu_gloo``
-   checkpoint engine (:mod:`verl_ext.cpu.checkpoint_engine`) carries the tensors from the actor ranks
-   to the ``CheckpointEngineWorker``, whose adapter ships them to the server the same way.
-
-Sampling follows vLLM's semantics as verl uses them: ``temperature == 0`` is greedy, ``top_k <= 0`` /
-``top_p == 1`` are off, ``max_tokens`` defaults to ``min(response_length, prompt_length +
-response_length - len(prompt))``, generation stops at the model's EOS ids unless ``rollout.ignore_eos``,
-and ``logprobs=True`` returns the log-probability of each sampled token under ``rollout.logprobs_mode``
-(``processed_logprobs``, the default: after temperature/top-k/top-p, i.e. the distribution the token was
-drawn from; ``raw_logprobs``: the model's log-softmax). Partial rollout (abort, resume, weight versions)
-is the server's: :mod:`verl_ext.cpu.server`.
-
-Not supported (fails loudly): multimodal inputs, LoRA adapters synced unmerged
-(``peft_config``; use ``model.lora.merge=True``), delta checkpoint engines, tensor/pipeline
-parallel rollout (``tensor_model_parallel_size`` must be 1), HTTP/OpenAI chat endpoints (the
-server is token-in/token-out over Ray only; ``server_address`` is a label, not a URL), reward-model
-and teacher servers.
-
-The server shares its node's cores with the colocated trainer the way vLLM shares the GPU in
-verl's hybrid mode: it asks Ray for no CPU (``num_cpus=0``) so it never competes with the actor
-workers for the resource pool, and uses ``HF_CPU_NUM_THREADS`` torch threads (default 1).
+verl generates only through inference servers that need an accelerator here, so a small transformers server
+(:class:`verl_ext.cpu.server.HFCpuServer`) runs the policy on CPU, and this module plugs it into verl's seams for
+its own backends, so the v1 trainers run unchanged: :class:`HFCpuReplica` (``RolloutReplicaRegistry``),
+:class:`HFCpuServerAdapter` (``_ROLLOUT_REGISTRY``; it ships each weight sync to the server in buckets over the
+Ray object store) and :func:`register_cpu_rollout`. Unsupported settings raise. docs/cpu_end_to_end.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Sampling for the ``hf_cpu`` rollout: vLLM's sampling semantics over plain transformers.
 
-Pure functions of a model and token ids (torch only: no verl, no Ray), unit-tested on their own
-(``tests/test_cpu_rollout.py``). :mod:`verl_ext.cpu.rollout`'s server batches requests and calls
-:func:`generate_batch`.
-
-Semantics, as verl uses vLLM's: ``temperature == 0`` is greedy, ``top_k <= 0`` / ``top_p == 1``
-are off, generation stops at an EOS id (included in the output) unless ``ignore_eos``, and
-``logprobs`` are the sampled tokens' log-probabilities under ``processed_logprobs`` (after
-temperature/top-k/top-p: the distribution the token was drawn from) or ``raw_logprobs`` (the
-model's log-softmax).
+Pure functions of a model and token ids (torch only); the server calls :func:`generate_batch`. As verl uses vLLM:
+``temperature == 0`` is greedy, ``top_k <= 0`` / ``top_p == 1`` are off, generation stops at an EOS id (kept)
+unless ``ignore_eos``; log-probs are the sampled tokens' under ``processed_logprobs`` (after temperature, top-k
+and top-p: the distribution drawn from) or ``raw_logprobs`` (the model's log-softmax).
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """The ``hf_cpu`` generation server: a transformers copy of the policy behind verl's rollout-server calls.
 
-One :class:`HFCpuServer` Ray actor per replica (:class:`verl_ext.cpu.rollout.HFCpuReplica` launches it)
-answers what verl asks of a vLLM server: token-in/token-out ``generate``, weight loading, and the control
-calls of the trainers. It lives apart from :mod:`verl_ext.cpu.rollout` because the Ray worker that
-unpickles the class imports this module first, and that import runs ``import verl`` (whose plugin
-imports :mod:`verl_ext.cpu.rollout`): this module imports nothing of the rollout module.
-
-Concurrent requests that arrive within ``HF_CPU_BATCH_WAIT_S`` (default 5 ms) and share sampling
-parameters are generated as one left-padded batch with a KV cache (:mod:`verl_ext.cpu.sampling`).
-
-Partial rollout, as verl's async trainers use vLLM's server (``colocate_async`` aborts at the end of
-sampling, updates weights, resumes; ``separate_async``'s checkpoint engine aborts around every weight
-transfer and hands hybrid replicas back to training with ``reject_request=True``):
-
-* :meth:`HFCpuServer.abort_all_requests` closes the admission gate, asks the running batch to stop at the
-  next token boundary and returns once every admitted request has its answer: a ``TokenOutput`` with the
-  tokens sampled so far, their log-probs, ``stop_reason="aborted"`` and ``extra_fields["global_steps"]``,
-  the weight version that produced them (``None`` when the request had produced no token yet, so that
-  only versions that generated tokens count in the spans verl logs). verl's ``FullyAsyncLLMServerClient``
-  re-sends prompt + partial tokens and merges the pieces.
-* While the gate is closed a new ``generate`` waits for :meth:`HFCpuServer.resume_generation`, or, after
-  ``abort_all_requests(reject_request=True)``, returns at once an aborted output without tokens (the
-  client routes it to another server), as vLLM's server does.
-* Weights change only under the model lock, which a running batch holds: each batch generates with one
-  weight version and reports it.
+One :class:`HFCpuServer` Ray actor per replica answers what verl asks of a vLLM server: token-in/token-out
+``generate`` (concurrent requests batched, :mod:`verl_ext.cpu.sampling`), weight loading, the trainers' control
+calls and partial rollout (abort, resume). It imports nothing of :mod:`verl_ext.cpu.rollout`: a Ray worker that
+unpickles the class imports this module first, and ``import verl`` then imports the rollout module.
+docs/cpu_end_to_end.md, docs/cpu_platform.md ("Asynchronous trainer modes").
 """
 
 from __future__ import annotations
@@ -149,11 +130,9 @@ def eos_token_ids(model_path: str, model: torch.nn.Module, trust_remote_code: bo
 class HFCpuServer:
     """Token-in/token-out generation server holding a transformers copy of the policy on CPU.
 
-    Implements the methods verl calls on a rollout server handle: ``generate`` (agent loop, via
-    ``LLMServerClient``), ``abort_all_requests``/``resume_generation`` (partial rollout, module docstring),
-    ``wake_up``/``sleep``/``clear_kv_cache``/``release_kv_cache``/``resume_kv_cache``/``start_profile``/
-    ``stop_profile`` (``RolloutReplica`` and the checkpoint-engine manager; nothing to free on CPU),
-    ``set_global_steps``, plus the weight-loading calls of :class:`verl_ext.cpu.rollout.HFCpuServerAdapter`.
+    Implements the methods verl calls on a rollout server handle (``generate``, partial rollout, the memory and
+    profiling calls, no-ops on CPU, ``set_global_steps``) and the weight-loading calls of
+    :class:`verl_ext.cpu.rollout.HFCpuServerAdapter`.
 
     Args:
         config: ``actor_rollout_ref.rollout`` (dataclass or DictConfig).
@@ -420,7 +399,7 @@ class HFCpuServer:
         mm_processor_kwargs: Any = None,
         **kwargs: Any,
     ) -> TokenOutput:
-        """Generate one continuation (batched with concurrent requests); see the module docstring for aborts."""
+        """Generate one continuation (batched with concurrent requests); see docs/cpu_platform.md for aborts."""
         if image_data is not None or video_data is not None or audio_data is not None:
             raise NotImplementedError("hf_cpu rollout is text-only")
         kwargs.pop("priority", None)

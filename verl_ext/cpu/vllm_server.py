@@ -1,18 +1,10 @@
 """verl's ``vLLMReplica``/``vLLMHttpServer`` on the cpu platform: the two hooks they need on vLLM's CPU build.
 
-Imported only when verl resolves the ``vllm`` rollout on the cpu platform (:mod:`verl_ext.cpu.vllm_rollout`
-registers the loader); importing it imports verl's vLLM server, hence vLLM. See docs/vllm_cpu.md.
-
-* :class:`CpuVLLMReplica` (verl's ``vLLMReplica``): ``launch_servers`` is verl's, except for its one query of each
-  rollout worker, ``ray.get_runtime_context().get_accelerator_ids()[get_resource_name()][0]`` (the worker's CUDA
-  device id). On the cpu platform the device resource is the custom Ray resource ``cpu_device``, which Ray does
-  not hand out as instance ids, so verl's query raises ``KeyError: 'cpu_device'``. While verl's method runs, the
-  replica's worker handles answer that query with the worker's node id and node-local rank (which becomes
-  ``VERL_CPU_VISIBLE_DEVICES`` in the server, a variable nothing reads); the servers get the real handles.
-  Unsupported settings are refused before anything starts (:func:`verl_ext.cpu.vllm_checks.check_cpu_vllm_config`).
-* :class:`CpuVLLMHttpServer` (verl's ``vLLMHttpServer``): only ``_get_worker_extension_cls`` -- one of the
-  server's documented hooks -- changes, to :class:`verl_ext.cpu.vllm_worker.CpuVLLMWorkerExtension` (verl's
-  ``vLLMColocateWorkerExtension`` plus the fix that lets vLLM's CPU linear layers take new weights).
+:class:`CpuVLLMReplica` runs verl's ``launch_servers`` but answers its one device query of each rollout worker
+(``get_accelerator_ids()`` has no ids for the Ray resource ``cpu_device``: ``KeyError``) with the worker's node id
+and node-local rank, and refuses what vLLM's CPU backend cannot do. :class:`CpuVLLMHttpServer` changes only
+``_get_worker_extension_cls``, to :class:`verl_ext.cpu.vllm_worker.CpuVLLMWorkerExtension`. Importing this module
+imports vLLM; :mod:`verl_ext.cpu.vllm_rollout` registers its loader. docs/vllm_cpu.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """The vLLM worker extension for verl's vLLM rollout on the cpu platform (runs inside vLLM's worker process).
 
-verl syncs the actor's weights into vLLM with ``vLLMColocateWorkerExtension.update_weights_from_ipc``: the model's
-``load_weights`` copies each tensor into its parameter, then vLLM's ``process_weights_after_loading`` runs.
-vLLM's CPU build, in that post-processing, hands every unquantized linear layer to a packed GEMM (oneDNN here)
-and *deletes the weight* (``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)`` in
-``UnquantizedLinearMethod.process_weights_after_loading``: ``layer.weight`` becomes an empty parameter). That is
-right for a model loaded once; verl loads weights every step, and the next load fails in vLLM's weight loader:
-``AssertionError: Attempted to load weight (torch.Size([128, 64])) into parameter (torch.Size([0]))``.
-
-:class:`CpuVLLMWorkerExtension` is verl's extension plus one change, made as the worker is built (before the
-model loads): vLLM's ``dispatch_cpu_unquantized_gemm`` keeps the weight (``remove_weight=False``, as vLLM
-already does for its embedding/LM-head layers). The packed GEMM is rebuilt from the new weights by the
-``process_weights_after_loading`` verl runs after every sync. Cost: each linear weight is held twice (the
-parameter and the packed copy).
+vLLM's CPU build, after loading weights, hands each unquantized linear layer to a packed GEMM and deletes its
+weight (``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``), so verl's next weight sync fails.
+:class:`CpuVLLMWorkerExtension` is verl's ``vLLMColocateWorkerExtension`` with that dispatch keeping the weight; the
+``process_weights_after_loading`` verl runs after each sync rebuilds the packed GEMM. Cost: each linear weight
+held twice. docs/vllm_cpu.md.
 """
 
 from __future__ import annotations

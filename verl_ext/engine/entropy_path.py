@@ -1,23 +1,9 @@
 """The fp32 entropy feature: what one forward step swaps so that verl's entropy call sites use ours.
 
-verl 0.9.1 computes the entropy in ``FSDPEngineWithLMHead.prepare_model_outputs`` at two call sites:
-``self.compute_entropy_from_logits`` (remove-padding, Ulysses and chunked path; an instance attribute,
-``torch.compile``d on GPU by default) and ``verl_F.entropy_from_logits`` (the padded path; a module
-global). On an engine whose loss declared ``entropy_as_mask`` (ERC), :func:`entropy_swaps` points both at
-:func:`verl_ext.core.entropy.entropy_fp32` (or its compiled form on CUDA with ``use_torch_compile``) for
-the duration of one step, in *both* passes, so on-policy the two entropies are the same number.
-
-Because the entropy has no graph then, the step also
-
-* turns verl's ``entropy_checkpointing`` off for the step -- on a shallow copy of the engine's config,
-  swapped on the engine instance (nothing to recompute, and checkpointing a graph-free function breaks
-  the backward);
-* gives ``logprobs_from_logits`` flash-attn's in-place backward back (verl turns it off whenever
-  ``calculate_entropy`` is on, because its autograd entropy needs the logits). That swap is shared with
-  pi_old's top-k and so is built by the seam (:func:`verl_ext.engine.seam.logprobs_swap`).
-
-With ``use_fused_kernels`` the entropy comes from verl's fused kernel in both passes (consistent, bf16):
-the feature is resolved to :attr:`EntropyPath.FUSED_KERNEL` and swaps nothing.
+On an engine whose loss declared ``entropy_as_mask`` (ERC), :func:`entropy_swaps` points verl's two call sites
+(``self.compute_entropy_from_logits`` and ``verl_F.entropy_from_logits``) at
+:func:`verl_ext.core.entropy.entropy_fp32` for one step, in both passes, and turns ``entropy_checkpointing`` off
+on a copy of the engine's config. With ``use_fused_kernels`` nothing is swapped. docs/engine.md, docs/losses.md.
 """
 
 from __future__ import annotations

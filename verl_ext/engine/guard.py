@@ -1,28 +1,9 @@
 """What the seam relies on in verl, checked before anything is wrapped, and where the seam reads it.
 
-The seam (:mod:`verl_ext.engine.seam`) reaches into verl 0.9.1's actor engine, and every other verl release
-is refused (the version is pinned). What still fails closed under the pin -- and, with the override, names
-what changed in another release -- is checked: the symbols the seam wraps or calls and their signatures, the
-engine attributes the features read (never with a silent default), and the layout of ``infer_batch``'s
-result. What verl's functions do inside (which keys they read) is what the pin fixes, so the guard does not
-parse verl's source. A mismatch raises :class:`VerlMismatchError` with one message naming what differs, the
-installed verl version and the supported one.
-
-* :func:`check_verl_version` -- verl is :data:`SUPPORTED_VERL`, unless :data:`ALLOW_UNSUPPORTED_VERL_ENV`
-  is ``1`` (at install).
-* :data:`SYMBOLS` -- every verl symbol the seam wraps, swaps or calls: it exists, takes the parameters
-  the seam passes, declares the config fields the seam reads (at install).
-* :data:`ENGINE_INSTANCE_ATTRIBUTES` -- the engine instance's attributes (and its configs') that the
-  features read or swap (when the seam sets an engine's features; the features read them through
-  :func:`engine_attribute`, never with a silent default).
-* :data:`INFER_BATCH_OUTPUT_KEYS` -- the layout of verl's ``infer_batch`` result that pack_old_log_prob_as_update
-  reassembles (:func:`check_infer_batch_outputs`, at each call, before the first key is read).
-
-:func:`check_verl` runs the install-time checks; ``seam.install`` calls it first, so a mismatch stops the
-worker before its first step. Tests run each check against deliberately altered copies of verl's classes
-(``tests/test_engine_seam.py``).
-
-Imports verl's modules lazily (only :func:`resolve` does), so the tables are cheap to import.
+:func:`check_verl` (run first by ``seam.install``) refuses a verl other than :data:`SUPPORTED_VERL` and checks
+:data:`SYMBOLS`; :func:`check_engine_instance` and :func:`check_infer_batch_outputs` check the engine's attributes
+and ``infer_batch``'s result when they are used. A mismatch raises :class:`VerlMismatchError` naming what differs
+and both verl versions. verl is imported lazily (only :func:`resolve` does). docs/engine.md.
 """
 
 from __future__ import annotations

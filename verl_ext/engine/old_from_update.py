@@ -1,41 +1,10 @@
 """pi_old from the update's own first forward: the old-log-prob pass skipped where it would repeat it bit for bit.
 
-With the old-log-prob pass packed as the update (:mod:`verl_ext.engine.packing`), the update's first mini-batch
-runs, before any optimizer step, exactly the micro-batches the old pass computed for its rows: same weights,
-same tokens in the same order, same shapes and kernels. Its forward therefore *is* pi_old for those rows, bit
-for bit, and the old pass's forward of them is redundant (verl#3996; TRL, slime, ROLL and NeMo-RL skip it where
-one optimizer step sees the batch). ``policy_loss.old_log_prob_from_update`` takes it from there:
-
-* **Old pass** (:func:`skipped_rows`): the trainer's key :data:`OLD_FROM_UPDATE_KEY` on the pass asks
-  :func:`verl_ext.engine.packing.infer_as_update` to run only the first-epoch mini-batches after the first;
-  the first's rows get placeholders (NaN, top-k ids -1: any use before the update shows) and the engine keeps an
-  :class:`OldFromUpdate` with what the pass computed. One mini-batch (the ATR configs: ``ppo_epochs=2``, one
-  mini-batch) means no forward at all. pi_old of the later mini-batches is still computed here, with the
-  weights before the first optimizer step.
-* **Update** (:func:`substituting_loss`, installed by the seam's ``forward_step`` on every update micro-batch
-  while the state is pending): in the first mini-batch the loss receives, as ``old_log_probs`` and ``entropy``
-  (pi_old's, ERC's ``H_old``), the step's own ``log_probs`` / ``entropy``, detached, and the engine keeps them
-  per row; micro-batches of later epochs that hold those rows get the kept values. The first mini-batch
-  computes the entropy even when the loss does not use it (verl's ``actor/entropy`` is the old pass's entropy);
-  the loss then does not see it, so nothing it computes or logs changes. With ``kl_full`` (or its diagnostic)
-  the first mini-batch's forward also takes pi_old's top-k from its own logits, as the pass would have
-  (:class:`verl_ext.engine.topk_capture.TopKStep` with ``supplies_old``), and evaluates pi_theta on those ids;
-  a later micro-batch holding those rows gets the kept ids before its forward (:func:`substituted_topk`).
-* **Collected** (:func:`collect`): after the update, the trainer runs verl's own ``_compute_old_log_prob``
-  again with :data:`COLLECT_KEY`; the seam's ``infer_batch`` answers it with the kept values (no forward), so
-  verl writes ``old_log_probs`` / ``entropy`` to TransferQueue and logs ``actor/entropy`` (and its rollout
-  debug metrics) from exactly the numbers its pass would have produced.
-
-**Where it is not exact** it is not taken: the trainer decides on the config
-(:func:`recipe.config_checks.old_log_prob_from_update_blocker`: the packing off, KL in the reward, rollout
-correction's weights, an advantage estimator reading pi_old, a Decoupled-PPO cycle, bypass mode) and the
-worker on its model (:func:`dropout_reason`: a train-mode forward with dropout is not the eval-mode pass).
-Not taken, the pass runs whole and the collect returns its own values.
-
-**The on-policy gauge** (``actor/divclip/onpolicy/*``) of the first mini-batch then compares the loss's pi_old
-with the forward it came from: 0 by construction, so a non-zero reading means the substitution did not reach
-the loss. What it measured before -- that the old pass and the update compute the same numbers -- is what the
-bit-identity tests of this module establish (tests/test_old_pass_skip.py).
+With the pass packed as the update (:mod:`verl_ext.engine.packing`), the update's first mini-batch computes, before
+any optimizer step, exactly what the pass would for its rows (verl#3996). The pass skips those rows
+(:func:`skipped_mini_batch`, placeholders: NaN, top-k ids -1), the update hands its loss its own detached values
+as pi_old (:func:`substituting_loss`) and keeps them, and :func:`collect` answers the trainer's second
+``_compute_old_log_prob`` from them. Where it is not exact it is not taken. docs/losses.md, docs/engine.md.
 """
 
 from __future__ import annotations
@@ -238,7 +207,7 @@ def check_update_batch(engine: Any, fingerprints: list[tuple[int, int]], starts_
 def substituting_loss(
     engine: Any, rows: list[int], loss_function: Callable[..., Any], first_mini_batch: bool, loss_wants_entropy: bool
 ) -> Callable[..., Any]:
-    """The update micro-batch's loss, given pi_old for the rows the old pass skipped (module docstring)."""
+    """The update micro-batch's loss, given pi_old for the rows the old pass skipped (docs/losses.md)."""
     from verl.workers.utils.padding import response_from_nested
 
     state = pending(engine)

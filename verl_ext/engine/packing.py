@@ -1,53 +1,10 @@
 """On-policy exactness: the old-log-prob pass packed as the update, observed where it is used, and the mark
 of the on-policy mini-batch.
 
-Before the first optimizer step of a training step, pi_theta *is* pi_old, so every importance ratio
-should be exactly 1 (and ERC's entropy ratio too). That holds only if both passes compute each token's
-logits with the same arithmetic. A matrix product is not batch-invariant: its rows change in their last
-bits with the number of tokens in the micro-batch (CPU blocking; cuBLAS kernel and split-K choice by
-shape). Under verl's default bf16 the LM head rounds the logits to bf16, where one ulp at |x| ~ 16-32 is
-0.125: the configs' 2:1 log-prob/update token budgets then give on-policy ratios of e^{+-0.25} -- tokens
-clipped by ``clip``, ``kl3`` or GSPO's sequence band, and masked by ERC, because of the kernels, not the
-policy (verl#6280; measured in docs/benchmarks.md, "On-policy exactness").
-
-**Packed as the update.** :func:`infer_as_update` makes the invariant hold by construction, for every loss
-mode: the seam calls it for the old-log-prob pass of an engine whose loss asked for ``pack_old_log_prob_as_update``
-(``policy_loss.pack_old_log_prob_as_update``, on by default). It splits the batch into the update's
-mini-batches of the *first epoch* -- with verl's own iterator (``tu.make_iterator``: same
-``ppo_mini_batch_size``, ``data_loader_seed`` and ``shuffle``, seeded per data-parallel rank as
-``train_mini_batch`` does) -- and packs each with the update's micro-batch settings
-(``ppo_max_token_len_per_gpu`` / ``ppo_micro_batch_size_per_gpu``, through verl's own
-``prepare_micro_batches``). Every micro-batch of every first-epoch update mini-batch then holds exactly the
-tokens, in the same order, that the old-log-prob pass computed together: identical shapes, identical
-kernels, bit-identical logits before the first optimizer step (and, at learning rate 0, in every
-first-epoch mini-batch). The outputs are put back in the batch's order. The cost is the log-prob pass at
-the update's smaller token budget (measured in docs/benchmarks.md). The trainer passes the update's
-mini-batch settings as :data:`UPDATE_PACKING_KEY` (:meth:`UpdatePacking.from_actor_config`); without them
-the whole batch is one mini-batch in order, which is what a direct ``train_mini_batch`` with
-``mini_batch_size = len(batch)`` does.
-
-**Observed, not assumed.** The split is derived from config keys on the driver, so a verl change (a
-release, a trainer mode, ``num_mini_batch``) could make it stop matching the update's. The old pass
-therefore records, per data-parallel rank, what it packed (:class:`PackingRecord`: each row's token count
-and content checksum, and each first-epoch mini-batch's micro-batches as row ids with their token counts);
-the update compares its own first-epoch mini-batches and micro-batches with that record
-(:class:`UpdateObserver`) and raises :class:`PackingMismatchError`, naming both, on any difference.
-``actor/divclip/path/pack_old_log_prob_as_update`` reports what the update found: 1 only for the micro-batches of an
-update call whose first-epoch micro-batches matched the record. The trainer also tells the update that
-its batch comes from this rank's packed old pass (:data:`UPDATE_FOLLOWS_OLD_PASS_KEY`), so a missing
-record raises as well.
-
-**pi_old from the update.** With the trainer's ``old_log_prob_from_update`` key the pass leaves the first
-mini-batch unrun (its record holds None there: that mini-batch's pi_old is its own update forward, whatever its
-packing) and the update supplies it (:mod:`verl_ext.engine.old_from_update`).
-
-**The on-policy flag.** :data:`ON_POLICY_KEY` says whether data starts on-policy (pi_theta = pi_old). The
-trainer sets it on an update batch: false in ``bypass_mode``, where pi_old is the behaviour policy, and in a
-later update of verl's Decoupled-PPO cycle, whose pi_old is the cycle's first weights; absent, true.
-:func:`marking_on_policy` / :func:`marking_first_mini_batch` (installed by the seam on
-``TrainingWorker.train_mini_batch`` / ``train_batch``) pass it to the call's first mini-batch -- before any
-optimizer step of this training step -- and set it false on the others; the actor loss logs the on-policy
-gauge (:func:`verl_ext.core.gauge.on_policy_gauge`) where it is true.
+:func:`infer_as_update` runs the old-log-prob pass as the update's first epoch (verl's own split and micro-batch
+packing), so before the first optimizer step every ratio is exactly 1 (verl#6280); it records what it packed
+(:class:`PackingRecord`), which the update checks (:class:`UpdateObserver`). :func:`marking_on_policy` /
+:func:`marking_first_mini_batch` mark the update's first mini-batch for the on-policy gauge. docs/losses.md.
 """
 
 from __future__ import annotations
@@ -205,7 +162,7 @@ class PackingRecord:
 def infer_as_update(engine: Any, data: TensorDict, loss_function: Any, infer: Callable[..., Any]) -> Any:
     """verl's ``infer_batch`` (``infer``) run once per first-epoch update mini-batch of ``data``, each packed
     with the update's micro-batch settings; the outputs are reassembled in ``data``'s order. With the
-    trainer's packing key the pass leaves its :class:`PackingRecord` on the engine (module docstring)."""
+    trainer's packing key the pass leaves its :class:`PackingRecord` on the engine (docs/losses.md)."""
     from verl.utils import tensordict_utils as tu
 
     size = len(data)

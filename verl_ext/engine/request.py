@@ -1,23 +1,9 @@
 """What a loss asks of the engine that runs it: the declarations the seam reads at ``set_loss_fn``.
 
-A loss function reaches verl's actor workers through ``TrainingWorker.set_loss_fn`` (pickled by Ray),
-so what it needs from the engine travels *on the function*: one :class:`EngineRequest` attribute
-(:data:`REQUEST_ATTR`) on a ``functools.partial``. The seam (:mod:`verl_ext.engine.seam`) reads it when
-the loss is installed and sets the engine's features from it, for both of the engine's passes (the
-old-log-prob pass has no loss function of its own):
-
-* ``entropy_as_mask`` -- the loss uses the current entropy only as a detached mask (ERC), so both passes
-  compute it with the one float32, graph-free function (:func:`verl_ext.core.entropy.entropy_fp32`);
-* ``vocab_pass`` -- both passes compute log-probs and entropies with the chunked vocabulary pass
-  (``policy_loss.vocab_pass``, :mod:`verl_ext.core.vocab_pass`), never the logits tensor;
-* ``pack_old_log_prob_as_update`` -- the old-log-prob pass is packed as the update's first epoch, so that on-policy
-  every ratio is exactly 1 (``policy_loss.pack_old_log_prob_as_update``, :mod:`verl_ext.engine.packing`).
-
-A loss without the attribute (verl's own ``ppo_loss``) asks for nothing: the engine runs verl's code.
-
-This module also states which of verl's training strategies the seam covers (:data:`SUPPORTED_STRATEGIES`;
-the recipe refuses another before Ray starts: :func:`verl_ext.config_rules.composed.validate_strategy`). It
-imports nothing of verl or torch.
+A loss reaches verl's actor workers pickled, so its needs travel on the function: one :class:`EngineRequest`
+(:data:`REQUEST_ATTR`) on a ``functools.partial``, from which the seam sets the engine's features for both
+passes (the old-log-prob pass has no loss of its own). A loss without it (verl's ``ppo_loss``) asks for
+nothing. Also the strategies the seam covers (:data:`SUPPORTED_STRATEGIES`). Imports no verl or torch.
 """
 
 from __future__ import annotations

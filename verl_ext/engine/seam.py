@@ -1,54 +1,10 @@
 """The one seam between verl-divclip and verl 0.9.1's actor engine: :func:`install`, and what it wraps.
 
-Everything the project does inside verl's actor engine per step goes through this module: ERC's fp32
-entropy in both passes (:mod:`verl_ext.engine.entropy_path`), the vocabulary pass
-(:mod:`verl_ext.engine.vocab_pass_step`), pi_old's top-k for ``kl_full`` and its diagnostic
-(:mod:`verl_ext.engine.topk_capture`), the old-log-prob pass packed as the update and the on-policy flag
-(:mod:`verl_ext.engine.packing`), and the record of which path a step took (read by the actor loss and
-logged as ``actor/divclip/path/*``).
-
-**Why wrappers, not an engine subclass.** verl's ``EngineRegistry`` refuses a second registration of
-``(language_model, fsdp|fsdp2, device)``, so a subclass could only replace verl's entry by editing the
-registry's private dict, for every device and vendor key, before any worker builds its engine -- and the
-worker-level hooks (``set_loss_fn``, ``train_mini_batch``) would still need wrapping. Instead
-:func:`install` wraps each verl symbol *once*, at class level, with a function that dispatches to the
-features the engine has; an engine without features runs verl's code unchanged.
-
-**What is wrapped** (once each, in this order, after :func:`verl_ext.engine.guard.check_verl` has
-checked every symbol exists with the expected parameters -- a mismatch raises one message naming the
-symbol, the installed and the supported verl version):
-
-1. ``TrainingWorker.set_loss_fn`` -- reads the loss's :class:`~verl_ext.engine.request.EngineRequest` and
-   sets the engine's features (:func:`set_features`); an engine the seam does not cover (not verl's
-   ``FSDPEngineWithLMHead``: megatron, veomni, torchtitan, automodel, or a subclass that overrides a
-   hooked method) is refused, naming the config keys and the supported strategies, instead of running
-   without the features it was asked for.
-2. ``TrainingWorker.train_mini_batch`` / ``train_batch`` -- with ``pack_old_log_prob_as_update`` the update call is
-   compared with the old pass's record of what it packed; the first mini-batch of an update call that
-   starts on-policy is marked (the gauge); with ``old_log_prob_from_update`` pending, the update is checked to
-   be the pass's batch, starting from pi_old, and its supplying mini-batch computes the entropy.
-3. ``FSDPEngineWithLMHead.infer_batch`` -- with ``pack_old_log_prob_as_update`` the old-log-prob pass is run per
-   first-epoch update mini-batch with the update's micro-batch settings, and records what it packed; with
-   ``old_log_prob_from_update`` it skips the first, and answers the trainer's collect after the update
-   (:mod:`verl_ext.engine.old_from_update`).
-4. ``FSDPEngineWithLMHead.forward_step`` -- one step, in this order of decisions: the packing (the old
-   pass records the micro-batch, the update compares it with the record); the step's top-k task
-   (capture in the old pass, evaluate in the update, or none); then either the vocabulary pass (head
-   ``forward``, ``prepare_model_inputs``, ``prepare_model_outputs``; the top-k observes the head) or
-   verl's logits with the fp32 entropy (``compute_entropy_from_logits``, ``verl_F.entropy_from_logits``,
-   the engine config without ``entropy_checkpointing``) and one ``logprobs_from_logits`` serving both
-   the entropy's in-place backward and the top-k's view of the logits, plus ``prepare_model_outputs``
-   extended by the top-k fields. All of a step's swaps are applied together and restored when it ends,
-   also on error (:func:`verl_ext.engine.swap.swapped`, which refuses two swaps of one attribute). With
-   ``old_log_prob_from_update`` pending, an update step's loss is wrapped to receive pi_old of the rows the old
-   pass skipped (:func:`verl_ext.engine.old_from_update.substituting_loss`); the swaps see the installed loss.
-
-**Two engines in one process.** Features live on each engine instance, and so do most swaps (the
-engine's attributes, its LM head's ``forward``). verl calls two functions by module-global name,
-``verl.utils.torch_functional.entropy_from_logits`` and the FSDP engine module's ``logprobs_from_logits``: they
-are replaced once, at install, by dispatchers that call the current step's override in the thread running it
-(:func:`verl_ext.engine.swap.install_dispatch`), so steps of two engines in two threads compute what each
-computes alone.
+:func:`install` checks verl (:func:`verl_ext.engine.guard.check_verl`), then wraps ``TrainingWorker.set_loss_fn``,
+``train_mini_batch``, ``train_batch`` and ``FSDPEngineWithLMHead.infer_batch`` / ``forward_step`` once each, at
+class level, and installs the dispatchers of verl's two module globals. Each wrapper runs the features of the
+engine (:func:`set_features`); an engine without any runs verl's code. What each wrapper does, the order of one
+forward step and why wrappers rather than an engine subclass: docs/engine.md.
 """
 
 from __future__ import annotations
@@ -200,7 +156,7 @@ def logprobs_swap(entropy_detached: bool, topk: Optional[TopKStep]) -> Swap:
 def step_swaps(
     engine: Any, features: EngineFeatures, micro_batch: Any, loss_function: Any, supply_topk: int = 0
 ) -> list[Swap]:
-    """Every swap of one forward step, decided in the documented order (module docstring, item 4);
+    """Every swap of one forward step, decided in the documented order (docs/engine.md, "One forward step");
     ``supply_topk``: the step takes pi_old's top-k from its own logits (``old_log_prob_from_update``)."""
     topk = topk_step(micro_batch, loss_function, supply_topk)
     if topk is not None:

@@ -1,15 +1,9 @@
 """One forward step's attribute swaps, applied together and restored on every exit path.
 
-Every feature of the seam says what it needs replaced for one step as a list of :class:`Swap` (an owner,
-an attribute, the value for the step, the feature asking). :func:`swapped` applies a step's whole list in
-one place, refuses two swaps of the same attribute (so no symbol is ever wrapped twice, whatever the
-features), and restores each attribute -- or removes an instance attribute that was not there before --
-when the step ends, also when it raises.
-
-A swap of a **module global** (verl calls ``entropy_from_logits`` / ``logprobs_from_logits`` by module-global
-name) never rebinds the global per step: :func:`install_dispatch` replaces it once, at seam install, with a
-dispatcher that calls the override of the current step -- held in a context variable, so each thread sees
-only its own step's -- and verl's function otherwise. Steps of two threads may therefore run side by side.
+Each feature of the seam lists what it replaces for one step as :class:`Swap` objects; :func:`swapped` applies
+them, refuses two swaps of one attribute and restores every attribute, also when the step raises. A module
+global is never rebound per step: :func:`install_dispatch` replaces it once by a dispatcher that calls the
+current thread's override (a context variable), so steps of two threads may run side by side. docs/engine.md.
 """
 
 from __future__ import annotations

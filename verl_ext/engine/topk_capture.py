@@ -1,20 +1,10 @@
 """pi_old's top-k for ``kl_full`` and the KL3-vs-trust-region diagnostic: stored by the old-log-prob pass,
 evaluated under pi_theta in the update (the math: :mod:`verl_ext.core.coarsened_kl`).
 
-Wiring: the driver turns the capture on for the old-log-prob pass only (:func:`capturing_old_topk`, a
-non-tensor key of the batch); a forward step that finds it (:func:`topk_step`) computes pi_old's k + 1
-log-masses and k ids on the response rows and adds :data:`OLD_TOPK_LOG_PROBS` / :data:`OLD_TOPK_IDS` to
-the pass's model output -- verl writes every model-output key back to the batch. In the update a step
-whose micro-batch carries the stored ids adds :data:`NEW_TOPK_LOG_PROBS`, pi_theta's log-masses on the
-same buckets, for the loss. Only response tokens are kept, in verl's response layout (nested
-``(batch, response_len, ...)``).
-
-The rows come from verl's materialised logits (the seam's ``logprobs_from_logits`` swap hands the step the
-logits verl passes it, :meth:`TopKStep.on_logits`; :func:`topk_outputs_swap` adds its fields to
-``prepare_model_outputs``'s result) or, under the
-vocabulary pass, from the LM head's input (:class:`TopKStep` is a
-:class:`verl_ext.engine.vocab_pass_step.HeadObserver`). The seam picks one per step
-(:mod:`verl_ext.engine.seam`).
+The old pass, asked with :data:`CAPTURE_KEY`, adds :data:`OLD_TOPK_LOG_PROBS` / :data:`OLD_TOPK_IDS` to its model
+output; an update step whose micro-batch carries the ids adds :data:`NEW_TOPK_LOG_PROBS`. Both in verl's response
+layout, from verl's logits (:meth:`TopKStep.on_logits`) or, under the vocabulary pass, the LM head's input
+(:class:`TopKStep` is a :class:`~verl_ext.engine.vocab_pass_step.HeadObserver`). docs/losses.md.
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
 """The vocabulary pass inside verl 0.9.1's actor engine (``FSDPEngineWithLMHead``).
 
-``actor_rollout_ref.actor.policy_loss.vocab_pass=true`` makes every forward step of the actor's
-engine -- the old-log-prob pass (``infer_batch``) as well as the update (``train_batch``) --
-compute ``log pi(y_t)`` and the entropy with :func:`verl_ext.core.vocab_pass.vocab_pass` instead of
-materialising the ``tokens x vocabulary`` logits. For the duration of one step (:func:`vocab_pass_swaps`,
-applied by the seam):
-
-* the LM head module's ``forward`` (``model.get_output_embeddings()``) is replaced, on the instance,
-  by one that runs the pass on the hidden states it receives and the weight it holds, returning a
-  ``(..., 2)`` float32 tensor ``[log pi(y_t), H_t]`` in place of the logits. The head is still
-  *called* by the model, so the module's forward pre/post hooks fire: FSDP2 (``fully_shard`` on
-  the untied head; the root's parameters for a tied one) and FSDP1 unshard the weight for the
-  call, reshard it after, unshard it again for the backward (the pass's output carries FSDP's
-  pre-backward hook) and reduce-scatter its gradient -- unlike verl's ``use_fused_kernels``
-  forward, which reads ``lm_head.weight`` outside the head's forward and fails under FSDP2.
-* ``prepare_model_inputs`` is wrapped to hand the step's labels (verl's rolled input ids, Ulysses-
-  sliced and padded like the hidden states), per-token temperatures and, on the padded path, the
-  valid-token mask to that head;
-* ``prepare_model_outputs`` is replaced by :func:`_prepare_vocab_pass_outputs`, which turns the
-  head's ``[log pi, H]`` into verl's ``model_output`` (nested ``log_probs`` / ``entropy``), with the
-  same Ulysses all-gather and pad removal verl applies to its log-probs.
-
-Another feature may observe the head's input for the step (a :class:`HeadObserver` passed to
-:func:`vocab_pass_swaps`): it asks the pass for each token's top-k ids, receives the hidden states, the
-head weight (unsharded: inside the head's forward), the per-token temperatures and those ids, and adds
-its own fields to ``model_output``. :mod:`verl_ext.engine.topk_capture` stores pi_old's top-k this way.
-
-The entropy carries a gradient only when the loss may differentiate it (no ``entropy_as_mask``
-declaration, :mod:`verl_ext.engine.request`: an entropy bonus); ERC's masking entropy stays graph-free.
-Combinations the pass cannot serve raise at the first step (and, for a recipe run, in
-``recipe.config_checks`` before Ray starts): ``use_fused_kernels``, a consumer of the full logits
-(``calculate_sum_pi_squared``, top-k distillation), a head with a bias, a LoRA-wrapped head.
+With ``policy_loss.vocab_pass=true`` every forward step of the actor computes ``log pi(y_t)`` and the entropy
+with :func:`verl_ext.core.vocab_pass.vocab_pass`, never the logits: for one step (:func:`vocab_pass_swaps`) the LM
+head's ``forward`` returns ``[log pi, H]`` (still called by the model, so FSDP's hooks fire),
+``prepare_model_inputs`` hands it labels and temperatures, and ``prepare_model_outputs`` turns it into verl's
+outputs. A :class:`HeadObserver` may see the head's input. Unservable combinations raise. docs/losses.md.
 """
 
 from __future__ import annotations
