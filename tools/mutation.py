@@ -3,6 +3,7 @@
     .venv/bin/python tools/mutation.py                       # run (or resume), then print the table
     .venv/bin/python tools/mutation.py --report              # the table of the last run, nothing run
     .venv/bin/python tools/mutation.py --tests-from 3934510  # the same modules, another revision's tests
+    .venv/bin/python tools/mutation.py --label L --mutants NAME ...  # run named mutants again (new tests: --fresh)
 
 Each label (``--label``, default ``current``, or the ``--tests-from`` revision) runs in its own scratch copy,
 ``.mutation/<label>/``: the checkout's tracked and untracked files (``tests/`` replaced by the revision's with
@@ -547,13 +548,14 @@ def prepare(work: Path, tests_from: str | None, mutated: list[str], tests: list[
         )
 
 
-def run_mutmut(work: Path, budget_s: float, log: Path, children: int = 1) -> float:
-    """``mutmut run --max-children children`` in ``work``, stopped with SIGINT after ``budget_s``; the wall seconds."""
+def run_mutmut(work: Path, budget_s: float, log: Path, children: int = 1, names: tuple[str, ...] = ()) -> float:
+    """``mutmut run --max-children children [names]`` in ``work`` (every mutant without a verdict, or the named
+    ones again), stopped with SIGINT after ``budget_s``; the wall seconds."""
     start = time.monotonic()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     with open(log, "a", encoding="utf-8") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "mutmut", "run", "--max-children", str(children)],
+            [sys.executable, "-m", "mutmut", "run", "--max-children", str(children), *names],
             cwd=work,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -624,6 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", default=MUTATED, help="mutate these globs only (default: MUTATED)")
     parser.add_argument("--tests", nargs="+", default=TESTS, help="the test selection (default: TESTS)")
     parser.add_argument("--children", type=int, default=1, help="mutants run at once (default 1)")
+    parser.add_argument("--mutants", nargs="+", default=(), help="run these mutants (mutmut names) again")
     parser.add_argument("--report", action="store_true", help="print the table of the last run, run nothing")
     parser.add_argument("--survivors", action="store_true", help="list the surviving mutants' names too")
     args = parser.parse_args(argv)
@@ -633,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report:
         if args.fresh or not (work / "mutants").exists():
             prepare(work, args.tests_from, args.only, args.tests)
-        wall = run_mutmut(work, args.budget_s, work / "mutmut.log", args.children)
+        wall = run_mutmut(work, args.budget_s, work / "mutmut.log", args.children, tuple(args.mutants))
     found = verdicts(work)
     if not found:
         print(f"no mutmut results in {work}; see {work / 'mutmut.log'}")
