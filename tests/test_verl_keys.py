@@ -269,6 +269,30 @@ def test_keys_at_the_value_the_divclip_path_uses_are_accepted(overrides: list[st
     validate_divclip_config(compose_config(*overrides))
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            [*ERC_ON, f"{ACTOR}.fsdp_config.entropy_checkpointing=true"],
+            f"{ACTOR}.fsdp_config.entropy_checkpointing=True is replaced by {POLICY}.erc_beta_low/erc_beta_high (ERC): "
+            "the divclip path computes the entropy its own way (one graph-free float32 function in both passes), so "
+            "verl's entropy_checkpointing does nothing. Leave it at verl's default False",
+        ),
+        (
+            [f"{POLICY}.vocab_pass=true", f"{ACTOR}.entropy_from_logits_with_chunking=true"],
+            f"{ACTOR}.entropy_from_logits_with_chunking=True is replaced by {POLICY}.vocab_pass=true: the divclip "
+            "path computes the entropy its own way (the chunked vocabulary pass), so verl's "
+            "entropy_from_logits_with_chunking does nothing. Leave it at verl's default False",
+        ),
+    ],
+    ids=["erc", "vocab_pass"],
+)
+def test_verls_entropy_settings_are_refused_naming_what_replaces_them(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        validate_divclip_config(compose_config(*overrides))
+    assert str(error.value) == message
+
+
 SYNC_STEP_TAIL = (
     "Leave it at 1, or use trainer.v1.trainer_mode=separate_async with trainer.v1.separate_async.parameter_sync_step "
     "(Decoupled PPO, supported)"

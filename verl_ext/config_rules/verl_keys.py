@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from verl_ext.config import (
     ACTOR,
     CONFIG_TARGET,
-    DivClipPolicyLossConfig,
 )
 from verl_ext.config_rules.policy import (
     CORRECTION,
@@ -50,12 +48,12 @@ _MISSING = object()
 
 
 def verl_default(key: str) -> Any:
-    """The value verl's schema gives ``key`` (interpolations resolved within verl's schema). Raises
+    """The value verl's schema gives the leaf ``key`` (interpolations resolved within verl's schema). Raises
     ``KeyError`` naming the key if verl's schema has no such key."""
     value = OmegaConf.select(verl_schema(), key, default=_MISSING)
     if value is _MISSING:
         raise KeyError(f"{key} is not a key of verl's ppo_trainer schema")
-    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig | ListConfig) else value
+    return value
 
 
 def _interpolated_in_verl(key: str) -> bool:
@@ -66,12 +64,10 @@ def _interpolated_in_verl(key: str) -> bool:
 
 
 def _value(config: DictConfig, key: str) -> Any:
-    """``key``'s resolved value in the composed config; a key missing there takes verl's default (the
+    """The leaf ``key``'s resolved value in the composed config; a key missing there takes verl's default (the
     composed config is verl's schema plus overrides, so only a key deleted on purpose is missing)."""
     value = OmegaConf.select(config, key, default=_MISSING)
-    if value is _MISSING:
-        return verl_default(key)
-    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig | ListConfig) else value
+    return verl_default(key) if value is _MISSING else value
 
 
 def _divclip_policy(config: DictConfig) -> bool:
@@ -79,11 +75,9 @@ def _divclip_policy(config: DictConfig) -> bool:
 
 
 def _policy_knob(config: DictConfig, knob: str) -> Any:
-    """A divclip policy-loss knob: the config's value, else the dataclass' own default."""
-    value = OmegaConf.select(config, f"{POLICY}.{knob}", default=_MISSING)
-    if value is _MISSING:
-        return {f.name: f.default for f in dataclasses.fields(DivClipPolicyLossConfig)}[knob]
-    return value
+    """A divclip policy-loss knob (configs/divclip_trainer.yaml declares each one; a deleted one raises
+    ``ConfigKeyError`` naming it)."""
+    return OmegaConf.select(config, POLICY)[knob]
 
 
 def _packs_as_update(config: DictConfig) -> bool:
@@ -139,7 +133,7 @@ def check_entropy_keys(config: DictConfig) -> None:
     own chunks. verl's entropy settings then do nothing: a set one is refused."""
     if not _divclip_policy(config):
         return
-    erc = _policy_knob(config, "erc_beta_low") is not None or _policy_knob(config, "erc_beta_high") is not None
+    erc = _policy_knob(config, "erc_beta_low") is not None  # set with erc_beta_high (DivClipPolicyLossConfig)
     vocab_pass = bool(_policy_knob(config, "vocab_pass"))
     if not (erc or vocab_pass):
         return
