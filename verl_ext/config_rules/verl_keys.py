@@ -71,7 +71,7 @@ def _value(config: DictConfig, key: str) -> Any:
 
 
 def _divclip_policy(config: DictConfig) -> bool:
-    return OmegaConf.select(config, f"{POLICY}._target_", default=None) == CONFIG_TARGET
+    return OmegaConf.select(config, f"{POLICY}._target_") == CONFIG_TARGET
 
 
 def _policy_knob(config: DictConfig, knob: str) -> Any:
@@ -82,10 +82,8 @@ def _policy_knob(config: DictConfig, knob: str) -> Any:
 
 def _packs_as_update(config: DictConfig) -> bool:
     """Whether the old-log-prob pass is packed as the update: ``pack_old_log_prob_as_update`` (default true)
-    with the divclip policy-loss config, always with verl's plain one (``verl_ext.actor_loss.build_actor_loss``);
-    never in ``bypass_mode``, which skips the pass (and refuses pack_old_log_prob_as_update)."""
-    if _value(config, f"{CORRECTION}.bypass_mode"):
-        return False
+    with the divclip policy-loss config, always with verl's plain one (``verl_ext.actor_loss.build_actor_loss``).
+    ``bypass_mode``, which skips the pass, needs it false (``composed.validate_bypass_mode`` runs first)."""
     return bool(_policy_knob(config, "pack_old_log_prob_as_update")) if _divclip_policy(config) else True
 
 
