@@ -181,6 +181,10 @@ REFUSED = [
         [f"{ROLLOUT}.log_prob_use_dynamic_bsz=true"],
         [f"{ROLLOUT}.log_prob_use_dynamic_bsz=True", f"{ACTOR}.use_dynamic_bsz=False"],
     ),
+    (  # verl's default interpolates the actor's flag: false set by hand is no default
+        [f"{ACTOR}.use_dynamic_bsz=true", f"{ROLLOUT}.log_prob_use_dynamic_bsz=false"],
+        [f"{ROLLOUT}.log_prob_use_dynamic_bsz=False", f"{ACTOR}.use_dynamic_bsz=True"],
+    ),
     (
         [f"{ROLLOUT}.log_prob_micro_batch_size=8"],
         [f"{ROLLOUT}.log_prob_micro_batch_size=8", f"{ACTOR}.ppo_micro_batch_size_per_gpu"],

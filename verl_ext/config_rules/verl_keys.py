@@ -95,18 +95,18 @@ PACK_HINT = f"{PACK_KEY}=false gives verl's packing of the old-log-prob pass bac
 
 def check_log_prob_packing(config: DictConfig) -> None:
     """With pack_old_log_prob_as_update the old-log-prob pass is packed with the update's micro-batch settings
-    (``verl_ext.engine.packing.infer_as_update``): ``rollout.log_prob_*`` must say what it uses."""
+    (``verl_ext.engine.packing.infer_as_update``): ``rollout.log_prob_*`` must say what it uses, or be left at a
+    default of verl's own (one that interpolates the actor's key follows it, so it is never exempt)."""
     if not _packs_as_update(config):
         return
-    dynamic = bool(_value(config, f"{ACTOR}.use_dynamic_bsz"))
-    pairs = [(f"{ROLLOUT}.log_prob_use_dynamic_bsz", f"{ACTOR}.use_dynamic_bsz", True)]
-    if dynamic:
-        pairs.append((f"{ROLLOUT}.log_prob_max_token_len_per_gpu", f"{ACTOR}.ppo_max_token_len_per_gpu", False))
+    pairs = [(f"{ROLLOUT}.log_prob_use_dynamic_bsz", f"{ACTOR}.use_dynamic_bsz")]
+    if _value(config, f"{ACTOR}.use_dynamic_bsz"):
+        pairs.append((f"{ROLLOUT}.log_prob_max_token_len_per_gpu", f"{ACTOR}.ppo_max_token_len_per_gpu"))
     else:
-        pairs.append((f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", f"{ACTOR}.ppo_micro_batch_size_per_gpu", False))
-    for key, replacing, strict in pairs:
+        pairs.append((f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", f"{ACTOR}.ppo_micro_batch_size_per_gpu"))
+    for key, replacing in pairs:
         value, used = _value(config, key), _value(config, replacing)
-        if value == used or (not strict and not _interpolated_in_verl(key) and value == verl_default(key)):
+        if value == used or (not _interpolated_in_verl(key) and value == verl_default(key)):
             continue
         raise ValueError(
             f"{key}={value} is not used: with {PACK_KEY}=true (the default) the old-log-prob "
