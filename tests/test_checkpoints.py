@@ -81,5 +81,14 @@ def test_a_relative_trace_path_is_refused_before_ray() -> None:
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
         config = compose(config_name="divclip_trainer", overrides=["divclip.data_trace=out/trace.jsonl"])
-    with pytest.raises(ConfigError, match=r"divclip\.data_trace='out/trace\.jsonl' must be an absolute path"):
+    with pytest.raises(ConfigError) as error:
         validate_divclip_config(config)
+    assert str(error.value) == (
+        "divclip.data_trace='out/trace.jsonl' must be an absolute path (the trainer writes it on a Ray node)"
+    )
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        absolute = compose(config_name="divclip_trainer", overrides=["divclip.data_trace=/tmp/run/trace.jsonl"])
+        number = compose(config_name="divclip_trainer", overrides=["divclip.data_trace=5"])
+    validate_divclip_config(absolute)  # the same file on every node: accepted
+    with pytest.raises(ConfigError, match=r"divclip\.data_trace=5 must be an absolute path"):
+        validate_divclip_config(number)

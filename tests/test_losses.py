@@ -675,6 +675,20 @@ def test_invalid_clip_ratios_raise(low, high, key):
         check_clip_ratios(low, high)
 
 
+@pytest.mark.parametrize(
+    "low, high, key, bad",
+    [
+        (float("nan"), 0.2, "clip_ratio_low", "nan"),
+        (0.2, float("inf"), "clip_ratio_high", "inf"),
+        ("0.2", 0.2, "clip_ratio_low", "'0.2'"),
+    ],
+)
+def test_a_clip_ratio_that_is_no_finite_number_is_named(low, high, key, bad):
+    with pytest.raises(ValueError) as error:
+        check_clip_ratios(low, high)
+    assert str(error.value) == f"actor_rollout_ref.actor.{key} must be a finite number, got {bad}"
+
+
 def test_divclip_mode_with_verl_policy_config_explains_target():
     from verl.workers.config import PolicyLossConfig
 

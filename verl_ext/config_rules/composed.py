@@ -40,8 +40,7 @@ def check_policy_target(config: DictConfig) -> None:
     """A divclip ``loss_mode`` needs ``policy_loss._target_`` = the divclip config; with verl's own config class
     every divclip knob must be at its default (those are dropped so verl's dataclass builds)."""
     policy_loss = config.actor_rollout_ref.actor.policy_loss
-    mode = policy_loss.get("loss_mode", "vanilla")
-    target = policy_loss.get("_target_", None)
+    mode, target = policy_loss.loss_mode, policy_loss["_target_"]
     if mode in CONSTRAINTS:
         check_divclip_target(mode, target)
     if target != CONFIG_TARGET:
