@@ -675,6 +675,15 @@ def test_invalid_clip_ratios_raise(low, high, key):
         check_clip_ratios(low, high)
 
 
+def test_the_empty_ratio_interval_is_refused_word_for_word():
+    with pytest.raises(ValueError) as error:
+        check_clip_ratios(0.0, 0.0)
+    assert str(error.value) == (
+        "actor_rollout_ref.actor.clip_ratio_low/clip_ratio_high are both 0: the ratio interval [1, 1] is empty"
+    )
+    assert check_clip_ratios(0.0, 1e-9) == (0.0, 1e-9) and check_clip_ratios(1e-9, 0.0) == (1e-9, 0.0)
+
+
 @pytest.mark.parametrize(
     "low, high, key, bad",
     [

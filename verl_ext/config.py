@@ -259,11 +259,8 @@ def check_clip_ratios(clip_ratio_low: Any, clip_ratio_high: Any) -> tuple[float,
         raise ValueError(f"{prefix}.clip_ratio_low must lie in [0, 1), got {clip_ratio_low!r}")
     if clip_ratio_high < 0:
         raise ValueError(f"{prefix}.clip_ratio_high must be >= 0, got {clip_ratio_high!r}")
-    if 1 - clip_ratio_low >= 1 + clip_ratio_high:
-        raise ValueError(
-            f"{prefix}.clip_ratio_low/clip_ratio_high give an empty ratio interval "
-            f"[{1 - clip_ratio_low}, {1 + clip_ratio_high}]"
-        )
+    if clip_ratio_low == clip_ratio_high == 0:  # within the bounds above, the one empty [1 - eps_low, 1 + eps_high]
+        raise ValueError(f"{prefix}.clip_ratio_low/clip_ratio_high are both 0: the ratio interval [1, 1] is empty")
     return float(clip_ratio_low), float(clip_ratio_high)
 
 
