@@ -90,16 +90,28 @@ def test_a_registered_mode_check_runs_once_at_every_construction():
     imports no other verl_ext module): a check registered twice is kept once and runs on each config built."""
     from verl_ext import config
 
-    seen: list[tuple[str, str]] = []
+    seen: list[str] = []
 
-    def check(policy: DivClipPolicyLossConfig, prefix: str) -> None:
-        seen.append((policy.loss_mode, prefix))
+    def check(policy: DivClipPolicyLossConfig) -> None:
+        seen.append(policy.loss_mode)
 
     try:
         assert config.register_mode_check(check) is check
         config.register_mode_check(check)
         DivClipPolicyLossConfig(loss_mode="kl3")
-        assert seen == [("kl3", "actor_rollout_ref.actor.policy_loss")]
+        assert seen == ["kl3"]
     finally:
         config._MODE_CHECKS.remove(check)
     assert check not in config._MODE_CHECKS
+
+
+def test_adaptive_delta_on_a_mode_without_a_kl_budget_names_the_budget_modes():
+    import verl_ext.registry  # noqa: F401  (registers the loss-mode check)
+
+    with pytest.raises(ValueError) as error:
+        DivClipPolicyLossConfig(loss_mode="clip", adaptive_delta_target=0.01)
+    assert str(error.value) == (
+        "actor_rollout_ref.actor.policy_loss.adaptive_delta_target adapts the KL budget delta, which "
+        "loss_mode='clip' does not have; the KL-budget modes are "
+        "['is_kl3', 'kl1', 'kl2', 'kl3', 'kl_full', 'seq_kl3', 'trgppo']"
+    )

@@ -27,14 +27,14 @@ KL_FULL_DIRECTIONS = ("forward", "reverse")
 
 
 #: Checks that need the loss-mode registry, run by ``DivClipPolicyLossConfig.__post_init__``
-#: with ``(config, key_prefix)``; filled by :func:`register_mode_check`.
-_MODE_CHECKS: list[Callable[[DivClipPolicyLossConfig, str], None]] = []
+#: with the config; filled by :func:`register_mode_check`.
+_MODE_CHECKS: list[Callable[[DivClipPolicyLossConfig], None]] = []
 
 
 def register_mode_check(
-    check: Callable[[DivClipPolicyLossConfig, str], None],
-) -> Callable[[DivClipPolicyLossConfig, str], None]:
-    """Run ``check(config, prefix)`` at the end of every ``DivClipPolicyLossConfig.__post_init__``
+    check: Callable[[DivClipPolicyLossConfig], None],
+) -> Callable[[DivClipPolicyLossConfig], None]:
+    """Run ``check(config)`` at the end of every ``DivClipPolicyLossConfig.__post_init__``
     from now on (idempotent). :mod:`verl_ext.config_rules` registers its :func:`check_policy_config`
     here, so the mode registry's checks fire at construction without this module importing it.
     Configs built before that import are not checked here; their consumers check them."""
@@ -197,7 +197,7 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
                 f"{prefix}.old_log_prob_from_update must be true, false or null, got {self.old_log_prob_from_update!r}"
             )
         for check in _MODE_CHECKS:  # the loss-mode registry's checks (see register_mode_check)
-            check(self, prefix)
+            check(self)
 
     @property
     def erc_enabled(self) -> bool:

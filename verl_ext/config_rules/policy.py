@@ -41,7 +41,7 @@ NOT_COMPOSABLE = frozenset({"bypass_mode"})
 
 
 @register_mode_check
-def check_policy_config(policy: DivClipPolicyLossConfig, prefix: str = POLICY_LOSS_KEY) -> None:
+def check_policy_config(policy: DivClipPolicyLossConfig) -> None:
     """Raise ``ValueError`` naming the key where ``policy`` does not fit its ``loss_mode``: the mode
     is registered (a divclip constraint or verl's own), ``adaptive_delta_target`` is set only on a
     KL-budget mode, and on verl's modes ERC can apply and dual-clip is not set (:func:`check_verl_mode_options`).
@@ -54,26 +54,26 @@ def check_policy_config(policy: DivClipPolicyLossConfig, prefix: str = POLICY_LO
     """
     mode = policy.loss_mode
     if mode == ERC_ON_VERL_MODE:
-        raise ValueError(f"{prefix}.loss_mode={mode!r} is internal to the divclip actor loss: name a loss mode")
+        raise ValueError(f"{POLICY}.loss_mode={mode!r} is internal to the divclip actor loss: name a loss mode")
     if mode not in CONSTRAINTS and mode not in POLICY_LOSS_REGISTRY:
         known = sorted(set(POLICY_LOSS_REGISTRY) | set(CONSTRAINTS))
-        raise ValueError(f"{prefix}.loss_mode={mode!r} is not a registered policy loss; known: {known}")
+        raise ValueError(f"{POLICY}.loss_mode={mode!r} is not a registered policy loss; known: {known}")
     if policy.adaptive_delta_enabled and not (mode in CONSTRAINTS and CONSTRAINTS[mode].delta_budget):
         budget_modes = sorted(name for name, spec in CONSTRAINTS.items() if spec.delta_budget)
         raise ValueError(
-            f"{prefix}.adaptive_delta_target adapts the KL budget delta, which loss_mode={mode!r} "
+            f"{POLICY}.adaptive_delta_target adapts the KL budget delta, which loss_mode={mode!r} "
             f"does not have; the KL-budget modes are {budget_modes}"
         )
     if policy.kl_full_diagnostic and mode not in CONSTRAINTS:
         raise ValueError(
-            f"{prefix}.kl_full_diagnostic compares a divclip mode's clip decisions with the full-KL rule; "
+            f"{POLICY}.kl_full_diagnostic compares a divclip mode's clip decisions with the full-KL rule; "
             f"verl's loss_mode={mode!r} makes none through the divclip operator: set it to false"
         )
     if mode not in CONSTRAINTS:  # verl's own mode: ERC composes with it, the divclip dual-clip is refused
-        check_verl_mode_options(policy, prefix)
+        check_verl_mode_options(policy)
 
 
-def check_verl_mode_options(policy: DivClipPolicyLossConfig, prefix: str = POLICY_LOSS_KEY) -> None:
+def check_verl_mode_options(policy: DivClipPolicyLossConfig) -> None:
     """Raise ``ValueError`` naming the key if ``policy``'s ERC knobs cannot apply to its verl ``loss_mode``
     (``verl_ext.verl_modes`` composes them), or ``dual_clip_c`` is set (verl's modes read ``actor.clip_ratio_c``).
     Part of :func:`check_policy_config`, for every non-divclip mode."""
@@ -82,12 +82,12 @@ def check_verl_mode_options(policy: DivClipPolicyLossConfig, prefix: str = POLIC
         return  # check_policy_config reports unknown modes
     if policy.erc_enabled and mode in NOT_COMPOSABLE:
         raise ValueError(
-            f"{prefix}.erc_beta_low/erc_beta_high (ERC) cannot stack on loss_mode={mode!r}: it skips the "
+            f"{POLICY}.erc_beta_low/erc_beta_high (ERC) cannot stack on loss_mode={mode!r}: it skips the "
             "old-log-prob pass that gives pi_old's entropy"
         )
     if policy.dual_clip_c is not None:
         raise ValueError(
-            f"{prefix}.dual_clip_c is the divclip modes' dual-clip cap; verl's loss_mode={mode!r} reads its own "
+            f"{POLICY}.dual_clip_c is the divclip modes' dual-clip cap; verl's loss_mode={mode!r} reads its own "
             "(actor_rollout_ref.actor.clip_ratio_c, which verl's vanilla applies; the other verl modes have no "
             "dual-clip rule): remove dual_clip_c"
         )
