@@ -4,6 +4,7 @@
     .venv/bin/python tools/mutation.py --report              # the table of the last run, nothing run
     .venv/bin/python tools/mutation.py --tests-from 3934510  # the same modules, another revision's tests
     .venv/bin/python tools/mutation.py --label L --mutants NAME ...  # run named mutants again (new tests: --fresh)
+    .venv/bin/python tools/mutation.py --label NEW --report --older OLD  # NEW's table, completed from OLD's copy
 
 Each label (``--label``, default ``current``, or the ``--tests-from`` revision) runs in its own scratch copy,
 ``.mutation/<label>/``: the checkout's tracked and untracked files (``tests/`` replaced by the revision's with
@@ -617,6 +618,42 @@ def survivors(found: dict[str, dict[str, str]]) -> list[str]:
     ]
 
 
+def _function_code(work: Path, module: str) -> dict[str, str]:
+    """mutmut's mangled function name -> the function's code (AST, docstrings left out) in ``work``'s copy."""
+
+    def code(node: ast.AST) -> str:
+        body = getattr(node, "body", [])
+        if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0].value, "value", None), str):
+            node.body = body[1:]
+        return ast.dump(node)
+
+    dotted = module[: -len(".py")].replace("/", ".")
+    out: dict[str, str] = {}
+    for node in ast.parse((work / module).read_text()).body:
+        if isinstance(node, ast.FunctionDef):
+            out[f"{dotted}.x_{node.name}"] = code(node)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef):
+                    out[f"{dotted}.x\u01c1{node.name}\u01c1{item.name}"] = code(item)
+    return out
+
+
+def combined(work: Path, older: Path) -> dict[str, dict[str, str]]:
+    """``work``'s verdicts, completed from ``older``'s copy: per function, the verdicts of the copy that ran all
+    of its mutants, ``work`` first; ``older``'s only where the function's code is the same in both copies."""
+    new, old = verdicts(work), verdicts(older)
+    function = lambda name: name.rsplit("__mutmut_", 1)[0]  # noqa: E731
+    out: dict[str, dict[str, str]] = {}
+    for module, by_name in new.items():
+        done = {function(n) for n in by_name} - {function(n) for n, v in by_name.items() if v == "not_run"}
+        same_code = _function_code(work, module).items() & _function_code(older, module).items()
+        kept = {name for name, _ in same_code} - done
+        out[module] = {n: v for n, v in by_name.items() if function(n) not in kept}
+        out[module].update({n: v for n, v in old.get(module, {}).items() if function(n) in kept})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tests-from", help="run the tests of this git revision instead of the checkout's")
@@ -629,6 +666,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mutants", nargs="+", default=(), help="run these mutants (mutmut names) again")
     parser.add_argument("--report", action="store_true", help="print the table of the last run, run nothing")
     parser.add_argument("--survivors", action="store_true", help="list the surviving mutants' names too")
+    parser.add_argument(
+        "--older",
+        help="with --report: complete the table from this older label's copy (functions "
+        "this one did not run whose code is the same in both)",
+    )
     args = parser.parse_args(argv)
     label = args.label or (re.sub(r"\W", "_", args.tests_from) if args.tests_from else "current")
     work = ROOT / ".mutation" / label
@@ -637,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.fresh or not (work / "mutants").exists():
             prepare(work, args.tests_from, args.only, args.tests)
         wall = run_mutmut(work, args.budget_s, work / "mutmut.log", args.children, tuple(args.mutants))
-    found = verdicts(work)
+    found = combined(work, ROOT / ".mutation" / args.older) if args.older else verdicts(work)
     if not found:
         print(f"no mutmut results in {work}; see {work / 'mutmut.log'}")
         return 1
