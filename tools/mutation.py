@@ -635,7 +635,7 @@ def _function_code(work: Path, module: str) -> dict[str, str]:
         elif isinstance(node, ast.ClassDef):
             for item in node.body:
                 if isinstance(item, ast.FunctionDef):
-                    out[f"{dotted}.x\u01c1{node.name}\u01c1{item.name}"] = code(item)
+                    out[f"{dotted}.xǁ{node.name}ǁ{item.name}"] = code(item)
     return out
 
 

@@ -56,7 +56,7 @@ class AdaptiveDelta:
         )
 
     def next_delta(self, measured: float) -> float:
-        """The rule of the module docstring, without changing the state."""
+        """The rule of docs/losses.md ("Adaptive δ"), without changing the state."""
         if not math.isfinite(measured) or measured < 0:
             raise ValueError(
                 f"adaptive delta: the measured mean KL3 ({self.metric}) must be finite and >= 0, got {measured!r}"

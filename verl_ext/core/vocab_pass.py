@@ -138,7 +138,7 @@ def _per_row(temperature: Union[float, torch.Tensor], rows: int, device: torch.d
 
 
 class VocabPass(torch.autograd.Function):
-    """Autograd function behind :func:`vocab_pass` (see the module docstring for the math)."""
+    """Autograd function behind :func:`vocab_pass` (the math: docs/losses.md, "The vocabulary pass")."""
 
     @staticmethod
     def forward(  # type: ignore[override]
