@@ -31,12 +31,7 @@ from verl_ext.core.region import CONSTRAINTS
 from verl_ext.core.staleness import behaviour_divergence
 from verl_ext.engine.old_from_update import COLLECT_KEY, OLD_FROM_UPDATE_KEY
 from verl_ext.engine.old_from_update import POLICY_KEY as OLD_FROM_UPDATE_CONFIG
-from verl_ext.engine.packing import (
-    ON_POLICY_KEY,
-    UPDATE_FOLLOWS_OLD_PASS_KEY,
-    UPDATE_PACKING_KEY,
-    UpdatePacking,
-)
+from verl_ext.engine.packing import ON_POLICY_KEY, UPDATE_FOLLOWS_OLD_PASS_KEY, UPDATE_PACKING_KEY, UpdatePacking
 from verl_ext.engine.request import describe, request_of, resolve_entropy_path
 from verl_ext.engine.topk_capture import capturing_old_topk, old_topk_request
 from verl_ext.plugin import require_registered

@@ -104,12 +104,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     keys = {key: modules for key, modules in recorded.items() if not is_divclip_key(key)}
     READ_KEYS_PATH.write_text(
         json.dumps(
-            {
-                "command": COMMAND,
-                "date": datetime.date.today().isoformat(),
-                "tests": list(args.tests),
-                "keys": keys,
-            },
+            {"command": COMMAND, "date": datetime.date.today().isoformat(), "tests": list(args.tests), "keys": keys},
             indent=1,
         )
         + "\n"

@@ -76,10 +76,7 @@ PRESETS: dict[str, dict[str, SamplingSpec]] = {
 #: Chat-template keywords of a preset, passed to vLLM's ``LLM.chat(chat_template_kwargs=...)``:
 #: a checkpoint is evaluated in the mode it was trained in. The ATR runs train Qwen3 in
 #: non-thinking mode (``data.apply_chat_template_kwargs.enable_thinking=false``).
-PRESET_CHAT_TEMPLATE_KWARGS: dict[str, dict[str, Any]] = {
-    "erc": {},
-    "atr": {"enable_thinking": False},
-}
+PRESET_CHAT_TEMPLATE_KWARGS: dict[str, dict[str, Any]] = {"erc": {}, "atr": {"enable_thinking": False}}
 
 
 def resolve_chat_template_kwargs(preset: str | None, given: str | None) -> dict[str, Any]:

@@ -367,11 +367,7 @@ def compute_score(
 
 
 async def compute_score_async(
-    data_source: str,
-    solution_str: str,
-    ground_truth: str,
-    extra_info: dict[str, Any] | None = None,
-    **kwargs: Any,
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None, **kwargs: Any
 ) -> dict[str, Any]:
     """Coroutine form for verl's async reward loop: the blocking wait runs in a thread,
     so one slow item never stalls the event loop."""

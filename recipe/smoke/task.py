@@ -157,9 +157,7 @@ def build_model(tokenizer: Any, spec: SmokeModelSpec = SmokeModelSpec(), seed: i
         with torch.no_grad():
             model.lm_head.weight.mul_(head_scale)
     model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
     return model
 

@@ -218,10 +218,4 @@ class HFCpuReplica(RolloutReplica):
         self._server_address = f"{address}:{port}"
 
 
-__all__ = [
-    "ROLLOUT_NAME",
-    "HFCpuReplica",
-    "HFCpuServerAdapter",
-    "register_cpu_rollout",
-    "server_actor_name",
-]
+__all__ = ["ROLLOUT_NAME", "HFCpuReplica", "HFCpuServerAdapter", "register_cpu_rollout", "server_actor_name"]

@@ -187,10 +187,4 @@ def generate_batch(
     return [(out_tokens[r], out_logprobs[r] if spec.want_logprobs else None, finish[r]) for r in range(batch)]
 
 
-__all__ = [
-    "SamplingSpec",
-    "apply_repetition_penalty",
-    "generate_batch",
-    "process_logits",
-    "sampling_spec_from_params",
-]
+__all__ = ["SamplingSpec", "apply_repetition_penalty", "generate_batch", "process_logits", "sampling_spec_from_params"]

@@ -20,13 +20,7 @@ import torch
 
 from verl_ext.engine.entropy_path import entropy_fn_for, entropy_swaps
 from verl_ext.engine.guard import ENGINE_MODULE, WORKER_MODULE, check_engine_instance, check_verl, engine_attribute
-from verl_ext.engine.old_from_update import (
-    COLLECT_KEY,
-    collect,
-    substituted_topk,
-    substituting_loss,
-    supplies_topk,
-)
+from verl_ext.engine.old_from_update import COLLECT_KEY, collect, substituted_topk, substituting_loss, supplies_topk
 from verl_ext.engine.old_from_update import pending as pending_old
 from verl_ext.engine.packing import (
     ROW_KEY,
