@@ -101,10 +101,3 @@ class DataTrace:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
-
-
-def read_trace(path: str, event: str = "trained") -> list[dict[str, Any]]:
-    """The trace's lines of one ``event`` (``trained``, ``fetched`` or ``restored``), in file order."""
-    with open(path) as f:
-        lines = [json.loads(line) for line in f if line.strip()]
-    return [line for line in lines if line.get("event", "trained") == event]

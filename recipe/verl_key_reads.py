@@ -54,23 +54,8 @@ def record(tests: tuple[str, ...] = RECORD_TESTS, folder: Optional[Path] = None)
         env = {**os.environ, RECORD_ENV: str(where)}
         env.pop("RAY_ADDRESS", None)
         # the tests comparing a run's reads with the committed record are left out: that record is being made
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-q",
-                "-p",
-                "no:xdist",
-                "-p",
-                "no:cacheprovider",
-                "-k",
-                f"not {RECORD_CHECKS}",
-                *tests,
-            ],
-            cwd=ROOT,
-            env=env,
-        )
+        options = ("-q", "-p", "no:xdist", "-p", "no:cacheprovider", "-k", f"not {RECORD_CHECKS}")
+        proc = subprocess.run([sys.executable, "-m", "pytest", *options, *tests], cwd=ROOT, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"the recorded tests failed (pytest exit {proc.returncode}): nothing written")
         return {key: sorted(modules) for key, modules in sorted(read_records(where).items())}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 from typing import Any
 
@@ -33,3 +34,11 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def read_trace(path: str, event: str = "trained") -> list[dict[str, Any]]:
+    """The lines of one ``event`` (``trained``, ``fetched`` or ``restored``) of a
+    :class:`recipe.data_trace.DataTrace` file, in file order."""
+    with open(path) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    return [line for line in lines if line.get("event", "trained") == event]

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from recipe.checkpoints import INCOMPLETE, TRACKER, set_aside_incomplete_checkpoints, step_folders, tracked_step
-from recipe.data_trace import DataTrace, prompt_id, read_trace
+from recipe.data_trace import DataTrace, prompt_id
+from tests.helpers import read_trace
 
 
 def make_step(

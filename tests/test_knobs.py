@@ -40,13 +40,20 @@ from verl_ext.knobs import (
     Feature,
     Knob,
     all_modes,
-    declared_knob_names,
     mode_reads,
     unread_knobs,
 )
 from verl_ext.verl_modes import VERL_MODE_READS
 
 ROWS, LENGTH, PROMPT, VOCAB = 192, 12, 2, 48
+
+
+def declared_knob_names() -> set[str]:
+    """Every knob some declaration names (each must be in :data:`KNOBS`)."""
+    names = {name for mode in all_modes() for name in mode_reads(mode)}
+    for feature in FEATURES:
+        names |= set(feature.reads) | set(feature.switch)
+    return names
 
 
 # ------------------------------------------------------------------------------------------------

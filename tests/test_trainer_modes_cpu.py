@@ -50,7 +50,7 @@ from typing import Any
 import pytest
 
 from recipe.bench.trainer_modes import MODE_ARGS
-from recipe.data_trace import read_trace
+from tests.helpers import read_trace
 from tests.rollout_replay import replay_env, steps_log
 from tests.test_smoke_cpu import VAL_LENGTHS, assert_on_policy_exact, run_smoke, step_metrics, validation_length_args
 

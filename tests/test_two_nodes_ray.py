@@ -735,7 +735,7 @@ def test_a_killed_rank_fails_the_job_in_bounded_time_leaving_complete_checkpoint
 def test_resume_continues_from_the_last_complete_checkpoint_and_repeats_no_prompt(runs: dict[str, Any]) -> None:
     from ray.job_submission import JobStatus
 
-    from recipe.data_trace import read_trace
+    from tests.helpers import read_trace
 
     resumed, crashed_out = runs["resumed"], runs["crashed"]["out"]
     assert resumed["status"] == JobStatus.SUCCEEDED, resumed["logs"][-4000:]

@@ -288,11 +288,3 @@ def unread_knobs(actor: Any) -> list[str]:
             f"{readers_text}. Leave it at its default {knob.default!r}{same} or select a mode that reads it"
         )
     return problems
-
-
-def declared_knob_names() -> set[str]:
-    """Every knob some declaration names (each must be in :data:`KNOBS`)."""
-    names = {name for mode in all_modes() for name in mode_reads(mode)}
-    for feature in FEATURES:
-        names |= set(feature.reads) | set(feature.switch)
-    return names
