@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -293,18 +294,8 @@ def build_smoke_assets(
 def _count_parameters(model_path: str) -> int:
     from safetensors import safe_open
 
-    total = 0
     with safe_open(str(Path(model_path) / "model.safetensors"), framework="pt") as f:
-        for key in f.keys():
-            total += _prod(f.get_slice(key).get_shape())
-    return total
-
-
-def _prod(shape: Sequence[int]) -> int:
-    result = 1
-    for dim in shape:
-        result *= int(dim)
-    return result
+        return sum(math.prod(int(dim) for dim in f.get_slice(key).get_shape()) for key in f.keys())
 
 
 def main(argv: list[str] | None = None) -> int:
