@@ -150,24 +150,11 @@ class PlatformCPU(PlatformBase):
     def device_count(self) -> int:
         return 1
 
-    def set_device(self, device_index: int) -> None:
-        return None
-
-    def synchronize(self, device_index: Optional[int] = None) -> None:
-        return None
-
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
 
     def manual_seed_all(self, seed: int) -> None:
         torch.manual_seed(seed)
-
-    def set_allocator_settings(self, settings: str) -> None:
-        # "expandable_segments:..." is a CUDA caching-allocator knob; the host allocator has none.
-        return None
-
-    def empty_cache(self) -> None:
-        return None
 
     def get_device_capability(self, device_index: int = 0) -> tuple[Optional[int], Optional[int]]:
         return None, None
@@ -183,12 +170,6 @@ class PlatformCPU(PlatformBase):
     def nvtx_range(self, msg: str) -> Iterator[None]:
         with torch.profiler.record_function(msg):
             yield
-
-    def profiler_start(self) -> None:
-        return None
-
-    def profiler_stop(self) -> None:
-        return None
 
     def ray_resource_name(self) -> str:
         # A per-node device resource, like "GPU": verl places one placement group per node by it, so on
@@ -206,8 +187,13 @@ class PlatformCPU(PlatformBase):
     def is_ipc_supported(self) -> bool:
         return False
 
-    def cudart(self) -> Any:
+    def _nothing(self, *args: Any, **kwargs: Any) -> None:
+        """What has no host counterpart: device selection and synchronisation, the CUDA caching allocator's
+        settings ("expandable_segments:...") and cache, the CUDA profiler, ``cudart``."""
         return None
+
+    set_device = synchronize = set_allocator_settings = empty_cache = profiler_start = profiler_stop = _nothing
+    cudart = _nothing
 
 
 # ----------------------------------------------------------------------------------------------

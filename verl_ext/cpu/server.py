@@ -212,37 +212,18 @@ class HFCpuServer:
         """A label for verl's load balancer (it keys servers by address); there is no HTTP server."""
         return f"{ROLLOUT_NAME}-replica-{self.replica_rank}", 0
 
-    async def wake_up(self, tags: Optional[list[str]] = None) -> None:
-        """Nothing to restore: weights and cache stay in host memory."""
+    async def _nothing(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to wake up, free, clear, release or resume, and no profiler: weights and cache stay in host
+        memory (not handed to the trainer the way GPU memory is) and the KV cache lives only for one batch."""
         return None
 
-    async def sleep(self) -> None:
-        """Nothing to free: host memory is not handed to the trainer the way GPU memory is."""
-        return None
-
-    async def clear_kv_cache(self) -> None:
-        """The KV cache lives only for one batch, so there is nothing to clear."""
-        return None
-
-    async def release_kv_cache(self) -> None:
-        """Nothing to release: the KV cache lives only for one batch."""
-        return None
-
-    async def resume_kv_cache(self) -> None:
-        """Nothing to restore (see :meth:`release_kv_cache`)."""
-        return None
+    wake_up = sleep = clear_kv_cache = release_kv_cache = resume_kv_cache = start_profile = stop_profile = _nothing
 
     async def wait_for_requests_to_drain(self) -> None:
         """Return once every admitted request has its answer."""
         pending = [request.future for request in self._admitted]
         if pending:
             await asyncio.wait(pending)
-
-    async def start_profile(self, **kwargs: Any) -> None:
-        return None
-
-    async def stop_profile(self) -> None:
-        return None
 
     async def set_global_steps(self, global_steps: int) -> None:
         """Record the trainer step of the current weights (returned with each output)."""
