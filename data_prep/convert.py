@@ -79,11 +79,11 @@ CONFLICT = "conflicting answers for one problem"
 
 @dataclass
 class Summary:
+    layout: str = ""
     rows_read: int = 0
     rows_written: int = 0
     dropped: Counter[str] = field(default_factory=Counter)
     conflicting_problems: int = 0
-    layout: str = ""
     output: str = ""
 
     def lines(self) -> list[str]:
@@ -100,14 +100,7 @@ class Summary:
         return lines
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "layout": self.layout,
-            "rows_read": self.rows_read,
-            "rows_written": self.rows_written,
-            "dropped": dict(self.dropped),
-            "conflicting_problems": self.conflicting_problems,
-            "output": self.output,
-        }
+        return {**vars(self), "dropped": dict(self.dropped)}
 
 
 _WHITESPACE = re.compile(r"\s+")

@@ -64,13 +64,7 @@ class SFTSummary:
         return lines
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "rows_read": self.rows_read,
-            "rows_written": self.rows_written,
-            "dropped": dict(self.dropped),
-            "excluded_problems": self.excluded_problems,
-            "output": self.output,
-        }
+        return {**vars(self), "dropped": dict(self.dropped)}
 
 
 _NON_ALNUM = re.compile(r"[\W_]+", re.UNICODE)
