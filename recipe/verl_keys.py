@@ -453,9 +453,8 @@ def render_doc() -> str:
         "",
         f"Each of the {total} leaf keys of verl 0.9.1's `ppo_trainer` schema falls under the row below naming its "
         "longest prefix, or under none: then verl reads it and the product's code never does. Which keys the product "
-        "reads is "
-        f"recorded, not listed by hand: `{RECORD_COMMAND}` runs the suite's trainer and engine runs and the config "
-        "checks with the recorder of `verl_ext/core/key_reads.py` on, and writes what the product's code read "
+        f"reads is recorded, not listed by hand: `{RECORD_COMMAND}` runs the suite's trainer and engine runs and the "
+        "config checks with the recorder of `verl_ext/core/key_reads.py` on, and writes what the product's code read "
         f"(`{READ_KEYS_FILE}`, {len(reads)} verl keys, {reads_date}); every one of them has an honoured, replaced or "
         "refused row (`tests/test_verl_key_reads.py`). The divclip keys themselves (`divclip.*`, the divclip "
         "`policy_loss` knobs, `rollout.custom.validation`) are the project's ([losses](losses.md)). Leaf keys of "

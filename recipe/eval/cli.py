@@ -63,9 +63,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sc.add_argument(
         "--aggregate",
         action="store_true",
-        help="each path is one run (e.g. one seed); runs with the same label (default: the folder name "
-        "without _seed<S>) form one row, reported as mean ± std over runs for the final and best "
-        "checkpoint (ATR Table 3)",
+        help="each path is one run (e.g. one seed); runs with the same label (default: the folder name without "
+        "_seed<S>) form one row, reported as mean ± std over runs for the final and best checkpoint (ATR Table 3)",
     )
     sc.add_argument(
         "--think", default="auto", choices=("auto", "required", "off"), help="reward think mode for re-scoring"
