@@ -237,11 +237,6 @@ class WorkerPool:
         if not self._closed:
             self._bring_up()
 
-    def worker_pids(self) -> list[int]:
-        """Pids of all workers, ready or starting (tests kill one to check it is replaced)."""
-        with self._lock:
-            return [w.pid for w in self._all]
-
     def _acquire(self) -> _Worker | None:
         deadline = time.monotonic() + WORKER_START_TIMEOUT_S
         while (remaining := deadline - time.monotonic()) > 0:
