@@ -131,10 +131,7 @@ def _open_json_lines(path: Path) -> RecordSource:
 def _with_columns(description: str, total: int | None, rows: Iterator[Any]) -> RecordSource:
     """Peek at the first rows to learn the columns, then hand back an iterator over all rows."""
     peeked = list(itertools.islice(rows, _COLUMN_PEEK_ROWS))
-    columns: list[str] = []
-    for row in peeked:
-        if isinstance(row, dict):
-            columns.extend(key for key in row if key not in columns)
+    columns = list(dict.fromkeys(key for row in peeked if isinstance(row, dict) for key in row))
     return RecordSource(description, columns, total, itertools.chain(peeked, rows))
 
 
@@ -145,9 +142,7 @@ def _open_folder(path: Path) -> RecordSource:
             f"{path}: folder holds no {', '.join(DATA_SUFFIXES)} files and is not a save_to_disk folder"
         )
     sources = [_open_file(file) for file in files]
-    columns: list[str] = []
-    for source in sources:
-        columns.extend(c for c in source.columns if c not in columns)
+    columns = list(dict.fromkeys(column for source in sources for column in source.columns))
     totals = [s.total for s in sources]
     total = sum(t for t in totals if t is not None) if all(t is not None for t in totals) else None
     return RecordSource(
