@@ -129,10 +129,7 @@ class CpuGlooCheckpointEngine(CheckpointEngine):
 
     def finalize(self) -> None:
         """Drop the group and the store (a new pair is built for the next sync)."""
-        self._group = None
-        self._store = None
-        self.rank = None
-        self.world_size = None
+        self._group = self._store = self.rank = self.world_size = None
 
     async def _broadcast(self, tensor: torch.Tensor) -> None:
         if self._group is None:
