@@ -30,8 +30,7 @@ from recipe.bench.harness import (
     save_tiny_qwen3,
     update_actor,
 )
-from recipe.bench.ranks import run_ranks
-from tests.helpers import EXACT_SGD, param_delta, shard_for_rank
+from tests.helpers import EXACT_SGD, param_delta, run_ranks, shard_for_rank
 
 SPEC = TinyQwen3Spec()
 PROMPT_LENS = [3, 5, 4, 6]

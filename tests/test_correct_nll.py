@@ -192,7 +192,7 @@ def _engine_job(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def engine_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from recipe.bench.harness import TinyQwen3Spec, save_tiny_qwen3
-    from recipe.bench.ranks import run_ranks
+    from tests.helpers import run_ranks
 
     model_path = save_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3_nll"), TinyQwen3Spec(), seed=0)
     return run_ranks(_engine_job, 1, model_path)[0]

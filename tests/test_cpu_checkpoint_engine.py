@@ -36,7 +36,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from recipe.bench.ranks import run_ranks  # noqa: E402
+from tests.helpers import run_ranks  # noqa: E402
 from verl_ext.cpu.checkpoint_engine import CpuGlooCheckpointEngine  # noqa: E402
 
 BUCKET_BYTES = 1024

@@ -1,6 +1,6 @@
 """verl's real actor stack (TrainingWorker -> FSDPEngineWithLMHead, FSDP2 on gloo) on the CPU platform.
 
-Each job runs in new rank processes (recipe/bench/ranks.py::run_ranks), once per module, and
+Each job runs in new rank processes (tests/helpers.py::run_ranks), once per module, and
 the tests assert on what the ranks returned:
 
 * 1 rank: loss finite and parameters change; remove-padding on/off give the same log-probs, entropy
@@ -32,8 +32,7 @@ from recipe.bench.harness import (
     save_tiny_qwen3,
     update_actor,
 )
-from recipe.bench.ranks import run_ranks
-from tests.helpers import EXACT_SGD, param_delta, shard_for_rank
+from tests.helpers import EXACT_SGD, param_delta, run_ranks, shard_for_rank
 
 SPEC = TinyQwen3Spec()
 PROMPT_LENS = [3, 5, 4, 6]
@@ -321,7 +320,7 @@ def test_ranks_spawn_after_a_change_where_the_fork_server_cannot_be_stopped(monk
     import os
     from multiprocessing import forkserver
 
-    from recipe.bench import ranks
+    from tests import helpers
 
     class Server:  # a fork server as CPython's, its stops counted
         stops = 0
@@ -330,13 +329,14 @@ def test_ranks_spawn_after_a_change_where_the_fork_server_cannot_be_stopped(monk
             Server.stops += 1
 
     started = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
-    monkeypatch.setattr(ranks, "_fork_server_env", started)
+    monkeypatch.setattr(helpers, "_fork_server_env", started)
     monkeypatch.setattr(forkserver, "_forkserver", Server())
-    assert ranks._start_method() == "forkserver" and Server.stops == 0  # the same environment: the same server
+    assert helpers._start_method() == "forkserver" and Server.stops == 0  # the same environment: the same server
     monkeypatch.setenv(_PROBE_VAR, "changed")
-    assert ranks._start_method() == "forkserver" and Server.stops == 1  # changed: that server stopped, a new one
-    assert ranks._fork_server_env == {**started, _PROBE_VAR: "changed"}
+    assert helpers._start_method() == "forkserver" and Server.stops == 1  # changed: that server stopped, a new one
+    assert helpers._fork_server_env == {**started, _PROBE_VAR: "changed"}
     monkeypatch.setattr(forkserver, "_forkserver", object())  # a Python whose server has no _stop
     monkeypatch.setenv(_PROBE_VAR, "changed again")
-    assert ranks._start_method() == "spawn" and ranks._start_method() == "spawn"  # every call, as the env stays changed
-    assert ranks._fork_server_env[_PROBE_VAR] == "changed"  # the server it cannot stop is still the one recorded
+    # every call, as the env stays changed
+    assert helpers._start_method() == "spawn" and helpers._start_method() == "spawn"
+    assert helpers._fork_server_env[_PROBE_VAR] == "changed"  # the server it cannot stop is still the one recorded

@@ -385,7 +385,7 @@ def test_steps_of_two_threads_run_side_by_side_each_with_its_own_functions(tmp_p
     globals for its step (ERC's fp32 entropy): each computes exactly what it computes alone -- the override
     is dispatched to its own thread only -- and the globals stay the seam's dispatchers."""
     from recipe.bench.harness import TinyQwen3Spec, save_tiny_qwen3
-    from recipe.bench.ranks import run_ranks
+    from tests.helpers import run_ranks
 
     out = run_ranks(job_steps_in_two_threads, 1, save_tiny_qwen3(tmp_path / "model", TinyQwen3Spec()))[0]
     results, alone = out["results"], out["alone"]

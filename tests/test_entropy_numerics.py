@@ -37,8 +37,7 @@ from recipe.bench.harness import (
     save_tiny_qwen3,
     update_actor,
 )
-from recipe.bench.ranks import run_ranks
-from tests.helpers import EXACT_SGD, param_delta
+from tests.helpers import EXACT_SGD, param_delta, run_ranks
 
 SPEC = TinyQwen3Spec()
 HEAD_SCALE = 1000.0  # makes about half of the tokens' entropy <= 1e-6 nats

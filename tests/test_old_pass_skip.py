@@ -36,8 +36,7 @@ from recipe.bench.harness import (
     save_tiny_qwen3,
     update_actor,
 )
-from recipe.bench.ranks import run_ranks
-from tests.helpers import shard_for_rank
+from tests.helpers import run_ranks, shard_for_rank
 from tests.test_onpolicy import MODES, PACKINGS, PROMPT_LENS, RESPONSE_LENS, divclip_loss, worker_options
 from verl_ext.engine.topk_capture import OLD_TOPK_IDS
 

@@ -35,8 +35,7 @@ from recipe.bench.harness import (
     save_tiny_qwen3,
     update_actor,
 )
-from recipe.bench.ranks import run_ranks
-from tests.helpers import EXACT_SGD, param_delta, shard_for_rank
+from tests.helpers import EXACT_SGD, param_delta, run_ranks, shard_for_rank
 from verl_ext.engine.packing import first_epoch_mini_batches
 
 PROMPT_LENS = [3, 5, 4, 6, 2, 7, 5, 3]

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from recipe.bench.harness import TinyQwen3Spec, WorkerOptions, build_actor_worker, make_rollout_batch, save_tiny_qwen3
-from recipe.bench.ranks import run_ranks
+from tests.helpers import run_ranks
 from tests.test_onpolicy import (
     GAUGE,
     MODES,

@@ -62,8 +62,7 @@ from recipe.bench.harness import (
     save_tiny_qwen3,
     update_actor,
 )
-from recipe.bench.ranks import run_ranks
-from tests.helpers import EXACT_SGD, param_delta
+from tests.helpers import EXACT_SGD, param_delta, run_ranks
 from tests.test_onpolicy import divclip_loss  # the divclip actor loss as DivClipTrainer installs it
 from verl_ext.engine.swap import Swap, swapped
 

@@ -31,8 +31,7 @@ from recipe.bench.harness import (
     save_tiny_qwen3,
     update_actor,
 )
-from recipe.bench.ranks import run_ranks
-from tests.helpers import EXACT_SGD, param_delta
+from tests.helpers import EXACT_SGD, param_delta, run_ranks
 
 VERL_MODES = ["vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro", "cispo"]
 WIDE = dict(erc_beta_low=0.99, erc_beta_high=1e6)

@@ -166,7 +166,7 @@ def build_actor_worker(model_path: str, options: Optional[WorkerOptions] = None)
     """Build and initialise verl's ``TrainingWorker`` for the actor on the CPU platform (FSDP2).
 
     Needs ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` in the environment (set by
-    :mod:`recipe.bench.ranks`: ``run_ranks``, or ``single_rank_env`` for an in-process rank).
+    ``single_rank_env`` (:mod:`recipe.bench.ranks`) for an in-process rank, or the tests' ``run_ranks``).
     ``options.lora_rank > 0`` gives the model verl's LoRA adapter (only the adapter trains);
     ``options.model_type="value_model"`` builds the critic's worker (``FSDPEngineWithValueHead``) instead, loaded
     with ``options.attn_implementation`` instead of the flash-attn verl asks for (:func:`_value_model_attention`).
