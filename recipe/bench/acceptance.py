@@ -21,7 +21,7 @@ from typing import Any
 
 from recipe.bench.acceptance_report import judge, markdown, ratios, verdict
 from recipe.bench.acceptance_runs import LOSSES, SEARCH_LOSSES, run_losses, run_packing
-from recipe.bench.child import LIVE_RSS_ENV, run_child
+from recipe.bench.child import LIVE_RSS_ENV, run_child, without_options
 from recipe.bench.gpu_workload import R1_DISTILL_QWEN_1_5B, STRATEGIES, build_model, chosen_strategies
 
 
@@ -223,16 +223,7 @@ def main(argv: list[str]) -> int:
     started = time.perf_counter()
     out = args.out or Path("outputs") / "gpu_acceptance" / _dt.date.today().isoformat()
     out.mkdir(parents=True, exist_ok=True)
-    child_argv = [a for a in argv if a != "--acceptance"]
-    child_argv = [
-        a
-        for i, a in enumerate(child_argv)
-        if not (
-            a in ("--out", "--strategies")
-            or (i and child_argv[i - 1] in ("--out", "--strategies"))
-            or a.startswith(("--out=", "--strategies="))
-        )
-    ]
+    child_argv = without_options([a for a in argv if a != "--acceptance"], ("--out", "--strategies"))
     results: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
     extras: dict[str, dict[str, Any]] = {}

@@ -4,16 +4,19 @@ A fresh process per variant keeps peak-memory figures (RSS, ``torch.cuda.max_mem
 compiled caches from leaking between variants. The child prints its result as one JSON object on a
 line of its own (the last such line counts); everything else on stdout/stderr is ignored. The
 host-memory benchmarks run theirs with :func:`run_memory_child` and read :func:`rss_bytes` /
-:func:`peak_rss_bytes` inside them.
+:func:`peak_rss_bytes` inside them. The parents share their command line's handling here too: the
+subsets they choose from (:func:`subset`) and the options they hand a child (:func:`forwarded`).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
 import subprocess
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -48,6 +51,55 @@ def run_child(module: str, argv: list[str], env: Optional[dict[str, str]] = None
     return ChildRun(proc.returncode, json.loads(lines[-1]) if lines else None, proc.stderr)
 
 
+def child_result(module: str, argv: list[str], name: str, env: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """:func:`run_child`'s figures, or a ``RuntimeError`` naming the run (``name``: "variant a_no_entropy"),
+    the child's stderr's tail printed first."""
+    child = run_child(module, argv, env)
+    if not child.ok:
+        sys.stderr.write(child.stderr[-4000:])
+        raise RuntimeError(f"{name} failed with exit code {child.returncode}")
+    return child.result
+
+
+def subset(
+    parser: argparse.ArgumentParser, option: str, value: str, choices: Iterable[str], allow_none: bool = False
+) -> list[str]:
+    """The names of ``option``'s comma-separated ``value``, in order; a name not in ``choices``, or none
+    unless ``allow_none``, exits through ``parser.error`` (code 2) naming the choices."""
+    names, choices = [name for name in value.split(",") if name], list(choices)
+    unknown = sorted(set(names) - set(choices))
+    if unknown or not (names or allow_none):
+        parser.error(f"{option}: {f'unknown {unknown}' if unknown else 'none given'}; choose from {choices}")
+    return names
+
+
+def forwarded(args: argparse.Namespace, *options: str) -> list[str]:
+    """The arguments that hand a child ``options`` (``--name``) as the parent parsed them: ``--name value``,
+    or a flag alone where it is set (an unset flag and a ``None`` value are left out)."""
+    argv: list[str] = []
+    for option in options:
+        value = getattr(args, option[2:].replace("-", "_"))
+        if value is True:
+            argv.append(option)
+        elif value is not False and value is not None:
+            argv += [option, str(value)]
+    return argv
+
+
+def without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """``argv`` without the given ``--name value`` (or ``--name=value``) options: the parent's, not its children's."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        elif not any(arg.startswith(f"{name}=") for name in names):
+            out.append(arg)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # Host-memory benchmarks (entropy-memory, full-kl): children whose RSS tracks live memory
 # ------------------------------------------------------------------------------------------------
@@ -63,11 +115,7 @@ def run_memory_child(module: str, argv: list[str], variant: str) -> dict[str, An
     """:func:`run_child` with :data:`LIVE_RSS_ENV`; returns the child's figures, or raises naming the
     variant (its stderr's tail printed first)."""
     env = {key: os.environ.get(key, default) for key, default in LIVE_RSS_ENV}
-    child = run_child(module, argv, env)
-    if not child.ok:
-        sys.stderr.write(child.stderr[-4000:])
-        raise RuntimeError(f"variant {variant} failed with exit code {child.returncode}")
-    return child.result
+    return child_result(module, argv, f"variant {variant}", env)
 
 
 def rss_bytes() -> int:

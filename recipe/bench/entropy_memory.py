@@ -15,7 +15,7 @@ import json
 import sys
 from typing import Any
 
-from recipe.bench.child import gib, peak_rss_bytes, rss_bytes, run_memory_child
+from recipe.bench.child import forwarded, gib, peak_rss_bytes, rss_bytes, run_memory_child, subset
 
 VARIANTS: tuple[str, ...] = (
     "a_no_entropy",
@@ -93,18 +93,7 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
 
 
 def _spawn(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    argv = [
-        "--_child",
-        variant,
-        "--tokens",
-        str(args.tokens),
-        "--vocab",
-        str(args.vocab),
-        "--hidden",
-        str(args.hidden),
-        "--sequences",
-        str(args.sequences),
-    ]
+    argv = ["--_child", variant, *forwarded(args, "--tokens", "--vocab", "--hidden", "--sequences")]
     return run_memory_child("recipe.bench.entropy_memory", argv, variant)
 
 
@@ -123,11 +112,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps(_run_variant(args._child, args.tokens, args.vocab, args.hidden, args.sequences)))
         return 0
 
-    chosen = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(chosen) - set(VARIANTS))
-    if unknown:
-        parser.error(f"unknown --variants {unknown}; choose from {list(VARIANTS)}")
-    results = [_spawn(v, args) for v in chosen]
+    results = [_spawn(v, args) for v in subset(parser, "--variants", args.variants, VARIANTS, allow_none=True)]
     base = next((r for r in results if r["variant"] == "a_no_entropy"), None)
     date = _dt.date.today().isoformat()
     for r in results:

@@ -15,7 +15,7 @@ import json
 import sys
 from typing import Any
 
-from recipe.bench.child import gib, peak_rss_bytes, rss_bytes, run_memory_child
+from recipe.bench.child import forwarded, gib, peak_rss_bytes, rss_bytes, run_memory_child
 
 VARIANTS: tuple[str, ...] = ("kl3", "kl_full")
 
@@ -148,23 +148,8 @@ def _figures(
 
 
 def _spawn(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    argv = [
-        "--_child",
-        variant,
-        "--phase",
-        args.phase,
-        *(["--vocab-pass"] if args.vocab_pass else []),
-        "--tokens",
-        str(args.tokens),
-        "--vocab",
-        str(args.vocab),
-        "--hidden",
-        str(args.hidden),
-        "--sequences",
-        str(args.sequences),
-        "--k",
-        str(args.k),
-    ]
+    options = ("--phase", "--vocab-pass", "--tokens", "--vocab", "--hidden", "--sequences", "--k")
+    argv = ["--_child", variant, *forwarded(args, *options)]
     return run_memory_child("recipe.bench.full_kl", argv, variant)
 
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recipe.bench.child import peak_rss_bytes, run_child
+from recipe.bench.child import peak_rss_bytes, run_child, subset, without_options
 from recipe.bench.gpu_workload import (
     R1_DISTILL_QWEN_1_5B,
     STRATEGIES,
@@ -240,20 +240,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
-    """``argv`` without the given ``--name value`` pairs (the parent's, not the children's)."""
-    out: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in names:
-            skip = True
-        elif not any(arg.startswith(f"{name}=") for name in names):
-            out.append(arg)
-    return out
-
-
 def main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -268,10 +254,7 @@ def main(argv: list[str]) -> int:
         args.strategy = strategies[0]
         print(json.dumps(run_variant(args._child, args._model, args)))
         return 0
-    chosen = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(chosen) - set(VARIANTS))
-    if unknown:
-        parser.error(f"unknown --variants {unknown}; choose from {list(VARIANTS)}")
+    chosen = subset(parser, "--variants", args.variants, VARIANTS, allow_none=True)
     if "no_entropy" not in chosen:
         chosen.insert(0, "no_entropy")  # ratios need the baseline measured in the same run
     if any(VARIANTS[v].get("mode") == "kl_full" for v in chosen) and "divclip_kl3" not in chosen:
@@ -281,7 +264,7 @@ def main(argv: list[str]) -> int:
 
         if not torch.cuda.is_available():
             parser.error("no CUDA device: this probe needs one GPU (or --device cpu for a small CPU run)")
-    args.child_argv = _without_options([a for a in argv if a not in ("--json",)], ("--out", "--strategies"))
+    args.child_argv = without_options([a for a in argv if a not in ("--json",)], ("--out", "--strategies"))
     with tempfile.TemporaryDirectory(prefix="divclip_gpu_probe_") as tmp:
         build_model(Path(tmp), args)
         results = [_spawn(name, strategy, tmp, args) for strategy in strategies for name in chosen]

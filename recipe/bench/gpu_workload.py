@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from recipe.bench.child import subset
+
 STRATEGIES = ("fsdp", "fsdp2")
 """``actor.strategy``: verl 0.9.1 builds ``fsdp`` (what the launch scripts resolve to) as FSDP1 and
 ``fsdp2`` as FSDP2; only FSDP2 runs on the CPU platform."""
@@ -83,13 +85,8 @@ def chosen_strategies(parser: argparse.ArgumentParser, args: argparse.Namespace)
     Returns:
         The strategies to run, in the order given.
     """
-    strategies = [
-        s for s in (args.strategies or ",".join(STRATEGIES if args.device == "cuda" else ("fsdp2",))).split(",") if s
-    ]
-    if sorted(set(strategies) - set(STRATEGIES)):
-        parser.error(
-            f"unknown --strategies {sorted(set(strategies) - set(STRATEGIES))}; choose from {list(STRATEGIES)}"
-        )
+    default = ",".join(STRATEGIES if args.device == "cuda" else ("fsdp2",))
+    strategies = subset(parser, "--strategies", args.strategies or default, STRATEGIES, allow_none=True)
     if args.device == "cpu" and "fsdp" in strategies:
         parser.error("--strategies fsdp (FSDP1) needs --device cuda: verl 0.9.1 runs only FSDP2 on the CPU platform")
     return strategies

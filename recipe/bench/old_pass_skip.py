@@ -19,7 +19,7 @@ import tempfile
 import time
 from typing import Any
 
-from recipe.bench.child import run_child
+from recipe.bench.child import child_result, forwarded, subset
 
 SHAPES: dict[str, dict[str, Any]] = {
     # mini-batches per step (the update's first epoch) and epochs; loss of the configs
@@ -147,36 +147,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object per row")
     parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    shapes = [s for s in args.shapes.split(",") if s]
-    unknown = sorted(set(shapes) - set(SHAPES))
-    if unknown or not shapes:
-        parser.error(f"--shapes: {unknown or 'none given'}; choose from {', '.join(SHAPES)}")
+    shapes = subset(parser, "--shapes", args.shapes, SHAPES)
     if args._child is not None:
         print(json.dumps({"rows": [_run_shape(args._child, args)]}))
         return 0
-    options = [
-        "--device",
-        args.device,
-        "--tokens",
-        str(args.tokens),
-        "--sequences",
-        str(args.sequences),
-        "--vocab",
-        str(args.vocab),
-        "--hidden",
-        str(args.hidden),
-        "--layers",
-        str(args.layers),
-        "--rounds",
-        str(args.rounds),
-    ]
+    options = forwarded(args, "--device", "--tokens", "--sequences", "--vocab", "--hidden", "--layers", "--rounds")
     date = _dt.date.today().isoformat()
     for shape in shapes:  # one process per shape: a fresh process group and allocator; each row printed at once
-        child = run_child("recipe.bench.old_pass_skip", ["--_child", shape, *options])
-        if not child.ok:
-            sys.stderr.write(child.stderr[-4000:])
-            raise RuntimeError(f"shape {shape} failed with exit code {child.returncode}")
-        for row in child.result["rows"]:
+        for row in child_result("recipe.bench.old_pass_skip", ["--_child", shape, *options], f"shape {shape}")["rows"]:
             row["date"] = date
             print(
                 json.dumps(row)

@@ -18,7 +18,7 @@ import tempfile
 import time
 from typing import Any
 
-from recipe.bench.child import gib, peak_rss_bytes, run_child
+from recipe.bench.child import child_result, forwarded, gib, peak_rss_bytes, subset
 
 BUDGET_PAIRS: tuple[tuple[int, int], ...] = ((40, 64), (40, 80), (24, 48), (64, 128))
 """(update, log-prob) token budgets per micro-batch: the ERC configs' ratio, at the tiny batch's scale."""
@@ -291,10 +291,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
-    modes = [m for m in args.modes.split(",") if m]
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown or not modes:
-        parser.error(f"--modes: {unknown or 'none given'}; choose from {', '.join(MODES)}")
+    modes = subset(parser, "--modes", args.modes, MODES)
     if args._child is not None:
         kind, value, *mode = args._child.split(":")
         if kind == "cases":
@@ -305,19 +302,15 @@ def main(argv: list[str]) -> int:
 
     if args.cost:
         jobs = [f"cost:{arm}:{mode}" for mode in modes for arm in ("time", "own", "aligned")]
-        extra = ["--tokens", str(args.tokens), "--vocab", str(args.vocab), "--sequences", str(args.sequences)]
+        extra = forwarded(args, "--tokens", "--vocab", "--sequences")
     else:
         jobs = [f"cases:{t}" for t in args.threads.split(",") if t]
-        extra = ["--seeds", args.seeds, "--modes", args.modes]
+        extra = forwarded(args, "--seeds", "--modes")
     rows: list[dict[str, Any]] = []
     for job in jobs:
         threads = job.split(":")[1] if job.startswith("cases") else os.environ.get("OMP_NUM_THREADS", "")
         env = {"OMP_NUM_THREADS": threads} if threads else {}
-        child = run_child("recipe.bench.onpolicy", ["--_child", job, *extra], env)
-        if not child.ok:
-            sys.stderr.write(child.stderr[-4000:])
-            raise RuntimeError(f"{job} failed with exit code {child.returncode}")
-        rows.extend(child.result["rows"])
+        rows.extend(child_result("recipe.bench.onpolicy", ["--_child", job, *extra], job, env)["rows"])
     date = _dt.date.today().isoformat()
     for row in rows:
         row["date"] = date

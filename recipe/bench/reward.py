@@ -19,8 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-MATH500 = REPO_ROOT.parent / "shared/data/eval/math500.h4.jsonl"
+from recipe.bench.child import ROOT
+
+MATH500 = ROOT.parent / "shared/data/eval/math500.h4.jsonl"
 """``--math500``'s default: the shared data beside a checkout (an installed wheel has none)."""
 
 Item = tuple[str, str]  # (solution_str, ground_truth)

@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+from recipe.bench.child import ROOT, subset
+
 MODES = ("sync", "colocate_async", "separate_async")
 BATCH, ROLLOUT_N = 16, 8
 LAG = "training/off_policy/trajectory_staleness_worst/mean"
@@ -135,10 +136,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default=None, help="folder for the runs (default: a temporary one)")
     parser.add_argument("--json", action="store_true", help="one JSON line per mode")
     args = parser.parse_args(argv)
-    modes = [m for m in args.modes.split(",") if m]
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown or not modes:
-        parser.error(f"--modes: unknown {unknown}; choose from {list(MODES)}")
+    modes = subset(parser, "--modes", args.modes, MODES)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is not timed)")
     out_root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench_trainer_modes_"))
