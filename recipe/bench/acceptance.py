@@ -22,7 +22,13 @@ from typing import Any
 from recipe.bench.acceptance_report import judge, markdown, ratios, verdict
 from recipe.bench.acceptance_runs import LOSSES, SEARCH_LOSSES, run_losses, run_packing
 from recipe.bench.child import LIVE_RSS_ENV, run_child, without_options
-from recipe.bench.gpu_workload import R1_DISTILL_QWEN_1_5B, STRATEGIES, build_model, chosen_strategies
+from recipe.bench.gpu_workload import (
+    R1_DISTILL_QWEN_1_5B,
+    STRATEGIES,
+    add_model_options,
+    build_model,
+    chosen_strategies,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,17 +45,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="folder for acceptance.json / acceptance.md (default outputs/gpu_acceptance/<date>)",
     )
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument(
-        "--strategies", default=None, help=f"subset of {list(STRATEGIES)} (default: both on cuda, fsdp2 on cpu)"
-    )
-    p.add_argument("--tokens", type=int, default=16_384, help="tokens per micro-batch")
-    p.add_argument("--sequences", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=R1_DISTILL_QWEN_1_5B["vocab_size"])
-    p.add_argument("--layers", type=int, default=None, help="override the model's layer count (small runs)")
-    p.add_argument("--hidden", type=int, default=None, help="override the model's hidden size (small runs)")
-    p.add_argument("--head-scale", type=float, default=50.0)
-    p.add_argument("--k", type=int, default=32, help="kl_full_top_k")
+    add_model_options(p)
     p.add_argument(
         "--warmup",
         type=int,
@@ -103,8 +99,6 @@ def _parser() -> argparse.ArgumentParser:
         "code is 0 when every measured target is met. Without it an unmeasured target exits 3. "
         "A missed target, a failed run or a broken on-policy check exits 1 either way",
     )
-    p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--_model", default=None, help=argparse.SUPPRESS)
     return p
 
 

@@ -23,6 +23,8 @@ from recipe.bench.gpu_workload import (
     erc_actor_config,
     longest_fitting,
     pass_memory,
+    probe_batch,
+    probe_worker,
     response_lengths,
     update_flops,
     update_memory,
@@ -159,10 +161,9 @@ def search_longest(
     ``--search-budget-mib``, when its loss-phase or optimizer-step peak exceeds that budget. ``state`` is
     shared by the searches of one worker: once a try has run out of memory, a later failure of another kind
     means the engine did not recover, and this search (and those after it) return ``{"broken": why}``."""
-    from recipe.bench.harness import compute_log_prob, make_rollout_batch, update_actor
+    from recipe.bench.harness import compute_log_prob, update_actor
 
     seq_len = args.tokens // args.sequences
-    prompt_len = max(1, seq_len // 8)
     budget = None if args.search_budget_mib is None else args.search_budget_mib * 2**20
     peaks: dict[int, int] = {}
     broken: list[str] = []
@@ -172,7 +173,7 @@ def search_longest(
         meter.release()
         mark = phases.mark()
         try:
-            batch = make_rollout_batch([prompt_len] * n, [seq_len - prompt_len] * n, args.vocab, seed=n)
+            batch = probe_batch(args, n, seed=n)
             if "kl_full" in name:  # the update reads pi_old's top-k from the pass
                 batch = _with_old(batch, compute_log_prob(worker, batch, old_topk=args.k))
             update_actor(
@@ -225,39 +226,17 @@ def search_longest(
 def run_losses(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     """Child: every loss of :data:`LOSSES` on one worker at one micro-batch of ``--tokens``: warm-up, the
     interleaved timed rounds, then the longest-micro-batch search of ``--search-losses``."""
-    from recipe.bench.harness import (
-        WorkerOptions,
-        build_actor_worker,
-        compute_log_prob,
-        make_rollout_batch,
-        update_actor,
-    )
+    from recipe.bench.harness import compute_log_prob, update_actor
     from recipe.bench.ranks import single_rank_env
 
     single_rank_env(device=args.device)
-    cuda = args.device == "cuda"
     meter = MemoryMeter(args.device)
     stages = {"start": time.perf_counter()}
     tensor_core_calls = _recording_tensor_cores()
     seq_len = args.tokens // args.sequences
-    prompt_len = max(1, seq_len // 8)
-    worker = build_actor_worker(
-        model_path,
-        WorkerOptions(
-            device=args.device,
-            strategy=args.strategy,
-            mixed_precision=None,
-            micro_batch_size_per_gpu=args.sequences,
-            max_token_len_per_gpu=args.tokens,
-            enable_gradient_checkpointing=True,
-            use_torch_compile=cuda,
-            lr=1e-6,
-        ),
-    )
+    worker = probe_worker(model_path, args, micro_batch_size_per_gpu=args.sequences, max_token_len_per_gpu=args.tokens)
     phases = UpdatePhases(worker.engine, meter, hold_gradients=True)
-    batch = make_rollout_batch(
-        [prompt_len] * args.sequences, [seq_len - prompt_len] * args.sequences, args.vocab, seed=0
-    )
+    batch = probe_batch(args, args.sequences)
     losses = {name: _loss(name, args.sequences, args.k) for name in LOSSES}
     worker.set_loss_fn(losses["no_entropy"])
     update_actor(worker, batch, calculate_entropy=False)  # AdamW's state exists before anything is measured
@@ -352,19 +331,12 @@ def _stages(marks: dict[str, float]) -> dict[str, float]:
 def run_packing(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     """Child: the configs' 2:1 dynamic packing over responses of varied, long-tailed lengths, the old pass
     aligned and with verl's packing, alternating."""
-    from recipe.bench.harness import (
-        WorkerOptions,
-        build_actor_worker,
-        compute_log_prob,
-        make_rollout_batch,
-        update_actor,
-    )
+    from recipe.bench.harness import compute_log_prob, make_rollout_batch, update_actor
     from recipe.bench.ranks import single_rank_env
     from verl_ext.engine.packing import UpdatePacking
     from verl_ext.engine.seam import set_pack_old_log_prob_as_update
 
     single_rank_env(device=args.device)
-    cuda = args.device == "cuda"
     meter = MemoryMeter(args.device)
     stages = {"start": time.perf_counter()}
     prompt_len = max(1, args.tokens // args.sequences // 8)
@@ -372,20 +344,10 @@ def run_packing(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     lengths = response_lengths(
         count, mean=args.tokens / count - prompt_len, max_len=args.tokens // 2 - prompt_len, seed=args.seed
     )
-    worker = build_actor_worker(
-        model_path,
-        WorkerOptions(
-            device=args.device,
-            strategy=args.strategy,
-            mixed_precision=None,
-            use_dynamic_bsz=True,
-            max_token_len_per_gpu=args.tokens // 2,
-            infer_max_token_len_per_gpu=args.tokens,
-            enable_gradient_checkpointing=True,
-            use_torch_compile=cuda,
-            lr=1e-6,
-        ),
+    options = dict(
+        use_dynamic_bsz=True, max_token_len_per_gpu=args.tokens // 2, infer_max_token_len_per_gpu=args.tokens
     )
+    worker = probe_worker(model_path, args, **options)
     phases = UpdatePhases(worker.engine, meter)
     batch = make_rollout_batch([prompt_len] * count, lengths, args.vocab, seed=0)
     worker.set_loss_fn(_loss("divclip_erc", count, args.k))

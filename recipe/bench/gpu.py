@@ -21,12 +21,13 @@ from typing import Any
 
 from recipe.bench.child import peak_rss_bytes, run_child, subset, without_options
 from recipe.bench.gpu_workload import (
-    R1_DISTILL_QWEN_1_5B,
-    STRATEGIES,
+    add_model_options,
     build_model,
     chosen_strategies,
     divclip_actor_config,
     erc_actor_config,
+    probe_batch,
+    probe_worker,
 )
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -78,15 +79,7 @@ GAUGE_METRICS = (
 
 def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     """Inside the child process: one variant's passes and updates under ``args.strategy``; returns its figures."""
-    from recipe.bench.harness import (
-        WorkerOptions,
-        build_actor_worker,
-        compute_log_prob,
-        make_actor_config,
-        make_rollout_batch,
-        ppo_loss_fn,
-        update_actor,
-    )
+    from recipe.bench.harness import compute_log_prob, make_actor_config, ppo_loss_fn, update_actor
     from recipe.bench.ranks import single_rank_env
 
     spec = VARIANTS[name]
@@ -96,25 +89,17 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
     from recipe.bench.features import entropy_path_of, uses_vocab_pass
     from verl_ext.actor_loss import build_actor_loss
 
-    seq_len = args.tokens // args.sequences
-    prompt_len = max(1, seq_len // 8)
     dynamic = spec.get("dynamic", False)
-    worker = build_actor_worker(
+    worker = probe_worker(
         model_path,
-        WorkerOptions(
-            device=args.device,
-            strategy=args.strategy,
-            mixed_precision=None,  # verl's default: bf16 compute, fp32 reduce
-            micro_batch_size_per_gpu=args.sequences,  # the update is one micro-batch of --tokens
-            # dynamic: the update in micro-batches of --tokens/2, the log-prob pass of --tokens
-            use_dynamic_bsz=dynamic,
-            max_token_len_per_gpu=args.tokens // 2 if dynamic else args.tokens,
-            infer_max_token_len_per_gpu=args.tokens if dynamic else None,
-            enable_gradient_checkpointing=True,
-            use_torch_compile=spec["compile"] and args.device == "cuda",  # inductor on CPU: minutes of C++
-            use_fused_kernels=spec["fused"],
-            lr=1e-6,
-        ),
+        args,
+        micro_batch_size_per_gpu=args.sequences,  # the update is one micro-batch of --tokens
+        # dynamic: the update in micro-batches of --tokens/2, the log-prob pass of --tokens
+        use_dynamic_bsz=dynamic,
+        max_token_len_per_gpu=args.tokens // 2 if dynamic else args.tokens,
+        infer_max_token_len_per_gpu=args.tokens if dynamic else None,
+        use_torch_compile=spec["compile"] and args.device == "cuda",
+        use_fused_kernels=spec["fused"],
     )
     mode = spec.get("mode")
     if spec["erc"]:
@@ -126,9 +111,7 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
             make_actor_config(ppo_mini_batch_size=args.sequences, ppo_micro_batch_size_per_gpu=args.sequences)
         )
     worker.set_loss_fn(loss)
-    batch = make_rollout_batch(
-        [prompt_len] * args.sequences, [seq_len - prompt_len] * args.sequences, args.vocab, seed=0
-    )
+    batch = probe_batch(args, args.sequences)
     cuda = args.device == "cuda"
 
     def sync() -> None:
@@ -219,24 +202,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object per variant")
     p.add_argument("--out", type=Path, default=None, help="also write all results to this JSON file")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    add_model_options(p)
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"subset of {list(VARIANTS)}")
-    p.add_argument(
-        "--strategies",
-        default=None,
-        help=f"comma-separated subset of {list(STRATEGIES)} (default: both on cuda, fsdp2 on cpu)",
-    )
-    p.add_argument("--tokens", type=int, default=16_384, help="tokens in the update's micro-batch")
-    p.add_argument("--sequences", type=int, default=8, help="sequences the tokens are split into")
-    p.add_argument("--vocab", type=int, default=R1_DISTILL_QWEN_1_5B["vocab_size"])
-    p.add_argument("--layers", type=int, default=None, help="override the model's layer count")
-    p.add_argument("--hidden", type=int, default=None, help="override the model's hidden size (small probes)")
-    p.add_argument("--head-scale", type=float, default=50.0, help="multiplies the random output head (peakiness)")
-    p.add_argument("--k", type=int, default=32, help="kl_full_top_k of the kl_full variants")
     p.add_argument("--warmup", type=int, default=1, help="untimed updates first (the on-policy one included)")
     p.add_argument("--repeats", type=int, default=3, help="timed updates (the median is reported)")
-    p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--_model", default=None, help=argparse.SUPPRESS)
     return p
 
 

@@ -74,6 +74,26 @@ def build_model(path: Path, args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """The options the probe and the acceptance share: the device and strategies, the micro-batch, the model
+    :func:`build_model` writes, ``kl_full_top_k``, and the two a child gets from its parent."""
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument(
+        "--strategies",
+        default=None,
+        help=f"comma-separated subset of {list(STRATEGIES)} (default: both on cuda, fsdp2 on cpu)",
+    )
+    parser.add_argument("--tokens", type=int, default=16_384, help="tokens in the update's micro-batch")
+    parser.add_argument("--sequences", type=int, default=8, help="sequences the tokens are split into")
+    parser.add_argument("--vocab", type=int, default=R1_DISTILL_QWEN_1_5B["vocab_size"])
+    parser.add_argument("--layers", type=int, default=None, help="override the model's layer count (small runs)")
+    parser.add_argument("--hidden", type=int, default=None, help="override the model's hidden size (small runs)")
+    parser.add_argument("--head-scale", type=float, default=50.0, help="multiplies the random output head (peakiness)")
+    parser.add_argument("--k", type=int, default=32, help="kl_full_top_k of the kl_full losses")
+    parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--_model", default=None, help=argparse.SUPPRESS)
+
+
 def chosen_strategies(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """``--strategies`` checked (default: both on CUDA, FSDP2 on the CPU platform, where FSDP1 does not run).
 
@@ -118,6 +138,28 @@ def divclip_actor_config(mode: str, sequences: int, k: int, vocab_pass: bool) ->
 
     policy = DivClipPolicyLossConfig(loss_mode=mode, delta=0.07, kl_full_top_k=k, vocab_pass=vocab_pass)
     return make_actor_config(policy_loss=policy, ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences)
+
+
+def probe_worker(model_path: str, args: argparse.Namespace, **options: Any) -> Any:
+    """verl's actor worker on the model at ``model_path`` as the probe and the acceptance build it: ``args.strategy``
+    on ``args.device`` at verl's default precision (bf16 compute, fp32 reduce), gradient checkpointing, learning rate
+    1e-6, ``torch.compile`` on CUDA only (inductor on CPU compiles C++ for minutes); ``options`` (fields of
+    ``recipe.bench.harness.WorkerOptions``) add to or override these."""
+    from recipe.bench.harness import WorkerOptions, build_actor_worker
+
+    defaults = dict(device=args.device, strategy=args.strategy, mixed_precision=None, lr=1e-6)
+    defaults.update(enable_gradient_checkpointing=True, use_torch_compile=args.device == "cuda")
+    return build_actor_worker(model_path, WorkerOptions(**{**defaults, **options}))
+
+
+def probe_batch(args: argparse.Namespace, sequences: int, seed: int = 0) -> Any:
+    """``sequences`` rollouts of the probe's sequence length (``--tokens`` / ``--sequences``), each an eighth
+    prompt (at least one token) and the rest response (``recipe.bench.harness.make_rollout_batch``)."""
+    from recipe.bench.harness import make_rollout_batch
+
+    seq_len = args.tokens // args.sequences
+    prompt_len = max(1, seq_len // 8)
+    return make_rollout_batch([prompt_len] * sequences, [seq_len - prompt_len] * sequences, args.vocab, seed=seed)
 
 
 # ------------------------------------------------------------------------------------------------
