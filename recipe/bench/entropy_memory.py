@@ -30,33 +30,20 @@ OLD_LOG_PROB_VARIANTS = ("e_old_log_prob_detached", "f_old_log_prob_vocab_pass")
 
 def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: int) -> dict[str, Any]:
     """Inside the child process: build the actor, run one update, return the memory figures."""
-    import tempfile
     import time
 
     from recipe.bench.features import packed_as_update, with_vocab_pass
     from recipe.bench.harness import (
-        WorkerOptions,
-        bench_micro_batch,
-        build_actor_worker,
         compute_log_prob,
         make_actor_config,
-        make_rollout_batch,
+        one_micro_batch_worker,
         ppo_loss_fn,
-        save_tiny_qwen3,
         update_actor,
     )
     from recipe.bench.ranks import single_rank_env
 
     single_rank_env()
-    shape = bench_micro_batch(tokens, sequences, vocab, hidden)
-    with tempfile.TemporaryDirectory(prefix="entropy_memory_") as tmp:
-        model_path = save_tiny_qwen3(tmp, shape.spec, seed=0)
-        options = WorkerOptions(
-            micro_batch_size_per_gpu=sequences,  # the whole update is one micro-batch of `tokens`
-            max_token_len_per_gpu=tokens,
-            mixed_precision=None,  # verl's default: bf16 compute, fp32 reduce
-        )
-        worker = build_actor_worker(model_path, options)
+    with one_micro_batch_worker(tokens, sequences, vocab, hidden, "entropy_memory_") as (worker, _, batch):
         actor_config = make_actor_config(ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences)
         loss_fn = ppo_loss_fn(actor_config)
         from verl_ext.config_rules.policy import check_entropy_as_mask
@@ -68,7 +55,6 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
         if "vocab_pass" in variant:
             loss_fn = with_vocab_pass(loss_fn)
         worker.set_loss_fn(loss_fn)
-        batch = make_rollout_batch(shape.prompt_lens, shape.response_lens, vocab, seed=0)
 
         old_log_prob = variant in OLD_LOG_PROB_VARIANTS
         rss_before = rss_bytes()

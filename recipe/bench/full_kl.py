@@ -44,25 +44,13 @@ def stored_bytes(k: int) -> dict[str, Any]:
 PHASES: tuple[str, ...] = ("update", "old")
 
 
-def _run_variant(
-    variant: str, phase: str, vocab_pass: bool, tokens: int, vocab: int, hidden: int, sequences: int, k: int
-) -> dict[str, Any]:
-    """Inside the child process: build the actor, run the measured pass, return the figures."""
-    import tempfile
+def _run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Inside the child process: build the actor, run the measured pass (``args.phase``), return the figures."""
     import time
 
     import torch
 
-    from recipe.bench.harness import (
-        WorkerOptions,
-        bench_micro_batch,
-        build_actor_worker,
-        compute_log_prob,
-        make_actor_config,
-        make_rollout_batch,
-        save_tiny_qwen3,
-        update_actor,
-    )
+    from recipe.bench.harness import compute_log_prob, make_actor_config, one_micro_batch_worker, update_actor
     from recipe.bench.ranks import single_rank_env
 
     single_rank_env()
@@ -70,42 +58,21 @@ def _run_variant(
     from verl_ext.config import DivClipPolicyLossConfig
     from verl_ext.engine.topk_capture import OLD_TOPK_IDS, OLD_TOPK_LOG_PROBS
 
-    shape = bench_micro_batch(tokens, sequences, vocab, hidden)
-    spec, prompt_len, response_len = shape.spec, shape.prompt_len, shape.response_len
-    with tempfile.TemporaryDirectory(prefix="full_kl_bench_") as tmp:
-        model_path = save_tiny_qwen3(tmp, spec, seed=0)
-        options = WorkerOptions(micro_batch_size_per_gpu=sequences, max_token_len_per_gpu=tokens, mixed_precision=None)
-        worker = build_actor_worker(model_path, options)
-        policy = DivClipPolicyLossConfig(loss_mode=variant, kl_full_top_k=k, vocab_pass=vocab_pass)
+    sequences, k, old_pass = args.sequences, args.k, args.phase == "old"
+    with one_micro_batch_worker(args.tokens, sequences, args.vocab, args.hidden, "full_kl_bench_") as run:
+        worker, shape, batch = run
+        policy = DivClipPolicyLossConfig(loss_mode=variant, kl_full_top_k=k, vocab_pass=args.vocab_pass)
         actor_config = make_actor_config(
             ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences, policy_loss=policy
         )
         worker.set_loss_fn(build_actor_loss(actor_config))
-        batch = make_rollout_batch([prompt_len] * sequences, [response_len] * sequences, vocab, seed=0)
-        if phase == "old":
-            rss_before = rss_bytes()
-            start, cpu_start = time.perf_counter(), time.process_time()
-            old = compute_log_prob(worker, batch, old_topk=k if variant == "kl_full" else 0)
-            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-            assert old is not None and (variant != "kl_full" or OLD_TOPK_IDS in old)
-            return _figures(
-                variant,
-                phase,
-                vocab_pass,
-                tokens,
-                vocab,
-                k,
-                rss_before,
-                seconds,
-                cpu_seconds,
-                float(old["old_log_probs"].values().float().mean()),
-            )
-        if variant == "kl_full":
+        if variant == "kl_full" and not old_pass:
             # pi_old's stored top-k: any k distinct ids and normalised log-masses cost the same
             gen = torch.Generator().manual_seed(0)
+            response_len = shape.response_len
             masses = [torch.log_softmax(torch.randn(response_len, k + 1, generator=gen), -1) for _ in range(sequences)]
             ids = [
-                torch.randperm(vocab, generator=gen)[:k].to(torch.int32).expand(response_len, k).clone()
+                torch.randperm(args.vocab, generator=gen)[:k].to(torch.int32).expand(response_len, k).clone()
                 for _ in range(sequences)
             ]
             batch[OLD_TOPK_LOG_PROBS] = torch.nested.as_nested_tensor(masses, layout=torch.jagged)
@@ -113,37 +80,27 @@ def _run_variant(
 
         rss_before = rss_bytes()
         start, cpu_start = time.perf_counter(), time.process_time()
-        metrics = update_actor(worker, batch, calculate_entropy=False)
+        if old_pass:
+            out = compute_log_prob(worker, batch, old_topk=k if variant == "kl_full" else 0)
+        else:
+            out = update_actor(worker, batch, calculate_entropy=False)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    return _figures(
-        variant, phase, vocab_pass, tokens, vocab, k, rss_before, seconds, cpu_seconds, float(metrics["loss"][0])
-    )
-
-
-def _figures(
-    variant: str,
-    phase: str,
-    vocab_pass: bool,
-    tokens: int,
-    vocab: int,
-    k: int,
-    rss_before: int,
-    seconds: float,
-    cpu_seconds: float,
-    check: float,
-) -> dict[str, Any]:
+        if old_pass:
+            assert out is not None and (variant != "kl_full" or OLD_TOPK_IDS in out)
+        # the update's loss, or the old pass's mean log-prob (equal with and without the top-k)
+        check = float(out["old_log_probs"].values().float().mean()) if old_pass else float(out["loss"][0])
     return {
         "variant": variant,
-        "phase": phase,
-        "path": "vocab_pass" if vocab_pass else "logits",
-        "tokens": tokens,
-        "vocab_size": vocab,
+        "phase": args.phase,
+        "path": "vocab_pass" if args.vocab_pass else "logits",
+        "tokens": args.tokens,
+        "vocab_size": args.vocab,
         "k": k,
         "peak_rss_bytes": peak_rss_bytes(),
         "rss_before_pass_bytes": rss_before,
         "pass_seconds": round(seconds, 2),
         "pass_cpu_seconds": round(cpu_seconds, 2),
-        "check": check,  # the update's loss, or the old pass's mean log-prob (equal with and without the top-k)
+        "check": check,
     }
 
 
@@ -168,20 +125,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     if args._child is not None:
-        print(
-            json.dumps(
-                _run_variant(
-                    args._child,
-                    args.phase,
-                    args.vocab_pass,
-                    args.tokens,
-                    args.vocab,
-                    args.hidden,
-                    args.sequences,
-                    args.k,
-                )
-            )
-        )
+        print(json.dumps(_run_variant(args._child, args)))
         return 0
 
     date = _dt.date.today().isoformat()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -332,6 +333,21 @@ def make_rollout_batch(
         batch_size=[len(prompt_lens)],
     )
     return batch
+
+
+@contextmanager
+def one_micro_batch_worker(
+    tokens: int, sequences: int, vocab: int, hidden: int, prefix: str
+) -> Iterator[tuple[Any, BenchMicroBatch, TensorDict]]:
+    """The host-memory benchmarks' (``entropy-memory``, ``full-kl``) actor worker, its shape and its batch (seed 0):
+    :func:`bench_micro_batch`'s model, saved in a temporary folder (``prefix``) for the block, its update one
+    micro-batch of ``tokens`` at verl's default precision (bf16 compute, fp32 reduce)."""
+    shape = bench_micro_batch(tokens, sequences, vocab, hidden)
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        model_path = save_tiny_qwen3(tmp, shape.spec, seed=0)
+        options = WorkerOptions(micro_batch_size_per_gpu=sequences, max_token_len_per_gpu=tokens, mixed_precision=None)
+        worker = build_actor_worker(model_path, options)
+        yield worker, shape, make_rollout_batch(shape.prompt_lens, shape.response_lens, vocab, seed=0)
 
 
 def update_actor(
