@@ -118,13 +118,6 @@ def _recording_tensor_cores() -> list[bool]:
     return seen
 
 
-def _with_old(batch: Any, old: dict[str, Any]) -> Any:
-    data = batch.clone()
-    for key, value in old.items():  # old_log_probs, entropy (and pi_old's top-k for kl_full)
-        data[key] = value
-    return data
-
-
 def _out_of_memory(error: Optional[BaseException]) -> bool:
     """Whether ``error``, or one it was raised from (a compiled graph or verl may wrap it), is the device
     running out of memory: ``torch.OutOfMemoryError``, or a ``RuntimeError`` saying "out of memory"."""
@@ -161,7 +154,7 @@ def search_longest(
     ``--search-budget-mib``, when its loss-phase or optimizer-step peak exceeds that budget. ``state`` is
     shared by the searches of one worker: once a try has run out of memory, a later failure of another kind
     means the engine did not recover, and this search (and those after it) return ``{"broken": why}``."""
-    from recipe.bench.harness import compute_log_prob, update_actor
+    from recipe.bench.harness import compute_log_prob, update_actor, with_old
 
     seq_len = args.tokens // args.sequences
     budget = None if args.search_budget_mib is None else args.search_budget_mib * 2**20
@@ -175,7 +168,7 @@ def search_longest(
         try:
             batch = probe_batch(args, n, seed=n)
             if "kl_full" in name:  # the update reads pi_old's top-k from the pass
-                batch = _with_old(batch, compute_log_prob(worker, batch, old_topk=args.k))
+                batch = with_old(batch, compute_log_prob(worker, batch, old_topk=args.k))
             update_actor(
                 worker,
                 batch,
@@ -226,7 +219,7 @@ def search_longest(
 def run_losses(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     """Child: every loss of :data:`LOSSES` on one worker at one micro-batch of ``--tokens``: warm-up, the
     interleaved timed rounds, then the longest-micro-batch search of ``--search-losses``."""
-    from recipe.bench.harness import compute_log_prob, update_actor
+    from recipe.bench.harness import compute_log_prob, update_actor, with_old
     from recipe.bench.ranks import single_rank_env
 
     single_rank_env(device=args.device)
@@ -247,7 +240,7 @@ def run_losses(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     for name in LOSSES:  # the warm-up: every path compiled, the first update of each loss its on-policy gauge
         worker.set_loss_fn(losses[name])
         calls_before = len(tensor_core_calls)
-        data[name] = _with_old(batch, compute_log_prob(worker, batch, old_topk=args.k if "kl_full" in name else 0))
+        data[name] = with_old(batch, compute_log_prob(worker, batch, old_topk=args.k if "kl_full" in name else 0))
         for step in range(args.warmup):
             metrics = update_actor(worker, data[name], calculate_entropy=name.startswith("divclip_erc"))
             if step == 0:
@@ -266,7 +259,7 @@ def run_losses(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
                 mark = phases.mark()
                 with _Clock(meter) as clock:
                     top_k = args.k if "kl_full" in name else 0
-                    data[name] = _with_old(batch, compute_log_prob(worker, batch, old_topk=top_k))
+                    data[name] = with_old(batch, compute_log_prob(worker, batch, old_topk=top_k))
                 old[name] = {"seconds": clock.seconds, "peak_bytes": pass_memory(phases.since(mark))}
             mark = phases.mark()
             with _Clock(meter) as clock:
@@ -331,7 +324,7 @@ def _stages(marks: dict[str, float]) -> dict[str, float]:
 def run_packing(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     """Child: the configs' 2:1 dynamic packing over responses of varied, long-tailed lengths, the old pass
     aligned and with verl's packing, alternating."""
-    from recipe.bench.harness import compute_log_prob, make_rollout_batch, update_actor
+    from recipe.bench.harness import compute_log_prob, make_rollout_batch, update_actor, with_old
     from recipe.bench.ranks import single_rank_env
     from verl_ext.engine.packing import UpdatePacking
     from verl_ext.engine.seam import set_pack_old_log_prob_as_update
@@ -366,7 +359,7 @@ def run_packing(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
                 seconds[arm].append(clock.seconds)
                 peaks[arm].append(pass_memory(phases.since(mark)))
             if arm not in gauges:
-                data = _with_old(batch, {"old_log_probs": old["old_log_probs"], "entropy": old["entropy"]})
+                data = with_old(batch, old)
                 gauges[arm] = _gauge(update_actor(worker, data, calculate_entropy=True, mini_batch_size=count))
     figures = {
         arm: {

@@ -17,10 +17,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from recipe.bench.child import peak_rss_bytes, run_child, subset, without_options
 from recipe.bench.gpu_workload import (
+    MemoryMeter,
     add_model_options,
     build_model,
     chosen_strategies,
@@ -79,7 +80,7 @@ GAUGE_METRICS = (
 
 def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     """Inside the child process: one variant's passes and updates under ``args.strategy``; returns its figures."""
-    from recipe.bench.harness import compute_log_prob, make_actor_config, ppo_loss_fn, update_actor
+    from recipe.bench.harness import compute_log_prob, make_actor_config, ppo_loss_fn, update_actor, with_old
     from recipe.bench.ranks import single_rank_env
 
     spec = VARIANTS[name]
@@ -112,12 +113,7 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
         )
     worker.set_loss_fn(loss)
     batch = probe_batch(args, args.sequences)
-    cuda = args.device == "cuda"
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
+    cuda, sync = args.device == "cuda", MemoryMeter(args.device).sync
     sync()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -126,8 +122,7 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
     sync()
     old_seconds = time.perf_counter() - start
     old_peak = torch.cuda.max_memory_allocated() if cuda else None
-    for key, value in old.items():  # old_log_probs, entropy (and pi_old's top-k for kl_full)
-        batch[key] = value
+    batch = with_old(batch, old)  # old_log_probs, entropy (and pi_old's top-k for kl_full)
     old_entropy = old["entropy"].values().float()
 
     if cuda:
@@ -237,27 +232,19 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="divclip_gpu_probe_") as tmp:
         build_model(Path(tmp), args)
         results = [_spawn(name, strategy, tmp, args) for strategy in strategies for name in chosen]
+
+    def baseline(variant: str, strategy: str) -> Optional[dict[str, Any]]:
+        """The row of ``variant`` under ``strategy``, unless it failed."""
+        rows = (b for b in results if b["variant"] == variant and b["strategy"] == strategy and "error" not in b)
+        return next(rows, None)
+
     for r in results:
         r["date"] = _dt.date.today().isoformat()
-        base = next(
-            (
-                b
-                for b in results
-                if b["variant"] == "no_entropy" and b["strategy"] == r["strategy"] and "error" not in b
-            ),
-            None,
-        )
+        base = baseline("no_entropy", r["strategy"])
         if base is not None and "update_seconds_median" in r:
             r["time_vs_no_entropy"] = round(r["update_seconds_median"] / base["update_seconds_median"], 3)
             r["peak_vs_no_entropy"] = round(r["peak_bytes"] / base["peak_bytes"], 3)
-        kl3 = next(
-            (
-                b
-                for b in results
-                if b["variant"] == "divclip_kl3" and b["strategy"] == r["strategy"] and "error" not in b
-            ),
-            None,
-        )
+        kl3 = baseline("divclip_kl3", r["strategy"])
         if kl3 is not None and VARIANTS[r["variant"]].get("mode") and "update_seconds_median" in r:
             r["time_vs_kl3"] = round(r["update_seconds_median"] / kl3["update_seconds_median"], 3)
             r["peak_vs_kl3"] = round(r["peak_bytes"] / kl3["peak_bytes"], 3)

@@ -442,6 +442,15 @@ def compute_log_prob(
     return result
 
 
+def with_old(batch: TensorDict, old: dict[str, torch.Tensor]) -> TensorDict:
+    """A copy of ``batch`` with :func:`compute_log_prob`'s outputs set on it (``old_log_probs``, ``entropy``, and
+    pi_old's top-k where asked), as the trainer hands them to the update."""
+    data = batch.clone()
+    for key, value in old.items():
+        data[key] = value
+    return data
+
+
 def full_params(worker: Any) -> dict[str, torch.Tensor]:
     """Full (unsharded) copies of the actor's parameters. Collective under FSDP2: call on all ranks."""
     out: dict[str, torch.Tensor] = {}

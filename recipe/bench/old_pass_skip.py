@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from recipe.bench.child import child_result, forwarded, subset
+from recipe.bench.gpu_workload import MemoryMeter
 
 SHAPES: dict[str, dict[str, Any]] = {
     # mini-batches per step (the update's first epoch) and epochs; loss of the configs
@@ -43,6 +44,7 @@ def _run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
         make_rollout_batch,
         save_tiny_qwen3,
         update_actor,
+        with_old,
     )
     from verl_ext.actor_loss import build_actor_loss
     from verl_ext.config import DivClipPolicyLossConfig
@@ -76,10 +78,7 @@ def _run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
         worker.set_loss_fn(build_actor_loss(make_actor_config(policy_loss=policy, calculate_entropy=erc)))
         batch = make_rollout_batch(micro.prompt_lens, micro.response_lens, args.vocab, seed=0)
         packing = UpdatePacking(mini_batch_size=mini_batch, seed=1, shuffle=True)
-
-        def sync() -> None:
-            if args.device == "cuda":
-                torch.cuda.synchronize()
+        sync = MemoryMeter(args.device).sync
 
         def one_step(skip: bool) -> dict[str, float]:
             times: dict[str, float] = {}
@@ -89,8 +88,7 @@ def _run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
             sync()
             times["old_pass_s"] = time.perf_counter() - start
             times["old_pass_rows"] = float(old_pass_rows(worker.engine) if skip else len(batch))
-            data = batch.clone()
-            data["old_log_probs"], data["entropy"] = old["old_log_probs"], old["entropy"]
+            data = with_old(batch, old)
             start = time.perf_counter()
             update_actor(
                 worker,

@@ -120,6 +120,7 @@ def _case(
         full_params,
         make_rollout_batch,
         update_actor,
+        with_old,
     )
     from verl_ext.core.entropy import entropy_fp32
     from verl_ext.core.erc import entropy_ratio, outside_band
@@ -142,10 +143,8 @@ def _case(
     with old_capture:
         old = compute_log_prob(worker, batch)
     weight = full_params(worker)["lm_head.weight"].to(torch.bfloat16)  # what bf16 mixed precision computes with
-    data = batch.clone()
-    data["old_log_probs"], data["entropy"] = old["old_log_probs"], old["entropy"]
     with new_capture:
-        m = update_actor(worker, data, calculate_entropy=mode == "erc")
+        m = update_actor(worker, with_old(batch, old), calculate_entropy=mode == "erc")
     n_tokens = sum(RESPONSE_LENS)
     gauge = "actor/divclip/onpolicy/"
     row: dict[str, Any] = {
