@@ -34,16 +34,21 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
 
     from recipe.bench.features import packed_as_update, with_vocab_pass
     from recipe.bench.harness import (
+        WorkerOptions,
+        bench_micro_batch,
+        bench_worker,
         compute_log_prob,
         make_actor_config,
-        one_micro_batch_worker,
         ppo_loss_fn,
         update_actor,
     )
     from recipe.bench.ranks import single_rank_env
 
     single_rank_env()
-    with one_micro_batch_worker(tokens, sequences, vocab, hidden, "entropy_memory_") as (worker, _, batch):
+    shape = bench_micro_batch(tokens, sequences, vocab, hidden)
+    # the whole update is one micro-batch of `tokens`, at verl's default precision (bf16 compute, fp32 reduce)
+    options = WorkerOptions(micro_batch_size_per_gpu=sequences, max_token_len_per_gpu=tokens, mixed_precision=None)
+    with bench_worker(shape, options, "entropy_memory_") as (worker, batch):
         actor_config = make_actor_config(ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences)
         loss_fn = ppo_loss_fn(actor_config)
         from verl_ext.config_rules.policy import check_entropy_as_mask

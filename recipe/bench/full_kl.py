@@ -50,7 +50,14 @@ def _run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
 
     import torch
 
-    from recipe.bench.harness import compute_log_prob, make_actor_config, one_micro_batch_worker, update_actor
+    from recipe.bench.harness import (
+        WorkerOptions,
+        bench_micro_batch,
+        bench_worker,
+        compute_log_prob,
+        make_actor_config,
+        update_actor,
+    )
     from recipe.bench.ranks import single_rank_env
 
     single_rank_env()
@@ -59,8 +66,9 @@ def _run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     from verl_ext.engine.topk_capture import OLD_TOPK_IDS, OLD_TOPK_LOG_PROBS
 
     sequences, k, old_pass = args.sequences, args.k, args.phase == "old"
-    with one_micro_batch_worker(args.tokens, sequences, args.vocab, args.hidden, "full_kl_bench_") as run:
-        worker, shape, batch = run
+    shape = bench_micro_batch(args.tokens, sequences, args.vocab, args.hidden)
+    options = WorkerOptions(micro_batch_size_per_gpu=sequences, max_token_len_per_gpu=args.tokens, mixed_precision=None)
+    with bench_worker(shape, options, "full_kl_bench_") as (worker, batch):
         policy = DivClipPolicyLossConfig(loss_mode=variant, kl_full_top_k=k, vocab_pass=args.vocab_pass)
         actor_config = make_actor_config(
             ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences, policy_loss=policy

@@ -336,18 +336,12 @@ def make_rollout_batch(
 
 
 @contextmanager
-def one_micro_batch_worker(
-    tokens: int, sequences: int, vocab: int, hidden: int, prefix: str
-) -> Iterator[tuple[Any, BenchMicroBatch, TensorDict]]:
-    """The host-memory benchmarks' (``entropy-memory``, ``full-kl``) actor worker, its shape and its batch (seed 0):
-    :func:`bench_micro_batch`'s model, saved in a temporary folder (``prefix``) for the block, its update one
-    micro-batch of ``tokens`` at verl's default precision (bf16 compute, fp32 reduce)."""
-    shape = bench_micro_batch(tokens, sequences, vocab, hidden)
+def bench_worker(shape: BenchMicroBatch, options: WorkerOptions, prefix: str) -> Iterator[tuple[Any, TensorDict]]:
+    """An engine benchmark's actor worker (``options``) on ``shape``'s tiny Qwen3, saved in a temporary folder
+    (``prefix``) for the block, and ``shape``'s micro-batch (seed 0)."""
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-        model_path = save_tiny_qwen3(tmp, shape.spec, seed=0)
-        options = WorkerOptions(micro_batch_size_per_gpu=sequences, max_token_len_per_gpu=tokens, mixed_precision=None)
-        worker = build_actor_worker(model_path, options)
-        yield worker, shape, make_rollout_batch(shape.prompt_lens, shape.response_lens, vocab, seed=0)
+        worker = build_actor_worker(save_tiny_qwen3(tmp, shape.spec, seed=0), options)
+        yield worker, make_rollout_batch(shape.prompt_lens, shape.response_lens, shape.spec.vocab_size, seed=0)
 
 
 def update_actor(

@@ -15,7 +15,6 @@ import datetime as _dt
 import json
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -38,11 +37,9 @@ def _run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
     from recipe.bench.harness import (
         WorkerOptions,
         bench_micro_batch,
-        build_actor_worker,
+        bench_worker,
         compute_log_prob,
         make_actor_config,
-        make_rollout_batch,
-        save_tiny_qwen3,
         update_actor,
         with_old,
     )
@@ -59,24 +56,21 @@ def _run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
             "mini-batches"
         )
     mini_batch = args.sequences // shape["mini_batches"]
-    spec = dataclasses.replace(micro.spec, num_hidden_layers=args.layers)
+    micro = dataclasses.replace(micro, spec=dataclasses.replace(micro.spec, num_hidden_layers=args.layers))
     erc = "erc_beta_low" in shape["mode"]
-    with tempfile.TemporaryDirectory(prefix="old_pass_skip_") as tmp:
-        model_path = save_tiny_qwen3(tmp, spec, seed=0)
-        # bf16 (verl's default); dynamic batching with one update mini-batch's tokens per micro-batch at most
-        budget = max(args.tokens // args.sequences, args.tokens // max(shape["mini_batches"], 4))
-        options = WorkerOptions(
-            mixed_precision=None,
-            use_dynamic_bsz=True,
-            max_token_len_per_gpu=budget,
-            infer_max_token_len_per_gpu=2 * budget,
-            lr=0.0,
-            device=args.device,
-        )
-        worker = build_actor_worker(model_path, options)
+    # bf16 (verl's default); dynamic batching with one update mini-batch's tokens per micro-batch at most
+    budget = max(args.tokens // args.sequences, args.tokens // max(shape["mini_batches"], 4))
+    options = WorkerOptions(
+        mixed_precision=None,
+        use_dynamic_bsz=True,
+        max_token_len_per_gpu=budget,
+        infer_max_token_len_per_gpu=2 * budget,
+        lr=0.0,
+        device=args.device,
+    )
+    with bench_worker(micro, options, "old_pass_skip_") as (worker, batch):
         policy = DivClipPolicyLossConfig(**shape["mode"])
         worker.set_loss_fn(build_actor_loss(make_actor_config(policy_loss=policy, calculate_entropy=erc)))
-        batch = make_rollout_batch(micro.prompt_lens, micro.response_lens, args.vocab, seed=0)
         packing = UpdatePacking(mini_batch_size=mini_batch, seed=1, shuffle=True)
         sync = MemoryMeter(args.device).sync
 

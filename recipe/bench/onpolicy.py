@@ -222,31 +222,17 @@ def _run_cost(arm: str, mode: str, tokens: int, vocab: int, sequences: int, roun
 
     import torch
 
-    from recipe.bench.harness import (
-        WorkerOptions,
-        bench_micro_batch,
-        build_actor_worker,
-        compute_log_prob,
-        make_rollout_batch,
-        save_tiny_qwen3,
-    )
+    from recipe.bench.harness import WorkerOptions, bench_micro_batch, bench_worker, compute_log_prob
     from recipe.bench.ranks import single_rank_env
     from verl_ext.engine.seam import set_pack_old_log_prob_as_update
 
     single_rank_env()
     shape = bench_micro_batch(tokens, sequences, vocab, hidden=COST_HIDDEN)
-    with tempfile.TemporaryDirectory(prefix="onpolicy_cost_") as tmp:
-        model_path = save_tiny_qwen3(tmp, shape.spec, seed=0)
-        # the ERC configs' budgets, scaled: the log-prob pass holds the whole batch, the update half
-        options = WorkerOptions(
-            mixed_precision=None,
-            use_dynamic_bsz=True,
-            max_token_len_per_gpu=tokens // 2,
-            infer_max_token_len_per_gpu=tokens,
-        )
-        worker = build_actor_worker(model_path, options)
+    # the ERC configs' budgets, scaled: the log-prob pass holds the whole batch, the update half
+    budgets = {"max_token_len_per_gpu": tokens // 2, "infer_max_token_len_per_gpu": tokens}
+    options = WorkerOptions(mixed_precision=None, use_dynamic_bsz=True, **budgets)
+    with bench_worker(shape, options, "onpolicy_cost_") as (worker, batch):
         worker.set_loss_fn(_loss(mode))
-        batch = make_rollout_batch(shape.prompt_lens, shape.response_lens, vocab, seed=0)
         row: dict[str, Any] = {
             "arm": arm,
             "mode": mode,
