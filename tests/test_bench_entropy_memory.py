@@ -91,6 +91,33 @@ def test_child_runs_read_the_last_json_line_and_keep_stderr() -> None:
     assert bad.returncode != 0 and not bad.ok and bad.last_error_line()
 
 
+def test_a_parent_hands_its_children_its_options_and_checks_its_subsets(capsys: pytest.CaptureFixture[str]) -> None:
+    """``forwarded`` gives a child the options as the parent parsed them (a set flag alone, an unset flag and
+    ``None`` left out), ``without_options`` drops the parent's own, and ``subset`` keeps the order given and
+    refuses an unknown name, or none unless allowed, naming the choices."""
+    import argparse
+
+    from recipe.bench.child import forwarded, subset, without_options
+
+    args = argparse.Namespace(phase="old", vocab_pass=True, json=False, layers=None, tokens=64)
+    assert forwarded(args, "--phase", "--vocab-pass", "--json", "--layers", "--tokens") == [
+        "--phase",
+        "old",
+        "--vocab-pass",
+        "--tokens",
+        "64",
+    ]
+    argv = ["--device", "cpu", "--out", "x", "--strategies=fsdp2", "--k", "8"]
+    assert without_options(argv, ("--out", "--strategies")) == ["--device", "cpu", "--k", "8"]
+    parser = argparse.ArgumentParser(prog="bench")
+    assert subset(parser, "--modes", "b,,a", ("a", "b")) == ["b", "a"]
+    assert subset(parser, "--modes", "", ("a",), allow_none=True) == []
+    for value, why in (("a,c", "unknown ['c']"), ("", "none given")):
+        with pytest.raises(SystemExit):
+            subset(parser, "--modes", value, ("a", "b"))
+        assert f"--modes: {why}; choose from ['a', 'b']" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("phase, vocab_pass", [("update", False), ("old", True)])
 def test_full_kl_bench_reports_kl_full_against_kl3_and_the_stored_bytes(phase: str, vocab_pass: bool) -> None:
     proc = subprocess.run(
