@@ -1,6 +1,6 @@
 """Ranks on loopback for the CPU harness (:mod:`recipe.bench.harness`): the rendezvous store the ranks connect to
 and :func:`single_rank_env` for a rank in the calling process (the benchmarks' children). The tests' 1..N new rank
-processes (``tests/helpers.py::run_ranks``) join the same store."""
+processes (``tests/helpers.py::run_ranks``) join a store served by :func:`rendezvous_store` too."""
 
 from __future__ import annotations
 
