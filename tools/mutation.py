@@ -5,6 +5,7 @@
     .venv/bin/python tools/mutation.py --tests-from 3934510  # the same modules, another revision's tests
     .venv/bin/python tools/mutation.py --label L --mutants NAME ...  # run named mutants again (new tests: --fresh)
     .venv/bin/python tools/mutation.py --label NEW --report --older OLD  # NEW's table, completed from OLD's copy
+    .venv/bin/python tools/mutation.py --label L --quick TEST ...  # the undecided against these tests alone first
 
 Each label (``--label``, default ``current``, or the ``--tests-from`` revision) runs in its own scratch copy,
 ``.mutation/<label>/``: the checkout's tracked and untracked files (``tests/`` replaced by the revision's with
@@ -575,6 +576,40 @@ def run_mutmut(work: Path, budget_s: float, log: Path, children: int = 1, names:
     return time.monotonic() - start
 
 
+def quick_kills(work: Path, tests: list[str], children: int, names: tuple[str, ...] = ()) -> Counter[str]:
+    """Every mutant without a verdict (or the named ones) against ``tests`` alone, one pytest process each
+    (mutmut's trampoline reads ``MUTANT_UNDER_TEST`` at every call), ``children`` at once: a failing test is
+    recorded as mutmut records a kill (exit code 1); a mutant the selection misses keeps no verdict, for mutmut's
+    own run over the whole selection. The selection must pass unmutated first. Returns the exit codes' counts."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    mutants = work / "mutants"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": str(mutants)}
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", *tests]
+
+    def run(name: str) -> int:
+        out = subprocess.run(command, cwd=mutants, env={**env, "MUTANT_UNDER_TEST": name}, capture_output=True)
+        return out.returncode
+
+    if (code := run("none")) != 0:
+        raise SystemExit(f"the quick selection fails unmutated (pytest exit {code}): {' '.join(tests)}")
+    metas = {meta: json.loads(meta.read_text()) for meta in mutants.rglob("*.py.meta")}
+    todo = [
+        (meta, name)
+        for meta, data in metas.items()
+        for name, code in data["exit_code_by_key"].items()
+        if (name in names if names else code is None)
+    ]
+    codes: Counter[str] = Counter()
+    with ThreadPoolExecutor(children) as pool:
+        for (meta, name), code in zip(todo, pool.map(lambda item: run(item[1]), todo), strict=True):
+            codes[str(code)] += 1
+            if code == 1:
+                metas[meta]["exit_code_by_key"][name] = 1
+                meta.write_text(json.dumps(metas[meta], indent=4))
+    return codes
+
+
 def verdicts(work: Path) -> dict[str, dict[str, str]]:
     """Per mutated module, each mutant's verdict (``not_run`` when it has none yet)."""
     from mutmut.stats import status_by_exit_code
@@ -664,6 +699,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tests", nargs="+", default=TESTS, help="the test selection (default: TESTS)")
     parser.add_argument("--children", type=int, default=1, help="mutants run at once (default 1)")
     parser.add_argument("--mutants", nargs="+", default=(), help="run these mutants (mutmut names) again")
+    parser.add_argument(
+        "--quick",
+        nargs="+",
+        help="run only these tests, each undecided (or named) mutant alone: a failure kills, the rest stay undecided",
+    )
     parser.add_argument("--report", action="store_true", help="print the table of the last run, run nothing")
     parser.add_argument("--survivors", action="store_true", help="list the surviving mutants' names too")
     parser.add_argument(
@@ -678,7 +718,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report:
         if args.fresh or not (work / "mutants").exists():
             prepare(work, args.tests_from, args.only, args.tests)
-        wall = run_mutmut(work, args.budget_s, work / "mutmut.log", args.children, tuple(args.mutants))
+        if args.quick:
+            codes = quick_kills(work, args.quick, args.children, tuple(args.mutants))
+            print("quick selection, pytest exit codes (1: killed):", dict(codes))
+        else:
+            wall = run_mutmut(work, args.budget_s, work / "mutmut.log", args.children, tuple(args.mutants))
     found = combined(work, ROOT / ".mutation" / args.older) if args.older else verdicts(work)
     if not found:
         print(f"no mutmut results in {work}; see {work / 'mutmut.log'}")
