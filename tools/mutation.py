@@ -86,6 +86,7 @@ TESTS = [
     ),
     # the config rules' own tests (config_rules/, config_checks): composed configs, no engine
     "tests/test_verl_keys.py",
+    "tests/test_verl_key_reads.py",
     "tests/test_checkpoints.py",
     "tests/test_validation_length.py",
     "tests/test_launch.py::test_profile_validation_names_the_key",
