@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_module
 from hydra.errors import InstantiationException
 from verl.utils.config import omega_conf_to_dataclass
 
+import verl_ext.registry  # noqa: F401  (registers the loss modes' construction-time check)
 from verl_ext.config import DivClipPolicyLossConfig
 from verl_ext.core.region import CONSTRAINTS
 
@@ -106,8 +107,6 @@ def test_a_registered_mode_check_runs_once_at_every_construction():
 
 
 def test_adaptive_delta_on_a_mode_without_a_kl_budget_names_the_budget_modes():
-    import verl_ext.registry  # noqa: F401  (registers the loss-mode check)
-
     with pytest.raises(ValueError) as error:
         DivClipPolicyLossConfig(loss_mode="clip", adaptive_delta_target=0.01)
     assert str(error.value) == (
@@ -120,7 +119,8 @@ def test_adaptive_delta_on_a_mode_without_a_kl_budget_names_the_budget_modes():
 P = "actor_rollout_ref.actor.policy_loss"
 INF, NAN = float("inf"), float("nan")
 #: each refusal of ``DivClipPolicyLossConfig.__post_init__`` at the first value past its bound (and the non-numbers
-#: it refuses), with its message word for word; the id names the knob and the value
+#: it refuses), with its message word for word, under ``loss_mode="kl3"`` unless the row names another; the id names
+#: the knob and the value
 REFUSED_AT_CONSTRUCTION: list[tuple[dict, str]] = [
     ({"delta": 0}, f"{P}.delta must be a finite number > 0, got 0"),
     ({"delta": INF}, f"{P}.delta must be a finite number > 0, got inf"),
@@ -162,8 +162,17 @@ REFUSED_AT_CONSTRUCTION: list[tuple[dict, str]] = [
     ({"kl_full_top_k": 0}, f"{P}.kl_full_top_k must be an integer >= 1, got 0"),
     ({"kl_full_top_k": True}, f"{P}.kl_full_top_k must be an integer >= 1, got True"),
     ({"kl_full_top_k": 2.0}, f"{P}.kl_full_top_k must be an integer >= 1, got 2.0"),
+    ({"kl_full_top_k": 2.5}, f"{P}.kl_full_top_k must be an integer >= 1, got 2.5"),
+    ({"kl_full_top_k": -3}, f"{P}.kl_full_top_k must be an integer >= 1, got -3"),
+    ({"kl_full_top_k": None}, f"{P}.kl_full_top_k must be an integer >= 1, got None"),
     ({"kl_full_direction": "both"}, f"{P}.kl_full_direction must be one of ('forward', 'reverse'), got 'both'"),
     ({"kl_full_diagnostic": 1}, f"{P}.kl_full_diagnostic must be true or false, got 1"),
+    ({"kl_full_diagnostic": "yes"}, f"{P}.kl_full_diagnostic must be true or false, got 'yes'"),
+    (
+        {"loss_mode": "vanilla", "kl_full_diagnostic": True},
+        f"{P}.kl_full_diagnostic compares a divclip mode's clip decisions with the full-KL rule; verl's "
+        "loss_mode='vanilla' makes none through the divclip operator: set it to false",
+    ),
     (
         {"erc_beta_low": 0.05},
         f"{P}.erc_beta_high is null while the other ERC band is set: set both erc_beta_low and erc_beta_high "
@@ -224,7 +233,7 @@ ACCEPTED_AT_CONSTRUCTION: list[dict] = [
 )
 def test_each_knob_is_refused_past_its_bound_word_for_word(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError) as error:
-        DivClipPolicyLossConfig(loss_mode="kl3", **kwargs)
+        DivClipPolicyLossConfig(**{"loss_mode": "kl3", **kwargs})
     assert str(error.value) == message
 
 
