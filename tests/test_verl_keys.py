@@ -223,27 +223,6 @@ def test_a_replaced_or_dropped_key_is_refused_naming_both_keys(overrides: list[s
         assert name in message, (name, message)
 
 
-def test_dynamic_samplings_generation_keys_are_refused_word_for_word() -> None:
-    """verl 0.9.1's v1 replay buffer refills without a cap (``max_num_gen_batches`` is read by the legacy trainer
-    only): any cap, 1 included, is refused, naming the key that bounds generation instead; so is a generation batch
-    other than 1, which that trainer replaces by 1."""
-    with pytest.raises(ConfigError) as error:
-        validate_divclip_config(
-            compose_config("algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=1")
-        )
-    assert str(error.value) == (
-        "algorithm.filter_groups.max_num_gen_batches is ignored by verl 0.9.1's v1 trainer (its replay buffer "
-        "refills dropped groups until data.train_batch_size remain); set it to 0 and bound generation with "
-        "algorithm.filter_groups.max_inflight_gen_batches (in units of data.train_batch_size)"
-    )
-    with pytest.raises(ConfigError) as error:
-        validate_divclip_config(compose_config("algorithm.filter_groups.enable=true", "data.gen_batch_size=8"))
-    assert str(error.value) == (
-        "data.gen_batch_size=8 is replaced by 1 in verl 0.9.1's v1 trainer when algorithm.filter_groups.enable=true; "
-        "unset it and use algorithm.filter_groups.max_inflight_gen_batches"
-    )
-
-
 ACCEPTED = [
     [],  # every key at the project's defaults
     [f"{ACTOR}.clip_ratio_c=3.0"],  # verl's default
@@ -273,55 +252,65 @@ def test_keys_at_the_value_the_divclip_path_uses_are_accepted(overrides: list[st
     validate_divclip_config(compose_config(*overrides))
 
 
-@pytest.mark.parametrize(
-    "overrides, message",
-    [
-        (
-            [*ERC_ON, f"{ACTOR}.fsdp_config.entropy_checkpointing=true"],
-            f"{ACTOR}.fsdp_config.entropy_checkpointing=True is replaced by {POLICY}.erc_beta_low/erc_beta_high (ERC): "
-            "the divclip path computes the entropy its own way (one graph-free float32 function in both passes), so "
-            "verl's entropy_checkpointing does nothing. Leave it at verl's default False",
-        ),
-        (
-            [f"{POLICY}.vocab_pass=true", f"{ACTOR}.entropy_from_logits_with_chunking=true"],
-            f"{ACTOR}.entropy_from_logits_with_chunking=True is replaced by {POLICY}.vocab_pass=true: the divclip "
-            "path computes the entropy its own way (the chunked vocabulary pass), so verl's "
-            "entropy_from_logits_with_chunking does nothing. Leave it at verl's default False",
-        ),
-    ],
-    ids=["erc", "vocab_pass"],
-)
-def test_verls_entropy_settings_are_refused_naming_what_replaces_them(overrides: list[str], message: str) -> None:
-    with pytest.raises(ConfigError) as error:
-        validate_divclip_config(compose_config(*overrides))
-    assert str(error.value) == message
-
-
 SYNC_STEP_TAIL = (
     "Leave it at 1, or use trainer.v1.trainer_mode=separate_async with trainer.v1.separate_async.parameter_sync_step "
     "(Decoupled PPO, supported)"
 )
+#: refusals whose message a user reads, word for word: (id, overrides, message)
+REFUSED_WORD_FOR_WORD = [
+    # verl 0.9.1's v1 replay buffer refills without a cap (max_num_gen_batches is read by the legacy trainer only):
+    # any cap, 1 included, is refused, naming the key that bounds generation instead
+    (
+        "max_num_gen_batches",
+        ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=1"],
+        "algorithm.filter_groups.max_num_gen_batches is ignored by verl 0.9.1's v1 trainer (its replay buffer "
+        "refills dropped groups until data.train_batch_size remain); set it to 0 and bound generation with "
+        "algorithm.filter_groups.max_inflight_gen_batches (in units of data.train_batch_size)",
+    ),
+    # so is a generation batch other than 1, which that trainer replaces by 1
+    (
+        "gen_batch_size",
+        ["algorithm.filter_groups.enable=true", "data.gen_batch_size=8"],
+        "data.gen_batch_size=8 is replaced by 1 in verl 0.9.1's v1 trainer when algorithm.filter_groups.enable=true; "
+        "unset it and use algorithm.filter_groups.max_inflight_gen_batches",
+    ),
+    # verl's entropy settings, naming what replaces them
+    (
+        "erc",
+        [*ERC_ON, f"{ACTOR}.fsdp_config.entropy_checkpointing=true"],
+        f"{ACTOR}.fsdp_config.entropy_checkpointing=True is replaced by {POLICY}.erc_beta_low/erc_beta_high (ERC): "
+        "the divclip path computes the entropy its own way (one graph-free float32 function in both passes), so "
+        "verl's entropy_checkpointing does nothing. Leave it at verl's default False",
+    ),
+    (
+        "vocab_pass",
+        [f"{POLICY}.vocab_pass=true", f"{ACTOR}.entropy_from_logits_with_chunking=true"],
+        f"{ACTOR}.entropy_from_logits_with_chunking=True is replaced by {POLICY}.vocab_pass=true: the divclip "
+        "path computes the entropy its own way (the chunked vocabulary pass), so verl's "
+        "entropy_from_logits_with_chunking does nothing. Leave it at verl's default False",
+    ),
+    # parameter_sync_step, saying whether verl reads it
+    (
+        "sync-step-active-mode",
+        ["+trainer.v1.sync.parameter_sync_step=3"],  # the active mode's: verl honours it, the gauge would not
+        "trainer.v1.sync.parameter_sync_step=3: verl's base trainer honours it in trainer.v1.trainer_mode=sync "
+        "(each step trains 3 local updates, each on data.train_batch_size / 3 samples of the step's rollouts, "
+        "pi_old recomputed before each), but the divclip on-policy flag treats every later local update as "
+        "off-policy, so its on-policy gauge and packing check never see them. " + SYNC_STEP_TAIL,
+    ),
+    (
+        "sync-step-inactive-mode",
+        ["+trainer.v1.colocate_async.parameter_sync_step=2"],  # another mode's: verl never reads it
+        "trainer.v1.colocate_async.parameter_sync_step=2: verl reads only trainer.v1.sync.* in "
+        "trainer.v1.trainer_mode=sync: it has no effect. " + SYNC_STEP_TAIL,
+    ),
+]
 
 
 @pytest.mark.parametrize(
-    "overrides, message",
-    [
-        (
-            ["+trainer.v1.sync.parameter_sync_step=3"],  # the active mode's: verl honours it, the gauge would not
-            "trainer.v1.sync.parameter_sync_step=3: verl's base trainer honours it in trainer.v1.trainer_mode=sync "
-            "(each step trains 3 local updates, each on data.train_batch_size / 3 samples of the step's rollouts, "
-            "pi_old recomputed before each), but the divclip on-policy flag treats every later local update as "
-            "off-policy, so its on-policy gauge and packing check never see them. " + SYNC_STEP_TAIL,
-        ),
-        (
-            ["+trainer.v1.colocate_async.parameter_sync_step=2"],  # another mode's: verl never reads it
-            "trainer.v1.colocate_async.parameter_sync_step=2: verl reads only trainer.v1.sync.* in "
-            "trainer.v1.trainer_mode=sync: it has no effect. " + SYNC_STEP_TAIL,
-        ),
-    ],
-    ids=["active-mode", "inactive-mode"],
+    "overrides, message", [row[1:] for row in REFUSED_WORD_FOR_WORD], ids=[row[0] for row in REFUSED_WORD_FOR_WORD]
 )
-def test_parameter_sync_step_refusal_says_whether_verl_reads_it(overrides: list[str], message: str) -> None:
+def test_refusals_read_word_for_word(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as error:
         validate_divclip_config(compose_config(*overrides))
     assert str(error.value) == message
