@@ -48,10 +48,8 @@ def check_policy_target(config: DictConfig) -> None:
 
 
 def _drop_unset_divclip_keys(policy_loss: DictConfig, target: Any) -> None:
-    """With verl's own policy-loss class selected, the divclip knobs (declared in
-    configs/divclip_trainer.yaml) must be at their defaults: those are dropped so verl's dataclass
-    builds; a set one (ERC on a verl mode, say) is an error naming it, since only
-    ``DivClipPolicyLossConfig`` carries it."""
+    """:func:`check_policy_target`'s second half: drop the divclip knobs at their defaults
+    (configs/divclip_trainer.yaml); a set one is an error naming it."""
     from omegaconf import open_dict
 
     defaults = {f.name: f.default for f in dataclasses.fields(DivClipPolicyLossConfig)}
@@ -246,11 +244,9 @@ def requested_features(policy: DivClipPolicyLossConfig | None) -> dict[str, bool
 
 
 def validate_strategy(actor: Any, policy: DivClipPolicyLossConfig | None) -> None:
-    """Every feature the recipe adds inside verl's actor engine (ERC's fp32 entropy, the vocabulary pass,
-    pi_old's top-k, pack_old_log_prob_as_update) lives in the engine seam, which covers verl's FSDP engine only
-    (:data:`verl_ext.engine.request.SUPPORTED_STRATEGIES`). Another ``actor.strategy`` with any of them
-    on is refused here, naming the keys -- it would otherwise run silently without them. ``policy`` is
-    None for verl's plain policy-loss config, whose actor loss still packs the old pass as the update."""
+    """The engine seam, where every feature the recipe adds inside verl's actor engine lives, covers verl's FSDP
+    engine only (:data:`verl_ext.engine.request.SUPPORTED_STRATEGIES`): another ``actor.strategy`` with any of
+    them on would run silently without them, so it is refused naming the keys (:func:`requested_features`)."""
     strategy = actor.strategy
     if strategy in SUPPORTED_STRATEGIES:
         return
@@ -512,11 +508,9 @@ def _local_dropout(model_path: Any) -> str | None:
 
 
 def validate_vocab_pass(config: DictConfig) -> None:
-    """``policy_loss.vocab_pass=true`` never builds the logits and runs inside verl's FSDP actor
-    engine: refuse what needs the logits or another forward (named keys), before Ray starts.
-    Per-sample temperatures need nothing: the pass takes one temperature per token. (The other consumers of
-    the logits, ``calculate_sum_pi_squared`` and distillation, are refused for every run:
-    :func:`validate_verl_features`.)"""
+    """``policy_loss.vocab_pass=true`` never builds the logits: refuse what needs them or another forward,
+    naming the keys (per-sample temperatures are fine: one temperature per token; ``calculate_sum_pi_squared``
+    and distillation are refused for every run by :func:`validate_verl_features`)."""
     model = config.actor_rollout_ref.model
     if model.use_fused_kernels:
         raise ValueError(
@@ -534,10 +528,8 @@ def validate_vocab_pass(config: DictConfig) -> None:
 
 
 def validate_old_topk(config: DictConfig, actor: Any, policy: DivClipPolicyLossConfig) -> None:
-    """``kl_full`` / ``kl_full_diagnostic`` need pi_old's top-k, stored by the old-log-prob pass from the
-    logits (materialised, or the vocabulary pass's slices) of an unsharded sequence: refuse what skips
-    that pass or those logits, and a k larger than the model's vocabulary (read from a local
-    checkpoint's config.json)."""
+    """``kl_full`` / ``kl_full_diagnostic`` need pi_old's top-k from the old-log-prob pass's logits of an unsharded
+    sequence: refuse what skips that pass or those logits, and a k above a local checkpoint's vocabulary."""
     what = (
         f"{ACTOR}.policy_loss.loss_mode=kl_full"
         if policy.loss_mode == "kl_full"
