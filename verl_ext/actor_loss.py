@@ -1,6 +1,6 @@
 """The actor loss installed with ``set_loss_fn``: verl's own ``ppo_loss``, with what its registry signature lacks
 (both entropies, pi_old's top-k) supplied for one call, and a declaration of what its engine must do
-(docs/upstream.md, docs/engine.md).
+(docs/upstream.md; docs/losses.md, "Where ERC gets its entropies"; docs/engine.md).
 """
 
 from __future__ import annotations

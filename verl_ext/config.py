@@ -24,8 +24,7 @@ CORRECT_NLL_NORMS = ("global", "micro_batch")
 KL_FULL_DIRECTIONS = ("forward", "reverse")
 
 
-#: Checks that need the loss-mode registry, run by ``DivClipPolicyLossConfig.__post_init__``
-#: with the config; filled by :func:`register_mode_check`.
+#: The loss-mode registry's checks, run at the end of ``__post_init__`` (:func:`register_mode_check`).
 _MODE_CHECKS: list[Callable[[DivClipPolicyLossConfig], None]] = []
 
 

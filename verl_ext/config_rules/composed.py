@@ -125,15 +125,10 @@ def validate_filter_groups(config: DictConfig) -> None:
 
 
 def validate_verl_features(config: DictConfig) -> None:
-    """verl features the recipe's path would drop without a word, refused naming the key (the table of every
-    verl feature against the divclip path: docs/verl_features.md).
-
-    * ``distillation.enabled``: verl's worker installs ``distillation_ppo_loss``, and the divclip trainer
-      replaces every actor loss with its own through ``set_loss_fn``, so the distillation term would vanish.
-    * ``trainer.use_v1=false``: ``recipe.main`` always runs verl's v1 trainer (the hooks are v1's).
-    * ``actor.calculate_sum_pi_squared``: verl 0.9.1's v1 trainer never asks the engine for the sum of
-      squared probabilities (only the legacy trainer's optimal-token baseline reads it), so it does nothing.
-    """
+    """verl features the recipe's path would drop without a word, refused naming the key (docs/verl_features.md):
+    ``distillation.enabled`` (the divclip actor loss replaces verl's ``distillation_ppo_loss``),
+    ``trainer.use_v1=false`` (``recipe.main`` runs verl's v1 trainer) and ``actor.calculate_sum_pi_squared``
+    (only verl's legacy trainer reads it)."""
 
     if config.distillation.enabled:
         raise ValueError(
