@@ -1,9 +1,6 @@
-"""Fail-fast validation of a composed config, before Ray allocates anything.
-
-verl validates its own keys; :func:`validate_divclip_config` adds what the divclip recipe needs: the plugin is
-registered, the policy-loss config is ours and builds, every rule of :mod:`verl_ext.config_rules` holds (its
-``ValueError`` reported as a :class:`ConfigError`), per-benchmark validation lengths can be served, and the verl
-keys of :mod:`recipe.verl_keys` keep what the divclip path uses. Every error names the config key to change.
+"""Fail-fast validation of a composed config before Ray allocates anything (:func:`validate_divclip_config`): the
+plugin, the policy-loss config, every rule of :mod:`verl_ext.config_rules` (as a :class:`ConfigError`), the
+validation lengths and the verl keys of :mod:`recipe.verl_keys`. Every error names the config key to change.
 """
 
 from __future__ import annotations
@@ -25,10 +22,9 @@ from verl_ext.plugin import require_registered
 
 
 def actor_strategy(model_engine: str) -> str:
-    """``actor.strategy`` for verl's ``model_engine`` when the user sets none (configs/divclip_trainer.yaml):
-    FSDP2 for ``dp`` (verl's own ``dp_actor`` says ``fsdp``, i.e. FSDP1), and the engine's own strategy for
-    the others, whose strategy is named after them (``megatron``, ``veomni``, ``torchtitan``) -- so the
-    config resolves to what the user chose, and the strategy checks see it."""
+    """``actor.strategy`` for verl's ``model_engine`` when the user sets none (configs/divclip_trainer.yaml): FSDP2
+    for ``dp`` (verl's ``dp_actor`` says ``fsdp``, FSDP1), else the engine's own name (``megatron``, ...), so the
+    strategy checks see what the user chose."""
     return "fsdp2" if model_engine == "dp" else str(model_engine)
 
 
@@ -124,13 +120,9 @@ def _max_lora_rank_without_vllm(lora_rank: int) -> int:
 
 @contextmanager
 def lora_rank_check_without_vllm() -> Iterator[None]:
-    """Let verl's ``validate_config`` check a vLLM LoRA rank on machines without vLLM.
-
-    For ``lora_rank > 0`` with ``rollout.name=vllm`` verl imports ``vllm_rollout.utils`` -- which
-    imports vLLM and fails without it -- only to read vLLM's allowed ranks. Where vLLM is not
-    installed (CPU machines, ``--dry-run``) that one module is stood in for, for the duration of
-    the check, by verl's own fallback list; with vLLM installed nothing changes.
-    """
+    """Let verl's ``validate_config`` check a vLLM LoRA rank without vLLM: verl imports ``vllm_rollout.utils``
+    (which imports vLLM) only to read the allowed ranks, so where vLLM is missing that module is stood in for,
+    during the check, by verl's own fallback list."""
     if importlib.util.find_spec("vllm") is not None or _VLLM_UTILS in sys.modules:
         yield
         return

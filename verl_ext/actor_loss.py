@@ -1,9 +1,6 @@
-"""The actor loss installed on verl's actor workers with ``set_loss_fn``: verl's own ``ppo_loss``, wrapped.
-
-verl's policy-loss registry passes only log-probs, advantages, the mask and the IS weights. This wrapper supplies
-the divclip entries what it lacks (both entropies for ERC, pi_old's top-k for ``kl_full``) for one ``ppo_loss``
-call, selects :data:`verl_ext.registry.ERC_ON_VERL_MODE` for ERC on verl's own modes, and declares what its engine
-must do (:func:`build_actor_loss`). docs/losses.md ("Where ERC gets its entropies") and docs/engine.md say more.
+"""The actor loss installed with ``set_loss_fn``: verl's own ``ppo_loss``, with what its registry signature lacks
+(both entropies, pi_old's top-k) supplied for one call, and a declaration of what its engine must do
+(docs/upstream.md; docs/losses.md, "Where ERC gets its entropies"; docs/engine.md).
 """
 
 from __future__ import annotations
@@ -45,19 +42,9 @@ ACTOR_KEY = "actor_rollout_ref.actor"
 def divclip_actor_loss(
     config: ActorConfig, model_output: dict[str, Any], data: TensorDict, dp_group: Any = None
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """verl's ``ppo_loss``, with what its policy-loss registry cannot pass supplied to the registered function.
-
-    Besides the supplied inputs it adds only what is not a loss term: the on-policy gauge, the engine path, the
-    correct-response NLL of the released ERC scripts, the ERC token dump, and MIN/MAX aggregation of ``*_min`` /
-    ``*_max`` metrics.
-
-    Args:
-        config: the actor config; ``config.policy_loss`` selects the mode.
-        model_output: the engine's output for the micro-batch: ``log_probs`` (nested, no-padding layout)
-            and, with ``calculate_entropy``, ``entropy``.
-        data: the micro-batch: ``old_log_probs``, ``advantages``, ``response_mask``, the global batch
-            sizes, and ``entropy`` (pi_old) when ERC is on.
-    """
+    """verl's ``ppo_loss``, with what its policy-loss registry cannot pass supplied to the registered function,
+    plus what is no loss term (docs/upstream.md). ``model_output``: ``log_probs`` (nested, no padding) and, with
+    ``calculate_entropy``, ``entropy``; ``data``: the micro-batch, with pi_old's ``entropy`` when ERC is on."""
     mode = config.policy_loss.get("loss_mode", "vanilla")
     policy = divclip_policy_config(config)
     erc = policy is not None and policy.erc_enabled
@@ -181,12 +168,10 @@ PATH_METRIC = "actor/divclip/path/"
 
 
 def step_path_metrics(data: TensorDict) -> dict[str, float]:
-    """``actor/divclip/path/*`` of this micro-batch, as the worker's engine seam recorded them for its
-    forward step (:data:`verl_ext.engine.request.STEP_PATH_KEY`): ``seam`` (1: the step went through the
-    seam), ``entropy_fp32`` (1: the entropy of this pass came from the project's fp32 function),
-    ``vocab_pass``, ``pack_old_log_prob_as_update`` (1: the engine packs its old-log-prob pass as the update) and
-    ``old_log_prob_from_update`` (the share of its rows whose pi_old is the update's own forward). A micro-batch the
-    seam never stepped reports ``seam = 0`` -- a measurement, not the driver's claim."""
+    """``actor/divclip/path/*`` of this micro-batch as the engine seam recorded them for its step
+    (:data:`verl_ext.engine.request.STEP_PATH_KEY`): ``seam``, ``entropy_fp32``, ``vocab_pass``,
+    ``pack_old_log_prob_as_update`` (each 1 when taken) and ``old_log_prob_from_update`` (the share of rows whose
+    pi_old is the update's own forward). A step the seam never saw reports ``seam = 0``: measured, not claimed."""
     path = tu.get_non_tensor_data(data=data, key=STEP_PATH_KEY, default=None)
     if path is None:
         return {f"{PATH_METRIC}seam": 0.0}
@@ -194,10 +179,8 @@ def step_path_metrics(data: TensorDict) -> dict[str, float]:
 
 
 def padded_response(nested: torch.Tensor, max_len: int) -> torch.Tensor:
-    """``(batch, max_len, C)`` from a nested ``(batch, j, C)`` field (zeros beyond each row's length).
-
-    Done by hand: ``to_padded_tensor`` of a 3-D jagged tensor built without ``max_seqlen`` metadata
-    pads to the total token count instead of the longest row."""
+    """``(batch, max_len, C)`` from a nested ``(batch, j, C)`` field, zero-padded. By hand: ``to_padded_tensor``
+    of a 3-D jagged tensor without ``max_seqlen`` metadata pads to the total token count."""
     values, lengths = nested.values(), nested.offsets().diff()
     start = int(nested.offsets()[0])
     out = values.new_zeros((len(lengths), max_len, values.shape[-1]))
@@ -217,10 +200,9 @@ def outside_mode_rule(
     clip_high: float,
     topk: Optional[TopKLogMasses] = None,
 ) -> Optional[torch.Tensor]:
-    """The tokens ``mode``'s own clip rule puts outside its trust region, for the on-policy gauge's
-    ``ratio_clipfrac``: a divclip mode's constraint (:func:`verl_ext.core.surrogate.outside_trust_region`), a verl
-    mode's declared rule (:data:`verl_ext.verl_modes.VERL_MODE_READS`; none for a mode without a clip, so 0), or,
-    for a verl mode without a declaration, the actor's clip interval (None)."""
+    """The tokens ``mode``'s own clip rule puts outside its trust region, for the gauge's ``ratio_clipfrac``: a
+    divclip constraint's, a verl mode's declared rule (:data:`verl_ext.verl_modes.VERL_MODE_READS`; all inside
+    for a mode without a clip), or None (the actor's clip interval) for an undeclared verl mode."""
     if mode in CONSTRAINTS:
         return outside_trust_region(
             mode,
@@ -262,19 +244,10 @@ def _correct_response_nll(
     policy: DivClipPolicyLossConfig,
     config: ActorConfig,
 ) -> tuple[torch.Tensor, float]:
-    """NLL over the tokens of correct responses (released ERC scripts, coefficient 0.1).
-
-    ``policy.correct_nll_norm`` picks the normalisation:
-
-    * ``"global"`` (default): like the policy loss, verl's ``agg_loss`` with the global batch
-      info -- invariant to data parallelism and micro-batching. With ``token-mean`` the divisor
-      is every response token of the mini-batch, not only the correct ones.
-    * ``"micro_batch"``: as the released ERC code -- the token mean over the correct responses of
-      this micro-batch (``agg_loss`` without global info; 0 when it has none), times the
-      micro-batch's share of the mini-batch's sequences, ``n_micro / (global_batch_size /
-      dp_size)``, the factor the reference scaled its per-micro-batch policy loss by. Summed over
-      micro-batches and averaged over ranks this is sum_mb (n_mb / N) * mean_correct_tokens(mb).
-    """
+    """NLL over the tokens of correct responses (released ERC scripts), normalised by ``correct_nll_norm``:
+    ``"global"`` as the policy loss (with ``token-mean``: by every response token of the mini-batch);
+    ``"micro_batch"`` the correct tokens' mean in this micro-batch (0 without any) times its share of the
+    mini-batch's sequences, ``n_micro / (global_batch_size / dp_size)`` (docs/losses.md has the formula)."""
     correct = token_level_rewards.sum(-1) == policy.correct_reward
     mask = response_mask & correct.unsqueeze(-1)
     batch_info = config.global_batch_info
@@ -337,15 +310,10 @@ def _require(data: TensorDict, key: str, why: str) -> str:
 
 
 def build_actor_loss(actor_config: ActorConfig) -> Callable[..., Any]:
-    """The loss to install with ``actor_rollout_ref_wg.set_loss_fn``: a picklable partial.
-
-    The loss carries what its engine must do (:mod:`verl_ext.engine.request`): with ERC on the current
-    entropy is only a mask, so both passes use the one float32 graph-free entropy (an entropy bonus,
-    ``entropy_coeff != 0``, would need the entropy's gradient, so that combination raises; the recipe
-    refuses it before Ray starts); ``policy_loss.vocab_pass`` runs both passes through the vocabulary
-    pass; ``policy_loss.pack_old_log_prob_as_update`` (default true; always with verl's plain policy-loss
-    config) packs the old-log-prob pass as the update. Unpickled, it installs the seam (:class:`ActorLoss`).
-    """
+    """The loss to install with ``actor_rollout_ref_wg.set_loss_fn``: a picklable partial carrying what its engine
+    must do (:mod:`verl_ext.engine.request`): with ERC, the one float32 graph-free entropy in both passes (so
+    ``entropy_coeff != 0``, which needs its gradient, raises); the vocabulary pass; and the old-log-prob pass
+    packed as the update (always with verl's plain policy-loss config). Unpickled, it installs the seam."""
     key_reads.bind(actor_config, ACTOR_KEY)
     loss = functools.partial(divclip_actor_loss, config=actor_config)
     policy = divclip_policy_config(actor_config)
@@ -363,11 +331,9 @@ def build_actor_loss(actor_config: ActorConfig) -> Callable[..., Any]:
 
 
 class ActorLoss(functools.partial):
-    """The actor loss as it travels to the actor workers: a ``functools.partial`` whose unpickling -- in the
-    worker that ``set_loss_fn`` sends it to, before Ray calls verl's ``set_loss_fn`` with it -- installs the
-    engine seam (:func:`verl_ext.engine.seam.install`; idempotent). The seam is thus in place in the processes
-    that run the loss on verl's engine, and in no other process: building or importing the loss installs nothing.
-    """
+    """The actor loss as it travels: a ``functools.partial`` whose unpickling in the worker ``set_loss_fn`` sends it
+    to installs the engine seam (:func:`verl_ext.engine.seam.install`, idempotent), so the seam is in exactly the
+    processes that run the loss: building or importing it installs nothing."""
 
     def __setstate__(self, state: Any) -> None:
         from verl_ext.engine import seam
@@ -377,10 +343,9 @@ class ActorLoss(functools.partial):
 
 
 def divclip_policy_config(config: ActorConfig) -> Optional[DivClipPolicyLossConfig]:
-    """The actor's ``DivClipPolicyLossConfig``: always for the divclip modes (an error if the config
-    is verl's plain one), and for verl's modes when selected with the divclip ``_target_``; checked
-    against the mode registry by :func:`verl_ext.registry.resolve_policy_config`, so building the
-    loss (:func:`build_actor_loss`) and every call of it refuse a config that does not fit its mode."""
+    """The actor's ``DivClipPolicyLossConfig`` (required by the divclip modes; for verl's when selected with the
+    divclip ``_target_``), checked against the mode registry, so building the loss and every call of it refuse a
+    config that does not fit its mode."""
     mode = config.policy_loss.get("loss_mode", "vanilla")
     if mode in CONSTRAINTS:
         return resolve_policy_config(config)

@@ -1,10 +1,6 @@
-"""Adaptive trust-region threshold (ATR-GRPO Sec. 6.5, "Adaptive Trust Region Threshold").
-
-An opt-in controller for the KL-budget modes: between actor updates the budget delta moves so that the update's
-measured mean divergence (each constraint's ``budget_metric``) tracks a target d_targ, with PPO's adaptive-KL rule
-(Schulman et al. 2017, Sec. 4) acting on the budget instead of a penalty coefficient. It runs on the driver, in
-``recipe.trainer.DivClipTrainer``; its state is :data:`STATE_FILE` in verl's checkpoint folder. docs/losses.md
-("Adaptive δ") has the rule, what d is, and the configs refused.
+"""Adaptive trust-region threshold (ATR-GRPO Sec. 6.5): between actor updates the budget delta moves so that the
+measured divergence (the constraint's ``budget_metric``) tracks d_targ, by PPO's adaptive-KL rule on the budget.
+Runs on the driver; its state is :data:`STATE_FILE` in verl's checkpoint folder (docs/losses.md, "Adaptive δ").
 """
 
 from __future__ import annotations

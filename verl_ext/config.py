@@ -1,10 +1,8 @@
-"""Config dataclass for the divergence-clipping policy losses.
+"""The divclip knobs: a subclass of verl's ``PolicyLossConfig`` that a config selects with ``_target_``.
 
-verl rejects keys that no dataclass declares, so the new knobs live in a subclass of verl's ``PolicyLossConfig``
-that a config selects with ``_target_`` (:data:`CONFIG_TARGET`); the ratio-clip epsilons stay verl's own
-``actor.clip_ratio_low`` / ``actor.clip_ratio_high``. This module imports verl and the standard library only; the
-checks that need the loss-mode registry run at construction once :mod:`verl_ext.config_rules` registers them
-(:func:`register_mode_check`).
+verl rejects undeclared keys, hence the subclass (:data:`CONFIG_TARGET`); the clip epsilons stay verl's
+``actor.clip_ratio_low/high``. A leaf (verl and the standard library): the loss-mode registry's checks join at
+construction through :func:`register_mode_check`.
 """
 
 from __future__ import annotations
@@ -26,18 +24,16 @@ CORRECT_NLL_NORMS = ("global", "micro_batch")
 KL_FULL_DIRECTIONS = ("forward", "reverse")
 
 
-#: Checks that need the loss-mode registry, run by ``DivClipPolicyLossConfig.__post_init__``
-#: with the config; filled by :func:`register_mode_check`.
+#: The loss-mode registry's checks, run at the end of ``__post_init__`` (:func:`register_mode_check`).
 _MODE_CHECKS: list[Callable[[DivClipPolicyLossConfig], None]] = []
 
 
 def register_mode_check(
     check: Callable[[DivClipPolicyLossConfig], None],
 ) -> Callable[[DivClipPolicyLossConfig], None]:
-    """Run ``check(config)`` at the end of every ``DivClipPolicyLossConfig.__post_init__``
-    from now on (idempotent). :mod:`verl_ext.config_rules` registers its :func:`check_policy_config`
-    here, so the mode registry's checks fire at construction without this module importing it.
-    Configs built before that import are not checked here; their consumers check them."""
+    """Run ``check(config)`` at the end of every later ``DivClipPolicyLossConfig.__post_init__`` (idempotent):
+    how :mod:`verl_ext.config_rules` adds the mode registry's checks without this module importing it. Configs
+    built before that import are checked by their consumers."""
     if check not in _MODE_CHECKS:
         _MODE_CHECKS.append(check)
     return check
@@ -52,63 +48,51 @@ class DivClipPolicyLossConfig(PolicyLossConfig):
     """Knobs of the unified divergence-constrained surrogate (ATR-GRPO Eq. 5) and of ERC (docs/losses.md).
 
     Args:
-        delta: Per-token divergence budget delta of the ``kl3`` (ATR-GRPO, Theorem 4.2),
-            ``kl1``, ``kl2``, ``is_kl3`` and ``trgppo`` constraints, and per-sequence budget of
-            ``seq_kl3`` (KL3(s_i) <= delta, ATR-GRPO Sec. 6.5). Paper default 0.07. With the
-            adaptive controller on, the initial delta.
-        adaptive_delta_target: Opt-in adaptive trust region (ATR-GRPO Sec. 6.5): the target d_targ of the
-            update's measured mean KL3 (``actor/divclip/kl3_mean``; ``seq_kl3_mean`` for ``seq_kl3``), tracked
-            by PPO's adaptive-KL rule (Schulman et al. 2017 Sec. 4) acting on the budget instead of the penalty
-            (:mod:`verl_ext.adaptive_delta`). ``None`` (default) = static delta, the paper's ATR.
-        adaptive_delta_tolerance: The dead band factor (PPO: 1.5), >= 1.
-        adaptive_delta_rate: The multiplicative step (> 1; default 1.5).
-        adaptive_delta_min: Lower bound of the adaptive delta (default 0.005).
-        adaptive_delta_max: Upper bound of the adaptive delta (default 0.5).
-        dual_clip_c: Dual-clip cap c (Ye et al. 2020): for A < 0 the ratio is capped at c. ``None`` (default)
-            disables it, so ``clip`` is exact PPO / DAPO. The divclip modes' key only: verl's own modes read
-            ``actor.clip_ratio_c`` and refuse this one.
-        gppo_beta_low: GPPO (Klear-Reasoner, general form) gradient scale beta_1 of tokens
-            clipped at the lower bound (A < 0): their gradient is beta_1 * (1 - eps_low) * A.
-        gppo_beta_high: GPPO scale beta_2 of tokens clipped at the upper bound (A > 0):
-            gradient beta_2 * (1 + eps_high) * A. Both 1.0 in the paper.
-        dcpo_cap: Upper cap of DCPO's dynamic upper bound (DCPO default 10).
+        delta: Per-token divergence budget of ``kl3`` (ATR-GRPO Theorem 4.2), ``kl1``, ``kl2``, ``is_kl3``,
+            ``trgppo`` and ``kl_full``; per-sequence for ``seq_kl3`` (KL3(s_i) <= delta, Sec. 6.5). The paper's
+            0.07; with the adaptive controller on, its initial value.
+        adaptive_delta_target: Target d_targ of an update's mean KL3 (``actor/divclip/kl3_mean``; ``seq_kl3_mean``
+            for ``seq_kl3``), tracked by PPO's adaptive-KL rule (Schulman et al. 2017 Sec. 4) acting on the
+            budget (ATR-GRPO Sec. 6.5, :mod:`verl_ext.adaptive_delta`). ``None``: static delta, the paper's ATR.
+        adaptive_delta_tolerance: Dead band factor tau >= 1 (PPO's 1.5).
+        adaptive_delta_rate: Multiplicative step r > 1.
+        adaptive_delta_min: Lower bound of the adaptive delta.
+        adaptive_delta_max: Upper bound of the adaptive delta.
+        dual_clip_c: Dual-clip cap c (Ye et al. 2020) of the ratio for A < 0; ``None``: off, so ``clip`` is
+            exact PPO / DAPO. verl's own modes read ``actor.clip_ratio_c`` instead and refuse this key.
+        gppo_beta_low: GPPO (Klear-Reasoner, general form) gradient scale beta_1 of tokens clipped at the lower
+            bound (A < 0): gradient beta_1 * (1 - eps_low) * A. 1.0 in the paper.
+        gppo_beta_high: beta_2 of tokens clipped at the upper bound (A > 0): beta_2 * (1 + eps_high) * A.
+        dcpo_cap: Upper cap of DCPO's dynamic upper bound (DCPO's 10).
         kl_full_top_k: k of ``kl_full`` (ATR-GRPO Eq. 4): KL_t over pi_old's k most likely ids plus a tail
-            bucket (a lower bound of the full-vocabulary KL). 1 <= k <= vocabulary size; default 32
-            (260 bytes per token).
-        kl_full_direction: ``"forward"`` (default): KL(pi_theta || pi_old), Eq. 4; ``"reverse"``:
-            KL(pi_old || pi_theta), the trigger of Truly PPO (Wang et al. 2019).
-        kl_full_diagnostic: Opt-in KL3-vs-trust-region diagnostic on any divclip mode: stores pi_old's top-k
-            and reports where the mode's clip decisions and the full-KL rule's disagree. ``False`` (default) = off.
-        erc_beta_low: ERC lower band beta_l: tokens with H_new / H_old <= 1 - beta_l lose
-            their gradient (ERC paper Eq. 6, beta = 0.05). ``None`` (default) disables ERC.
-            Stacks on every divclip mode and on verl's own modes (``verl_ext.verl_modes``).
-        erc_beta_high: ERC upper band beta_h: tokens with H_new / H_old >= 1 + beta_h lose
-            their gradient. Set together with ``erc_beta_low``.
-        erc_eps: Added to both entropies before the ratio, (H + eps) / (H_old + eps), as the
-            reference ERC code does (1e-8), so zero-entropy tokens get ratio 1, not NaN.
-        correct_nll_coef: Weight of an extra negative log-likelihood term on the responses whose summed
-            token-level reward equals ``correct_reward`` (the released ERC scripts used 0.1; the paper text has
-            none). 0 (default) = off. Only the actor loss installed by ``recipe.main`` applies it.
-        correct_reward: Summed token-level reward that marks a response as correct for the
-            NLL term (1.0 with this project's rewards).
-        correct_nll_norm: How the NLL term is normalised: ``"global"`` (default) like the policy loss (verl's
-            ``agg_loss`` with the global batch info); ``"micro_batch"`` as the released ERC code, per micro-batch.
-        token_dump_path: Opt-in per-token JSONL dump for the ERC Figure 3 scatter
-            (``python -m recipe.plots scatter``); ``{rank}`` becomes the process rank. ``None``
-            (default) = off. Needs ERC on.
+            bucket, a lower bound of the full KL. 1 <= k <= vocabulary; 4 * (2k + 1) bytes per token.
+        kl_full_direction: ``"forward"``: KL(pi_theta || pi_old), Eq. 4; ``"reverse"``: KL(pi_old || pi_theta),
+            the trigger of Truly PPO (Wang et al. 2019).
+        kl_full_diagnostic: On any divclip mode, store pi_old's top-k and report where the mode's clip
+            decisions and the full-KL rule's disagree.
+        erc_beta_low: ERC band beta_l (ERC paper Eq. 6, beta = 0.05): tokens with H_new / H_old <= 1 - beta_l
+            lose their gradient. ``None``: ERC off. Stacks on every mode, verl's own too (``verl_ext.verl_modes``).
+        erc_beta_high: beta_h: tokens with H_new / H_old >= 1 + beta_h lose their gradient. Set with beta_l.
+        erc_eps: Added to both entropies, (H + eps) / (H_old + eps), as the reference ERC code does, so a
+            zero-entropy token gets ratio 1, not NaN.
+        correct_nll_coef: Weight of a negative log-likelihood term on the responses whose summed token-level
+            reward equals ``correct_reward`` (the released ERC scripts: 0.1; not in the paper). Only the actor
+            loss installed by ``recipe.main`` applies it.
+        correct_reward: Summed token-level reward that marks a response correct (1.0 with this project's rewards).
+        correct_nll_norm: ``"global"``: normalised like the policy loss (``agg_loss`` with the global batch
+            info); ``"micro_batch"``: per micro-batch, as the released ERC code.
+        token_dump_path: Per-token JSONL dump for ERC's Figure 3 (``python -m recipe.plots scatter``); ``{rank}``
+            becomes the process rank. Needs ERC on.
         token_dump_every_n_steps: Dump on every n-th training step only.
         token_dump_max_tokens: At most this many tokens per dumped step and process.
-        vocab_pass: Compute log pi(y_t) and the entropy of both actor passes with the chunked vocabulary pass
-            (:mod:`verl_ext.core.vocab_pass`), never building the ``tokens x vocabulary`` logits. ``False``
-            (default): verl's materialised logits.
-        pack_old_log_prob_as_update: Pack the old-log-prob pass as the update's first epoch, so that before the
-            first optimizer step every importance ratio is exactly 1 (verl#6280; docs/losses.md, "On-policy
-            exactness"). ``True`` (default); ``False`` keeps verl's own packing. Needs ``actor.strategy`` fsdp or
-            fsdp2.
-        old_log_prob_from_update: Take pi_old of each step's first update mini-batch from that mini-batch's own
-            update forward, detached, instead of the old-log-prob pass: packed as the pass, it *is* pi_old bit
-            for bit (verl#3996). ``None`` (default): taken where exact, otherwise not (logged with the reason);
-            ``True``: refused before Ray where not exact; ``False``: never (docs/losses.md).
+        vocab_pass: Both passes' log pi(y_t) and entropy by the chunked vocabulary pass
+            (:mod:`verl_ext.core.vocab_pass`), never building the ``tokens x vocabulary`` logits.
+        pack_old_log_prob_as_update: Pack the old-log-prob pass as the update's first epoch, so that every
+            ratio before the first optimizer step is exactly 1 (verl#6280; docs/losses.md, "On-policy
+            exactness"). Needs ``actor.strategy`` fsdp or fsdp2.
+        old_log_prob_from_update: Take pi_old of each step's first mini-batch from its own update forward,
+            detached: packed as the pass, it *is* pi_old bit for bit (verl#3996). ``None``: where exact,
+            otherwise not (logged with the reason); ``True``: refused before Ray where not exact; ``False``: never.
     """
 
     delta: float = 0.07

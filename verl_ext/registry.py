@@ -1,10 +1,6 @@
-"""The divclip modes inside verl: registered with its ``register_policy_loss``, and the config checks that need it.
-
-Every constraint of :data:`verl_ext.core.region.CONSTRAINTS`, and :data:`ERC_ON_VERL_MODE`, is registered on import
-(:func:`register_modes`), never overwriting a verl entry of the same name. verl's ``ppo_loss`` passes the registered
-function only log-probs, advantages, mask and IS weights; what that lacks the actor loss supplies for one call
-(:func:`supplying`; docs/upstream.md). :func:`resolve_policy_config` finds and checks the divclip config in an actor
-config. Imports no engine code.
+"""The divclip modes in verl's ``POLICY_LOSS_REGISTRY`` (registered on import, never overwriting verl's entries),
+with the inputs its signature lacks supplied for one ``ppo_loss`` call (:func:`supplying`; docs/upstream.md), and
+:func:`resolve_policy_config`. Imports no engine code.
 """
 
 from __future__ import annotations
@@ -28,18 +24,10 @@ from verl_ext.core.surrogate import constrained_policy_loss
 
 @dataclass(frozen=True)
 class LossInputs:
-    """What verl's policy-loss signature lacks, for one call of verl's ``ppo_loss`` made by the actor loss.
-
-    Tensors are padded like ``log_prob`` (``(batch, response_length)``; the top-k ``(..., k + 1)``).
-
-    Attributes:
-        old_entropy, entropy: pi_old's and pi_theta's per-token entropies (ERC), else None.
-        topk: pi_old's stored top-k log-masses and pi_theta's on them (``kl_full``, the diagnostic), else None.
-        verl_mode: with ERC on one of verl's own modes, that mode (the actor loss selects
-            :data:`ERC_ON_VERL_MODE` in ``ppo_loss`` and this entry calls ``verl_mode``), else None.
-        verl_config: the actor config ``verl_mode``'s function receives (``ppo_loss`` got a view selecting
-            :data:`ERC_ON_VERL_MODE`).
-    """
+    """What verl's policy-loss signature lacks, for one ``ppo_loss`` call by the actor loss; tensors padded like
+    ``log_prob`` (top-k ``(..., k + 1)``), each None when unused: ``old_entropy``/``entropy`` (ERC), ``topk``
+    (``kl_full``, the diagnostic), and with ERC on one of verl's modes ``verl_mode`` with the actor config
+    ``verl_config`` its function receives (``ppo_loss`` got a view selecting :data:`ERC_ON_VERL_MODE`)."""
 
     old_entropy: Optional[torch.Tensor] = None
     entropy: Optional[torch.Tensor] = None

@@ -1,9 +1,6 @@
-"""ERC on verl's own policy losses (``vanilla``, ``gspo``, ``sapo``, ``clip_cov``, ...).
-
-ERC composes with any of verl's registered losses, as the ERC paper says it does (§3.2, §5.7): a token outside the
-entropy band enters verl's function with a detached log-prob, sg[log pi_theta(y_t)], so every forward value is
-verl's and the token adds no gradient through its own log-prob (per-mode readings: docs/losses.md).
-:data:`VERL_MODE_READS` declares, per verl mode, the knobs verl 0.9.1's function reads (:mod:`verl_ext.knobs`).
+"""ERC on verl's own policy losses (ERC paper §3.2, §5.7): a token outside the entropy band enters verl's function
+as sg[log pi_theta(y_t)], so every value is verl's and the token adds no gradient (docs/losses.md). Also
+:data:`VERL_MODE_READS`: per verl mode, the knobs verl 0.9.1's function reads and its clip rule.
 """
 
 from __future__ import annotations
@@ -72,15 +69,9 @@ def _binary_kl_interval(
 
 @dataclass(frozen=True)
 class VerlModeReads:
-    """What verl's registered function for one mode reads from the actor config, and its clip rule.
-
-    Attributes:
-        reads: knob names of :data:`verl_ext.knobs.KNOBS` (``clip_ratio_low``, ``tau_pos``, ``dro_beta``, ...).
-        summary: the mode in one line (the README's mode table).
-        outside: the mode's clip rule (:data:`ClipRule`), as verl's function applies it; None for a mode that
-            clips nothing (a soft gate, a penalty).
-        needs: knob values without which verl's function refuses to run (DRO's ``dro_beta``).
-    """
+    """What verl's function for one mode reads (``reads``, names of :data:`verl_ext.knobs.KNOBS`) and needs set
+    (``needs``, DRO's ``dro_beta``), its clip rule (``outside``, None for a soft gate or a penalty), and
+    ``summary``, one line for the README's mode table."""
 
     reads: tuple[str, ...]
     summary: str
@@ -138,19 +129,14 @@ def verl_policy_loss(
     old_entropy: Optional[torch.Tensor] = None,
     entropy: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """verl's registered ``mode`` with the divclip ERC band applied (see module doc; the divclip dual-clip is
-    refused on verl's modes).
-
-    ``policy`` is None for a plain verl config: the call is then exactly verl's. With ERC on,
-    ``old_entropy``/``entropy`` (padded like ``log_prob``) are required and ``actor/divclip/erc/*``
-    metrics are added under the same names as the divclip modes report them.
-    """
+    """verl's registered ``mode`` with the ERC band applied: exactly verl's call when ``policy`` is None; with ERC
+    on, ``old_entropy``/``entropy`` (padded like ``log_prob``) are required and the divclip modes'
+    ``actor/divclip/erc/*`` metrics are added."""
     erc_metrics: dict[str, Any] = {}
     if policy is not None and policy.erc_enabled:
         if old_entropy is None or entropy is None:
             raise ValueError(f"ERC on loss_mode={mode!r} needs pi_old's and pi_theta's per-token entropies")
-        # the divclip operator's own band test and gradient gate: the same tokens leave the band,
-        # and lose their gradient the same way, in every mode
+        # the divclip operator's band test and gate: the same tokens lose their gradient in every mode
         band = entropy_ratio_band(old_entropy, entropy, response_mask, policy, torch.float32)
         log_prob = gate_log_prob_gradient(log_prob, band)
         erc_metrics = _erc_metrics(band, response_mask)

@@ -48,10 +48,8 @@ def check_policy_target(config: DictConfig) -> None:
 
 
 def _drop_unset_divclip_keys(policy_loss: DictConfig, target: Any) -> None:
-    """With verl's own policy-loss class selected, the divclip knobs (declared in
-    configs/divclip_trainer.yaml) must be at their defaults: those are dropped so verl's dataclass
-    builds; a set one (ERC on a verl mode, say) is an error naming it, since only
-    ``DivClipPolicyLossConfig`` carries it."""
+    """:func:`check_policy_target`'s second half: drop the divclip knobs at their defaults
+    (configs/divclip_trainer.yaml); a set one is an error naming it."""
     from omegaconf import open_dict
 
     defaults = {f.name: f.default for f in dataclasses.fields(DivClipPolicyLossConfig)}
@@ -127,15 +125,10 @@ def validate_filter_groups(config: DictConfig) -> None:
 
 
 def validate_verl_features(config: DictConfig) -> None:
-    """verl features the recipe's path would drop without a word, refused naming the key (the table of every
-    verl feature against the divclip path: docs/verl_features.md).
-
-    * ``distillation.enabled``: verl's worker installs ``distillation_ppo_loss``, and the divclip trainer
-      replaces every actor loss with its own through ``set_loss_fn``, so the distillation term would vanish.
-    * ``trainer.use_v1=false``: ``recipe.main`` always runs verl's v1 trainer (the hooks are v1's).
-    * ``actor.calculate_sum_pi_squared``: verl 0.9.1's v1 trainer never asks the engine for the sum of
-      squared probabilities (only the legacy trainer's optimal-token baseline reads it), so it does nothing.
-    """
+    """verl features the recipe's path would drop without a word, refused naming the key (docs/verl_features.md):
+    ``distillation.enabled`` (the divclip actor loss replaces verl's ``distillation_ppo_loss``),
+    ``trainer.use_v1=false`` (``recipe.main`` runs verl's v1 trainer) and ``actor.calculate_sum_pi_squared``
+    (only verl's legacy trainer reads it)."""
 
     if config.distillation.enabled:
         raise ValueError(
@@ -246,11 +239,9 @@ def requested_features(policy: DivClipPolicyLossConfig | None) -> dict[str, bool
 
 
 def validate_strategy(actor: Any, policy: DivClipPolicyLossConfig | None) -> None:
-    """Every feature the recipe adds inside verl's actor engine (ERC's fp32 entropy, the vocabulary pass,
-    pi_old's top-k, pack_old_log_prob_as_update) lives in the engine seam, which covers verl's FSDP engine only
-    (:data:`verl_ext.engine.request.SUPPORTED_STRATEGIES`). Another ``actor.strategy`` with any of them
-    on is refused here, naming the keys -- it would otherwise run silently without them. ``policy`` is
-    None for verl's plain policy-loss config, whose actor loss still packs the old pass as the update."""
+    """The engine seam, where every feature the recipe adds inside verl's actor engine lives, covers verl's FSDP
+    engine only (:data:`verl_ext.engine.request.SUPPORTED_STRATEGIES`): another ``actor.strategy`` with any of
+    them on would run silently without them, so it is refused naming the keys (:func:`requested_features`)."""
     strategy = actor.strategy
     if strategy in SUPPORTED_STRATEGIES:
         return
@@ -512,11 +503,9 @@ def _local_dropout(model_path: Any) -> str | None:
 
 
 def validate_vocab_pass(config: DictConfig) -> None:
-    """``policy_loss.vocab_pass=true`` never builds the logits and runs inside verl's FSDP actor
-    engine: refuse what needs the logits or another forward (named keys), before Ray starts.
-    Per-sample temperatures need nothing: the pass takes one temperature per token. (The other consumers of
-    the logits, ``calculate_sum_pi_squared`` and distillation, are refused for every run:
-    :func:`validate_verl_features`.)"""
+    """``policy_loss.vocab_pass=true`` never builds the logits: refuse what needs them or another forward,
+    naming the keys (per-sample temperatures are fine: one temperature per token; ``calculate_sum_pi_squared``
+    and distillation are refused for every run by :func:`validate_verl_features`)."""
     model = config.actor_rollout_ref.model
     if model.use_fused_kernels:
         raise ValueError(
@@ -534,10 +523,8 @@ def validate_vocab_pass(config: DictConfig) -> None:
 
 
 def validate_old_topk(config: DictConfig, actor: Any, policy: DivClipPolicyLossConfig) -> None:
-    """``kl_full`` / ``kl_full_diagnostic`` need pi_old's top-k, stored by the old-log-prob pass from the
-    logits (materialised, or the vocabulary pass's slices) of an unsharded sequence: refuse what skips
-    that pass or those logits, and a k larger than the model's vocabulary (read from a local
-    checkpoint's config.json)."""
+    """``kl_full`` / ``kl_full_diagnostic`` need pi_old's top-k from the old-log-prob pass's logits of an unsharded
+    sequence: refuse what skips that pass or those logits, and a k above a local checkpoint's vocabulary."""
     what = (
         f"{ACTOR}.policy_loss.loss_mode=kl_full"
         if policy.loss_mode == "kl_full"

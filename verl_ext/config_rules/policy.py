@@ -42,15 +42,10 @@ NOT_COMPOSABLE = frozenset({"bypass_mode"})
 
 @register_mode_check
 def check_policy_config(policy: DivClipPolicyLossConfig) -> None:
-    """Raise ``ValueError`` naming the key where ``policy`` does not fit its ``loss_mode``: the mode
-    is registered (a divclip constraint or verl's own), ``adaptive_delta_target`` is set only on a
-    KL-budget mode, and on verl's modes ERC can apply and dual-clip is not set (:func:`check_verl_mode_options`).
-
-    The config dataclass checks its values alone (:mod:`verl_ext.config` does not import this
-    module); this is the half that needs the registry. Registered with
-    :func:`verl_ext.config.register_mode_check`, so it also runs in ``__post_init__`` of every
-    config built once this module is imported; consumers (:func:`resolve_policy_config`, the
-    actor loss, ``recipe.config_checks``, the adaptive-delta controller) call it as well.
+    """Raise ``ValueError`` naming the key where ``policy`` does not fit its ``loss_mode``: the mode is registered,
+    ``adaptive_delta_target`` is set only on a KL-budget mode, and on verl's modes ERC can apply and dual-clip is
+    not set. The half of the config's checks that needs the registry: it runs in every ``__post_init__`` once this
+    module is imported (:func:`verl_ext.config.register_mode_check`), and every consumer of a config calls it too.
     """
     mode = policy.loss_mode
     if mode == ERC_ON_VERL_MODE:
@@ -104,10 +99,9 @@ def check_divclip_target(mode: Any, target: Any) -> None:
 
 
 def check_entropy_as_mask(*, entropy_coeff: float) -> None:
-    """The rule of :func:`verl_ext.engine.request.entropy_as_mask` (also run by the recipe's validation before
-    Ray, via :func:`check_erc`): ``entropy_coeff`` is ``actor_rollout_ref.actor.entropy_coeff``, and a non-zero
-    bonus differentiates the entropy, which the graph-free float32 entropy (ERC's: pi_old's and pi_theta's the
-    same number on-policy) cannot."""
+    """The rule of :func:`verl_ext.engine.request.entropy_as_mask` (and of :func:`check_erc` before Ray): a
+    non-zero ``actor_rollout_ref.actor.entropy_coeff`` differentiates the entropy, which ERC's graph-free float32
+    entropy cannot."""
     if entropy_coeff != 0:
         raise ValueError(
             f"actor_rollout_ref.actor.entropy_coeff={entropy_coeff} adds an entropy bonus, which needs the "

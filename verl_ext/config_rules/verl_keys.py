@@ -33,9 +33,8 @@ def verl_config_dir() -> Path:
 
 @lru_cache(maxsize=1)
 def verl_schema() -> DictConfig:
-    """verl's ``ppo_trainer`` config as verl ships it flattened (``_generated_ppo_trainer.yaml``, which verl
-    generates from ``ppo_trainer.yaml``; the table's test checks it against a fresh composition). Read
-    without Hydra, so it works inside ``recipe.main``'s own Hydra app."""
+    """verl's ``ppo_trainer`` config as verl ships it flattened (``_generated_ppo_trainer.yaml``), read without
+    Hydra so that it works inside ``recipe.main``'s own Hydra app."""
     path = verl_config_dir() / "_generated_ppo_trainer.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"verl's flattened ppo_trainer config is missing: {path}")
@@ -164,9 +163,8 @@ def check_rollout_correction_needs_log_probs(config: DictConfig) -> None:
 
 def check_parameter_sync_step(config: DictConfig) -> None:
     """verl's base trainer reads ``trainer.v1.<trainer_mode>.parameter_sync_step`` in every mode
-    (``PPOTrainer.step``): each step then trains that many local updates, each on train_batch_size /
-    parameter_sync_step samples of the step's rollouts, recomputing pi_old with the current weights before
-    each. Only separate_async's (Decoupled PPO: pi_old is the cycle's first weights) is supported here."""
+    (``PPOTrainer.step``), training that many local updates a step, each recomputing pi_old first; only
+    separate_async's (Decoupled PPO: pi_old is the cycle's first weights) is supported here."""
     active = _value(config, TRAINER_MODE)
     for mode in ("sync", "colocate_async"):
         key = f"trainer.v1.{mode}.parameter_sync_step"

@@ -1,10 +1,6 @@
-"""The exact per-token trust region of ATR-GRPO Eq. 4 over pi_old's stored top-k: the math.
-
-``kl_full`` keeps, per response token, pi_old's k most likely ids and k + 1 log-masses (the top-k and a tail
-bucket, :func:`topk_rows`), evaluates pi_theta on the same buckets without a graph (:func:`log_masses_rows`), and
-takes the KL between the two bucket distributions (:func:`coarsened_kl`): a lower bound of the full-vocabulary KL,
-exact when both tails are empty. Which pass stores and which evaluates is :mod:`verl_ext.engine.topk_capture`'s
-business; docs/losses.md has the rest.
+"""The math of ``kl_full``, ATR-GRPO Eq. 4's per-token trust region over pi_old's stored top-k: pi_old's k + 1
+bucket log-masses (:func:`topk_rows`), pi_theta's on the same buckets (:func:`log_masses_rows`) and the KL between
+them (:func:`coarsened_kl`), a lower bound of the full KL. The passes: :mod:`verl_ext.engine.topk_capture`.
 """
 
 from __future__ import annotations
@@ -40,18 +36,16 @@ def stored_bytes_per_token(k: int) -> int:
 
 
 def check_top_k(k: int, vocab: int, key: str = TOP_K_KEY, low: int = 1) -> int:
-    """``k`` as an int if ``low <= k <= vocab``, else a ValueError naming ``key`` and the vocabulary size.
-    The one check of a top-k size against a vocabulary (the stored top-k, the vocabulary pass's top-k,
-    the bucket ids, the tail probe)."""
+    """``k`` if ``low <= k <= vocab``, else a ValueError naming ``key`` and the vocabulary size: the one check of
+    a top-k size against a vocabulary."""
     if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= vocab:
         raise ValueError(f"{key}={k!r} must lie in [{low}, vocabulary size {vocab}]")
     return k
 
 
 def tail_log_mass_(z: torch.Tensor) -> torch.Tensor:
-    """``(rows, 1)``: the logsumexp of each row of ``z`` (logits whose bucket columns were set to
-    ``-inf``), computed directly -- the tail bucket's log-mass, without a ``1 - sum(top-k)``
-    cancellation. Overwrites ``z``. An all ``-inf`` row (every column a bucket) gives ``-inf``."""
+    """``(rows, 1)``: the tail bucket's log-mass, the logsumexp of each row of ``z`` (logits with the bucket
+    columns at ``-inf``; an all ``-inf`` row gives ``-inf``). Overwrites ``z``."""
     top = z.amax(dim=-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, 0.0)  # an empty tail: exp(-inf) = 0, log 0 = -inf
     return top + torch.log(z.sub_(top).exp_().sum(dim=-1, keepdim=True))
@@ -59,23 +53,14 @@ def tail_log_mass_(z: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def log_masses_rows(chunk: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Log-masses of ``softmax(chunk)`` on the buckets ``ids`` (each its own bucket) plus the tail.
-
-    Args:
-        chunk: ``(rows, vocab)`` logits, any float dtype.
-        ids: ``(rows, k)`` distinct ids per row (any integer dtype).
-
-    Returns:
-        ``(rows, k + 1)`` float32: ``log p(ids)`` then ``log p(every other id)`` (``-inf`` when
-        ``k`` = vocabulary). Each row's result depends on that row only.
-    """
+    """Log-masses of ``softmax(chunk)`` (``(rows, vocab)`` logits) on ``ids`` (``(rows, k)``, distinct per row):
+    ``(rows, k + 1)`` float32, ``log p(ids)`` then the tail (``-inf`` when ``k`` = vocabulary), row by row."""
     z = chunk.detach().float()  # our own working copy (a view only if chunk is float32: cloned below)
     if z.data_ptr() == chunk.data_ptr():
         z = z.clone()
     index = ids.long()
     at_ids = z.gather(-1, index)
-    # The tail bucket: the complement's own logsumexp (no 1 - sum(top-k) cancellation), in place on the
-    # working copy -- the one pass over the vocabulary; the normaliser then comes from k + 1 numbers.
+    # The tail: the complement's own logsumexp (no 1 - sum(top-k) cancellation), the one vocabulary pass.
     z.scatter_(-1, index, -math.inf)
     buckets = torch.cat([at_ids, tail_log_mass_(z)], dim=-1)
     return buckets - torch.logsumexp(buckets, dim=-1, keepdim=True)
@@ -84,10 +69,7 @@ def log_masses_rows(chunk: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def topk_rows(chunk: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """pi_old's top-k of each row of ``chunk`` (``(rows, vocab)`` logits): ``(log_masses, ids)``,
-    ``(rows, k + 1)`` float32 (see :func:`log_masses_rows`) and ``(rows, k)`` int32.
-
-    The producer on materialised logits (the vocabulary pass has its own:
-    :func:`verl_ext.core.vocab_pass.bucket_log_masses` on the pass's top-k ids)."""
+    ``(rows, k + 1)`` float32 (:func:`log_masses_rows`) and ``(rows, k)`` int32."""
     check_top_k(k, chunk.shape[-1])
     ids = torch.topk(chunk.detach(), k, dim=-1, sorted=True).indices
     return log_masses_rows(chunk, ids), ids.to(torch.int32)
@@ -104,8 +86,7 @@ def _over_row_chunks(
 
 @torch.no_grad()
 def topk_of_rows(logits: torch.Tensor, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`topk_rows` of ``logits[rows]``, in chunks of :data:`verl_ext.core.entropy.EAGER_CHUNK_BYTES` of
-    float32."""
+    """:func:`topk_rows` of ``logits[rows]``, chunked."""
     parts = _over_row_chunks(logits, rows, lambda chunk, _: topk_rows(chunk, k))
     if not parts:
         return logits.new_zeros((0, k + 1), dtype=torch.float32), torch.zeros(
@@ -126,15 +107,10 @@ def log_masses_of_rows(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tens
 def coarsened_kl(
     new_log_masses: torch.Tensor, old_log_masses: torch.Tensor, direction: Direction = "forward"
 ) -> torch.Tensor:
-    """Per-token KL between pi_theta and pi_old on pi_old's k + 1 buckets (top-k ids + tail), float64.
+    """Per-token KL between pi_theta and pi_old on pi_old's k + 1 buckets (``(..., k + 1)`` log-masses), float64.
 
-    ``forward``: KL(pi_theta || pi_old) = sum_b p_b (log p_b - log q_b) (ATR-GRPO Eq. 4);
-    ``reverse``: KL(pi_old || pi_theta) (Truly PPO's trigger). A lower bound of the full-vocabulary
-    KL, equal to it when the tail is empty. Buckets without mass under the weighting policy
-    contribute 0 (also when the other policy has none there: ``0 log 0 = 0``).
-
-    Args:
-        new_log_masses, old_log_masses: ``(..., k + 1)`` log-masses of pi_theta and pi_old.
+    ``forward``: KL(pi_theta || pi_old) = sum_b p_b (log p_b - log q_b) (ATR-GRPO Eq. 4); ``reverse``:
+    KL(pi_old || pi_theta) (Truly PPO's trigger). A bucket without mass under the weighting policy adds 0.
     """
     if direction not in KL_DIRECTIONS:
         raise ValueError(
@@ -172,8 +148,8 @@ class TopKLogMasses:
 
 
 def full_kl_sums(kl: torch.Tensor, topk: TopKLogMasses, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Sums for the metrics of the coarsened KL (the caller averages them over valid tokens, except
-    :data:`NOT_AVERAGED`): its mean and max over valid tokens, and both policies' tail masses."""
+    """Sums of the coarsened KL's metrics (mean and max, both tail masses), averaged by the caller over valid
+    tokens except :data:`NOT_AVERAGED`."""
     tail_old, tail_new = topk.tail_masses()
     valid_kl = torch.where(mask, kl, 0.0)
     return {
@@ -191,9 +167,9 @@ def diagnostic_sums(
     pessimistic_side: torch.Tensor,
     deltas: dict[str, float],
 ) -> dict[str, torch.Tensor]:
-    """The KL3-vs-trust-region diagnostic: for each named budget delta, the counts of valid tokens the
-    mode clips but the full-KL rule (KL_t > delta on Eq. 5's pessimistic side) keeps (``mode_only``),
-    and the converse (``full_only``); the coarsened KL summed over clipped and unclipped tokens."""
+    """The KL3-vs-trust-region diagnostic: per budget delta, the valid tokens the mode clips but the full-KL rule
+    (KL_t > delta on Eq. 5's pessimistic side) keeps (``mode_only``) and the converse (``full_only``); the
+    coarsened KL summed over clipped and unclipped tokens."""
     sums: dict[str, torch.Tensor] = {}
     mode_clipped = clipped & mask
     for name, delta in deltas.items():

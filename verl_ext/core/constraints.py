@@ -1,9 +1,6 @@
-"""The constraints of the unified operator (ATR-GRPO Eq. 5): each method a few lines.
-
-Clip / Clip-Higher, GPPO, KL3 (ATR-GRPO), KL1, KL2, IS-KL3, TRGPPO, sequence-level KL3 (ATR-GRPO
-Sec. 6.5), the exact trust region on pi_old's top-k (``kl_full``, Eq. 4) and DCPO, each defined with
-:func:`verl_ext.core.region.define_constraint`. Everything else is the shared operator
-(:mod:`verl_ext.core.surrogate`, which imports this module so that every definition is present).
+"""The constraints of the unified operator (ATR-GRPO Eq. 5), each method a few lines: Clip / Clip-Higher, GPPO,
+KL3, KL1, KL2, IS-KL3, TRGPPO, sequence-level KL3 (Sec. 6.5), ``kl_full`` (Eq. 4) and DCPO. Everything else is the
+shared operator, :mod:`verl_ext.core.surrogate`, which imports this module so that every definition is present.
 """
 
 from __future__ import annotations
@@ -79,17 +76,12 @@ def is_kl3_region(inputs: ConstraintInputs) -> TrustRegion:
 )
 def trgppo_region(inputs: ConstraintInputs) -> TrustRegion:
     """TRGPPO "full KL-guided" bounds: w in [min(l, 1-eps_low), max(u, 1+eps_high)] where l, u
-    solve KL(Bern(q) || Bern(q w)) = delta per token.
-
-    Both intervals contain 1, so membership of their union is decided without solving for
-    l and u: the Bernoulli KL is within budget, or the ratio is within the epsilon clip.
-    The roots only feed the ``ratio_lower/upper`` metrics (see ``metric_sample``), where
-    they are interpolated from a per-delta table.
-    """
+    solve KL(Bern(q) || Bern(q w)) = delta per token. Both intervals contain 1, so membership of their
+    union needs no roots (KL within budget, or w within the epsilon clip); the roots, interpolated from a
+    per-delta table, only feed the ``ratio_lower/upper`` metrics."""
     eps_inside = (inputs.ratio >= 1.0 - inputs.clip_ratio_low) & (inputs.ratio <= 1.0 + inputs.clip_ratio_high)
-    # Only tokens outside the epsilon band can be rescued by the KL budget -- usually few --
-    # so the Bernoulli KL is evaluated on that subset and scattered back.
-    # (one nonzero + index_put: boolean-mask indexing costs tens of elementwise passes on CPU)
+    # Only the (usually few) tokens outside the epsilon band need the KL: evaluated there, scattered back
+    # (one nonzero + index_put: boolean-mask indexing costs tens of elementwise passes on CPU).
     beyond_eps = (~eps_inside).reshape(-1).nonzero().squeeze(1)
     within_budget = divergences.bernoulli_kl_within(
         inputs.old_log_prob.reshape(-1)[beyond_eps], inputs.log_ratio.reshape(-1)[beyond_eps], inputs.policy.delta
@@ -109,10 +101,8 @@ def trgppo_region(inputs: ConstraintInputs) -> TrustRegion:
     summary="s_i − 1 − log s_i ≤ δ on GSPO's sequence ratio s_i = exp(mean_t log w) (ATR-GRPO §6.5)",
 )
 def seq_kl3_region(inputs: ConstraintInputs) -> TrustRegion:
-    """Sequence-level ATR (ATR-GRPO Sec. 6.5): KL3(s_i) = s_i - 1 - log s_i <= delta for GSPO's
-    s_i = exp(mean_t log w_{i,t}), i.e. s_i in [l_delta, u_delta] (the Lambert-W bounds of
-    ``kl3``): the asymmetric counterpart of GSPO's symmetric clip of s_i. The operator passes
-    s_i (broadcast over the sequence's tokens) as ``inputs.ratio``."""
+    """Sequence-level ATR (ATR-GRPO Sec. 6.5): KL3(s_i) <= delta for GSPO's s_i = exp(mean_t log w_{i,t}),
+    ``kl3``'s bounds on s_i, which the operator passes (broadcast over the tokens) as ``inputs.ratio``."""
     return kl3_region(inputs)
 
 
@@ -126,13 +116,9 @@ def seq_kl3_region(inputs: ConstraintInputs) -> TrustRegion:
     "of the full-vocabulary KL; `reverse`: Truly PPO)",
 )
 def kl_full_region(inputs: ConstraintInputs) -> TrustRegion:
-    """The exact trust region of ATR-GRPO Eq. 4 on pi_old's top-k: KL_t <= delta, where KL_t is
-    KL(pi_theta || pi_old) (``kl_full_direction=forward``) or KL(pi_old || pi_theta) (``reverse``, Truly
-    PPO's trigger) between the two policies' (k + 1)-bucket coarsenings (top-k ids + tail), a lower
-    bound of the full-vocabulary KL (:func:`verl_ext.core.coarsened_kl.coarsened_kl`).
-
-    The region is not a ratio interval (it depends on the whole distribution), so no ratio bounds are
-    reported."""
+    """ATR-GRPO Eq. 4's trust region on pi_old's top-k: KL_t <= delta, KL_t the coarsened KL in
+    ``kl_full_direction`` (:func:`verl_ext.core.coarsened_kl.coarsened_kl`). Not a ratio interval (it depends on
+    the whole distribution), so no ratio bounds are reported."""
     if inputs.full_kl is None:
         raise ValueError(KL_FULL_NEEDS_TOPK)
     no_bounds = inputs.ratio.new_zeros(0)
@@ -145,14 +131,9 @@ def kl_full_region(inputs: ConstraintInputs) -> TrustRegion:
     summary="DCPO dynamic bounds from q = π_old(token), the upper one capped",
 )
 def dcpo_region(inputs: ConstraintInputs) -> TrustRegion:
-    """DCPO dynamic clipping with eps_low/eps_high = actor.clip_ratio_low/high and
-    cap = policy_loss.dcpo_cap: w in [1/2 + 1/2 sqrt(max(0, 1 - 4 eps_low/q)),
-    min(1/2 + 1/2 sqrt(1 + 4 eps_high/q), cap)], q = pi_old(token).
-
-    Squaring the bounds gives a root-free test: for w >= 1/2 the interval is
-    -eps_low <= q w (w - 1) <= eps_high (and w <= cap). The closed-form bounds only feed
-    the ``ratio_lower/upper`` metrics (see ``metric_sample``).
-    """
+    """DCPO dynamic clipping, q = pi_old(token): w in [1/2 + 1/2 sqrt(max(0, 1 - 4 eps_low/q)),
+    min(1/2 + 1/2 sqrt(1 + 4 eps_high/q), cap)]. Squared, a root-free test: for w >= 1/2,
+    -eps_low <= q w (w - 1) <= eps_high (and w <= cap); the bounds only feed the ``ratio_lower/upper`` metrics."""
     ratio = inputs.ratio
     spread = torch.exp(inputs.old_log_prob) * ratio * (ratio - 1.0)
     inside = (
@@ -171,12 +152,8 @@ METRIC_SAMPLE = 1024
 
 
 def metric_sample(inputs: ConstraintInputs) -> torch.Tensor:
-    """Old log-probs of the valid tokens among at most ``METRIC_SAMPLE`` evenly strided
-    positions of the batch.
-
-    Per-token bounds whose mask test needs no bounds (TRGPPO, DCPO) are reported as their
-    mean over this sample, so the metric costs O(METRIC_SAMPLE), not a pass over the batch.
-    """
+    """Old log-probs of the valid tokens among at most ``METRIC_SAMPLE`` evenly strided positions: TRGPPO's and
+    DCPO's bound metrics are means over it, costing O(METRIC_SAMPLE) rather than a pass over the batch."""
     old = inputs.old_log_prob.reshape(-1)
     stride = max(1, -(-old.numel() // METRIC_SAMPLE))
     return old[::stride][inputs.response_mask.reshape(-1)[::stride]]

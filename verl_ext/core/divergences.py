@@ -1,10 +1,6 @@
-"""Closed forms that turn a per-token divergence budget into a ratio interval.
-
-Every constraint of the unified framework has the form D(w_t) <= delta, w_t = pi_theta / pi_old of the sampled
-token. For the estimators used here D is convex in log w with D(1) = 0, so {w : D(w) <= delta} is an interval
-[l, u] containing 1: Lambert-W closed forms for KL3 (ATR-GRPO, Theorem 4.2) and IS-KL3, exponentials for KL1 and
-KL2, per-token bounds for TRGPPO (numeric) and DCPO (closed form); docs/losses.md has the table. Scalars are
-float64, per-token quantities torch tensors.
+"""The ratio interval [l, u] of a per-token budget D(w_t) <= delta (D convex in log w, D(1) = 0): Lambert-W
+closed forms for KL3 (ATR-GRPO Theorem 4.2) and IS-KL3, exponentials for KL1 and KL2, per-token bounds for TRGPPO
+(numeric) and DCPO. Scalars are float64, per-token quantities torch tensors (the table: docs/losses.md).
 """
 
 from __future__ import annotations
@@ -17,12 +13,8 @@ _INV_E = math.exp(-1.0)
 
 
 def lambert_w(z: float, branch: int = 0) -> float:
-    """Real Lambert W: the solution of w * e^w = z on branch 0 (w >= -1) or -1 (w <= -1).
-
-    Branch 0 is defined for z >= -1/e, branch -1 for -1/e <= z < 0. Halley's iteration from
-    the branch-point series (near z = -1/e) or the usual asymptotic starts converges to
-    machine precision in a handful of steps.
-    """
+    """Real Lambert W, w * e^w = z, on branch 0 (w >= -1, z >= -1/e) or -1 (w <= -1, -1/e <= z < 0): Halley's
+    iteration from the branch-point series or the asymptotic start, to machine precision."""
     if branch not in (0, -1):
         raise ValueError(f"lambert_w: branch must be 0 or -1, got {branch}")
     if math.isnan(z) or z < -_INV_E - 1e-15:
@@ -76,13 +68,9 @@ def kl2_ratio_bounds(delta: float) -> tuple[float, float]:
 
 
 def is_kl3_ratio_bounds(delta: float) -> tuple[float, float]:
-    """Ratio interval of w * k3(1/w) = w log w - w + 1 <= delta.
-
-    With y = log(w / e): w (log w - 1) = delta - 1  <=>  y e^y = (delta - 1) / e, so
-    w = e^{1 + W(z)} with z = (delta - 1) / e; branch 0 gives the upper end, branch -1 the
-    lower end. For delta >= 1 the estimator never exceeds delta below w = 1 (it tends to 1
-    as w -> 0), so the lower end is 0.
-    """
+    """Ratio interval of w * k3(1/w) = w log w - w + 1 <= delta: w = e^{1 + W(z)}, z = (delta - 1) / e (with
+    y = log(w / e), y e^y = z), branch 0 the upper end, -1 the lower; 0 for delta >= 1 (the estimator tends to 1
+    as w -> 0)."""
     _check_delta(delta)
     z = (delta - 1.0) / math.e
     upper = math.exp(1.0 + lambert_w(z, 0))
@@ -106,11 +94,8 @@ def kl3(log_ratio: torch.Tensor) -> torch.Tensor:
 
 
 def bernoulli_kl(old_log_prob: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
-    """KL(Bern(q) || Bern(q w)) for the sampled token, q = pi_old, q w = pi_theta.
-
-    = -q log w + (1-q) log((1-q) / (1-q w)). Evaluated in log space (1-q = -expm1(log q))
-    so q -> 1 and q -> 0 stay finite; +inf where q w >= 1 (outside every trust region).
-    """
+    """KL(Bern(q) || Bern(q w)) = -q log w + (1-q) log((1-q) / (1-q w)), q = pi_old(token), in log space so that
+    q -> 0 and q -> 1 stay finite; +inf where q w >= 1 (outside every trust region)."""
     kl, feasible = _bernoulli_kl_where_feasible(old_log_prob, log_ratio)
     return torch.where(feasible, kl, torch.full_like(kl, math.inf))
 
@@ -138,12 +123,8 @@ def _bernoulli_kl_where_feasible(
 def trgppo_ratio_bounds(
     old_log_prob: torch.Tensor, delta: float, iterations: int = 40
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token roots l < 1 < u of KL(Bern(q) || Bern(q w)) = delta (TRGPPO).
-
-    Bisection on x = log w (the KL is convex in x with its minimum 0 at x = 0): the upper
-    root lies in (0, -log q) because q w < 1, the lower root in (-60, 0). Forty halvings give
-    ~1e-10 relative accuracy, far below what a ratio mask can resolve.
-    """
+    """Per-token roots l < 1 < u of KL(Bern(q) || Bern(q w)) = delta (TRGPPO), by bisection on x = log w (convex,
+    0 at x = 0): u in (0, -log q) since q w < 1, l in (-60, 0); forty halvings give ~1e-10 relative accuracy."""
     a = old_log_prob.detach().double()
     hi_lo = torch.zeros_like(a)
     hi_hi = -a  # q w = 1 at x = -log q
@@ -168,12 +149,8 @@ TRGPPO_TABLE_POINTS = 32769
 
 
 def trgppo_bound_table(delta: float) -> torch.Tensor:
-    """log l and log u of TRGPPO on an even grid of log q over ``TRGPPO_TABLE_RANGE``.
-
-    (2, TRGPPO_TABLE_POINTS) float64, solved once per delta with a 60-step bisection and
-    clamped to +-20: verl clamps log-ratios there, so a bound beyond e^{+-20} is no bound
-    (below q = e^-25 both are beyond it).
-    """
+    """``(2, TRGPPO_TABLE_POINTS)`` float64 log l and log u of TRGPPO on an even grid of log q, solved once per
+    delta and clamped to +-20, where verl clamps log-ratios (below q = e^-25 both bounds lie beyond)."""
     if delta not in _TRGPPO_TABLES:
         grid = torch.linspace(*TRGPPO_TABLE_RANGE, TRGPPO_TABLE_POINTS, dtype=torch.float64)
         grid[-1] = -1e-12  # q = 1 exactly has the degenerate upper root 1
@@ -183,12 +160,8 @@ def trgppo_bound_table(delta: float) -> torch.Tensor:
 
 
 def trgppo_ratio_bounds_interpolated(old_log_prob: torch.Tensor, delta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """TRGPPO bounds by linear interpolation of :func:`trgppo_bound_table` in log space.
-
-    A few tensor ops instead of a bisection. Error in log-bound: < 1e-3 while the bound lies
-    within e^{+-15}, < 1e-2 next to the e^{+-20} clamp (tested). For reporting bounds, not
-    for deciding the mask (which needs no roots at all).
-    """
+    """TRGPPO bounds interpolated from :func:`trgppo_bound_table` in log space, for the metrics only. Error in
+    log-bound: < 1e-3 within e^{+-15}, < 1e-2 next to the e^{+-20} clamp (tested)."""
     table = trgppo_bound_table(float(delta)).to(old_log_prob.device)
     lo, hi = TRGPPO_TABLE_RANGE
     step = (hi - lo) / (TRGPPO_TABLE_POINTS - 1)
@@ -203,11 +176,8 @@ def trgppo_ratio_bounds_interpolated(old_log_prob: torch.Tensor, delta: float) -
 def dcpo_ratio_bounds(
     old_log_prob: torch.Tensor, eps_low: float, eps_high: float, cap: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DCPO dynamic bounds from the old token probability q.
-
-    [1/2 + 1/2 sqrt(max(0, 1 - 4 eps_low / q)), min(1/2 + 1/2 sqrt(1 + 4 eps_high / q), cap)]:
-    rare tokens (small q) get wide bounds, the upper one capped.
-    """
+    """DCPO's bounds from q = pi_old(token): [1/2 + 1/2 sqrt(max(0, 1 - 4 eps_low / q)),
+    min(1/2 + 1/2 sqrt(1 + 4 eps_high / q), cap)]; rare tokens get wide bounds."""
     inv_q = torch.exp(-old_log_prob)  # +inf for q underflow is fine: clamps below handle it
     lower = 0.5 + 0.5 * torch.sqrt(torch.clamp(1.0 - 4.0 * eps_low * inv_q, min=0.0))
     upper = torch.clamp(0.5 + 0.5 * torch.sqrt(1.0 + 4.0 * eps_high * inv_q), max=cap)

@@ -1,10 +1,7 @@
-"""The per-token entropy of a softmax, in float32, without cancellation and without a graph.
-
-ERC compares H(pi_theta, t) with H(pi_old, t), which on-policy must be the same number; verl computes the entropy
-as ``logsumexp(x) - sum(softmax(x) * x)`` in the logits' dtype, noise for a confident token under bf16.
-:func:`entropy_fp32` uses H = log1p(r) + sum(exp(z) * (-z)) / (1 + r), z = x - max(x), r = sum_{z<0} exp z +
-(#ties - 1): every term is non-negative, so nothing cancels. Its sums merge exactly over vocabulary slices
-(:func:`merge_row_stats`, for the vocabulary pass). docs/losses.md ("One function for both passes") has the rest.
+"""The per-token entropy of a softmax in float32, cancellation-free and graph-free, for ERC's on-policy ratio
+(verl's ``logsumexp(x) - sum(softmax(x) * x)`` in bf16 is noise for a confident token): H = log1p(r) +
+sum(exp(z) * (-z)) / (1 + r), z = x - max(x), r = sum_{z<0} exp z + (#ties - 1), every term non-negative,
+mergeable over vocabulary slices (docs/losses.md, "One function for both passes").
 """
 
 from __future__ import annotations
@@ -53,10 +50,9 @@ def _entropy_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 class EagerRows:
-    """:func:`_entropy_rows`' formula for the eager path, over two float32 ``rows x vocab`` buffers
-    allocated once per call and reused by every chunk (fresh buffers per chunk cost a page fault per
-    4 KiB on CPU, more than the arithmetic). The tie term is taken by zeroing ``exp(z)`` at the
-    arg-max instead of counting ``z == 0``: the other maxima keep ``exp(0) = 1`` in ``r``, the same sum."""
+    """:func:`_entropy_rows`' formula for the eager path, over two float32 ``rows x vocab`` buffers reused by
+    every chunk (fresh ones cost a page fault per 4 KiB on CPU, more than the arithmetic). Ties: ``exp(z)`` is
+    zeroed at the arg-max only, so the other maxima keep their 1 in ``r``."""
 
     def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
         self.shifted = torch.empty(rows, vocab, dtype=torch.float32, device=device)
@@ -74,10 +70,8 @@ class EagerRows:
         return log1p_rest + spread / (1.0 + rest), top, log1p_rest
 
     def stats(self, chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The formula's three non-negative-term sums of each row, ``(max, r, s)`` with ``z = x - max``,
-        ``r = sum_{j != argmax} exp(z_j)`` and ``s = sum_j exp(z_j) (-z_j)``: ``H = log1p(r) + s / (1 + r)``.
-        Rows split over vocabulary slices merge exactly (:func:`merge_row_stats`; the vocabulary pass,
-        :mod:`verl_ext.core.vocab_pass`)."""
+        """The three sums of each row, ``(max, r, s)`` with ``z = x - max``, ``r = sum_{j != argmax} exp(z_j)``,
+        ``s = sum_j exp(z_j) (-z_j)``: ``H = log1p(r) + s / (1 + r)`` (slices merge: :func:`merge_row_stats`)."""
         n = chunk.shape[0]
         z, e = self.shifted[:n, : chunk.shape[1]], self.exps[:n, : chunk.shape[1]]
         z.copy_(chunk)  # a copy: never touch the logits
@@ -92,12 +86,9 @@ class EagerRows:
 def merge_row_stats(
     first: tuple[torch.Tensor, torch.Tensor, torch.Tensor], second: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(max, r, s)`` of rows whose vocabulary is the union of two parts' (:meth:`EagerRows.stats`).
-
-    With ``d = |max_1 - max_2|`` and the part holding the larger max called "big": ``r = r_big +
-    (1 + r_small) e^-d`` and ``s = s_big + e^-d (s_small + d (1 + r_small))`` -- every term still
-    non-negative, so merging keeps the formula cancellation-free. Equal maxima count as a tie (``+1``
-    in ``r``), as in the single-pass formula."""
+    """``(max, r, s)`` of rows whose vocabulary is the union of two parts' (:meth:`EagerRows.stats`): with
+    ``d = |max_1 - max_2|``, ``r = r_big + (1 + r_small) e^-d`` and ``s = s_big + e^-d (s_small + d (1 + r_small))``,
+    every term non-negative (no cancellation); equal maxima count as a tie (``+1`` in ``r``)."""
     (top1, rest1, spread1), (top2, rest2, spread2) = first, second
     second_bigger = top2 > top1
     gap = (top1 - top2).abs()
@@ -114,14 +105,9 @@ def merge_row_stats(
 
 @torch.no_grad()
 def entropy_fp32(logits: torch.Tensor, chunk_size: Optional[int] = None) -> torch.Tensor:
-    """Shannon entropy of ``softmax(logits)`` over the last dim: float32, no autograd graph, eager.
-
-    Accepts ``(..., vocab)`` in any float dtype and returns ``(...)`` float32 with
-    ``requires_grad=False``. Rows are processed in chunks of at most :data:`EAGER_CHUNK_BYTES` per
-    float32 buffer; ``chunk_size`` (verl's ``entropy_from_logits_chunk_size``, sized for its autograd
-    path) only applies when smaller. The result of a row never depends on the chunking or on the
-    other rows, so two passes that pack tokens differently (dynamic batching) agree bit for bit.
-    """
+    """Shannon entropy of ``softmax(logits)`` (``(..., vocab)``, any float dtype) over the last dim: ``(...)``
+    float32, no graph, eager. Chunks of :data:`EAGER_CHUNK_BYTES`, or verl's smaller ``chunk_size``; a row's
+    result never depends on the chunking or the other rows, so differently packed passes agree bit for bit."""
     rows = chunk_rows_for(logits)
     if chunk_size is not None:
         if int(chunk_size) <= 0:

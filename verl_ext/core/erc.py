@@ -1,10 +1,9 @@
-"""Entropy Ratio Clipping's band (ERC paper, Eq. 3-4): which tokens lose their gradient, and how.
+"""Entropy Ratio Clipping's band (ERC paper, Eq. 3-4):
 
     rho_t = (H(pi_theta, t) + eps) / (H(pi_old, t) + eps)
     log pi_theta(y_t)  ->  sg[log pi_theta(y_t)]   where rho_t <= 1 - beta_l or rho_t >= 1 + beta_h
 
-One implementation for the divclip operator (a hard violation of ATR-GRPO Eq. 5) and verl's own modes: the band
-(:func:`entropy_ratio_band`), the gradient gate (:func:`gate_log_prob_gradient`) and ``actor/divclip/erc/*``.
+One implementation for the divclip operator (a hard violation of ATR-GRPO Eq. 5) and verl's own modes.
 """
 
 from __future__ import annotations
@@ -19,12 +18,8 @@ from verl_ext.config import DivClipPolicyLossConfig
 
 @dataclass(frozen=True)
 class EntropyBand:
-    """ERC's band test of a micro-batch (ERC paper, Eq. 3-4): rho_t = (H_t + eps) / (H_old,t + eps)
-    and the valid tokens with rho_t outside (1 - beta_l, 1 + beta_h).
-
-    ``rho`` is 1 on padding (inside the band), so the counts cover valid tokens only and one pass
-    finds the extremes (:func:`entropy_band_sums`, :func:`finish_entropy_band_metrics`).
-    """
+    """ERC's band test of a micro-batch (Eq. 3-4): rho_t and the valid tokens outside (1 - beta_l, 1 + beta_h).
+    ``rho`` is 1 on padding (inside the band), so the counts cover valid tokens only."""
 
     rho: torch.Tensor  #: detached, the loss's compute dtype; exactly 1.0 where response_mask is 0
     keep: torch.Tensor  #: 1.0 inside the band (and on padding), 0.0 outside: gates the log-prob gradient
@@ -45,12 +40,9 @@ def entropy_ratio(
     eps: float,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """ERC's rho_t = (H_t + eps) / (H_old,t + eps) (ERC paper Eq. 3), detached, in ``dtype``; exactly 1
-    on padding. The one place the ratio is computed: the loss's band (:func:`entropy_ratio_band`), the
-    on-policy gauge (:mod:`verl_ext.core.gauge`), the token dump and the benchmarks all call it.
-
-    The mask enters as arithmetic, (H m + eps) / (H_old m + eps): the ratio itself on valid tokens
-    (H * 1 is exact) and eps / eps = 1 on padding."""
+    """ERC's rho_t = (H_t + eps) / (H_old,t + eps) (Eq. 3), detached, in ``dtype``: the one place it is computed
+    (band, gauge, token dump, benchmarks). The mask enters as (H m + eps) / (H_old m + eps): exact on valid
+    tokens, eps / eps = 1 on padding."""
     eps_t = torch.full((), eps, dtype=dtype, device=entropy.device)
     mask = response_mask.detach().to(dtype)
     rho = torch.addcmul(eps_t, entropy.detach().to(dtype), mask)
@@ -84,14 +76,9 @@ def entropy_ratio_band(
 
 
 def gate_log_prob_gradient(log_prob: torch.Tensor, band: EntropyBand) -> torch.Tensor:
-    """``log_prob``'s values, with the gradient that reaches ``log_prob`` through the result
-    multiplied by ``band.keep``: a token outside the band enters the loss as sg[log pi_theta(y_t)].
-
-    A hook on a view rather than ``torch.where(outside, log_prob.detach(), log_prob)``: the same
-    gradient (exactly 0 outside, unchanged inside) without a select in the forward and the
-    backward pass, the two most expensive elementwise kernels of the loss on CPU. Only the
-    gradient through this view is gated; other uses of ``log_prob`` (a KL loss) keep theirs.
-    """
+    """``log_prob``'s values, its gradient through the result multiplied by ``band.keep``: a token outside the
+    band enters as sg[log pi_theta(y_t)]. A hook on a view, not ``torch.where``: the same gradient without two
+    selects, the loss's costliest elementwise kernels on CPU. Other uses of ``log_prob`` (a KL loss) keep theirs."""
     if not log_prob.requires_grad:
         return log_prob
     keep = band.keep if band.keep.dtype == log_prob.dtype else band.keep.to(log_prob.dtype)
@@ -114,12 +101,9 @@ def entropy_band_sums(band: EntropyBand) -> dict[str, torch.Tensor]:
 
 
 def finish_entropy_band_metrics(values: dict[str, float], band: EntropyBand, n_valid: float) -> None:
-    """In place on the host values of :func:`entropy_band_sums`: the sum over valid tokens (the
-    caller divides by ``n_valid``), and the exact extremes over valid tokens.
-
-    Padding's 1 hides a valid extreme only when every valid ratio lies on one side of 1 (all >= 1
-    for the min, all <= 1 for the max); then one more reduction over the valid tokens gives it.
-    When both sides read 1, every valid ratio is exactly 1 (the on-policy case)."""
+    """In place on :func:`entropy_band_sums`' host values: the sum (the caller divides by ``n_valid``) and the
+    exact extremes over valid tokens. Padding's 1 hides a valid extreme only when every valid ratio lies on one
+    side of 1; then one more reduction over the valid tokens finds it."""
     n_padding = band.rho.numel() - n_valid
     values["erc/ratio_mean"] -= n_padding
     if n_padding == 0 or n_valid == 0:

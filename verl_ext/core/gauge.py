@@ -1,9 +1,6 @@
-"""The on-policy gauge: what arithmetic noise adds to the clip rules before the first optimizer step.
-
-On the update's first mini-batch of a training step pi_theta is pi_old, so every importance ratio and
-every ERC entropy ratio should be exactly 1; :func:`on_policy_gauge` measures how far they are, and how
-many tokens the clip rules would drop because of it (``actor/divclip/onpolicy/*``, on the micro-batches the seam
-marks on-policy). Detached: it changes no update.
+"""The on-policy gauge: before a step's first optimizer step pi_theta is pi_old, so every importance and ERC
+entropy ratio should be exactly 1; :func:`on_policy_gauge` measures how far they are and how many tokens the clip
+rules would drop for it (``actor/divclip/onpolicy/*``, on micro-batches the seam marks on-policy). Detached.
 """
 
 from __future__ import annotations
@@ -27,17 +24,13 @@ def on_policy_gauge(
     erc_band: Optional[tuple[float, float, float]] = None,
     outside: Optional[torch.Tensor] = None,
 ) -> dict[str, float]:
-    """``onpolicy/*`` metrics of an on-policy micro-batch (all detached; padding excluded).
+    """``onpolicy/*`` metrics of an on-policy micro-batch, over valid tokens:
 
-    * ``log_ratio_abs_max``: max |log pi_theta - log pi_old| (exactly 0 when both passes agree);
-    * ``ratio_clipfrac``: valid tokens outside the selected mode's trust region, ``outside`` (bool, like
-      ``log_prob``: the mode's own rule, :func:`verl_ext.core.surrogate.outside_trust_region` for the divclip
-      modes, :data:`verl_ext.verl_modes.VERL_MODE_READS` for verl's); without it, w outside
-      (1 - eps_low, 1 + eps_high), the actor's clip range;
-    * with both entropies: ``erc_ratio_dev_max`` = max |rho - 1|, rho = (H + eps) / (H_old + eps);
-    * with ``erc_band = (beta_low, beta_high, eps)``: ``erc_masked_frac``, valid tokens with rho outside
-      (1 - beta_low, 1 + beta_high) -- the ones ERC would drop (:func:`verl_ext.core.erc.outside_band`:
-      a NaN ratio counts as masked).
+    * ``log_ratio_abs_max``: max |log pi_theta - log pi_old| (0 when both passes agree);
+    * ``ratio_clipfrac``: the tokens ``outside`` the mode's trust region (its own rule, bool like ``log_prob``),
+      without ``outside`` w outside the actor's clip range (1 - eps_low, 1 + eps_high);
+    * with both entropies, ``erc_ratio_dev_max`` = max |rho - 1|; with ``erc_band = (beta_low, beta_high, eps)``,
+      ``erc_masked_frac``: the tokens ERC would drop (:func:`verl_ext.core.erc.outside_band`, NaN included).
     """
     valid = response_mask.bool()
     n_valid = max(int(valid.sum()), 1)

@@ -1,10 +1,7 @@
-"""Which of verl's config keys the product's code reads: an opt-in recorder, off unless asked for.
-
-``recipe.verl_keys`` classifies every key of verl's schema; its rows for the keys the product reads come from this
-recorder, not from a hand list. With ``DIVCLIP_RECORD_KEYS=<dir>``, :func:`install` (called by ``verl_ext.plugin``
-in every process that imports verl) wraps verl's config readers so that every read from a module of the product
-appends the dotted key and the reading module to ``<dir>/keys-<pid>.tsv``; :func:`bind` and :func:`record` cover
-verl's dataclass configs and the seam's engine attributes. Without the variable nothing is wrapped.
+"""An opt-in recorder of the verl config keys the product's code reads, the source of ``recipe.verl_keys``' rows
+for them. With ``DIVCLIP_RECORD_KEYS=<dir>``, :func:`install` (from the plugin) wraps verl's config readers so that
+each read from a product module appends key and module to ``<dir>/keys-<pid>.tsv``; :func:`bind` and
+:func:`record` cover dataclass configs and engine attributes. Without the variable nothing is wrapped.
 """
 
 from __future__ import annotations
@@ -57,9 +54,8 @@ def _write(key: str, module: str) -> None:
 
 
 def record(*keys: str, depth: int = 0) -> None:
-    """Record ``keys`` as read by the module ``depth`` frames above the caller (0: the caller itself), when
-    recording is on and that module is the product's. For reads the wrapped readers cannot see: engine
-    attributes and batch fields that carry a config key."""
+    """Record ``keys`` as read by the product module ``depth`` frames above the caller (0: the caller), for
+    reads the wrapped readers cannot see (engine attributes, batch fields carrying a config key)."""
     if record_dir() is None:
         return
     module = _reader(depth + 1)
@@ -77,9 +73,8 @@ def bind(config: Any, key: str) -> Any:
 
 
 def install(dict_config: type, omegaconf: type, base_config: type) -> None:
-    """Wrap the readers of ``dict_config`` (OmegaConf's ``DictConfig``), ``omegaconf.select`` and
-    ``base_config`` (verl's ``BaseConfig``) as the module docstring says, when :data:`RECORD_ENV` is set; once
-    per process. The plugin hands the classes in (this package imports neither OmegaConf nor verl's configs)."""
+    """Wrap the readers of OmegaConf's ``DictConfig``, ``omegaconf.select`` and verl's ``BaseConfig`` (handed in:
+    this package imports neither) when :data:`RECORD_ENV` is set, once per process."""
     if record_dir() is None or _installed[0]:
         return
     _installed[0] = True

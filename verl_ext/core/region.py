@@ -1,10 +1,6 @@
-"""What a constraint of the unified operator is (ATR-GRPO Eq. 5): its inputs, its trust region, its spec.
-
-A constraint C_t(theta) is a function of the detached importance ratio (and, for some, of pi_old's
-log-prob or the coarsened full-vocabulary KL) returning where it holds (:class:`TrustRegion`);
-:func:`define_constraint` adds it to :data:`CONSTRAINTS` with what a violation does. The definitions
-themselves are :mod:`verl_ext.core.constraints`; the operator that applies them,
-:mod:`verl_ext.core.surrogate`; exposing them to verl's ``POLICY_LOSS_REGISTRY``, :mod:`verl_ext.registry`.
+"""What a constraint C_t of the unified operator (ATR-GRPO Eq. 5) is: a function of detached inputs returning
+where it holds (:class:`TrustRegion`), defined into :data:`CONSTRAINTS` with what a violation does. The
+definitions: :mod:`verl_ext.core.constraints`; the operator: :mod:`verl_ext.core.surrogate`.
 """
 
 from __future__ import annotations
@@ -34,13 +30,9 @@ class ConstraintInputs:
 
 @dataclass(frozen=True)
 class TrustRegion:
-    """Where C_t(theta) holds, and the ratio interval it amounts to.
-
-    ``lower``/``upper`` are scalars or per-token tensors shaped like ``inside``. A constraint
-    whose bounds are expensive and not needed to decide ``inside`` may instead return them
-    for a sample of valid tokens (1-D) with ``bounds_sampled=True``; they then only feed the
-    ``ratio_lower/upper`` metrics, and the constraint cannot use ``preserve`` violations.
-    """
+    """Where C_t(theta) holds, and its ratio interval: ``lower``/``upper`` scalars or tensors shaped like
+    ``inside``, or, with ``bounds_sampled=True``, costly bounds for a 1-D sample of valid tokens that only feed
+    the ``ratio_lower/upper`` metrics (such a constraint cannot ``preserve`` violations)."""
 
     inside: torch.Tensor
     lower: torch.Tensor | float
@@ -55,16 +47,12 @@ ConstraintFn = Callable[[ConstraintInputs], TrustRegion]
 class ConstraintSpec:
     """A registered constraint: how to evaluate C_t and what a violation does.
 
-    ``level``: ``"token"`` evaluates C_t on w_t; ``"sequence"`` on the sequence ratio s_i,
-    which then also replaces w_t in the surrogate. ``delta_budget``: the constraint is a
-    divergence budget ``policy_loss.delta`` (logged as ``actor/divclip/delta``; the modes
-    the adaptive-delta controller may drive). ``budget_metric``: the ``actor/divclip/<name>`` metric
-    that measures what delta bounds (the adaptive-delta controller's measurement). ``needs_old_topk``:
-    C_t reads pi_old's stored top-k (:mod:`verl_ext.core.coarsened_kl`), which verl's policy-loss registry cannot
-    pass: the mode runs only through the actor loss (``python -m recipe.main``). ``reads``: the knobs the mode
-    reads (names of :data:`verl_ext.knobs.KNOBS`: ``delta``, ``clip_ratio_high``, ...), beyond those of the features
-    switched on (:data:`verl_ext.knobs.FEATURES`); validation refuses any other knob set away from its default.
-    ``summary``: the constraint in one line (the README's mode table, rendered from these declarations).
+    ``level``: ``"token"`` evaluates C_t on w_t, ``"sequence"`` on the sequence ratio s_i, which also replaces
+    w_t in the surrogate. ``delta_budget``: ``policy_loss.delta`` is a divergence budget (logged; adaptive delta
+    may drive it), measured by the ``actor/divclip/<budget_metric>`` metric. ``needs_old_topk``: C_t reads pi_old's
+    stored top-k, which verl's registry cannot pass (``python -m recipe.main`` only). ``reads``: the knobs
+    (:data:`verl_ext.knobs.KNOBS`) the mode reads beyond the switched-on features'; others set are refused.
+    ``summary``: one line for the README's mode table.
     """
 
     name: str
@@ -91,11 +79,9 @@ def define_constraint(
     reads: tuple[str, ...] = (),
     summary: str = "",
 ) -> Callable[[ConstraintFn], ConstraintFn]:
-    """Define the constraint ``name`` (a decorator on its region function): it joins :data:`CONSTRAINTS`,
-    which the operator (:func:`verl_ext.core.surrogate.constrained_policy_loss`) reads and
-    :mod:`verl_ext.registry` exposes to verl as ``policy_loss.loss_mode=<name>``. Defining a name twice
-    is an error (a second definition would silently replace the first). ``reads`` declares the knobs the
-    constraint reads (:class:`ConstraintSpec`)."""
+    """Decorator: define the constraint ``name`` from its region function into :data:`CONSTRAINTS`, which the
+    operator reads and :mod:`verl_ext.registry` exposes as ``policy_loss.loss_mode=<name>``. A second definition
+    of a name is an error rather than a silent replacement. The other arguments: :class:`ConstraintSpec`."""
     if level == "sequence" and on_violation != "drop":
         raise ValueError(f"constraint {name!r}: sequence-level constraints only drop violations")
     metric = budget_metric or ("seq_kl3_mean" if level == "sequence" else "kl3_mean")

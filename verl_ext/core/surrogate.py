@@ -58,24 +58,20 @@ def constrained_policy_loss(
     entropy: Optional[torch.Tensor] = None,
     topk: Optional[TopKLogMasses] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Divergence-constrained PPO surrogate, aggregated with verl's ``agg_loss``.
+    """Divergence-constrained PPO surrogate (Eq. 5), aggregated with verl's ``agg_loss``.
 
     Args:
-        old_log_prob, log_prob, advantages, response_mask: (batch, response_length), as in
-            verl's policy losses. ``log_prob`` carries the gradient.
-        mode: a registered constraint name (``CONSTRAINTS``).
-        policy: the ``DivClipPolicyLossConfig`` with delta, dual-clip, GPPO and ERC knobs.
-        clip_ratio_low, clip_ratio_high: verl's actor clip epsilons.
-        loss_agg_mode, global_batch_info: forwarded to ``agg_loss`` (every mode correct under data parallelism).
-        rollout_is_weights: optional per-token rollout-correction weights (verl).
-        old_entropy, entropy: per-token entropies of pi_old and pi_theta over the full vocabulary,
-            required when ERC is on. Only used as a mask, never differentiated.
-        topk: pi_old's stored top-k log-masses and pi_theta's on the same buckets, ``(batch, response_length,
-            k + 1)``: required by ``kl_full``; with it every mode reports the coarsened KL's metrics (and the
-            diagnostic with ``policy.kl_full_diagnostic``).
+        old_log_prob, log_prob, advantages, response_mask: ``(batch, response_length)``, as verl's policy
+            losses take them; ``log_prob`` carries the gradient.
+        mode: a registered constraint (``CONSTRAINTS``); policy: its knobs; clip_ratio_low/high: verl's epsilons.
+        loss_agg_mode, global_batch_info, rollout_is_weights: as in verl's losses (forwarded to ``agg_loss``).
+        old_entropy, entropy: pi_old's and pi_theta's full-vocabulary entropy per token, required by ERC; a
+            mask only, never differentiated.
+        topk: pi_old's and pi_theta's log-masses on pi_old's top-k buckets, ``(batch, response_length, k + 1)``:
+            required by ``kl_full``; with it every mode reports the coarsened KL (and the diagnostic).
 
     Returns:
-        The scalar loss and a dict of ``actor/...`` metrics (floats).
+        The scalar loss and the ``actor/...`` metrics (floats).
     """
     spec = CONSTRAINTS.get(mode)
     if spec is None:
@@ -91,8 +87,7 @@ def constrained_policy_loss(
     erc = None
     if policy.erc_enabled:
         erc = entropy_ratio_band(old_entropy, entropy, response_mask, policy, compute_dtype)
-        # ERC is a hard violation: a token outside the band keeps its value everywhere below and
-        # loses its gradient, i.e. its log-prob enters the surrogate detached.
+        # ERC is hard: outside the band a token keeps its value but its log-prob enters detached.
         log_prob = gate_log_prob_gradient(log_prob, erc)
 
     log_ratio = torch.clamp(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -111,9 +106,7 @@ def constrained_policy_loss(
             log_ratio_d, ratio_d, old_log_prob, mask, clip_ratio_low, clip_ratio_high, policy, full_kl=full_kl
         )
     )
-    # Pessimistic min of Eq. 5: a violation matters only when it lies on the side the
-    # advantage pushes towards, i.e. (w - 1) * A > 0; on the other side min() keeps w * A
-    # and its gradient.
+    # Eq. 5's min: a violation counts only on the side the advantage pushes towards; elsewhere w * A stays.
     pessimistic_side = (ratio_d - 1.0) * advantages > 0
     clipped = ~region.inside & pessimistic_side
     upper_side = ratio_d > 1.0
@@ -140,9 +133,8 @@ def constrained_policy_loss(
         if dual is not None:
             coef = torch.where(dual, policy.dual_clip_c, coef)
     else:
-        # Every violating token takes a constant: w(theta_old) = 1 where the constraint clips, c
-        # where dual-clip caps (it wins over the clip). One select in the autograd graph. (ERC's
-        # tokens keep their ratio's value; their gradient is gated at the log-prob above.)
+        # A violating token takes a constant: 1 where the constraint clips, c where dual-clip caps (it wins).
+        # One select in the autograd graph; ERC's tokens keep their ratio (gated at the log-prob above).
         frozen_mask = _union(clipped, dual)
         frozen = 1.0 if dual is None else torch.where(dual, policy.dual_clip_c, ratio_d.new_ones(()))
         coef = torch.where(frozen_mask, frozen, ratio)
@@ -216,10 +208,8 @@ def outside_trust_region(
 
 
 def _diagnostic_deltas(delta: float, region: TrustRegion) -> dict[str, float]:
-    """The budgets the diagnostic compares the mode with: the configured delta (suffix ``""``), and,
-    for a mode with scalar ratio bounds [l, u], the KL3 budget those bounds amount to,
-    max(KL3(l), KL3(u)) -- the smallest delta whose KL3 region holds the mode's interval (suffix
-    ``_kl3delta``; for ``kl3`` it is delta itself)."""
+    """The budgets the diagnostic compares the mode with: delta (suffix ``""``) and, for scalar ratio bounds
+    [l, u], max(KL3(l), KL3(u)), the smallest KL3 budget holding [l, u] (suffix ``_kl3delta``)."""
     deltas = {"": float(delta)}
     lower, upper = region.lower, region.upper
     if not isinstance(lower, torch.Tensor) and not isinstance(upper, torch.Tensor) and lower > 0:
@@ -229,12 +219,8 @@ def _diagnostic_deltas(delta: float, region: TrustRegion) -> dict[str, float]:
 
 
 def sequence_mean_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """log s_i = mean over the valid tokens of row i of log w_{i,t} (GSPO's sequence ratio), shape
-    (batch,); 0 for a row without valid tokens.
-
-    The operator puts it on every token as log w_t - sg(log w_t) + sg(log s_i), so each token's
-    coefficient has value s_i and d s_{i,t} / d log pi_t = s_i: with seq-mean-token-mean
-    aggregation and one advantage per sequence that is GSPO's gradient (GSPO-token form)."""
+    """log s_i, the mean of row i's valid log w_{i,t} (GSPO's sequence ratio), ``(batch,)``; 0 for an empty row.
+    The operator uses log w_t - sg(log w_t) + sg(log s_i) per token (GSPO-token: value s_i, gradient s_i)."""
     lengths = mask.sum(-1).clamp(min=1)
     return torch.where(mask, log_ratio.detach(), 0.0).sum(-1) / lengths
 
@@ -271,14 +257,9 @@ def _metrics(
     sequence_log_ratio: Optional[torch.Tensor] = None,
     vocab_sums: Optional[dict[str, torch.Tensor]] = None,
 ) -> dict[str, float]:
-    """Means over valid tokens, reduced with a single host sync.
-
-    ``sequence_log_ratio`` (one log s_i per row, sequence-level constraints) adds
-    ``seq_kl3_mean``/``seq_kl3_max``: KL3(s_i) over the sequences with a valid token.
-
-    Fractions are counted on byte masks and per-token quantities summed once, so the
-    metrics cost a few passes over the batch rather than one float tensor per metric.
-    """
+    """Means over valid tokens, reduced with a single host sync; ``sequence_log_ratio`` (log s_i per row) adds
+    ``seq_kl3_mean/max`` over the sequences with a valid token. Fractions are counted on byte masks, so the
+    metrics cost a few passes over the batch rather than one float tensor each."""
     # count_nonzero counts a bool mask in place; bool.sum() first copies it to int64
     count = torch.count_nonzero
     with torch.no_grad():

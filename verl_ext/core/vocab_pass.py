@@ -1,10 +1,6 @@
-"""The vocabulary pass: log pi(y_t), the entropy and the top-k of pi from the final hidden states,
-without ever materialising the ``tokens x vocabulary`` logits.
-
-:class:`VocabPass` computes, at the sampling temperature, log pi(y_t) (ATR-GRPO Eq. 5's ratio), H_t (ERC paper
-Eq. 6) and ``kl_full``'s top-k and :func:`bucket_log_masses` over blocks of tokens and fixed float32 slices of
-:data:`VOCAB_SLICE` vocabulary columns, merged with the cancellation-free row formula; the backward recomputes the
-logits slice by slice. docs/losses.md ("The vocabulary pass") has the numerics, TF32 on CUDA and the tests.
+"""The vocabulary pass: log pi(y_t) (ATR-GRPO Eq. 5's ratio), the entropy (ERC Eq. 6), ``kl_full``'s top-k and
+bucket log-masses from the final hidden states, over blocks of tokens and fixed float32 vocabulary slices, never
+materialising the ``tokens x vocabulary`` logits (numerics, TF32 and tests: docs/losses.md, "The vocabulary pass").
 """
 
 from __future__ import annotations
@@ -25,16 +21,9 @@ __all__ = ["VocabPassOutput", "VocabPass", "vocab_pass", "bucket_log_masses", "t
 
 @dataclass
 class VocabPassOutput:
-    """Per-token results of :func:`vocab_pass`, in the order of the flattened input tokens.
-
-    Attributes:
-        log_probs: ``log pi(y_t)`` at the temperature, float32, differentiable w.r.t. the hidden
-            states and the head weight.
-        entropy: ``H(pi_t)`` in nats, float32; differentiable only with ``entropy_grad=True``.
-        top_log_probs: ``(tokens, k)`` float32 largest ``log pi_j`` (descending), no graph; ``None``
-            when ``top_k == 0``.
-        top_ids: ``(tokens, k)`` int64 vocabulary ids of ``top_log_probs``; ``None`` when ``top_k == 0``.
-    """
+    """Per-token results of :func:`vocab_pass`, float32: ``log_probs`` (log pi(y_t) at the temperature,
+    differentiable), ``entropy`` (nats; differentiable with ``entropy_grad=True``), and without a graph
+    ``top_log_probs`` (descending) with their int64 ``top_ids``, ``None`` when ``top_k == 0``."""
 
     log_probs: torch.Tensor
     entropy: torch.Tensor
@@ -51,23 +40,17 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def tensor_core_matmuls(hidden: torch.Tensor, weight: torch.Tensor, requested: Optional[bool] = None) -> bool:
-    """Whether the pass's float32 matmuls may run as TF32 on tensor cores: on CUDA, when both operands hold
-    half-precision values (verl's default mixed precision: bf16 hidden states and a bf16 head). A bf16 or
-    fp16 value is exact in TF32 (8 / 11 significant bits <= TF32's 11), so the logits -- forward and the
-    backward's recompute -- equal the float32 matmul's up to summation order (docs/losses.md, "The
-    vocabulary pass"). ``requested``: ``None`` decides as above, ``False`` forces float32 (IEEE), ``True``
-    asks for TF32 and is honoured only where the above holds. Elsewhere (fp32 parameters, CPU) the pass is
-    float32 throughout, unchanged."""
+    """Whether the pass's float32 matmuls may run as TF32: on CUDA with half-precision operands (verl's bf16
+    default), whose values TF32 holds exactly, so the logits equal float32's up to summation order.
+    ``requested``: ``None`` decides so, ``False`` forces IEEE float32, ``True`` is honoured only there."""
     eligible = hidden.device.type == "cuda" and hidden.dtype in HALF_DTYPES and weight.dtype in HALF_DTYPES
     return eligible and requested is not False
 
 
 @contextmanager
 def tf32_matmuls(enabled: bool) -> Iterator[None]:
-    """cuBLAS may use TF32 for the float32 matmuls inside the block, and only there: the setting is
-    restored on exit, also when the block raises, so a user's model and verl's other matmuls keep whatever
-    the user set. Uses ``torch.backends.cuda.matmul.fp32_precision`` (the legacy ``allow_tf32`` where that
-    does not exist). ``enabled=False`` changes nothing."""
+    """TF32 for cuBLAS's float32 matmuls inside the block only (``fp32_precision``, else the legacy
+    ``allow_tf32``), restored on exit even on error, so verl's other matmuls keep the user's setting."""
     if not enabled:
         yield
         return
@@ -82,9 +65,8 @@ def tf32_matmuls(enabled: bool) -> Iterator[None]:
 
 
 def _float32_logits_into(out: torch.Tensor, hidden32: torch.Tensor, weight_slice: torch.Tensor, tf32: bool) -> None:
-    """``out = hidden32 @ weight_slice^T`` in float32 (a non-float32 slice is cast: products of bf16
-    values are exact in float32, so this is the exact logit up to float32 accumulation); with ``tf32``
-    on tensor cores, which for half-precision values is the same product (:func:`tensor_core_matmuls`)."""
+    """``out = hidden32 @ weight_slice^T`` in float32 (bf16 products are exact in float32), on tensor cores
+    with ``tf32`` (:func:`tensor_core_matmuls`)."""
     with tf32_matmuls(tf32):
         if out.is_contiguous():
             torch.mm(hidden32, weight_slice.float().t(), out=out)
@@ -93,27 +75,23 @@ def _float32_logits_into(out: torch.Tensor, hidden32: torch.Tensor, weight_slice
 
 
 def _forward_blocks(tokens: int, vocab: int, chunk_bytes: int) -> tuple[int, int]:
-    """``(rows per block, columns per vocabulary slice)`` of a forward sweep: the slice width is fixed
-    (:data:`VOCAB_SLICE`), so a row's logits never depend on the batch size; one block's float32
-    ``rows x slice`` buffer holds at most ``chunk_bytes`` (one row where a row alone is larger)."""
+    """``(rows per block, slice width)`` of a forward sweep: the width is fixed (:data:`VOCAB_SLICE`); a block's
+    float32 ``rows x slice`` buffer holds at most ``chunk_bytes`` (or one row)."""
     slice_width = min(vocab, VOCAB_SLICE)
     return max(1, min(tokens, chunk_bytes // (4 * slice_width))), slice_width
 
 
 def _backward_slice(tokens: int, vocab: int, chunk_bytes: int) -> int:
-    """Head rows per slice of the backward sweep, which recomputes all tokens' logits against one slice of the
-    head at a time: the float32 ``tokens x slice`` logits hold at most ``chunk_bytes`` (one row where a row
-    alone is larger)."""
+    """Head rows per slice of the backward, which recomputes all tokens' logits one head slice at a time: the
+    float32 ``tokens x slice`` logits hold at most ``chunk_bytes`` (or one row)."""
     return max(1, min(vocab, chunk_bytes // (4 * tokens)))
 
 
 def _logit_slices(
     hidden32: torch.Tensor, weight: torch.Tensor, inv_t: torch.Tensor, buffer: torch.Tensor, tf32: bool
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """``(v0, v1, z)``: one block's float32 logits ``z = hidden32 @ weight[v0:v1]^T / T`` (``inv_t``:
-    ``(rows, 1)``), one fixed vocabulary slice at a time, written into ``buffer`` and overwritten by
-    the next slice. Every forward sweep (:class:`VocabPass`, :func:`bucket_log_masses`) builds its
-    logits here, so they are the same numbers in each."""
+    """``(v0, v1, z)`` per vocabulary slice: one block's float32 logits ``hidden32 @ weight[v0:v1]^T / T`` in
+    ``buffer``, overwritten by the next slice. Every forward sweep builds its logits here: the same numbers."""
     rows, width, vocab = hidden32.shape[0], buffer.shape[1], weight.shape[0]
     for v0 in range(0, vocab, width):
         v1 = min(v0 + width, vocab)
@@ -265,18 +243,16 @@ def vocab_pass(
 
     Args:
         hidden: ``(..., hidden)`` final hidden states (after the last norm), any float dtype.
-        weight: ``(vocab, hidden)`` LM-head weight (tied or not; the unsharded parameter when called
-            inside the head module's forward).
-        labels: ``(...)`` int token ids whose log-probability is returned (verl's rolled input ids).
-        temperature: The sampling temperature: a positive scalar, or a tensor with one value per token.
-        top_k: How many of the largest log-probabilities (and their ids) to return per token; 0: none.
-        entropy_grad: Whether the entropy carries a gradient (an entropy bonus); default graph-free.
+        weight: ``(vocab, hidden)`` LM-head weight (the unsharded parameter inside the head's forward).
+        labels: ``(...)`` token ids whose log-probability is returned (verl's rolled input ids).
+        temperature: A positive scalar, or one value per token.
+        top_k: How many of the largest log-probabilities (and their ids) per token; 0: none.
+        entropy_grad: Whether the entropy carries a gradient (an entropy bonus).
         chunk_bytes: Size of each float32 logits buffer; default :func:`chunk_bytes_for` the device.
-        tensor_cores: TF32 matmuls on CUDA for half-precision operands (:func:`tensor_core_matmuls`):
-            ``None`` (default) where eligible, ``False`` float32 everywhere.
+        tensor_cores: As :func:`tensor_core_matmuls`'s ``requested``.
 
     Returns:
-        :class:`VocabPassOutput` with tensors of shape ``labels.shape`` (top-k: ``labels.shape + (k,)``).
+        :class:`VocabPassOutput` of shape ``labels.shape`` (top-k: ``labels.shape + (k,)``).
     """
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and head weight {tuple(weight.shape)} do not match")
@@ -321,22 +297,13 @@ def bucket_log_masses(
 ) -> torch.Tensor:
     """Log-masses of ``softmax(hidden @ weight^T / T)`` on ``k + 1`` buckets, without the logits tensor.
 
-    Each of a token's ``k`` ids is its own bucket; the last bucket, the *tail*, holds every other id (as
-    :func:`verl_ext.core.coarsened_kl.log_masses_rows` from materialised logits). The tail is the logsumexp of each
-    float32 slice's non-bucket columns, merged directly (no ``1 - sum(top-k)`` cancellation). No graph. Both passes
-    call it on the same rows, so on-policy the two results are bit-identical.
-
-    Args:
-        hidden: ``(tokens, hidden)`` final hidden states, any float dtype.
-        weight: ``(vocab, hidden)`` LM-head weight.
-        ids: ``(tokens, k)`` distinct ids per token, ``1 <= k <= vocab``.
-        temperature: a positive scalar or one value per token.
-        chunk_bytes: size of the float32 logits buffer; default :func:`chunk_bytes_for` the device.
-        tensor_cores: as :func:`vocab_pass` (the same logits, so on-policy the two passes still agree).
+    ``ids``: ``(tokens, k)`` distinct ids per token, each its own bucket; the last bucket, the *tail*, holds
+    every other id (as :func:`verl_ext.core.coarsened_kl.log_masses_rows`), summed directly as the logsumexp of
+    each slice's non-bucket columns (no ``1 - sum(top-k)`` cancellation). The other arguments are
+    :func:`vocab_pass`'s. Both passes call it on the same rows, so on-policy their results are bit-identical.
 
     Returns:
-        ``(tokens, k + 1)`` float32 log-masses normalised over the ``k + 1`` buckets (the tail is
-        ``-inf`` when ``k`` = vocabulary).
+        ``(tokens, k + 1)`` float32 log-masses, normalised (tail ``-inf`` when ``k`` = vocabulary); no graph.
     """
     if weight.dim() != 2 or hidden.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and head weight {tuple(weight.shape)} do not match")
