@@ -1,11 +1,6 @@
-"""Run one benchmark variant in a fresh Python process and read back its figures.
-
-A fresh process per variant keeps peak-memory figures (RSS, ``torch.cuda.max_memory_allocated``) and
-compiled caches from leaking between variants. The child prints its result as one JSON object on a
-line of its own (the last such line counts); everything else on stdout/stderr is ignored. The
-host-memory benchmarks run theirs with :func:`run_memory_child` and read :func:`rss_bytes` /
-:func:`peak_rss_bytes` inside them. The parents share their command line's handling here too: the
-subsets they choose from (:func:`subset`) and the options they hand a child (:func:`forwarded`).
+"""Run one benchmark variant in a fresh Python process (so that peak memory and compiled caches do not leak
+between variants) and read back its figures: the last stdout line that is one JSON object. Also the parents'
+shared command-line handling (:func:`subset`, :func:`forwarded`).
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 
 ``python -m recipe.bench entropy-memory [--json] [--tokens 4096] [--vocab 151936]``
 
-verl's real actor stack on the CPU platform; each of :data:`VARIANTS` (docs/benchmarks.md, "Entropy memory" and
-"Vocabulary pass") runs in its own fresh process under :data:`recipe.bench.child.LIVE_RSS_ENV` and reports its peak
-RSS and the RSS before its phase, as ratios against ``a_no_entropy``'s update in the same run.
+Each of :data:`VARIANTS` runs verl's actor stack on the CPU platform in a fresh process; peak RSS against
+``a_no_entropy``'s update in the same run (docs/benchmarks.md, "Entropy memory" and "Vocabulary pass").
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 ``python -m recipe.bench full-kl [--json] [--tokens 4096] [--vocab 151936] [--k 32] [--phase update|old]
 [--vocab-pass] [--repeats N]``
 
-verl's real actor stack on the CPU platform with the divclip loss; each variant in its own process, alternating
-over ``--repeats``, against ``kl3`` on the same path (docs/benchmarks.md, "Stored top-k").
+Each variant in its own process, alternating over ``--repeats``, against ``kl3`` on the same path
+(docs/benchmarks.md, "Stored top-k").
 """
 
 from __future__ import annotations

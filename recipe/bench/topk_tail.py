@@ -2,9 +2,8 @@
 
 ``python -m recipe.bench topk-tail --model PATH --data FILE [--k 1,2,4,8,16,32,64,128] [--json]``
 
-``kl_full`` misses only the mass in pi_old's tail. This probe teacher-forces a MATH-500-layout JSON-lines file
-(``problem`` as the user turn, ``solution`` as the response) through a local checkpoint (bf16 on CUDA, else fp32)
-and reports per k the tail mass over the response tokens and the stored top-k's bytes; nothing is asserted.
+Teacher-forces a MATH-500-layout JSON-lines file (``problem``, ``solution``) through a local checkpoint and
+reports per k the tail mass over the response tokens (all ``kl_full`` misses) and the stored top-k's bytes.
 """
 
 from __future__ import annotations
