@@ -1,9 +1,7 @@
 """Peak host memory of one actor update with and without the current-policy entropy.
 
-``python -m recipe.bench entropy-memory [--json] [--tokens 4096] [--vocab 151936]``
-
-Each of :data:`VARIANTS` runs verl's actor stack on the CPU platform in a fresh process; peak RSS against
-``a_no_entropy``'s update in the same run (docs/benchmarks.md, "Entropy memory" and "Vocabulary pass").
+``python -m recipe.bench entropy-memory [--json] [--tokens 4096] [--vocab 151936]``: each of :data:`VARIANTS` in a
+fresh process, its peak RSS against ``a_no_entropy``'s (docs/benchmarks.md, "Entropy memory", "Vocabulary pass").
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import functools
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -214,10 +214,8 @@ def build_actor_worker(model_path: str, options: Optional[WorkerOptions] = None)
             checkpoint_config=CheckpointConfig(),
         )
     )
-    if options.model_type == "value_model":
-        with _value_model_attention(options.attn_implementation):
-            worker.reset()
-    else:
+    value_model = options.model_type == "value_model"
+    with _value_model_attention(options.attn_implementation) if value_model else nullcontext():
         worker.reset()  # TrainingWorker builds the model/optimizer here (Engine.initialize)
     return worker
 
@@ -298,7 +296,7 @@ def make_rollout_batch(
     if old_entropy is None:
         old_entropy = [log_v * (0.5 + 0.5 * torch.rand(r, generator=gen)) for r in response_lens]
     masks = [torch.ones(r, dtype=torch.int64) for r in response_lens]
-    batch = TensorDict(
+    return TensorDict(
         {
             "prompts": _nested(prompts),
             "responses": _nested(responses),
@@ -312,7 +310,6 @@ def make_rollout_batch(
         },
         batch_size=[len(prompt_lens)],
     )
-    return batch
 
 
 @contextmanager

@@ -1,9 +1,8 @@
 """On-policy exactness under the configs' packings, in any loss mode: where the noise comes from, what the fix costs.
 
-``python -m recipe.bench onpolicy [--json] [--modes erc,clip,kl3,gspo] [--threads 1,2] [--seeds 4,5,6,7,8]``
-
-Per case (mode x budget pair x seed x threads), the old pass then one update, verl's packing (``own``) against
-the pass packed as the update (``aligned``); ``--cost``: the pass alone (docs/benchmarks.md, "On-policy exactness").
+``python -m recipe.bench onpolicy [--json] [--modes erc,clip,kl3,gspo] [--threads 1,2] [--seeds 4,5,6,7,8]``: per
+case, the old pass then one update, verl's packing (``own``) against the pass packed as the update (``aligned``);
+``--cost``: the pass alone (docs/benchmarks.md, "On-policy exactness").
 """
 
 from __future__ import annotations
