@@ -1,8 +1,6 @@
-"""Benchmarks: ``python -m recipe.bench <name> [--json] ...``.
+"""Benchmarks: ``python -m recipe.bench <name> [--json] ...``, each against a baseline of the same run
+(results in docs/benchmarks.md); ``harness`` is the probes' engine and the tests'.
 
-Every benchmark measures its baseline in the same process/run and prints ratios against it,
-so figures stay comparable across machines. Results are recorded in docs/benchmarks.md; ``harness``
-(verl's actor ``TrainingWorker`` on 1..N spawned ranks) is the probes' engine and the tests'.
-Who may import it: only its own ``__main__`` and tests. It imports :mod:`verl_ext`, :mod:`recipe.reward.score`
-and verl, never ``tests/``: every probe runs from an installed wheel (``tests/test_installed_wheel.py``).
+Imported only by its own ``__main__`` and tests; imports :mod:`verl_ext`, :mod:`recipe.reward.score` and verl,
+never ``tests/`` (every probe runs from an installed wheel).
 """

@@ -1,8 +1,5 @@
-"""Dispatch ``python -m recipe.bench <name>`` to ``recipe.bench.<name with _>.main(argv)``.
-
-``gpu --acceptance`` runs :mod:`recipe.bench.acceptance` (:func:`route`). Routing it here, not inside
-:mod:`recipe.bench.gpu`, keeps the probe and the acceptance run apart: both import
-:mod:`recipe.bench.gpu_workload` and neither imports the other.
+"""Dispatch ``python -m recipe.bench <name>`` to ``recipe.bench.<name with _>.main(argv)``; ``gpu --acceptance``
+to :mod:`recipe.bench.acceptance`, routed here so that the probe and the acceptance do not import each other.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """GPU acceptance: what each loss changes in verl's actor update, measured as users feel it, beside its target.
 
-``python -m recipe.bench gpu --acceptance [--out DIR] [--strategies fsdp,fsdp2] [--tokens 16384] [--repeats 5] ...``
-
-This module is the command: its options, two fresh runs of :mod:`recipe.bench.acceptance_runs` per strategy, the
-report (:mod:`recipe.bench.acceptance_report`) and the exit code: 0 every target met, 1 one missed or a check broken,
-2 bad options or no CUDA without ``--device cpu``, 3 a target unmeasured without ``--allow-unmeasured``.
+``python -m recipe.bench gpu --acceptance [--out DIR] [--strategies fsdp,fsdp2] [--tokens 16384] [--repeats 5] ...``:
+the options, two fresh runs of :mod:`recipe.bench.acceptance_runs` per strategy, the report and the exit code.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """The GPU acceptance's targets and report: each figure against verl's baseline in the same run, the targets
-judged on them, the Markdown report and the exit code (:func:`verdict`).
-
-Apart from :mod:`recipe.bench.acceptance` (the command) and :mod:`recipe.bench.acceptance_runs` (the runs that
-measure) so that each stays short; it imports nothing of the project.
+judged on them, the Markdown report and the exit code (:func:`verdict`). Imports nothing of the project.
 """
 
 from __future__ import annotations
@@ -12,7 +9,7 @@ from typing import Any, Optional
 
 GAUGE = "actor/divclip/onpolicy/"
 EXIT_MET, EXIT_FAILED, EXIT_BAD_OPTIONS, EXIT_UNMEASURED = 0, 1, 2, 3
-"""The exit codes (:mod:`recipe.bench.acceptance`'s docstring says when each is returned)."""
+"""The exit codes (:mod:`recipe.bench.acceptance`'s ``--help`` epilog says when each is returned)."""
 
 
 @dataclass(frozen=True)
@@ -48,11 +45,8 @@ def _ratio(value: Optional[float], base: Optional[float]) -> Optional[float]:
 
 
 def _longest_ratio(candidate: Optional[dict[str, Any]], base: Optional[dict[str, Any]]) -> tuple[Optional[float], str]:
-    """The longest micro-batch against the baseline's, and why not when the searches cannot say.
-
-    Conclusive when the baseline's search bracketed its longest (``stopped`` is ``"resolved"``) and the
-    candidate's did too, or stopped with a ratio already at least the limit of its target (a lower bound
-    that passes is a pass; one that does not is unmeasured)."""
+    """The longest micro-batch against the baseline's, or None and why: the baseline's search must have
+    resolved, the candidate's too unless its lower bound already meets the target."""
     if candidate is None or base is None:
         return None, "not searched (--search-losses)"
     if "error" in candidate or "error" in base:
@@ -200,15 +194,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What an acceptance report amounts to: its exit code and what is behind it.
-
-    Attributes:
-        exit_code: :data:`EXIT_MET`, :data:`EXIT_FAILED` or :data:`EXIT_UNMEASURED`.
-        failed: Every missed target (``"fsdp2: <target> (1.2x > 1.05x)"``), failed run and broken
-            on-policy check.
-        unmeasured: Every target without a figure (``"fsdp: <target> (FSDP1 needs CUDA)"``).
-        allow_unmeasured: Whether unmeasured targets were accepted (``--allow-unmeasured``).
-    """
+    """What an acceptance report amounts to: its exit code, every missed target, failed run and broken
+    on-policy check (``failed``), and every target without a figure (``unmeasured``)."""
 
     exit_code: int
     failed: list[str] = field(default_factory=list)
@@ -231,18 +218,10 @@ class Verdict:
 
 
 def verdict(report: dict[str, Any], allow_unmeasured: bool = False) -> Verdict:
-    """The exit code of an acceptance report (as written to ``acceptance.json``).
-
-    Args:
-        report: The report: its ``targets`` (strategy -> rows of :func:`judge`), ``on_policy``
-            (strategy -> loss -> gauge) and ``errors`` (run -> why it failed).
-        allow_unmeasured: Accept targets without a figure (``--allow-unmeasured``).
-
-    Returns:
-        :data:`EXIT_FAILED` if a target was missed, a run failed or an on-policy check broke (the
-        ``(own)`` packing arm measures verl's packing: its gauge is a finding, not a check); else
-        :data:`EXIT_UNMEASURED` if a target has no figure and ``allow_unmeasured`` is false; else
-        :data:`EXIT_MET`. The verdict lists every failure and every unmeasured target either way.
+    """The verdict on an acceptance report (as written to ``acceptance.json``): :data:`EXIT_FAILED` if a target
+    was missed, a run failed or an on-policy check broke (the ``(own)`` packing arm's gauge is a finding, not a
+    check); else :data:`EXIT_UNMEASURED` if a target has no figure and not ``allow_unmeasured``; else
+    :data:`EXIT_MET`.
     """
     failed = [f"run {run}: {why}" for run, why in report["errors"].items()]
     unmeasured: list[str] = []

@@ -1,10 +1,6 @@
-"""The GPU acceptance's two child runs, each in a fresh process started by :mod:`recipe.bench.acceptance`.
-
-Both build verl's actor stack on the model the parent built, for one strategy (``args.strategy``), and return
-their figures as one JSON-able dict: **the losses at one micro-batch of ``--tokens``** (interleaved rounds against
-the ``no_entropy`` baseline, then the longest micro-batch of ``--search-losses``) and **the configs' packing**
-(ERC-DAPO's old pass aligned with the update against verl's own packing, on long-tailed lengths). The rounds,
-memory per phase, model FLOP/s and MFU are defined in docs/benchmarks.md ("GPU acceptance", "What it runs").
+"""The GPU acceptance's two child runs (:func:`run_losses`, :func:`run_packing`), each in a fresh process for one
+strategy, returning its figures as one JSON-able dict; what they measure is defined in docs/benchmarks.md
+("GPU acceptance", "What it runs").
 """
 
 from __future__ import annotations
@@ -18,9 +14,8 @@ from recipe.bench.acceptance_report import GAUGE, TARGETS
 from recipe.bench.gpu_workload import (
     MemoryMeter,
     UpdatePhases,
+    actor_loss,
     device_peak_flops,
-    divclip_actor_config,
-    erc_actor_config,
     longest_fitting,
     pass_memory,
     probe_batch,
@@ -52,15 +47,9 @@ first round only (their memory, and one time without a target); ``--time-every-l
 
 
 def _loss(name: str, sequences: int, k: int) -> Any:
-    from recipe.bench.harness import make_actor_config, ppo_loss_fn
-    from verl_ext.actor_loss import build_actor_loss
-
-    if name == "no_entropy":
-        return ppo_loss_fn(make_actor_config(ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences))
-    if name.startswith("divclip_erc"):
-        return build_actor_loss(erc_actor_config(sequences, vocab_pass=name.endswith("vocab_pass")))
-    mode = "kl3" if name == "divclip_kl3" else "kl_full"
-    return build_actor_loss(divclip_actor_config(mode, sequences, k, name.endswith("vocab_pass")))
+    erc = name.startswith("divclip_erc")
+    mode = None if erc or name == "no_entropy" else "kl3" if name == "divclip_kl3" else "kl_full"
+    return actor_loss(sequences, k, erc, mode, vocab_pass=name.endswith("vocab_pass"))
 
 
 class _Clock:
@@ -147,13 +136,10 @@ def search_longest(
     seconds: float,
     state: dict[str, bool],
 ) -> dict[str, Any]:
-    """The longest micro-batch (tokens) that one update of loss ``name`` fits, at the configs' sequence
-    length: :func:`longest_fitting` over the number of sequences in one micro-batch (``--sequences`` fitted
-    in the timed rounds), an update not fitting when it raises ``torch.OutOfMemoryError`` (its memory then
-    freed: the exception dropped, the gradients zeroed, :meth:`MemoryMeter.release`) or, with
-    ``--search-budget-mib``, when its loss-phase or optimizer-step peak exceeds that budget. ``state`` is
-    shared by the searches of one worker: once a try has run out of memory, a later failure of another kind
-    means the engine did not recover, and this search (and those after it) return ``{"broken": why}``."""
+    """The longest micro-batch (tokens) that one update of loss ``name`` fits: :func:`longest_fitting` over its
+    sequences, a try not fitting when it runs out of memory or, with ``--search-budget-mib``, when a peak
+    exceeds that budget. ``state`` is shared by one worker's searches: a failure of another kind after running
+    out of memory means the engine did not recover (``{"broken": why}``)."""
     from recipe.bench.harness import compute_log_prob, update_actor, with_old
 
     seq_len = args.tokens // args.sequences

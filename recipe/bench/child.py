@@ -1,11 +1,6 @@
-"""Run one benchmark variant in a fresh Python process and read back its figures.
-
-A fresh process per variant keeps peak-memory figures (RSS, ``torch.cuda.max_memory_allocated``) and
-compiled caches from leaking between variants. The child prints its result as one JSON object on a
-line of its own (the last such line counts); everything else on stdout/stderr is ignored. The
-host-memory benchmarks run theirs with :func:`run_memory_child` and read :func:`rss_bytes` /
-:func:`peak_rss_bytes` inside them. The parents share their command line's handling here too: the
-subsets they choose from (:func:`subset`) and the options they hand a child (:func:`forwarded`).
+"""Run one benchmark variant in a fresh Python process (so that peak memory and compiled caches do not leak
+between variants) and read back its figures: the last stdout line that is one JSON object. Also the parents'
+shared command-line handling (:func:`subset`, :func:`forwarded`).
 """
 
 from __future__ import annotations
@@ -41,9 +36,8 @@ class ChildRun:
 
 
 def run_child(module: str, argv: list[str], env: Optional[dict[str, str]] = None) -> ChildRun:
-    """``python -m module *argv`` in :data:`ROOT`, with :data:`ROOT` first on ``PYTHONPATH`` (so the
-    child imports the very ``verl_ext`` and ``recipe`` its parent runs, from a checkout as from an
-    installed wheel) and ``env`` added to the environment."""
+    """``python -m module *argv`` in :data:`ROOT`, first on ``PYTHONPATH`` so that the child imports the very
+    ``verl_ext`` and ``recipe`` its parent runs, with ``env`` added to the environment."""
     full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     full_env.update(env or {})
     proc = subprocess.run([sys.executable, "-m", module, *argv], cwd=ROOT, env=full_env, capture_output=True, text=True)
@@ -104,16 +98,13 @@ def without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
 # Host-memory benchmarks (entropy-memory, full-kl): children whose RSS tracks live memory
 # ------------------------------------------------------------------------------------------------
 
-# glibc keeps freed heap memory mapped, so the RSS peak would follow allocation history: mmap for every
-# allocation over 64 KiB (below one bf16 vocabulary row) returns it on free, so the peak tracks live memory
-# (docs/benchmarks.md, "Entropy memory").
 LIVE_RSS_ENV: tuple[tuple[str, str], ...] = (("MALLOC_MMAP_THRESHOLD_", str(64 << 10)), ("MALLOC_ARENA_MAX", "2"))
-"""glibc settings of a memory benchmark's child; a value already in the environment wins."""
+"""glibc settings of a memory benchmark's child (a value already in the environment wins): mmap for every
+allocation over 64 KiB returns it on free, so the RSS peak tracks live memory (docs/benchmarks.md)."""
 
 
 def run_memory_child(module: str, argv: list[str], variant: str) -> dict[str, Any]:
-    """:func:`run_child` with :data:`LIVE_RSS_ENV`; returns the child's figures, or raises naming the
-    variant (its stderr's tail printed first)."""
+    """:func:`child_result` with :data:`LIVE_RSS_ENV`, naming the variant."""
     env = {key: os.environ.get(key, default) for key, default in LIVE_RSS_ENV}
     return child_result(module, argv, f"variant {variant}", env)
 

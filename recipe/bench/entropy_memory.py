@@ -1,10 +1,7 @@
 """Peak host memory of one actor update with and without the current-policy entropy.
 
-``python -m recipe.bench entropy-memory [--json] [--tokens 4096] [--vocab 151936]``
-
-verl's real actor stack on the CPU platform; each of :data:`VARIANTS` (docs/benchmarks.md, "Entropy memory" and
-"Vocabulary pass") runs in its own fresh process under :data:`recipe.bench.child.LIVE_RSS_ENV` and reports its peak
-RSS and the RSS before its phase, as ratios against ``a_no_entropy``'s update in the same run.
+``python -m recipe.bench entropy-memory [--json] [--tokens 4096] [--vocab 151936]``: each of :data:`VARIANTS` in a
+fresh process, its peak RSS against ``a_no_entropy``'s (docs/benchmarks.md, "Entropy memory", "Vocabulary pass").
 """
 
 from __future__ import annotations

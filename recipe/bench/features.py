@@ -1,8 +1,5 @@
-"""What the benchmarks and tests ask of an engine, and read back from it, beyond what the actor loss declares.
-
-:func:`verl_ext.actor_loss.build_actor_loss` declares a loss's engine features from the policy-loss config; the
-benchmarks and tests also declare them on verl's plain ``ppo_loss`` (:func:`with_vocab_pass`,
-:func:`packed_as_update`) and read which path an engine took (:func:`entropy_path_of`, :func:`uses_vocab_pass`).
+"""What the benchmarks and tests ask of an engine, and read back from it, beyond what the actor loss declares:
+engine features on verl's plain ``ppo_loss``, and which path an engine took.
 """
 
 from __future__ import annotations

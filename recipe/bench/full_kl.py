@@ -1,10 +1,8 @@
 """Cost of ``kl_full`` against ``kl3`` in the actor's two passes; bytes of the stored top-k.
 
 ``python -m recipe.bench full-kl [--json] [--tokens 4096] [--vocab 151936] [--k 32] [--phase update|old]
-[--vocab-pass] [--repeats N]``
-
-verl's real actor stack on the CPU platform with the divclip loss; each variant in its own process, alternating
-over ``--repeats``, against ``kl3`` on the same path (docs/benchmarks.md, "Stored top-k").
+[--vocab-pass] [--repeats N]``: each variant in its own process, alternating over ``--repeats``, against ``kl3`` on
+the same path (docs/benchmarks.md, "Stored top-k").
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """GPU probe: ERC's entropy path against verl's on one CUDA GPU, at verl's default bf16 precision.
 
-``python -m recipe.bench gpu [--json] [--out results.json] [--tokens 16384] [--sequences 8] [--variants ...]``
-runs each of :data:`VARIANTS` in its own process under each of ``--strategies`` (CUDA: FSDP1 and FSDP2): verl's
-actor stack on a locally built model, the old-log-prob pass then timed updates, peaks and times against
-``no_entropy`` of the same strategy, and the first update's on-policy check (docs/benchmarks.md, "GPU: ERC's
-entropy path on one H100"). ``--acceptance`` is :mod:`recipe.bench.acceptance`; ``--device cpu``: small shapes.
+``python -m recipe.bench gpu [--json] [--out results.json] [--tokens 16384] [--sequences 8] [--variants ...]``:
+each of :data:`VARIANTS` in its own process per strategy, against ``no_entropy`` of the same strategy
+(docs/benchmarks.md, "GPU: ERC's entropy path on one H100"). ``--acceptance`` is :mod:`recipe.bench.acceptance`.
 """
 
 from __future__ import annotations
@@ -22,11 +20,10 @@ from typing import Any, Optional
 from recipe.bench.child import peak_rss_bytes, run_child, subset, without_options
 from recipe.bench.gpu_workload import (
     MemoryMeter,
+    actor_loss,
     add_model_options,
     build_model,
     chosen_strategies,
-    divclip_actor_config,
-    erc_actor_config,
     probe_batch,
     probe_worker,
 )
@@ -80,7 +77,7 @@ GAUGE_METRICS = (
 
 def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     """Inside the child process: one variant's passes and updates under ``args.strategy``; returns its figures."""
-    from recipe.bench.harness import compute_log_prob, make_actor_config, ppo_loss_fn, update_actor, with_old
+    from recipe.bench.harness import compute_log_prob, update_actor, with_old
     from recipe.bench.ranks import single_rank_env
 
     spec = VARIANTS[name]
@@ -88,7 +85,6 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
     import torch
 
     from recipe.bench.features import entropy_path_of, uses_vocab_pass
-    from verl_ext.actor_loss import build_actor_loss
 
     dynamic = spec.get("dynamic", False)
     worker = probe_worker(
@@ -103,15 +99,7 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
         use_fused_kernels=spec["fused"],
     )
     mode = spec.get("mode")
-    if spec["erc"]:
-        loss = build_actor_loss(erc_actor_config(args.sequences, vocab_pass=spec.get("vocab_pass", False)))
-    elif mode is not None:
-        loss = build_actor_loss(divclip_actor_config(mode, args.sequences, args.k, spec.get("vocab_pass", False)))
-    else:
-        loss = ppo_loss_fn(
-            make_actor_config(ppo_mini_batch_size=args.sequences, ppo_micro_batch_size_per_gpu=args.sequences)
-        )
-    worker.set_loss_fn(loss)
+    worker.set_loss_fn(actor_loss(args.sequences, args.k, spec["erc"], mode, spec.get("vocab_pass", False)))
     batch = probe_batch(args, args.sequences)
     cuda, sync = args.device == "cuda", MemoryMeter(args.device).sync
     sync()

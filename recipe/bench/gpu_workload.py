@@ -1,9 +1,5 @@
-"""What the GPU probe and the GPU acceptance run measure: the model, the strategies and the losses.
-
-:mod:`recipe.bench.gpu` (the probe) and :mod:`recipe.bench.acceptance` (every target in one call) both build
-R1-Distill-Qwen-1.5B's shape from a config, run it under verl 0.9.1's FSDP1 and FSDP2 and configure ERC-DAPO,
-``kl3`` and ``kl_full`` alike. That shared part lives here, below both, so neither imports the other
-(``tests/test_layout.py`` forbids import cycles).
+"""What the GPU probe (:mod:`recipe.bench.gpu`) and the GPU acceptance (:mod:`recipe.bench.acceptance`) share:
+the model, the strategies, the losses and the measurements; below both, so neither imports the other.
 """
 
 from __future__ import annotations
@@ -40,14 +36,8 @@ R1_DISTILL_QWEN_1_5B: dict[str, Any] = dict(  # DeepSeek-R1-Distill-Qwen-1.5B's 
 
 
 def build_model(path: Path, args: argparse.Namespace) -> None:
-    """Write a random-weight Qwen2 model of the chosen shape to ``path`` (bf16 safetensors).
-
-    Args:
-        path: The folder to save the model into.
-        args: The parsed options: ``layers`` and ``hidden`` (``None`` keeps R1-Distill-Qwen-1.5B's),
-            ``vocab``, ``head_scale`` (multiplies the random output head, so that most tokens are
-            confident, as a reasoning model's are) and ``device`` (``"cuda"`` builds on the GPU).
-    """
+    """Write a random-weight Qwen2 model of ``args``' shape to ``path`` (bf16 safetensors); ``--layers`` and
+    ``--hidden`` left ``None`` keep R1-Distill-Qwen-1.5B's, ``--head-scale`` makes most tokens confident."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -95,16 +85,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def chosen_strategies(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    """``--strategies`` checked (default: both on CUDA, FSDP2 on the CPU platform, where FSDP1 does not run).
-
-    Args:
-        parser: The command's parser; an unknown strategy, or FSDP1 on the CPU platform, exits through
-            its ``error`` (exit code 2).
-        args: The parsed options (``strategies``, a comma-separated string or ``None``, and ``device``).
-
-    Returns:
-        The strategies to run, in the order given.
-    """
+    """``--strategies`` checked, in the order given (default: both on CUDA, FSDP2 on the CPU platform, where
+    FSDP1 does not run); a bad one exits through ``parser.error`` (exit code 2)."""
     default = ",".join(STRATEGIES if args.device == "cuda" else ("fsdp2",))
     strategies = subset(parser, "--strategies", args.strategies or default, STRATEGIES, allow_none=True)
     if args.device == "cpu" and "fsdp" in strategies:
@@ -112,32 +94,24 @@ def chosen_strategies(parser: argparse.ArgumentParser, args: argparse.Namespace)
     return strategies
 
 
-def erc_actor_config(sequences: int, vocab_pass: bool = False) -> Any:
-    """The actor config of ERC-DAPO (clip-higher 0.2 / 0.28, ERC band 0.05 / 0.05, dual-clip 10) with
-    the update as one mini-batch and one micro-batch of ``sequences``; ``vocab_pass`` routes both
-    passes through the chunked vocabulary pass."""
-    from recipe.bench.harness import make_actor_config
+def actor_loss(sequences: int, k: int, erc: bool = False, mode: Optional[str] = None, vocab_pass: bool = False) -> Any:
+    """The actor loss of a variant, the update as one mini-batch and one micro-batch of ``sequences``: ERC-DAPO
+    (``erc``: clip-higher 0.2 / 0.28, ERC band 0.05 / 0.05, dual-clip 10), divclip's ``mode`` at delta = 0.07 and
+    ``kl_full_top_k = k``, or else verl's ``ppo_loss``; ``vocab_pass`` routes both passes through the chunked
+    vocabulary pass."""
+    from recipe.bench.harness import make_actor_config, ppo_loss_fn
+    from verl_ext.actor_loss import build_actor_loss
     from verl_ext.config import DivClipPolicyLossConfig
 
-    policy = DivClipPolicyLossConfig(loss_mode="clip", erc_beta_low=0.05, erc_beta_high=0.05, vocab_pass=vocab_pass)
-    return make_actor_config(
-        policy_loss=policy,
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.28,
-        clip_ratio_c=10.0,
-        ppo_mini_batch_size=sequences,
-        ppo_micro_batch_size_per_gpu=sequences,
-    )
-
-
-def divclip_actor_config(mode: str, sequences: int, k: int, vocab_pass: bool) -> Any:
-    """The actor config of divclip's ``mode`` (``kl3``, ``kl_full``, ...) at delta = 0.07 and
-    ``kl_full_top_k = k``, the update as one mini-batch and one micro-batch of ``sequences``."""
-    from recipe.bench.harness import make_actor_config
-    from verl_ext.config import DivClipPolicyLossConfig
-
-    policy = DivClipPolicyLossConfig(loss_mode=mode, delta=0.07, kl_full_top_k=k, vocab_pass=vocab_pass)
-    return make_actor_config(policy_loss=policy, ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences)
+    batches = dict(ppo_mini_batch_size=sequences, ppo_micro_batch_size_per_gpu=sequences)
+    if erc:
+        policy = DivClipPolicyLossConfig(loss_mode="clip", erc_beta_low=0.05, erc_beta_high=0.05, vocab_pass=vocab_pass)
+        clips = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0)
+        return build_actor_loss(make_actor_config(policy_loss=policy, **clips, **batches))
+    if mode is not None:
+        policy = DivClipPolicyLossConfig(loss_mode=mode, delta=0.07, kl_full_top_k=k, vocab_pass=vocab_pass)
+        return build_actor_loss(make_actor_config(policy_loss=policy, **batches))
+    return ppo_loss_fn(make_actor_config(**batches))
 
 
 def probe_worker(model_path: str, args: argparse.Namespace, **options: Any) -> Any:
@@ -173,12 +147,9 @@ CLEAR_REFS = Path("/proc/self/clear_refs")
 class MemoryMeter:
     """Memory in use now and the peak since the last :meth:`reset_peak`, on the device the update runs on.
 
-    ``cuda``: the caching allocator's counters (``torch.cuda.memory_allocated``,
-    ``reset_peak_memory_stats``, ``max_memory_allocated``): bytes held by live tensors, exact.
-    ``cpu``: the process's resident set (``VmRSS``) and its high-water mark (``VmHWM``), which writing
-    ``5`` to ``/proc/self/clear_refs`` resets to the current RSS (Linux >= 4.0). The process must run
-    with :data:`recipe.bench.child.LIVE_RSS_ENV` so that freed blocks leave the resident set and its peak
-    tracks live memory (the acceptance runs its CPU children so).
+    ``cuda``: the caching allocator's counters (exact). ``cpu``: ``VmRSS`` and ``VmHWM``, reset by writing ``5``
+    to ``/proc/self/clear_refs`` (Linux >= 4.0); run under :data:`recipe.bench.child.LIVE_RSS_ENV` so that the
+    peak tracks live memory.
     """
 
     def __init__(self, device: str) -> None:
@@ -239,15 +210,9 @@ class MemoryMeter:
 
 @dataclass(frozen=True)
 class Phase:
-    """One phase of verl's engine as :class:`UpdatePhases` saw it.
-
-    Attributes:
-        name: ``"forward_backward"`` (an update's forward and backward over its micro-batches),
-            ``"forward"`` (a log-prob pass) or ``"optimizer_step"``.
-        held_bytes: Memory in use when the phase began.
-        peak_bytes: The most memory in use during the phase (absolute, not above ``held_bytes``).
-        gradient_bytes: Bytes of the module's gradients when the phase ended (this rank's shards).
-    """
+    """One phase of verl's engine as :class:`UpdatePhases` saw it: ``name`` is ``"forward_backward"``,
+    ``"forward"`` (a log-prob pass) or ``"optimizer_step"``; ``peak_bytes`` is absolute, not above
+    ``held_bytes`` (in use when the phase began); ``gradient_bytes`` this rank's, when it ended."""
 
     name: str
     held_bytes: int
@@ -267,15 +232,10 @@ def gradient_bytes(module: Any) -> int:
 
 
 class UpdatePhases:
-    """Records memory per phase of verl's engine by wrapping two methods of one engine instance (three with
-    ``hold_gradients``).
-
-    verl 0.9.1's ``train_batch`` runs ``optimizer_zero_grad``, ``forward_backward_batch`` and ``optimizer_step``;
-    ``infer_batch`` runs ``forward_backward_batch(forward_only=True)``. Wrapping those instance attributes gives
-    each phase's memory before it began and its peak, verl's methods running unchanged inside. With
-    ``hold_gradients``, ``optimizer_zero_grad`` zeroes the gradients in place instead of freeing them, so from the
-    second update on they are held before the forward, as under gradient accumulation: the loss-phase peak is then
-    above parameters, gradients and optimizer state (the acceptance's targets), the update unchanged.
+    """Records memory per phase by wrapping one engine instance's ``forward_backward_batch`` and
+    ``optimizer_step`` (verl's run unchanged inside). ``hold_gradients``: ``optimizer_zero_grad`` zeroes the
+    gradients in place instead of freeing them, so that they are held before each forward from the second
+    update on, as under gradient accumulation (docs/benchmarks.md, "GPU acceptance").
     """
 
     def __init__(self, engine: Any, meter: MemoryMeter, hold_gradients: bool = False) -> None:
@@ -311,18 +271,10 @@ class UpdatePhases:
 
 
 def update_memory(phases: Sequence[Phase]) -> dict[str, int]:
-    """Memory figures of one update (one mini-batch) from its phases.
-
-    Returns:
-        ``held_bytes``: memory in use before the forward (parameters, optimizer state, whatever verl
-        holds; the gradients too when :class:`UpdatePhases` holds them, else verl's
-        ``optimizer_zero_grad`` has freed them);
-        ``loss_peak_bytes``: the forward/backward peak above ``held_bytes`` (activations, logits, the
-        loss's own tensors, and the gradients the backward allocates where they were not held: the part
-        a loss can change);
-        ``optimizer_peak_bytes``: the optimizer step's peak above the same ``held_bytes``;
-        ``update_peak_bytes``: the update's absolute peak (what the first H200 run reported);
-        ``gradient_bytes``: the gradients after the backward (the same for every loss).
+    """Memory figures of one update (one mini-batch) from its phases: ``held_bytes`` before the forward
+    (the gradients included only when :class:`UpdatePhases` holds them), ``loss_peak_bytes`` and
+    ``optimizer_peak_bytes`` above it (the first the part a loss can change), the absolute
+    ``update_peak_bytes`` and the ``gradient_bytes`` after the backward.
     """
     forward = [p for p in phases if p.name == "forward_backward"]
     step = [p for p in phases if p.name == "optimizer_step"]
@@ -350,15 +302,9 @@ def pass_memory(phases: Sequence[Phase]) -> int:
 
 @dataclass
 class Search:
-    """The longest micro-batch that fits, as :func:`longest_fitting` found it (in the search's unit).
-
-    Attributes:
-        fits: The largest size that fitted (0: not even the smallest tried).
-        fails: The smallest size that did not fit (None: none failed).
-        tries: Every size tried, with whether it fitted, in order.
-        stopped: ``"resolved"`` (``fails <= fits * (1 + resolution)`` or ``fails == fits + 1``),
-            ``"limit"`` (``fits`` reached the search's limit) or ``"time"`` (the deadline came first:
-            ``fits`` is a lower bound, ``fails`` an upper bound if any).
+    """The longest micro-batch that fits, as :func:`longest_fitting` found it (in the search's unit): the largest
+    size that fitted (0: none), the smallest that did not (None: none), every try in order, and why it
+    ``stopped``: ``"resolved"``, ``"limit"`` or ``"time"`` (``fits`` then only a lower bound).
     """
 
     fits: int = 0
@@ -377,19 +323,10 @@ def longest_fitting(
     known_fit: int = 0,
     clock: Callable[[], float] = time.monotonic,
 ) -> Search:
-    """The largest ``n`` in ``[1, limit]`` with ``fits(n)``, by doubling from ``start`` then bisection.
+    """The largest ``n`` in ``[1, limit]`` with ``fits(n)`` (assumed monotone), by doubling from ``start`` then
+    bisection until the smallest failure is within ``resolution`` (0.25: 25 %) of the largest fit or one above.
 
-    Assumes ``fits`` is monotone. Bisection stops when the smallest failure is within ``resolution`` of the
-    largest fit (or one apart); no try starts after ``deadline`` (the result then says ``stopped="time"``).
-
-    Args:
-        fits: Tries one size; True if it fitted.
-        start: The first size to try (>= 1).
-        limit: The largest size to try.
-        resolution: Relative width at which bisection stops (0.25: within 25 %).
-        deadline: A ``clock()`` value after which no try starts.
-        known_fit: A size already known to fit (0: none); the search does not try it or anything below.
-        clock: The clock ``deadline`` refers to.
+    No try starts once ``clock() >= deadline``; sizes up to ``known_fit`` (0: none) are taken as fitting, untried.
     """
     if start < 1 or limit < start:
         raise ValueError(f"longest_fitting: need 1 <= start <= limit, got start={start}, limit={limit}")
@@ -422,12 +359,8 @@ def longest_fitting(
 
 
 def response_lengths(count: int, mean: float, max_len: int, seed: int, sigma: float = 1.0) -> list[int]:
-    """Response lengths drawn as an RL batch's are: varied and long-tailed (log-normal), seeded.
-
-    Log-normal with shape ``sigma`` and mean ``mean`` before clipping (``mu = ln(mean) - sigma**2 / 2``),
-    each rounded and clipped to ``[1, max_len]`` (a response cut at the rollout's maximum length). At
-    ``sigma = 1`` the longest of a few dozen is several times the median, as reasoning models' are.
-    """
+    """Seeded response lengths, long-tailed as an RL batch's: log-normal with shape ``sigma`` and mean ``mean``
+    before each is rounded and clipped to ``[1, max_len]`` (a response cut at the rollout's maximum length)."""
     if count < 1 or max_len < 1 or mean <= 0:
         raise ValueError(f"response_lengths: need count >= 1, max_len >= 1, mean > 0; got {count}, {max_len}, {mean}")
     draw = random.Random(seed)
@@ -436,15 +369,8 @@ def response_lengths(count: int, mean: float, max_len: int, seed: int, sigma: fl
 
 
 def update_flops(model_path: str, sequence_lengths: Sequence[int]) -> float:
-    """Model FLOPs of one training update (forward + backward) over sequences of these lengths.
-
-    verl's own estimate (``verl.utils.flops_counter``'s function for the model type, what
-    ``FlopsCounter`` and so verl's ``perf/mfu`` use):
-    for a dense decoder ``6 * N * tokens`` with ``N`` the layers' linear weights plus the embedding and
-    the output head, plus the attention scores and values ``6 * sum(s_i**2) * heads * head_dim *
-    layers`` over each sequence's length ``s_i``. Gradient checkpointing's recomputed forward is not
-    counted (model FLOPs, not hardware FLOPs).
-    """
+    """Model FLOPs of one training update (forward + backward) over sequences of these lengths: verl's own
+    estimate, as its ``perf/mfu`` uses it (the formula is in docs/benchmarks.md, "What it runs")."""
     from transformers import AutoConfig
     from verl.utils.flops_counter import ESTIMATE_FUNC
 
@@ -457,10 +383,8 @@ def update_flops(model_path: str, sequence_lengths: Sequence[int]) -> float:
 
 
 def device_peak_flops(device: str) -> tuple[Optional[float], str]:
-    """The device's dense bf16 peak in FLOP/s and its name, from verl's table
-    (``verl.utils.flops_counter.get_device_flops``: H100 and H200 989e12, NVIDIA's dense bf16 tensor-core
-    figure, half the datasheets' 1,979 TFLOP/s "with sparsity"; ``CPU`` 448e9). None for a device the
-    table does not know."""
+    """The device's dense bf16 peak in FLOP/s (None where verl's ``get_device_flops`` table does not know it)
+    and its name."""
     from verl.utils.flops_counter import get_device_flops
 
     if device == "cuda":

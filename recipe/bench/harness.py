@@ -1,10 +1,6 @@
-"""Reusable harness: verl 0.9.1's real actor training stack on CPU, for tests and benchmarks.
-
-It drives verl's own ``TrainingWorker``, constructed directly instead of through Ray, so the code under test is
-what the v1 trainer runs on a GPU node (``train_mini_batch`` -> ``train_batch`` -> ``FSDPEngineWithLMHead``
-(FSDP2) -> the loss); only the Ray dispatch layer is skipped. All CPU, no downloads. Importing this module only
-registers the ``cpu`` platform; :func:`select_cpu_platform` (called by :mod:`recipe.bench.ranks`) selects it,
-so importing the harness does not change which platform other code in the importing process gets.
+"""verl 0.9.1's real actor training stack on CPU, for tests and benchmarks: its own ``TrainingWorker`` built
+without Ray, so only the dispatch layer is skipped; no downloads. Importing registers the ``cpu`` platform but
+does not select it (:func:`select_cpu_platform`, called by :mod:`recipe.bench.ranks`, does).
 """
 
 from __future__ import annotations
@@ -13,7 +9,7 @@ import functools
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -74,14 +70,9 @@ class BenchMicroBatch:
 
 def bench_micro_batch(tokens: int, sequences: int, vocab: int, hidden: int) -> BenchMicroBatch:
     """The tiny Qwen3 and the micro-batch that the engine benchmarks (``entropy-memory``, ``full-kl``,
-    ``onpolicy --cost``) build from their ``--tokens``/``--sequences``/``--vocab`` (and ``--hidden``).
-
-    What they share: ``tokens`` split into ``sequences`` equal sequences, each a quarter prompt
-    (at least one token) and the rest response; a 2-layer Qwen3 with ``vocab`` logits, width
-    ``hidden``, an MLP of ``2 * hidden``, 4 query and 2 key/value heads of ``hidden // 4`` each, and
-    positions for at least 8192 tokens. The memory these benchmarks compare is dominated by the
-    ``tokens x vocab`` logits, so the body stays small. Bad sizes raise a ``ValueError`` naming the
-    CLI options.
+    ``onpolicy --cost``) build from their ``--tokens``/``--sequences``/``--vocab``/``--hidden``: equal
+    sequences, each a quarter prompt, and a small body, since the ``tokens x vocab`` logits dominate the
+    memory they compare. Bad sizes raise a ``ValueError`` naming the options.
     """
     if tokens < 1 or sequences < 1:
         raise ValueError(f"--tokens ({tokens}) and --sequences ({sequences}) must be positive")
@@ -109,12 +100,9 @@ def bench_micro_batch(tokens: int, sequences: int, vocab: int, hidden: int) -> B
 def save_tiny_qwen3(
     path: str | os.PathLike[str], spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int = 0, head_scale: float = 1.0
 ) -> str:
-    """Write a random-weight Qwen3 checkpoint (config + safetensors) to ``path``; return the path.
-
-    verl's engine loads the model with ``from_pretrained(model_config.local_path)``, so the tiny
-    model has to exist on disk: no hub access is needed or attempted. ``head_scale`` multiplies the
-    output head: a large value makes the policy confident, so many tokens have an entropy of 1e-6
-    nats or less, as a trained reasoning model's do (where bf16 entropy formulas break down).
+    """Write a random-weight Qwen3 checkpoint (config + safetensors) to ``path`` for verl's engine to load;
+    return the path. A large ``head_scale`` makes the policy confident (many tokens at an entropy of 1e-6 nats or
+    less, as a trained reasoning model's, where bf16 entropy formulas break down).
     """
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -164,16 +152,12 @@ class WorkerOptions:
 
 
 def build_actor_worker(model_path: str, options: Optional[WorkerOptions] = None) -> Any:
-    """Build and initialise verl's ``TrainingWorker`` for the actor on the CPU platform (FSDP2).
+    """Build and initialise verl's ``TrainingWorker`` for the actor (``options=None``: ``WorkerOptions()``), with
+    the engine seam installed as a training run's actor worker has it.
 
-    Needs ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` in the environment (set by
-    ``single_rank_env`` (:mod:`recipe.bench.ranks`) for an in-process rank, or the tests' ``run_ranks``).
-    ``options.lora_rank > 0`` gives the model verl's LoRA adapter (only the adapter trains);
-    ``options.model_type="value_model"`` builds the critic's worker (``FSDPEngineWithValueHead``) instead, loaded
-    with ``options.attn_implementation`` instead of the flash-attn verl asks for (:func:`_value_model_attention`).
-    The value head and ``lora_A`` come from torch's global generator: seed it before building two workers that
-    must start equal. The worker gets the engine seam (:func:`verl_ext.engine.seam.install`), as a training
-    run's actor worker does when it unpickles its loss. ``options=None``: ``WorkerOptions()``.
+    Needs the ``RANK``/``WORLD_SIZE``/``MASTER_*`` environment (:func:`recipe.bench.ranks.single_rank_env`, or the
+    tests' ``run_ranks``). The value head and ``lora_A`` come from torch's global generator: seed it before
+    building two workers that must start equal.
     """
     options = WorkerOptions() if options is None else options
     from verl.plugin.platform import get_platform
@@ -230,20 +214,16 @@ def build_actor_worker(model_path: str, options: Optional[WorkerOptions] = None)
             checkpoint_config=CheckpointConfig(),
         )
     )
-    if options.model_type == "value_model":
-        with _value_model_attention(options.attn_implementation):
-            worker.reset()
-    else:
+    value_model = options.model_type == "value_model"
+    with _value_model_attention(options.attn_implementation) if value_model else nullcontext():
         worker.reset()  # TrainingWorker builds the model/optimizer here (Engine.initialize)
     return worker
 
 
 @contextmanager
 def _value_model_attention(attn_implementation: str) -> Iterator[None]:
-    """While verl builds a critic, ``AutoModelForTokenClassification.from_pretrained`` asked for
-    ``flash_attention_2`` (hard-coded in verl 0.9.1's ``load_valuehead_model``) loads with
-    ``attn_implementation`` instead; every other argument is verl's. The class's own attribute is
-    given back on exit."""
+    """While verl builds a critic, load it with ``attn_implementation`` where verl 0.9.1's
+    ``load_valuehead_model`` hard-codes ``flash_attention_2``."""
     from transformers import AutoModelForTokenClassification as auto_class
 
     own = vars(auto_class).get("from_pretrained")  # transformers 5 sets it on each auto class
@@ -298,10 +278,8 @@ def make_rollout_batch(
 ) -> TensorDict:
     """A batch in verl's no-padding layout, as the v1 trainer passes it to ``update_actor``.
 
-    Per-sample lengths are given explicitly so tests control the ragged shape. Unspecified
-    per-response tensors are random: ``old_log_probs`` in [-6, -3] (a uniform-ish random
-    policy over a few-hundred-token vocabulary), ``advantages`` ~ N(0, 1), ``entropy`` (pi_old)
-    in [0.5 ln V, ln V]. Any of them can be given as a list of 1-D tensors (one per sample).
+    Per-response tensors not given (as one 1-D tensor per sample) are random: ``old_log_probs`` in [-6, -3],
+    ``advantages`` ~ N(0, 1), ``entropy`` (pi_old) in [0.5 ln V, ln V].
     """
     if len(prompt_lens) != len(response_lens):
         raise ValueError(f"prompt_lens ({len(prompt_lens)}) and response_lens ({len(response_lens)}) differ")
@@ -318,7 +296,7 @@ def make_rollout_batch(
     if old_entropy is None:
         old_entropy = [log_v * (0.5 + 0.5 * torch.rand(r, generator=gen)) for r in response_lens]
     masks = [torch.ones(r, dtype=torch.int64) for r in response_lens]
-    batch = TensorDict(
+    return TensorDict(
         {
             "prompts": _nested(prompts),
             "responses": _nested(responses),
@@ -332,7 +310,6 @@ def make_rollout_batch(
         },
         batch_size=[len(prompt_lens)],
     )
-    return batch
 
 
 @contextmanager
@@ -357,14 +334,12 @@ def update_actor(
     seed: int = 0,
     extra_info: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
-    """One actor update, mirroring ``trainer/ppo/v1/trainer_base.py::_update_actor``.
+    """One actor update on this rank's shard, mirroring ``trainer/ppo/v1/trainer_base.py::_update_actor``;
+    returns the metrics.
 
-    ``batch`` is this rank's shard. By default the whole shard is one mini-batch (one optimizer
-    step); ``mini_batch_size`` (global, like ``ppo_mini_batch_size * rollout.n``), ``epochs``,
-    ``shuffle`` and ``seed`` (``actor.data_loader_seed``) split it as the trainer does. Micro-batches
-    follow the worker's ``micro_batch_size_per_gpu`` / ``max_token_len_per_gpu``. ``extra_info``: more
-    non-tensor keys, as a trainer hook adds them (``recipe.trainer.DivClipTrainer._update_actor``).
-    Returns the metrics.
+    By default the shard is one mini-batch; ``mini_batch_size`` (global, like ``ppo_mini_batch_size *
+    rollout.n``), ``epochs``, ``shuffle`` and ``seed`` (``actor.data_loader_seed``) split it as the trainer does.
+    ``extra_info``: more non-tensor keys, as ``recipe.trainer.DivClipTrainer._update_actor`` adds them.
     """
     from verl.utils import tensordict_utils as tu
 
@@ -398,16 +373,13 @@ def compute_log_prob(
     old_from_update: bool = False,
     collect: bool = False,
 ) -> Optional[dict[str, torch.Tensor]]:
-    """pi_old pass, mirroring ``_compute_old_log_prob``: returns response-layout nested
-    ``old_log_probs`` and ``entropy`` for this rank's shard (no loss, no gradient); None on a rank
-    whose group's output another rank collects (verl returns it from one rank per SP group).
-    ``packing`` (a ``verl_ext.engine.packing.UpdatePacking``) is the update's mini-batch split, as
-    ``DivClipTrainer`` passes it; None: the whole shard is one mini-batch, as :func:`update_actor`'s default.
-    ``old_topk > 0`` asks the pass for pi_old's top-k as ``recipe.trainer.DivClipTrainer`` does for
-    ``kl_full`` (the fields of :mod:`verl_ext.engine.topk_capture`, already in the response layout, are returned
-    too); the worker comes from :func:`build_actor_worker`, which installed the engine seam. ``old_from_update``
-    leaves the first mini-batch's pi_old to the update, and ``collect`` (after that update) returns the completed
-    values without a forward, as ``DivClipTrainer`` does (:mod:`verl_ext.engine.old_from_update`)."""
+    """pi_old pass, mirroring ``_compute_old_log_prob``: this rank's response-layout nested ``old_log_probs`` and
+    ``entropy`` (None on a rank whose SP group's output another rank collects).
+
+    As ``DivClipTrainer`` asks it: ``packing`` (a ``verl_ext.engine.packing.UpdatePacking``; None: one
+    mini-batch), ``old_topk > 0`` pi_old's top-k for ``kl_full`` (returned too), ``old_from_update`` and
+    ``collect`` (:mod:`verl_ext.engine.old_from_update`).
+    """
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import response_from_nested
 

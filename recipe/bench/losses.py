@@ -1,10 +1,9 @@
 """``python -m recipe.bench losses [--json]``: forward+backward time of every divclip mode
 against verl's ``vanilla`` policy loss, interleaved in one process.
 
-Each round times every variant in turn; a variant's figure is its median over rounds against ``vanilla``'s from
-the same rounds. ERC variants get the entropies as inputs (the entropy's cost is ``entropy-memory``'s), and
-``kl_full``'s update is ``full-kl``'s. ``--heap steady`` (the default) holds glibc's heap with ``mallopt`` so the
-timings measure the arithmetic, not page faults; ``--heap glibc-default`` measures without it (docs/benchmarks.md).
+A variant's figure is its median over rounds against ``vanilla``'s. ERC variants get the entropies as inputs.
+``--heap steady`` (the default) holds glibc's heap with ``mallopt`` so the timings measure the arithmetic, not
+page faults (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -43,8 +42,8 @@ _heap_held = False  # mallopt lasts for the process: a later "glibc-default" run
 
 
 def hold_heap_steady() -> bool:
-    """Keep freed memory in glibc's heap (no mmap per tensor, no trimming), so that steps do not
-    page-fault their tensors in again; False where the C library is not glibc."""
+    """Keep freed memory in glibc's heap (no mmap per tensor, no trimming) so that steps do not page-fault their
+    tensors in again; False where the C library is not glibc."""
     global _heap_held
     name = ctypes.util.find_library("c")
     try:

@@ -1,10 +1,9 @@
 """Actor time per step with and without ``policy_loss.old_log_prob_from_update`` (the old-log-prob pass skipped
 where the update's first forward is pi_old bit for bit; :mod:`verl_ext.engine.old_from_update`).
 
-One step as ``DivClipTrainer`` runs it, timed per phase on verl's real actor worker, for the ``atr`` shape (one
-mini-batch trained twice: the skip removes the whole pass) and the ``erc`` shape (8 mini-batches: the first's
-share); both arms alternate on one worker at learning rate 0 (docs/benchmarks.md, "The old-log-prob pass skipped
-where exact"). ``python -m recipe.bench old-pass-skip [--shapes atr,erc] [--device cpu|cuda] [--rounds N] ...``
+``python -m recipe.bench old-pass-skip [--shapes atr,erc] [--device cpu|cuda] [--rounds N] ...``: one step as
+``DivClipTrainer`` runs it, both arms alternating on one worker (docs/benchmarks.md, "The old-log-prob pass
+skipped where exact").
 """
 
 from __future__ import annotations

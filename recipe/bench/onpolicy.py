@@ -1,10 +1,8 @@
 """On-policy exactness under the configs' packings, in any loss mode: where the noise comes from, what the fix costs.
 
-``python -m recipe.bench onpolicy [--json] [--modes erc,clip,kl3,gspo] [--threads 1,2] [--seeds 4,5,6,7,8]``
-
-Per case (mode x budget pair x seed x threads), the old-log-prob pass then one update before any optimizer step,
-verl's packing (``own``) against the pass packed as the update (``aligned``); for ERC, LM-head hooks compare both
-passes. ``--cost``: the alignment's price on the pass alone (docs/benchmarks.md, "On-policy exactness").
+``python -m recipe.bench onpolicy [--json] [--modes erc,clip,kl3,gspo] [--threads 1,2] [--seeds 4,5,6,7,8]``: per
+case, the old pass then one update, verl's packing (``own``) against the pass packed as the update (``aligned``);
+``--cost``: the pass alone (docs/benchmarks.md, "On-policy exactness").
 """
 
 from __future__ import annotations
@@ -215,9 +213,8 @@ def _run_cases(threads: int, seeds: list[int], modes: list[str]) -> list[dict[st
 
 
 def _run_cost(arm: str, mode: str, tokens: int, vocab: int, sequences: int, rounds: int = 3) -> dict[str, Any]:
-    """``arm`` = ``own`` or ``aligned``: one old-log-prob pass, then its peak RSS (a fresh process per
-    arm). ``arm`` = ``time``: both arms alternately on one worker, ``rounds`` passes each after a
-    warm-up, so a busy machine slows both alike; the median seconds of each."""
+    """``arm`` = ``own`` or ``aligned``: one old-log-prob pass and its peak RSS (a fresh process per arm);
+    ``time``: the median seconds of both arms, alternating on one worker so a busy machine slows both alike."""
     import statistics
 
     import torch
@@ -303,13 +300,9 @@ def main(argv: list[str]) -> int:
         for start in range(0, len(rows), 3):  # per mode: time, own, aligned
             own, aligned = rows[start + 1], rows[start + 2]
             aligned["peak_ratio_vs_own"] = round(aligned["peak_rss_gib"] / own["peak_rss_gib"], 3)
-    if args.json:
+    if args.json or args.cost:
         for row in rows:
-            print(json.dumps(row))
-        return 0
-    if args.cost:
-        for row in rows:
-            print(row)
+            print(json.dumps(row) if args.json else row)
         return 0
     print(
         f"{'mode':<5} {'packing':<8} {'budgets':>8} {'seed':>4} {'thr':>3} {'same':>5} {'clipfrac':>8} {'rho min':>8} "

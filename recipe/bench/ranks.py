@@ -1,6 +1,5 @@
 """Ranks on loopback for the CPU harness (:mod:`recipe.bench.harness`): the rendezvous store the ranks connect to
-and :func:`single_rank_env` for a rank in the calling process (the benchmarks' children). The tests' 1..N new rank
-processes (``tests/helpers.py::run_ranks``) join a store served by :func:`rendezvous_store` too."""
+(the tests' ``run_ranks`` too) and :func:`single_rank_env` for a rank in the calling process."""
 
 from __future__ import annotations
 
@@ -15,10 +14,9 @@ _STORES: list[Any] = []  # single_rank_env's, served for the life of the process
 def rendezvous_store() -> Any:
     """Serve the ranks' rendezvous store from this process, as torchrun's agent does (its port: ``.port``).
 
-    The store binds port 0 itself and holds it while the returned object lives, so no other process can take the
-    port between its choice and its use (a free port found first and bound later by rank 0 was lost to ``EADDRINUSE`` on
-    a busy machine). The ranks connect to it as clients: :data:`AGENT_STORE_ENV` in their environment makes torch's
-    ``env://`` rendezvous (verl's ``init_process_group``) use the store at ``MASTER_PORT`` instead of binding one.
+    It binds port 0 and holds it while the object lives, so no other process can take the port before rank 0 uses
+    it (a free port bound later was lost to ``EADDRINUSE`` on a busy machine); the ranks, under
+    :data:`AGENT_STORE_ENV`, connect to it at ``MASTER_PORT`` as clients.
     """
     from torch.distributed import TCPStore
 
@@ -30,8 +28,8 @@ AGENT_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def single_rank_env(port: Optional[int] = None, device: str = "cpu") -> None:
-    """Environment for an in-process single rank (what Ray would set for a 1-worker group).
-    ``device="cuda"`` leaves verl's platform detection alone (one GPU, NCCL)."""
+    """Environment for an in-process single rank (what Ray would set for a 1-worker group); ``device="cuda"``
+    leaves verl's platform detection alone."""
     if device == "cpu":
         select_cpu_platform()
     os.environ.update(

@@ -1,9 +1,7 @@
 """``python -m recipe.bench reward [--json] [--math500 PATH]``: reward throughput, ours vs verl's.
 
-One mixed corpus (MATH-500 solutions against their own and the next problem's answer, long synthetic chains
-of thought) is scored by three functions from a thread pool, as verl's reward loop calls a synchronous
-``compute_score``; items/s and ratios come from this one run and nothing is asserted. ``--math500`` (JSON lines
-with ``solution`` and ``answer``) defaults to the checkout's ``../shared`` copy.
+One mixed corpus (MATH-500 solutions against their own and the next problem's answer, long synthetic chains of
+thought) scored by three functions from a thread pool, as verl's reward loop calls a synchronous ``compute_score``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """How much of a policy's mass lies outside its top-k: the measurement ``kl_full_top_k`` is chosen from.
 
-``python -m recipe.bench topk-tail --model PATH --data FILE [--k 1,2,4,8,16,32,64,128] [--json]``
-
-``kl_full`` misses only the mass in pi_old's tail. This probe teacher-forces a MATH-500-layout JSON-lines file
-(``problem`` as the user turn, ``solution`` as the response) through a local checkpoint (bf16 on CUDA, else fp32)
-and reports per k the tail mass over the response tokens and the stored top-k's bytes; nothing is asserted.
+``python -m recipe.bench topk-tail --model PATH --data FILE [--k 1,2,4,8,16,32,64,128] [--json]``: teacher-forces
+a MATH-500-layout JSON-lines file through a local checkpoint and reports per k the tail mass over the response
+tokens (all that ``kl_full`` misses) and the stored top-k's bytes.
 """
 
 from __future__ import annotations
@@ -48,12 +46,9 @@ def read_rows(path: Path, prompt_key: str, response_key: str) -> list[tuple[str,
 
 
 def tail_log_masses(log_probs: Any, ks: list[int]) -> Any:
-    """``(tokens, len(ks))`` log of the mass outside each row's top-k, for each k (float64).
-
-    The tail is summed directly, with the one tail-bucket computation of ``kl_full``
-    (:func:`verl_ext.core.coarsened_kl.tail_log_mass_`): per k, the row's top-k entries are set to
-    ``-inf`` and the rest reduces to its own logsumexp -- no ``1 - sum(top-k)`` cancellation, so a tail of
-    1e-12 keeps its digits."""
+    """``(tokens, len(ks))`` log of the mass outside each row's top-k, for each k (float64), summed directly by
+    ``kl_full``'s own :func:`verl_ext.core.coarsened_kl.tail_log_mass_`: no ``1 - sum(top-k)`` cancellation, so a
+    tail of 1e-12 keeps its digits."""
     import torch
 
     from verl_ext.core.coarsened_kl import tail_log_mass_

@@ -1,10 +1,8 @@
 """Throughput of verl's trainer modes side by side on the CPU smoke task: samples per second of ``sync``
 against ``colocate_async`` and ``separate_async``, and how stale each async mode's samples were.
 
-``python -m recipe.bench trainer-modes [--json] [--modes sync,colocate_async,separate_async] [--steps 6]
-[--response-len 48] [--loss kl3] [--out DIR]``: each mode trains the same ``launch/run_smoke_cpu.sh`` run; samples
-per second are the trained samples the data trace counts (:mod:`recipe.data_trace`) over verl's
-``perf/time_per_step``, step 1 (warm-up) left out (docs/benchmarks.md, "Trainer modes side by side").
+Each mode trains the same ``launch/run_smoke_cpu.sh`` run; samples per second are the trained samples the data
+trace counts over verl's ``perf/time_per_step``, step 1 left out (docs/benchmarks.md, "Trainer modes side by side").
 """
 
 from __future__ import annotations
