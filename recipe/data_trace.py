@@ -1,9 +1,7 @@
 """Which prompts each training step fetched and trained on, as JSON lines (``divclip.data_trace=FILE``, opt-in).
 
-A resume must neither skip nor repeat prompts (verl restores the dataloader's cursor and, in the asynchronous
-modes, TransferQueue's prompt groups); this trace makes that checkable. A prompt is its dataset ``index`` and a
-hash of its text (stable across runs, unlike verl's per-fetch uid); every attempt of a run appends ``fetched``,
-``restored`` and ``trained`` events to the same file (the line format: docs/experiments.md, "Resuming").
+It makes checkable that a resume neither skips nor repeats prompts. A prompt is its dataset ``index`` and a hash of
+its text (stable across runs, unlike verl's per-fetch uid); the events: docs/experiments.md, "Resuming".
 """
 
 from __future__ import annotations

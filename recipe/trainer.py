@@ -1,10 +1,8 @@
 """The divclip trainer: what verl-divclip adds to verl 0.9.1's v1 trainer, for every trainer mode.
 
-:class:`DivClipTrainer` sits on top of each class verl registers for ``trainer.v1.trainer_mode``; verl's registry
-gets the three (``DivClipPPOTrainerSync``, ``...ColocateAsync``, ``...SeparateAsync``) from :class:`DivClipTaskRunnerV1`
-in the TaskRunner's process only (docs/engine.md, "The trainer classes"). It adds the divclip actor loss, the adaptive
-delta and its saved state, the old-log-prob pass's packing, skip and top-k, the staleness figures, per-benchmark
-validation, complete-checkpoint resume and the data trace (docs/experiments.md, "Trainer modes"); the rest is verl's.
+:class:`DivClipTrainer` sits on top of each class verl registers for ``trainer.v1.trainer_mode`` (docs/engine.md,
+"The trainer classes"): the divclip actor loss, the adaptive delta, the old-log-prob pass's packing, skip and
+top-k, staleness, per-benchmark validation, complete-checkpoint resume and the data trace; the rest is verl's.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """``generate``: sample ``n`` responses per problem with vLLM, score them, write one JSONL per benchmark.
 
-Everything is validated (:func:`plan_generation`, :func:`check_model_path`) before vLLM is imported,
-so a typo costs a second on a login node instead of a GPU allocation. The sampler is a seam:
-:func:`run_generate` takes any callable with the :data:`Sampler` signature; the CLI passes
-:func:`vllm_sampler`, the only place vLLM is imported.
+Everything is validated (:func:`plan_generation`, :func:`check_model_path`) before vLLM is imported, so a typo costs
+a second on a login node instead of a GPU allocation; :func:`vllm_sampler` (a :data:`Sampler`) is the only vLLM import.
 """
 
 from __future__ import annotations
@@ -90,9 +88,6 @@ def vllm_sampler(
     ``chat_template_kwargs`` reach the model's chat template through vLLM's
     ``LLM.chat(chat_template_kwargs=...)`` (Qwen3: ``{"enable_thinking": False}`` ends the prompt
     with an empty ``<think></think>`` block, the mode the ATR runs train in).
-
-    vLLM is imported here, not at module level, so everything else in this module (argument
-    validation, scoring, tests) works on machines without a GPU or vLLM.
     """
     try:
         from vllm import LLM, SamplingParams

@@ -1,10 +1,8 @@
 """``score``'s inputs: ``generate`` JSONL files and verl validation dumps, read into checkpoints.
 
-A checkpoint (:data:`~recipe.eval.metrics.Checkpoint`) maps each benchmark to its problems'
-per-response correctness and extracted answers. ``generate`` rows carry their benchmark;
-verl's ``trainer.validation_data_dir`` dumps (``<step>.jsonl`` with input/output/gts/score/step
-and the reward's extra keys acc/pred) are mapped back to benchmarks through the eval parquets
-(:class:`PromptIndex`) or ``--benchmark``. Every malformed line raises ValueError naming file and line.
+A checkpoint (:data:`~recipe.eval.metrics.Checkpoint`) maps each benchmark to its problems' per-response correctness
+and extracted answers; verl's ``trainer.validation_data_dir`` dumps are mapped back to benchmarks through the eval
+parquets (:class:`PromptIndex`) or ``--benchmark``. Every malformed line raises ValueError naming file and line.
 """
 
 from __future__ import annotations

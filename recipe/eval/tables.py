@@ -1,9 +1,7 @@
 """``score``'s output: metrics per checkpoint and benchmark, Markdown tables, mean ± std over seeds.
 
-:func:`score_runs` + :func:`render_tables` give one table per metric@k (checkpoints as rows, a
-"final (best)" row when there are several); :func:`aggregate_runs` + :func:`render_aggregate`
-give the mean ± std over runs (seeds) of each row for the final and the best checkpoint (ATR
-Table 3).
+:func:`score_runs` + :func:`render_tables`: one table per metric@k (a "final (best)" row when there are several
+checkpoints); :func:`aggregate_runs` + :func:`render_aggregate`: mean ± std over runs, final and best (ATR Table 3).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """In-training validation at its own response length and sample count, per benchmark.
 
-Both papers score checkpoints at lengths and sample counts of their own (ERC §4.1: AIME with 32 samples of 32k
-while training at 16k); verl 0.9.1 validates every set at ``rollout.response_length`` and one ``val_kwargs.n``
-(verl-project/verl#2997). This module reads ``actor_rollout_ref.rollout.custom.validation``, refuses before Ray what
-it cannot serve (:func:`check_validation_length`), and :class:`ValidationLengthTrainerMixin` gives each validation
+verl 0.9.1 validates every set at ``rollout.response_length`` and one ``val_kwargs.n`` (verl-project/verl#2997),
+the papers do not (ERC §4.1: 32 samples of 32k while training at 16k). This module reads
+``actor_rollout_ref.rollout.custom.validation``, refuses before Ray what it cannot serve, and gives each validation
 row ``__rollout_n__``, ``agent_name`` and its length, without patching verl (docs/evaluation.md).
 """
 
