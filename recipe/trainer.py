@@ -272,13 +272,11 @@ class DivClipPPOTrainerSync(DivClipTrainer, PPOTrainerSync):
 
 
 class DivClipPPOTrainerColocateAsync(DivClipTrainer, PPOTrainerColocateAsync):
-    """verl's ``PPOTrainerColocateAsync`` (``trainer.v1.trainer_mode=colocate_async``) with :class:`DivClipTrainer`
-    on top."""
+    """verl's ``PPOTrainerColocateAsync`` (``trainer_mode=colocate_async``) with :class:`DivClipTrainer` on top."""
 
 
 class DivClipPPOTrainerSeparateAsync(DivClipTrainer, PPOTrainerSeparateAsync):
-    """verl's ``PPOTrainerSeparateAsync`` (``trainer.v1.trainer_mode=separate_async``) with
-    :class:`DivClipTrainer` on top."""
+    """verl's ``PPOTrainerSeparateAsync`` (``trainer_mode=separate_async``) with :class:`DivClipTrainer` on top."""
 
 
 #: ``trainer.v1.trainer_mode`` -> the divclip class that replaces verl's under that name.
@@ -292,13 +290,10 @@ DIVCLIP_TRAINERS: dict[str, type[DivClipTrainer]] = {
 def register_divclip_trainers() -> None:
     """Put the divclip classes in verl's trainer registry under verl's own mode names (idempotent).
 
-    verl's ``register_trainer`` refuses to re-register a name to another class, and verl compares
-    ``trainer_mode`` with ``"sync"`` in many places, so the names stay verl's and the entry is replaced
-    directly -- only where it still holds exactly the verl class the divclip class is built on.
-
-    Raises:
-        RuntimeError: naming the mode, when its entry is missing or holds any other class (another
-            plugin's, or a verl release whose class for that mode moved).
+    verl's ``register_trainer`` refuses to re-register a name, and verl compares ``trainer_mode`` with ``"sync"`` in
+    many places, so the names stay verl's and an entry is replaced directly, only where it still holds exactly the
+    verl class the divclip class is built on; else RuntimeError naming the mode (another plugin's class, or a verl
+    release whose class for that mode moved).
     """
     for mode, cls in DIVCLIP_TRAINERS.items():
         verl_cls = cls.__bases__[-1]

@@ -42,9 +42,7 @@ def is_divclip_key(key: str) -> bool:
     return any(key_under(key, prefix) for prefix in DIVCLIP_PREFIXES)
 
 
-# ------------------------------------------------------------------------------------------------
-# A row of the rule table
-# ------------------------------------------------------------------------------------------------
+# -- A row of the rule table ---------------------------------------------------------------------
 
 
 class KeyClass(str, enum.Enum):
@@ -102,9 +100,7 @@ class KeyRule:
             raise ValueError(f"{where}: refused_when and check go together")
 
 
-# ------------------------------------------------------------------------------------------------
-# verl's schema and the config's leaves
-# ------------------------------------------------------------------------------------------------
+# -- verl's schema and the config's leaves -------------------------------------------------------
 
 
 def compose_verl_schema() -> DictConfig:

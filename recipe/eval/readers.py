@@ -7,6 +7,7 @@ parquets (:class:`PromptIndex`) or ``--benchmark``. Every malformed line raises 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -197,13 +198,7 @@ def load_runs(
     folder name. A verl validation dump file is one checkpoint ("step N"); a
     ``validation_data_dir`` folder gives one checkpoint per step file, in step order.
     """
-    cached: list[Scorer] = []
-
-    def scorer() -> Scorer:
-        if not cached:
-            cached.append(reward_scorer(think))
-        return cached[0]
-
+    scorer = functools.cache(functools.partial(reward_scorer, think))  # built on first use only
     index = PromptIndex(data) if data else None
     runs: list[tuple[str, Checkpoint]] = []
     for entry in paths:

@@ -154,11 +154,8 @@ def check_validation_length(config: Any) -> Optional[ValidationPlan]:
     for data_source, setting in sorted({"(default)": plan.default, **plan.benchmarks}.items()):
         needed = prompt + setting.response_length + reserve
         if needed > context:
-            key = (
-                f"{VALIDATION_KEY}.response_length"
-                if data_source == "(default)"
-                else (f"{VALIDATION_KEY}.benchmarks.{data_source}.response_length")
-            )
+            where = "" if data_source == "(default)" else f".benchmarks.{data_source}"
+            key = f"{VALIDATION_KEY}{where}.response_length"
             raise ValidationLengthError(
                 f"{ROLLOUT}.max_model_len={context} is smaller than {ROLLOUT}.prompt_length ({prompt}) + "
                 f"{key} ({setting.response_length})"
