@@ -359,12 +359,9 @@ async def compute_score_async(
 
 def _canonical_module() -> Any:
     """This file imported as ``recipe.reward.score``: verl loads it by path under a private module name that
-    workers cannot import and that would get a pool of its own, so every call is routed to this one copy."""
-    try:
-        return importlib.import_module(CANONICAL_MODULE)
-    except ImportError:
-        sys.path.insert(0, _REPO_ROOT)
-        return importlib.import_module(CANONICAL_MODULE)
+    workers cannot import and that would get a pool of its own, so every call is routed to this one copy
+    (importable: the import of :mod:`recipe.reward.workers` above put the repository root on the path if needed)."""
+    return importlib.import_module(CANONICAL_MODULE)
 
 
 __all__ = [

@@ -1,9 +1,9 @@
 """In-training validation at its own response length and sample count, per benchmark.
 
-verl 0.9.1 validates every set at ``rollout.response_length`` and one ``val_kwargs.n`` (verl-project/verl#2997),
-the papers do not (ERC §4.1: 32 samples of 32k while training at 16k). This module reads
-``actor_rollout_ref.rollout.custom.validation``, refuses before Ray what it cannot serve, and gives each validation
-row ``__rollout_n__``, ``agent_name`` and its length, without patching verl (docs/evaluation.md).
+verl 0.9.1 validates every set at one ``rollout.response_length`` and ``val_kwargs.n`` (verl-project/verl#2997), the
+papers do not (ERC §4.1: 32 samples of 32k while training at 16k). Reads ``rollout.custom.validation``, refuses before
+Ray what it cannot serve, and gives each validation row ``__rollout_n__``, ``agent_name`` and its length, without
+patching verl (docs/evaluation.md).
 """
 
 from __future__ import annotations
