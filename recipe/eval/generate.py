@@ -38,10 +38,8 @@ def plan_generation(
     top_p: float | None = None,
     max_tokens: int | None = None,
 ) -> list[BenchmarkPlan]:
-    """Validate everything ``generate`` needs, without touching a GPU.
-
-    ``data`` holds parquet files or folders of them. Raises ValueError on the first problem.
-    """
+    """Validate everything ``generate`` needs, without touching a GPU (``data``: parquet files or folders of
+    them); ValueError on the first problem."""
     files = [file for entry in data for file in expand_files(entry, "*.parquet", "--data")]
     if not files:
         raise ValueError("no evaluation parquet given (--data)")
@@ -120,12 +118,8 @@ def run_generate(
     model: str = "",
     overwrite: bool = False,
 ) -> list[Path]:
-    """Sample, score and write ``<output_dir>/<benchmark>.jsonl`` for every plan.
-
-    One row per problem: problem_id, benchmark, data_source, ground_truth, prompt, responses,
-    scores, acc, preds, sampling, model. Files are written to a temporary name and renamed, so
-    an interrupted run leaves no half-written benchmark file behind.
-    """
+    """Sample, score and write ``<output_dir>/<benchmark>.jsonl`` (one row per problem) for every plan; each
+    file is written under a temporary name and renamed, so an interrupted run leaves no half-written file."""
     scorer = scorer or reward_scorer()
     out = Path(output_dir)
     targets = [out / f"{plan.benchmark}.jsonl" for plan in plans]

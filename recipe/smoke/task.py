@@ -101,12 +101,8 @@ def format_answer(answer: str) -> str:
 
 
 def build_tokenizer() -> Any:
-    """A char-level ``PreTrainedTokenizerFast`` with ChatML specials and a chat template.
-
-    Built with the ``tokenizers`` library (WordLevel model, one token per character, plus
-    whole-word added tokens for the specials, the role names and the boxed answers);
-    decoding concatenates tokens (``Fuse``), so ``decode(encode(s)) == s``.
-    """
+    """A char-level ``PreTrainedTokenizerFast`` with ChatML specials and a chat template: one token per
+    character, plus whole tokens for the specials, the role names and the boxed answers; ``decode(encode(s)) == s``."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
