@@ -133,8 +133,7 @@ def plot_curves(
 ) -> Path:
     """ATR Figure 2 style: reward, entropy, response length and validation mean@k per run.
 
-    Every run must have logged the three training metrics. The validation panel shows, per
-    run, the mean over its validation sets of ``val-core/<set>/<acc|reward>/mean@k`` (per set
+    The validation panel shows per run the mean over its sets of ``val-core/<set>/<acc|reward>/mean@k`` (each set
     when a single run is plotted); a run without validation is noted in the panel.
     """
     names = _labels(logs, labels)
@@ -190,11 +189,8 @@ def plot_curves(
 def plot_clipfrac(
     logs: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str], smooth: int = 1, labels: str | None = None
 ) -> Path:
-    """Clip fractions per step: ratio clipping (left) and ERC entropy-ratio clipping (right).
-
-    A series is drawn for every run that logged it; a log without any clip-fraction metric is
-    an error naming the keys looked for.
-    """
+    """Clip fractions per step: ratio clipping (left) and ERC entropy-ratio clipping (right); a log
+    without any clip-fraction metric is an error naming the keys looked for."""
     names = _labels(logs, labels)
     moving_average([], smooth)
     loaded = [read_file_logger(p) for p in logs]

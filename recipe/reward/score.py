@@ -182,11 +182,9 @@ def too_complex(answer: str) -> bool:
 
 
 class ScoreTable:
-    """The score of each outcome of one response (see :func:`score_table`).
-
-    A plain class, not a dataclass: verl executes this file under a module name that is
-    not in ``sys.modules``, where ``dataclasses`` cannot resolve postponed annotations.
-    """
+    """The score of each outcome of one response (:func:`score_table`). A plain class, not a dataclass:
+    verl executes this file under a module name not in ``sys.modules``, where ``dataclasses`` cannot resolve
+    postponed annotations."""
 
     OUTCOMES = ("correct", "wrong", "unparseable", "truncated")
 
