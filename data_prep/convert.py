@@ -119,12 +119,8 @@ def answer_key(answer: str) -> str:
 
 
 class Deduplicator:
-    """Streaming stable dedupe: the first row of every problem is kept, in input order.
-
-    Only first rows are held in memory (DAPO-Math-17k: 17.9 k of 1.79 M rows). A problem
-    whose rows disagree on the answer is dropped entirely, rows and problem both counted:
-    its reward would be noise.
-    """
+    """Streaming stable dedupe: the first row of every problem is kept, in input order, and only first rows are
+    held in memory (the policy: docs/data_and_reward.md, "DAPO-Math-17k dedupe policy")."""
 
     def __init__(self) -> None:
         self._first: dict[bytes, Problem] = {}

@@ -47,11 +47,7 @@ def open_input(source: str, split: str | None = None, config: str | None = None)
     if path.is_file():
         return _open_file(path)
     if path.is_dir():
-        if (
-            (path / "dataset_info.json").exists()
-            or (path / "dataset_dict.json").exists()
-            or (path / "state.json").exists()
-        ):
+        if any((path / name).exists() for name in ("dataset_info.json", "dataset_dict.json", "state.json")):
             return _open_saved_dataset(path, split)
         return _open_folder(path)
     if _HUB_ID.match(source):

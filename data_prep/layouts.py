@@ -1,10 +1,8 @@
-"""Upstream layouts: which columns hold the problem, the answer and the row id.
+"""Upstream layouts: which columns hold the problem, the answer and the row id (docs/data_and_reward.md, "Layouts").
 
-A layout is chosen from the column names alone (``detect_layout``); every row is then
-turned into a :class:`Problem` or a :class:`Rejected` with a reason that ends up in the
-summary. Values are checked, never coerced silently: a float answer ``142.0`` becomes
-``"142"`` (AI-MO/aimo-validation-amc, Qwen amc23), but a dict where a string belongs is a
-rejected row.
+A layout is chosen from the column names alone (``detect_layout``); every row then becomes a :class:`Problem` or a
+:class:`Rejected` with the reason counted in the summary. Values are checked, never coerced silently: ``142.0``
+becomes ``"142"``, but a dict where a string belongs is a rejected row.
 """
 
 from __future__ import annotations

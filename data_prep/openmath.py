@@ -1,10 +1,8 @@
 """``python -m data_prep openmathreasoning``: the SFT set of the ATR paper (Appendix B).
 
-"For all methods, we perform the supervised fine-tuning on the OpenMathReasoning dataset for
-formatting before the RLVR process." Input: ``nvidia/OpenMathReasoning`` as published (hub id with
-``--split cot``, or local files or folders of its shards). Output: ``<output>/openmathreasoning_sft.parquet``,
-one ``[user, assistant]`` row per problem in verl's SFT schema -- the RL prompt's text, then the solution after
-``</think>`` and a final ``Answer:`` line; the rows kept: docs/experiments.md, "SFT stage".
+Input: ``nvidia/OpenMathReasoning`` (hub id with ``--split cot``, or local files or folders of its shards). Output:
+``<output>/openmathreasoning_sft.parquet``, one ``[user, assistant]`` row per problem in verl's SFT schema: the RL
+prompt, then the solution after ``</think>`` and an ``Answer:`` line (docs/experiments.md, "SFT stage").
 """
 
 from __future__ import annotations
@@ -213,14 +211,12 @@ def convert_openmath(
             continue
         if len(heap) < keep:
             heapq.heappush(heap, candidate)
-            in_heap[key] = candidate
-        elif candidate.neg_priority > heap[0].neg_priority:
-            evicted = heapq.heapreplace(heap, candidate)
-            del in_heap[evicted.key]
-            in_heap[key] = candidate
-            summary.dropped[NOT_SAMPLED] += 1
         else:
-            summary.dropped[NOT_SAMPLED] += 1
+            summary.dropped[NOT_SAMPLED] += 1  # the candidate, or the worst kept one it replaces
+            if candidate.neg_priority <= heap[0].neg_priority:
+                continue
+            del in_heap[heapq.heapreplace(heap, candidate).key]
+        in_heap[key] = candidate
     ordered = sorted(heap, reverse=True)  # best priority first
     rows: list[dict[str, Any]] = []
     for position, cand in enumerate(ordered):

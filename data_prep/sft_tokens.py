@@ -1,10 +1,8 @@
-"""How one SFT row becomes tokens: the RL prompt, then the target.
+"""How one SFT row becomes tokens: the RL prompt, then the target. Standard library only.
 
-A row ``messages = [user, assistant]`` is ``chat_template([user], add_generation_prompt=True,
-**apply_chat_template_kwargs)`` -- token for token the prompt verl's ``RLHFDataset`` feeds the rollout --
-then the assistant text and ``eos``. :mod:`data_prep.openmath` measures rows with these functions and
-:mod:`recipe.sft_dataset` tokenises them, so a row kept under ``--max-tokens`` has exactly that many tokens
-in training. Standard library only.
+``messages = [user, assistant]`` is ``chat_template([user], add_generation_prompt=True)`` -- token for token the
+prompt verl's ``RLHFDataset`` feeds the rollout -- then the assistant text and ``eos``. :mod:`data_prep.openmath`
+measures rows and :mod:`recipe.sft_dataset` tokenises them with these functions, so their counts agree.
 """
 
 from __future__ import annotations

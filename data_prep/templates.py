@@ -1,8 +1,7 @@
 """Prompt templates, and recognising them in prompts that already carry one.
 
-DAPO-Math-17k ships its prompts already wrapped in the DAPO ``Answer:`` instruction; to
-deduplicate by problem and to offer other templates, the wrapper is recognised and
-removed first (``strip_known_template``).
+DAPO-Math-17k's prompts come wrapped in the DAPO ``Answer:`` instruction: the wrapper is removed first
+(``strip_known_template``) to deduplicate by problem and to offer other templates.
 """
 
 from __future__ import annotations
@@ -48,11 +47,8 @@ def apply_template(name: str, problem: str) -> str:
 
 
 def strip_known_template(content: str) -> str:
-    """The bare problem inside a prompt wrapped by one of our templates (else ``content``).
-
-    Only a wrapper whose both ends are present is removed, so a problem that merely
-    mentions "Answer:" is left intact.
-    """
+    """The bare problem inside a prompt wrapped by one of our templates (else ``content``); only a wrapper
+    with both ends present is removed, so a problem that merely mentions "Answer:" is left intact."""
     for prefix, suffix in _WRAPPERS:
         head = prefix.match(content)
         tail = suffix.search(content)

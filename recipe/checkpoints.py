@@ -1,10 +1,8 @@
 """Only complete checkpoints in ``trainer.default_local_dir``: what a crash mid-save leaves is set aside.
 
-verl writes ``latest_checkpointed_iteration.txt`` only after a step's shards and ``data.pt``, so a resume never
-takes a half-written step, but its folder would still sit among the complete ones (for ``resume_path`` or a
-person picking "the newest folder"). :func:`set_aside_incomplete_checkpoints`, run by
-:class:`recipe.trainer.DivClipTrainer` before verl's resume, moves every ``global_step_N`` newer than the
-tracker to ``incomplete/global_step_N.<time>`` beside them; nothing is deleted.
+Every ``global_step_N`` newer than verl's ``latest_checkpointed_iteration.txt`` moves to
+``incomplete/global_step_N.<time>`` before verl's resume; nothing is deleted (docs/experiments.md, "When a node or
+rank dies").
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Which prompts each training step fetched and trained on, as JSON lines (``divclip.data_trace=FILE``, opt-in).
 
-A resume must neither skip nor repeat prompts (verl restores the dataloader's cursor and, in the asynchronous
-modes, TransferQueue's prompt groups); this trace makes that checkable. A prompt is its dataset ``index`` and a
-hash of its text (stable across runs, unlike verl's per-fetch uid); every attempt of a run appends ``fetched``,
-``restored`` and ``trained`` events to the same file (the line format: docs/experiments.md, "Resuming").
+It makes checkable that a resume neither skips nor repeats prompts. A prompt is its dataset ``index`` and a hash of
+its text (stable across runs, unlike verl's per-fetch uid); the events: docs/experiments.md, "Resuming".
 """
 
 from __future__ import annotations
@@ -40,14 +38,7 @@ class DataTrace:
     def fetched(self, step: int, uids: Iterable[str], indices: Iterable[Any], raw_prompts: Iterable[Any]) -> None:
         """Prompts the trainer fetched from the dataloader at step ``step``: verl's uid of each, its dataset index
         and its prompt."""
-        self._append(
-            {
-                "event": "fetched",
-                "step": int(step),
-                "attempt": self.attempt,
-                "prompts": self._hold(uids, indices, raw_prompts),
-            }
-        )
+        self._append("fetched", step, prompts=self._hold(uids, indices, raw_prompts))
 
     def restored(
         self,
@@ -63,9 +54,7 @@ class DataTrace:
         status = [str(value) for value in statuses]
         if len(status) != len(ids):
             raise ValueError(f"{DATA_TRACE_KEY}: {len(ids)} restored prompts but {len(status)} statuses")
-        self._append(
-            {"event": "restored", "step": int(step), "attempt": self.attempt, "prompts": ids, "status": status}
-        )
+        self._append("restored", step, prompts=ids, status=status)
 
     def _hold(self, uids: Iterable[str], indices: Iterable[Any], raw_prompts: Iterable[Any]) -> list[list[Any]]:
         """Note the prompts the trainer holds from now on; returns their ids."""
@@ -87,17 +76,11 @@ class DataTrace:
         unknown = sorted(uid for uid in samples if uid not in self._prompts)
         if unknown:
             raise KeyError(f"{DATA_TRACE_KEY}: step {step} trained on prompts never fetched: {unknown[:3]}")
-        self._append(
-            {
-                "event": "trained",
-                "step": int(step),
-                "attempt": self.attempt,
-                "prompts": sorted(self._prompts.pop(uid) for uid in samples),
-                "samples": sum(samples.values()),
-            }
-        )
+        prompts = sorted(self._prompts.pop(uid) for uid in samples)
+        self._append("trained", step, prompts=prompts, samples=sum(samples.values()))
 
-    def _append(self, line: dict[str, Any]) -> None:
+    def _append(self, event: str, step: int, **fields: Any) -> None:
+        line = {"event": event, "step": int(step), "attempt": self.attempt, **fields}
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")

@@ -1,10 +1,8 @@
 """``python -m recipe.main [--dry-run] [hydra overrides...]``: the one training entry point.
 
-Composes ``configs/divclip_trainer.yaml``, validates it (ours first, then verl's) before Ray allocates anything,
-names the agent-loop manager when validation lengths are per benchmark, and runs verl's own ``run_ppo`` with
-:class:`recipe.trainer.DivClipTaskRunnerV1`, which puts the divclip trainer classes in verl's trainer registry (in
-the TaskRunner's process only). ``--dry-run`` (or ``divclip.dry_run=true``) stops after validation and prints the
-resolved config as YAML on stdout: no model, data, GPU or Ray needed.
+Composes ``configs/divclip_trainer.yaml``, validates it (ours first, then verl's) before Ray allocates anything, and
+runs verl's own ``run_ppo`` with :class:`recipe.trainer.DivClipTaskRunnerV1`. ``--dry-run`` (or
+``divclip.dry_run=true``) prints the resolved config as YAML after validation: no model, data, GPU or Ray needed.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The README's ``policy_loss.loss_mode`` table, rendered from the modes' and features' declarations.
 
-Each row comes from a declaration (:mod:`verl_ext.knobs`), so the table says what validation enforces and
-cannot drift from it; ``tests/test_knobs.py`` checks the README holds this rendering::
+Rows come from :mod:`verl_ext.knobs`, so the table cannot drift from what validation enforces
+(``tests/test_knobs.py`` checks the README)::
 
     python -m recipe.mode_table --write    # rewrite the table in README.md
     python -m recipe.mode_table            # print it

@@ -1,10 +1,7 @@
 """Figures from training logs: ``python -m recipe.plots {curves,clipfrac,scatter,kl3} ...``.
 
-``curves`` (ATR Figure 2) and ``clipfrac`` read verl's file logger (``trainer.logger=[console,file]``; the lines
-of one step are merged, ``null`` is a missing value), ``scatter`` (ERC Figure 3) the per-token dump of
-:mod:`verl_ext.token_dump`; ``kl3`` (ATR Figure 1) draws the Lambert-W bounds of
-:func:`verl_ext.core.divergences.kl3_ratio_bounds` against PPO's clip. PNG files through matplotlib's Agg
-backend (docs/evaluation.md).
+``curves`` (ATR Figure 2) and ``clipfrac`` read verl's file logger, ``scatter`` (ERC Figure 3) the dump of
+:mod:`verl_ext.token_dump`, ``kl3`` (ATR Figure 1) needs no input; PNG through matplotlib's Agg (docs/evaluation.md).
 """
 
 from __future__ import annotations
@@ -47,9 +44,7 @@ CLIPFRAC_SERIES = (
 Series = tuple[list[int], list[float]]
 
 
-# --------------------------------------------------------------------------------------
-# Reading
-# --------------------------------------------------------------------------------------
+# -- reading -----------------------------------------------------------------------------
 
 
 def read_file_logger(path: str | os.PathLike[str]) -> dict[int, dict[str, float]]:
@@ -113,9 +108,7 @@ def read_token_dump(paths: Sequence[str | os.PathLike[str]]) -> list[dict[str, A
     return rows
 
 
-# --------------------------------------------------------------------------------------
-# Figures
-# --------------------------------------------------------------------------------------
+# -- figures -----------------------------------------------------------------------------
 
 
 def _labels(paths: Sequence[str | os.PathLike[str]], labels: str | None) -> list[str]:
@@ -140,8 +133,7 @@ def plot_curves(
 ) -> Path:
     """ATR Figure 2 style: reward, entropy, response length and validation mean@k per run.
 
-    Every run must have logged the three training metrics. The validation panel shows, per
-    run, the mean over its validation sets of ``val-core/<set>/<acc|reward>/mean@k`` (per set
+    The validation panel shows per run the mean over its sets of ``val-core/<set>/<acc|reward>/mean@k`` (each set
     when a single run is plotted); a run without validation is noted in the panel.
     """
     names = _labels(logs, labels)
@@ -197,11 +189,8 @@ def plot_curves(
 def plot_clipfrac(
     logs: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str], smooth: int = 1, labels: str | None = None
 ) -> Path:
-    """Clip fractions per step: ratio clipping (left) and ERC entropy-ratio clipping (right).
-
-    A series is drawn for every run that logged it; a log without any clip-fraction metric is
-    an error naming the keys looked for.
-    """
+    """Clip fractions per step: ratio clipping (left) and ERC entropy-ratio clipping (right); a log
+    without any clip-fraction metric is an error naming the keys looked for."""
     names = _labels(logs, labels)
     moving_average([], smooth)
     loaded = [read_file_logger(p) for p in logs]
@@ -318,9 +307,7 @@ def _save(fig: Any, out: str | os.PathLike[str]) -> Path:
     return path
 
 
-# --------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------
+# -- CLI ---------------------------------------------------------------------------------
 
 
 def _build_parser() -> argparse.ArgumentParser:

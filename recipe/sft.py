@@ -1,10 +1,9 @@
 """``python -m recipe.sft [--dry-run] +sft=<name> [hydra overrides...]``: the SFT stage before RL.
 
 Composes ``configs/sft_trainer.yaml`` with ``configs/sft/<name>.yaml``, checks it, trains with verl's own
-``SFTTrainer`` (FSDP engine, LoRA through peft) and merges the last checkpoint into one Hugging Face model in
-``divclip.merged_dir``, the RL scripts' ``MODEL_PATH`` (docs/experiments.md, "SFT stage"). Several GPUs:
-``torchrun --nproc_per_node=D -m recipe.sft ...``. ``--dry-run`` prints the resolved config as YAML and exits;
-``python -m recipe.sft merge --checkpoint DIR --output DIR`` merges any LoRA checkpoint (SFT or RL).
+``SFTTrainer`` (under ``torchrun`` for several GPUs) and merges the last checkpoint into one Hugging Face model
+in ``divclip.merged_dir``, the RL scripts' ``MODEL_PATH`` (docs/experiments.md, "SFT stage"; ``merge``:
+:func:`merge_main`).
 """
 
 from __future__ import annotations

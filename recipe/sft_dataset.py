@@ -1,10 +1,8 @@
 """SFT rows tokenised exactly as the RL rollouts see their prompts (``data.custom_cls`` of verl's SFT trainer).
 
-Each ``[user, assistant]`` row is the RL prompt then the target (:mod:`data_prep.sft_tokens`); the loss covers the
-target only. verl's ``MultiTurnSFTDataset`` renders each turn on its own and checks the concatenation against the
-whole conversation, which Qwen3's template fails (docs/experiments.md, "SFT stage"; with
-``ignore_input_ids_mismatch`` its loss mask would no longer line up with the turn). Padding, truncation and
-batching stay verl's: this subclass replaces only how one message becomes tokens.
+Each ``[user, assistant]`` row is the RL prompt then the target (:mod:`data_prep.sft_tokens`), the loss on the target
+only; why not verl's ``MultiTurnSFTDataset``: docs/experiments.md, "SFT stage". Padding, truncation and batching
+stay verl's: this subclass replaces only how one message becomes tokens.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The divclip trainer: what verl-divclip adds to verl 0.9.1's v1 trainer, for every trainer mode.
 
-:class:`DivClipTrainer` sits on top of each class verl registers for ``trainer.v1.trainer_mode``; verl's registry
-gets the three (``DivClipPPOTrainerSync``, ``...ColocateAsync``, ``...SeparateAsync``) from :class:`DivClipTaskRunnerV1`
-in the TaskRunner's process only (docs/engine.md, "The trainer classes"). It adds the divclip actor loss, the adaptive
-delta and its saved state, the old-log-prob pass's packing, skip and top-k, the staleness figures, per-benchmark
-validation, complete-checkpoint resume and the data trace (docs/experiments.md, "Trainer modes"); the rest is verl's.
+:class:`DivClipTrainer` sits on top of each class verl registers for ``trainer.v1.trainer_mode`` (docs/engine.md,
+"The trainer classes"): the divclip actor loss, the adaptive delta, the old-log-prob pass's packing, skip and
+top-k, staleness, per-benchmark validation, complete-checkpoint resume and the data trace; the rest is verl's.
 """
 
 from __future__ import annotations
@@ -274,13 +272,11 @@ class DivClipPPOTrainerSync(DivClipTrainer, PPOTrainerSync):
 
 
 class DivClipPPOTrainerColocateAsync(DivClipTrainer, PPOTrainerColocateAsync):
-    """verl's ``PPOTrainerColocateAsync`` (``trainer.v1.trainer_mode=colocate_async``) with :class:`DivClipTrainer`
-    on top."""
+    """verl's ``PPOTrainerColocateAsync`` (``trainer_mode=colocate_async``) with :class:`DivClipTrainer` on top."""
 
 
 class DivClipPPOTrainerSeparateAsync(DivClipTrainer, PPOTrainerSeparateAsync):
-    """verl's ``PPOTrainerSeparateAsync`` (``trainer.v1.trainer_mode=separate_async``) with
-    :class:`DivClipTrainer` on top."""
+    """verl's ``PPOTrainerSeparateAsync`` (``trainer_mode=separate_async``) with :class:`DivClipTrainer` on top."""
 
 
 #: ``trainer.v1.trainer_mode`` -> the divclip class that replaces verl's under that name.
@@ -294,13 +290,10 @@ DIVCLIP_TRAINERS: dict[str, type[DivClipTrainer]] = {
 def register_divclip_trainers() -> None:
     """Put the divclip classes in verl's trainer registry under verl's own mode names (idempotent).
 
-    verl's ``register_trainer`` refuses to re-register a name to another class, and verl compares
-    ``trainer_mode`` with ``"sync"`` in many places, so the names stay verl's and the entry is replaced
-    directly -- only where it still holds exactly the verl class the divclip class is built on.
-
-    Raises:
-        RuntimeError: naming the mode, when its entry is missing or holds any other class (another
-            plugin's, or a verl release whose class for that mode moved).
+    verl's ``register_trainer`` refuses to re-register a name, and verl compares ``trainer_mode`` with ``"sync"`` in
+    many places, so the names stay verl's and an entry is replaced directly, only where it still holds exactly the
+    verl class the divclip class is built on; else RuntimeError naming the mode (another plugin's class, or a verl
+    release whose class for that mode moved).
     """
     for mode, cls in DIVCLIP_TRAINERS.items():
         verl_cls = cls.__bases__[-1]

@@ -1,8 +1,7 @@
 """verl's ``ppo_trainer`` schema, the leaves of a composed config, and the row of :mod:`recipe.verl_keys`' table.
 
-The rule table (:data:`recipe.verl_keys.RULES`) names, for every key verl reads, what the divclip path does with
-it; the refusals its ``replaced`` and ``refused`` rows point at are rules of :mod:`verl_ext.config_rules` (the
-one home of every config rule). The table's row (:class:`KeyRule`, its class :class:`KeyClass`) is declared here.
+The table's row (:class:`KeyRule`, its class :class:`KeyClass`) is declared here; the refusals its ``replaced`` and
+``refused`` rows point at are rules of :mod:`verl_ext.config_rules` (the one home of every config rule).
 """
 
 from __future__ import annotations
@@ -43,9 +42,7 @@ def is_divclip_key(key: str) -> bool:
     return any(key_under(key, prefix) for prefix in DIVCLIP_PREFIXES)
 
 
-# ------------------------------------------------------------------------------------------------
-# A row of the rule table
-# ------------------------------------------------------------------------------------------------
+# -- A row of the rule table ---------------------------------------------------------------------
 
 
 class KeyClass(str, enum.Enum):
@@ -103,9 +100,7 @@ class KeyRule:
             raise ValueError(f"{where}: refused_when and check go together")
 
 
-# ------------------------------------------------------------------------------------------------
-# verl's schema and the config's leaves
-# ------------------------------------------------------------------------------------------------
+# -- verl's schema and the config's leaves -------------------------------------------------------
 
 
 def compose_verl_schema() -> DictConfig:

@@ -1,10 +1,8 @@
 """The verl config keys the product's code reads, as recorded during the suite's trainer and engine runs.
 
-``python -m recipe.verl_key_reads`` runs :data:`RECORD_TESTS` (the end-to-end trainer runs, the engine runs,
-the config checks) with ``DIVCLIP_RECORD_KEYS`` set (:mod:`verl_ext.core.key_reads`: every process, Ray
-workers included, records the keys the product reads) and writes them to :data:`READ_KEYS_PATH`, each with
-the product modules that read it. :mod:`recipe.verl_keys` gives every recorded key its row (the tests refuse
-one left to ``verl_reads``); every key no run recorded is verl's alone.
+``python -m recipe.verl_key_reads`` runs :data:`RECORD_TESTS` with ``DIVCLIP_RECORD_KEYS`` set (every process
+records, :mod:`verl_ext.core.key_reads`) and writes each read key with the modules that read it to
+:data:`READ_KEYS_PATH`; :mod:`recipe.verl_keys` gives every recorded key its row; a key no run recorded is verl's alone.
 """
 
 from __future__ import annotations

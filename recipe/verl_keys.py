@@ -68,9 +68,7 @@ def classify(key: str) -> KeyRule:
     return row_of(key) or KeyRule(key, KeyClass.VERL_READS, VERL_ALONE)
 
 
-# ------------------------------------------------------------------------------------------------
-# The table
-# ------------------------------------------------------------------------------------------------
+# -- The table -----------------------------------------------------------------------------------
 
 R, H, P, F, N = KeyClass.VERL_READS, KeyClass.HONOURED, KeyClass.REPLACED, KeyClass.REFUSED, KeyClass.NO_EFFECT
 
@@ -418,9 +416,7 @@ def check_refused_keys(config: DictConfig) -> None:
         check(config)
 
 
-# ------------------------------------------------------------------------------------------------
-# The doc
-# ------------------------------------------------------------------------------------------------
+# -- The doc -------------------------------------------------------------------------------------
 
 CLASS_ORDER = (KeyClass.HONOURED, KeyClass.REPLACED, KeyClass.REFUSED, KeyClass.NO_EFFECT, KeyClass.VERL_READS)
 CLASS_TITLE = {

@@ -1,22 +1,8 @@
 """Offline evaluation: sample a checkpoint on the eval sets, then score mean@k / pass@k / maj@k.
 
-Two subcommands (``python -m recipe.eval {generate,score} ...``, see docs/evaluation.md):
-
-* ``generate`` samples ``n`` responses per problem with vLLM for every evaluation parquet
-  (written by ``python -m data_prep``) using the benchmark's sampling preset (the ERC or the
-  ATR paper's settings), scores each response with our reward (``recipe/reward/score.py``) and writes
-  one JSONL per benchmark. Every argument (paths, parquet schema, n >= k, temperature and
-  top-p ranges, preset coverage) is validated *before* vLLM is imported, so a typo costs a
-  second on a login node instead of a GPU allocation.
-* ``score`` reads those JSONL files or verl's validation dumps (``trainer.validation_data_dir``)
-  and prints a Markdown table per metric, one row per checkpoint, plus a "final (best)" row when
-  several checkpoints are given; ``--aggregate`` reports mean ± std over runs (seeds).
-
-Metrics (per problem, then averaged over problems, then an unweighted average over benchmarks in
-the "Avg" column): mean@k, the unbiased pass@k of Chen et al. (2021), and maj@k; definitions in
-:mod:`recipe.eval.metrics`.
-
-What lives here, one job per module (each imports only the ones above it):
+``python -m recipe.eval {generate,score} ...`` (docs/evaluation.md): ``generate`` samples and scores responses
+with vLLM, ``score`` reads them (or verl's validation dumps) into Markdown tables.
+One job per module (each imports only the ones above it):
 
 ============================  =====================================================================
 ``recipe.eval.metrics``       pass@k / mean@k / maj@k estimators, per-benchmark averages (pure)

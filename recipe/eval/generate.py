@@ -1,9 +1,7 @@
 """``generate``: sample ``n`` responses per problem with vLLM, score them, write one JSONL per benchmark.
 
-Everything is validated (:func:`plan_generation`, :func:`check_model_path`) before vLLM is imported,
-so a typo costs a second on a login node instead of a GPU allocation. The sampler is a seam:
-:func:`run_generate` takes any callable with the :data:`Sampler` signature; the CLI passes
-:func:`vllm_sampler`, the only place vLLM is imported.
+Everything is validated (:func:`plan_generation`, :func:`check_model_path`) before vLLM is imported, so a typo costs
+a second on a login node instead of a GPU allocation; :func:`vllm_sampler` (a :data:`Sampler`) is the only vLLM import.
 """
 
 from __future__ import annotations
@@ -40,10 +38,8 @@ def plan_generation(
     top_p: float | None = None,
     max_tokens: int | None = None,
 ) -> list[BenchmarkPlan]:
-    """Validate everything ``generate`` needs, without touching a GPU.
-
-    ``data`` holds parquet files or folders of them. Raises ValueError on the first problem.
-    """
+    """Validate everything ``generate`` needs, without touching a GPU (``data``: parquet files or folders of
+    them); ValueError on the first problem."""
     files = [file for entry in data for file in expand_files(entry, "*.parquet", "--data")]
     if not files:
         raise ValueError("no evaluation parquet given (--data)")
@@ -90,9 +86,6 @@ def vllm_sampler(
     ``chat_template_kwargs`` reach the model's chat template through vLLM's
     ``LLM.chat(chat_template_kwargs=...)`` (Qwen3: ``{"enable_thinking": False}`` ends the prompt
     with an empty ``<think></think>`` block, the mode the ATR runs train in).
-
-    vLLM is imported here, not at module level, so everything else in this module (argument
-    validation, scoring, tests) works on machines without a GPU or vLLM.
     """
     try:
         from vllm import LLM, SamplingParams
@@ -125,12 +118,8 @@ def run_generate(
     model: str = "",
     overwrite: bool = False,
 ) -> list[Path]:
-    """Sample, score and write ``<output_dir>/<benchmark>.jsonl`` for every plan.
-
-    One row per problem: problem_id, benchmark, data_source, ground_truth, prompt, responses,
-    scores, acc, preds, sampling, model. Files are written to a temporary name and renamed, so
-    an interrupted run leaves no half-written benchmark file behind.
-    """
+    """Sample, score and write ``<output_dir>/<benchmark>.jsonl`` (one row per problem) for every plan; each
+    file is written under a temporary name and renamed, so an interrupted run leaves no half-written file."""
     scorer = scorer or reward_scorer()
     out = Path(output_dir)
     targets = [out / f"{plan.benchmark}.jsonl" for plan in plans]

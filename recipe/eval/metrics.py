@@ -73,13 +73,8 @@ def majority_vote(preds: Sequence[str | None], correct: Sequence[bool], k: int) 
     counts: dict[str, int] = {}
     first_seen: dict[str, int] = {}
     for position, (pred, ok) in enumerate(zip(preds[:k], correct[:k], strict=False)):
-        if ok:
-            key = "\x00correct"
-        elif pred:
-            key = vote_key(pred)
-            if not key:
-                continue
-        else:
+        key = "\x00correct" if ok else (vote_key(pred) if pred else "")
+        if not key:  # no extracted answer: abstains
             continue
         counts[key] = counts.get(key, 0) + 1
         first_seen.setdefault(key, position)

@@ -128,12 +128,8 @@ def resolve_sampling(
                 f"unknown --preset {preset!r}; known: {sorted(PRESETS)} (or omit it and give all settings)"
             )
         base = PRESETS[preset].get(benchmark)
-    chosen = {
-        "n": n if n is not None else (base.n if base else None),
-        "temperature": temperature if temperature is not None else (base.temperature if base else None),
-        "top_p": top_p if top_p is not None else (base.top_p if base else None),
-        "max_tokens": max_tokens if max_tokens is not None else (base.max_tokens if base else None),
-    }
+    given = {"n": n, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens}
+    chosen = {key: getattr(base, key, None) if value is None else value for key, value in given.items()}
     missing = [key for key, value in chosen.items() if value is None]
     if missing:
         where = f"preset {preset!r} has no entry for it" if base is None and preset else f"preset {preset!r}"

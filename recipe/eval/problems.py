@@ -7,6 +7,7 @@ RL schema); :func:`reward_scorer` scores a response with the training reward
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -110,7 +111,4 @@ def reward_scorer(think: str = "auto") -> Scorer:
     """Our training reward (recipe/reward/score.py), so offline and in-training accuracy agree."""
     from recipe.reward.score import compute_score
 
-    def score(data_source: str, response: str, ground_truth: str, extra_info: dict[str, Any]) -> dict[str, Any]:
-        return compute_score(data_source, response, ground_truth, extra_info, think=think)
-
-    return score
+    return functools.partial(compute_score, think=think)

@@ -1,14 +1,13 @@
 """``score``'s inputs: ``generate`` JSONL files and verl validation dumps, read into checkpoints.
 
-A checkpoint (:data:`~recipe.eval.metrics.Checkpoint`) maps each benchmark to its problems'
-per-response correctness and extracted answers. ``generate`` rows carry their benchmark;
-verl's ``trainer.validation_data_dir`` dumps (``<step>.jsonl`` with input/output/gts/score/step
-and the reward's extra keys acc/pred) are mapped back to benchmarks through the eval parquets
-(:class:`PromptIndex`) or ``--benchmark``. Every malformed line raises ValueError naming file and line.
+A checkpoint (:data:`~recipe.eval.metrics.Checkpoint`) maps each benchmark to its problems' per-response correctness
+and extracted answers; verl's ``trainer.validation_data_dir`` dumps are mapped back to benchmarks through the eval
+parquets (:class:`PromptIndex`) or ``--benchmark``. Every malformed line raises ValueError naming file and line.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -199,13 +198,7 @@ def load_runs(
     folder name. A verl validation dump file is one checkpoint ("step N"); a
     ``validation_data_dir`` folder gives one checkpoint per step file, in step order.
     """
-    cached: list[Scorer] = []
-
-    def scorer() -> Scorer:
-        if not cached:
-            cached.append(reward_scorer(think))
-        return cached[0]
-
+    scorer = functools.cache(functools.partial(reward_scorer, think))  # built on first use only
     index = PromptIndex(data) if data else None
     runs: list[tuple[str, Checkpoint]] = []
     for entry in paths:

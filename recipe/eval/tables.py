@@ -1,9 +1,7 @@
 """``score``'s output: metrics per checkpoint and benchmark, Markdown tables, mean ± std over seeds.
 
-:func:`score_runs` + :func:`render_tables` give one table per metric@k (checkpoints as rows, a
-"final (best)" row when there are several); :func:`aggregate_runs` + :func:`render_aggregate`
-give the mean ± std over runs (seeds) of each row for the final and the best checkpoint (ATR
-Table 3).
+:func:`score_runs` + :func:`render_tables`: one table per metric@k (a "final (best)" row when there are several
+checkpoints); :func:`aggregate_runs` + :func:`render_aggregate`: mean ± std over runs, final and best (ATR Table 3).
 """
 
 from __future__ import annotations
@@ -89,9 +87,7 @@ def _k_of(results: dict[str, Any], labels: Sequence[str], benchmark: str, k: int
     return "/".join(str(int(v)) for v in values)
 
 
-# --------------------------------------------------------------------------------------
-# --aggregate: several runs (seeds) of one row -> mean +- std (ATR Table 3)
-# --------------------------------------------------------------------------------------
+# -- --aggregate: several runs (seeds) of one row -> mean +- std (ATR Table 3) ---------
 
 _SEED_SUFFIX = re.compile(r"[_-]seed\d+$")
 
@@ -140,18 +136,12 @@ def aggregate_runs(
         row: dict[str, Any] = {"runs": len(runs), "benchmarks": benchmarks, "final": {}, "best": {}}
         for key in keys:
             for which in ("final", "best"):
-                picked: list[dict[str, dict[str, float]]] = []
-                for sr in scored_runs:
-                    labels = sr["checkpoints"]
-                    if which == "final":
-                        picked.append(sr["results"][labels[-1]])
-                    else:
-                        picked.append(
-                            max(
-                                (sr["results"][lab] for lab in labels),
-                                key=lambda cells: _avg(cells, key, benchmarks) or 0.0,
-                            )
-                        )
+                picked = [
+                    sr["results"][sr["checkpoints"][-1]]
+                    if which == "final"
+                    else max(sr["results"].values(), key=lambda cells: _avg(cells, key, benchmarks) or 0.0)
+                    for sr in scored_runs
+                ]
                 cell: dict[str, dict[str, Any]] = {}
                 for column in [*benchmarks, "avg"]:
                     values = [(_avg(c, key, benchmarks) if column == "avg" else c[column][key]) for c in picked]
@@ -181,10 +171,10 @@ def render_aggregate(aggregated: dict[str, Any], k_values: Sequence[int | str]) 
                 lines.append("|---" * (len(benchmarks) + 3) + "|")
                 for lab in labels:
                     cell = results[lab][which][key]
-                    texts = []
-                    for column in [*benchmarks, "avg"]:
-                        value = cell.get(column)
-                        texts.append("–" if value is None else f"{100 * value['mean']:.1f} ± {100 * value['std']:.1f}")
+                    texts = [
+                        "–" if cell.get(c) is None else f"{100 * cell[c]['mean']:.1f} ± {100 * cell[c]['std']:.1f}"
+                        for c in [*benchmarks, "avg"]
+                    ]
                     lines.append(f"| {lab} | {results[lab]['runs']} | " + " | ".join(texts) + " |")
                 lines.append("")
     return "\n".join(lines)

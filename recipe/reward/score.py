@@ -1,9 +1,6 @@
-"""Hang-proof math reward for verl 0.9.1 (``reward.custom_reward_function``).
+"""Hang-proof math reward for verl 0.9.1 (``reward.custom_reward_function``; routes, scores: docs/data_and_reward.md).
 
-Configure it with ``reward.custom_reward_function.path=recipe/reward/score.py`` and ``name=compute_score``;
-the routes by ``data_source`` (``math_dapo``, anchored math-verify, long-CoT ``</think>``) and the four outcome
-scores (:func:`score_table`) are in docs/data_and_reward.md. This module holds the reward's semantics: answer
-extraction (anchored, linear time, cannot hang) and scoring; math-verify runs in :mod:`recipe.reward.workers`.
+Answer extraction (anchored, linear time, cannot hang) and scoring; math-verify runs in :mod:`recipe.reward.workers`.
 Who may import it: verl (by path), :mod:`recipe.eval`, the benchmarks and tests.
 """
 
@@ -51,9 +48,7 @@ _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _PLAIN_INTEGER = re.compile(r"-?\d+")
 
 
-# --------------------------------------------------------------------------------------
-# Extraction (parent process; pure string work, linear time, cannot hang)
-# --------------------------------------------------------------------------------------
+# -- extraction (parent process; pure string work, linear time, cannot hang) --------------
 
 
 def _braced_argument(text: str, open_idx: int) -> str | None:
@@ -139,9 +134,7 @@ def cosmetic_normal_form(answer: str) -> str:
     return _COSMETIC.sub("", answer.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")).rstrip(".")
 
 
-# --------------------------------------------------------------------------------------
-# Scoring
-# --------------------------------------------------------------------------------------
+# -- scoring ----------------------------------------------------------------------------
 
 
 def _result(score: float, correct: bool, pred: str) -> dict[str, Any]:
@@ -165,10 +158,8 @@ def _normalise_gold(ground_truth: Any) -> str | None:
 
 
 def _wants_think(data_source: str, think: str, extra_info: Any) -> bool:
-    if think == "required":
-        return True
-    if think == "off":
-        return False
+    if think != "auto":
+        return think == "required"
     if isinstance(extra_info, dict) and extra_info.get("think") is True:
         return True
     return "longcot" in data_source.lower()
@@ -191,11 +182,9 @@ def too_complex(answer: str) -> bool:
 
 
 class ScoreTable:
-    """The score of each outcome of one response (see :func:`score_table`).
-
-    A plain class, not a dataclass: verl executes this file under a module name that is
-    not in ``sys.modules``, where ``dataclasses`` cannot resolve postponed annotations.
-    """
+    """The score of each outcome of one response (:func:`score_table`). A plain class, not a dataclass:
+    verl executes this file under a module name not in ``sys.modules``, where ``dataclasses`` cannot resolve
+    postponed annotations."""
 
     OUTCOMES = ("correct", "wrong", "unparseable", "truncated")
 
@@ -296,16 +285,11 @@ def compute_score(
 ) -> dict[str, Any]:
     """Score one response; returns ``{"score": float, "acc": bool, "pred": str}``.
 
-    Scores per outcome (:func:`score_table`): ``correct_score`` (1), ``wrong_score`` (None: -1 on
-    ``math_dapo``, 0 elsewhere), ``unparseable_score`` (None: the wrong score), ``truncated_score``
-    (-0.5; ``no_think_close_score`` is its former name and still accepted).
-
-    Never raises on bad data (a reward function that raises kills a training step): a
-    ``None`` / non-string response or gold answer scores as unparseable and is counted in
-    ``reward_stats()["invalid_inputs"]``. Misconfiguration does raise: an unknown keyword
-    (a typo in ``reward_kwargs``), an unknown ``think`` mode or a non-numeric score is a
-    ``TypeError``/``ValueError``, and workers that fail to start three times in a row are a
-    ``RuntimeError``.
+    Scores per outcome: :func:`score_table` (``truncated_score`` -0.5 by default; ``no_think_close_score`` is
+    its former name and still accepted). Never raises on bad data (a reward function that raises kills a
+    training step): a ``None`` / non-string response or gold answer scores as unparseable and is counted in
+    ``reward_stats()["invalid_inputs"]``. Misconfiguration raises ``TypeError``/``ValueError`` (an unknown
+    keyword, ``think`` mode or a non-numeric score), or ``RuntimeError`` (workers failed to start 3 times).
     """
     if __name__ != CANONICAL_MODULE:
         return _canonical_module().compute_score(
@@ -351,15 +335,12 @@ def compute_score(
         return _result(scores.unparseable, False, "")
 
     text = solution_str
-    if _wants_think(source, think, extra_info):
-        close = text.rfind(THINK_CLOSE)
-        if close < 0:
-            return _result(scores.truncated, False, "")
+    close = text.rfind(THINK_CLOSE)
+    wants_think = _wants_think(source, think, extra_info)
+    if wants_think and close < 0:
+        return _result(scores.truncated, False, "")
+    if close >= 0 and (wants_think or think == "auto"):  # "auto" honours a </think> but does not require one
         text = text[close + len(THINK_CLOSE) :]
-    elif think == "auto":
-        close = text.rfind(THINK_CLOSE)
-        if close >= 0:
-            text = text[close + len(THINK_CLOSE) :]
 
     if source in DAPO_DATA_SOURCES:
         return _score_dapo(text[-TAIL_CHARS:], gold, scores)
@@ -375,18 +356,10 @@ async def compute_score_async(
 
 
 def _canonical_module() -> Any:
-    """This file imported as ``recipe.reward.score``.
-
-    verl loads ``custom_reward_function.path`` under a private module name that worker
-    processes cannot import, and would otherwise give each load its own pool. Every call
-    is therefore routed to the one importable copy; the repository root is put on
-    ``sys.path`` when the package is not installed.
-    """
-    try:
-        return importlib.import_module(CANONICAL_MODULE)
-    except ImportError:
-        sys.path.insert(0, _REPO_ROOT)
-        return importlib.import_module(CANONICAL_MODULE)
+    """This file imported as ``recipe.reward.score``: verl loads it by path under a private module name that
+    workers cannot import and that would get a pool of its own, so every call is routed to this one copy
+    (importable: the import of :mod:`recipe.reward.workers` above put the repository root on the path if needed)."""
+    return importlib.import_module(CANONICAL_MODULE)
 
 
 __all__ = [

@@ -1,10 +1,7 @@
-"""math-verify in a pool of killable worker processes: the reward's hang-proofing.
+"""math-verify in a pool of killable worker processes: the reward's hang-proofing (docs/data_and_reward.md).
 
-math-verify (sympy) can hang inside C code, out of ``SIGALRM``'s reach (docs/data_and_reward.md,
-"Hang-proofing"), so parsing and verification run here; a worker past the per-item timeout is killed and
-replaced, and the item scores as wrong (counted in :func:`reward_stats`). Who may import it:
-:mod:`recipe.reward.score` (the only caller of :meth:`WorkerPool.verify`), the reward benchmark and tests.
-A worker process imports only this module (and math-verify).
+Who may import it: :mod:`recipe.reward.score` (the only caller of :meth:`WorkerPool.verify`), the reward
+benchmark and tests. A worker process imports only this module (and math-verify).
 """
 
 from __future__ import annotations
@@ -92,13 +89,8 @@ def worker_entry_point(requests_fd: int, replies_fd: int, memory_bytes: int) -> 
 
 
 class _Worker:
-    """One worker process and the parent's ends of its two pipes.
-
-    Workers are plain ``subprocess`` children rather than ``multiprocessing`` processes:
-    that is safe from threaded parents (Ray, verl's reward loop), does not re-import the
-    parent's ``__main__``, and works inside daemonic processes, which multiprocessing
-    forbids from having children.
-    """
+    """One worker process and the parent's ends of its two pipes (a plain ``subprocess`` child, not
+    ``multiprocessing``: docs/data_and_reward.md, "Hang-proofing", says why)."""
 
     def __init__(self) -> None:
         req_read, req_write = os.pipe()
@@ -187,10 +179,8 @@ STATS = RewardStats()
 class WorkerPool:
     """A fixed number of verification workers shared by all threads of this process.
 
-    Each job takes an idle, ready worker, so a hung job blocks only its own worker. On the
-    hard timeout that worker is killed and a replacement is brought up in the background:
-    the timed-out call returns at once, and only ready workers are ever handed out, so
-    worker start-up never counts against an item's timeout.
+    A hung job blocks only its own worker; on the hard timeout it is killed and replaced in the background,
+    and only ready workers are handed out, so worker start-up never counts against an item's timeout.
     """
 
     def __init__(self, size: int) -> None:

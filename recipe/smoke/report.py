@@ -1,9 +1,7 @@
 """``python -m recipe.smoke.report SMOKE_OUT [--require-margin]``: the CPU smoke run's verdict.
 
-Merges verl's file-logger files of every attempt (``SMOKE_OUT/logs/*.jsonl``; later attempts win on a repeated
-step) into ``metrics.jsonl``, plots ``curves.png`` and writes ``report.json``: the mean training reward of the
-last 5 steps against the first 5, "clear" at ``MIN_MARGIN`` *and* ``MIN_T`` Welch standard errors
-(docs/cpu_end_to_end.md).
+Merges the file-logger files of every attempt (``SMOKE_OUT/logs/*.jsonl``; later attempts win on a repeated step)
+into ``metrics.jsonl``, plots ``curves.png`` and writes ``report.json`` (the margin: docs/cpu_end_to_end.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """A synthetic verifiable task, a tiny Qwen3 model and a chat tokenizer, all generated locally.
 
-The workload for running verl's real trainer end to end on a 2-core CPU machine: nothing is downloaded, everything
-is built from code in seconds. ``echo`` learns from *random* weights because each boxed answer is one of only 33
-tokens (a random policy is right ~1 time in 10, so GRPO has signal from step 1) and every prompt token is the
-answer digit; tasks, reward and figures: docs/cpu_end_to_end.md, "The smoke task".
+The workload for running verl's real trainer end to end on a 2-core CPU machine, built from code in seconds (why
+``echo`` learns from random weights: docs/cpu_end_to_end.md, "The smoke task").
 ``python -m recipe.smoke.task --out DIR [--task echo] [--train 512] [--val 20]`` prints the paths as JSON.
 """
 
@@ -21,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 TASKS: tuple[str, ...] = ("echo", "last_digit", "sum_mod10")
-"""Supported synthetic tasks (see module docstring)."""
+"""Supported synthetic tasks (docs/cpu_end_to_end.md, "The smoke task")."""
 
 PAD_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|im_start|>"
@@ -30,7 +28,7 @@ UNK_TOKEN = "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
 ROLE_TOKENS: tuple[str, ...] = ("system", "user", "assistant")
 ANSWER_TOKENS: tuple[str, ...] = tuple(f"\\boxed{{{d}}}" for d in range(10))
-"""One token per boxed answer: a well-formed answer is one sample away (module docstring)."""
+"""One token per boxed answer: a well-formed answer is one sample away."""
 CHAR_TOKENS: tuple[str, ...] = ("\n", " ", *"0123456789", "+", "=", "?", ":")
 """Character-level vocabulary for everything else (prompts use digits only)."""
 
@@ -103,12 +101,8 @@ def format_answer(answer: str) -> str:
 
 
 def build_tokenizer() -> Any:
-    """A char-level ``PreTrainedTokenizerFast`` with ChatML specials and a chat template.
-
-    Built with the ``tokenizers`` library (WordLevel model, one token per character, plus
-    whole-word added tokens for the specials, the role names and the boxed answers);
-    decoding concatenates tokens (``Fuse``), so ``decode(encode(s)) == s``.
-    """
+    """A char-level ``PreTrainedTokenizerFast`` with ChatML specials and a chat template: one token per
+    character, plus whole tokens for the specials, the role names and the boxed answers; ``decode(encode(s)) == s``."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

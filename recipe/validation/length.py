@@ -1,10 +1,9 @@
 """In-training validation at its own response length and sample count, per benchmark.
 
-Both papers score checkpoints at lengths and sample counts of their own (ERC §4.1: AIME with 32 samples of 32k
-while training at 16k); verl 0.9.1 validates every set at ``rollout.response_length`` and one ``val_kwargs.n``
-(verl-project/verl#2997). This module reads ``actor_rollout_ref.rollout.custom.validation``, refuses before Ray what
-it cannot serve (:func:`check_validation_length`), and :class:`ValidationLengthTrainerMixin` gives each validation
-row ``__rollout_n__``, ``agent_name`` and its length, without patching verl (docs/evaluation.md).
+verl 0.9.1 validates every set at one ``rollout.response_length`` and ``val_kwargs.n`` (verl-project/verl#2997), the
+papers do not (ERC §4.1: 32 samples of 32k while training at 16k). Reads ``rollout.custom.validation``, refuses before
+Ray what it cannot serve, and gives each validation row ``__rollout_n__``, ``agent_name`` and its length, without
+patching verl (docs/evaluation.md).
 """
 
 from __future__ import annotations
@@ -155,11 +154,8 @@ def check_validation_length(config: Any) -> Optional[ValidationPlan]:
     for data_source, setting in sorted({"(default)": plan.default, **plan.benchmarks}.items()):
         needed = prompt + setting.response_length + reserve
         if needed > context:
-            key = (
-                f"{VALIDATION_KEY}.response_length"
-                if data_source == "(default)"
-                else (f"{VALIDATION_KEY}.benchmarks.{data_source}.response_length")
-            )
+            where = "" if data_source == "(default)" else f".benchmarks.{data_source}"
+            key = f"{VALIDATION_KEY}{where}.response_length"
             raise ValidationLengthError(
                 f"{ROLLOUT}.max_model_len={context} is smaller than {ROLLOUT}.prompt_length ({prompt}) + "
                 f"{key} ({setting.response_length})"

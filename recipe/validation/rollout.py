@@ -1,9 +1,8 @@
 """The rollout side of per-benchmark validation lengths (:mod:`recipe.validation.length`).
 
-:class:`ValidationLengthAgentLoop` is verl's ``SingleTurnAgentLoop`` that sends a validation row's length as
-``max_tokens`` and truncates at it. Importing this module registers it as
-:data:`recipe.validation.length.VALIDATION_AGENT_LOOP`; the registry is per process, so
-:class:`ValidationLengthAgentLoopManager` imports it in every agent-loop worker it starts.
+:class:`ValidationLengthAgentLoop` is verl's ``SingleTurnAgentLoop`` sending a validation row's length as
+``max_tokens``; importing this module registers it, per process, so :class:`ValidationLengthAgentLoopManager`
+imports it in every agent-loop worker it starts.
 """
 
 from __future__ import annotations
