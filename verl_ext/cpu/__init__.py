@@ -35,13 +35,8 @@ def cpu_platform_selected() -> bool:
 
 
 def setup_cpu_process() -> None:
-    """Everything a process needs for verl's trainer on CPU: platform, Ray pools, ``hf_cpu`` rollout,
-    ``cpu_gloo`` checkpoint engine.
-
-    The ``verl.plugins`` entry point (:mod:`verl_ext.plugin`) calls it in every process that imports
-    verl. Also usable as ``ray_kwargs.ray_init.runtime_env.worker_process_setup_hook`` or from an
-    entry point that cannot rely on the plugin. No-op without ``VERL_PLATFORM=cpu``.
-    """
+    """Everything a process needs for verl's trainer on CPU (no-op without ``VERL_PLATFORM=cpu``); the plugin
+    calls it in every process that imports verl. Also usable as a Ray ``worker_process_setup_hook``."""
     if not cpu_platform_selected():
         return
     from verl_ext.cpu.ray_resources import enable_cpu_ray
