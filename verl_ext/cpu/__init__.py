@@ -1,10 +1,8 @@
-"""verl on CPU-only machines: the ``cpu`` platform, Ray's CPU resource check, the ``hf_cpu`` rollout.
+"""verl on CPU-only machines (support code, not the method): the recipe's trainer and its tests run without a GPU.
 
-Support code, not the method: it lets the recipe's trainer (and every test of it) run end to end without a GPU.
 Only :mod:`verl_ext.plugin` (lazily, under ``VERL_PLATFORM=cpu``), CPU-only tools and tests import it, so a GPU
 node never does; it imports verl, torch, Ray and transformers but nothing else of ``verl_ext``. This ``__init__``
-imports only the standard library: a submodule (or :func:`setup_cpu_process`) pulls in verl.
-docs/cpu_platform.md, docs/cpu_end_to_end.md, docs/vllm_cpu.md.
+imports only the standard library. docs/cpu_platform.md, docs/cpu_end_to_end.md, docs/vllm_cpu.md.
 """
 
 from __future__ import annotations
