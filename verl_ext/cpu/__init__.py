@@ -45,9 +45,8 @@ def setup_cpu_process() -> None:
         from verl_ext.cpu.platform import register_cpu_platform
 
         register_cpu_platform()
-    # else: verl_ext.cpu.platform is itself importing verl right now (its importer registers the
-    # platform once it has finished importing, e.g. recipe/bench/harness.py); calling into the
-    # half-initialised module here would fail.
+    # else: verl_ext.cpu.platform is itself importing verl right now, half-initialised (its importer registers
+    # the platform once it has finished importing, e.g. recipe/bench/harness.py)
     enable_cpu_ray()
     register_cpu_rollout()
     from verl_ext.cpu.vllm_rollout import register_cpu_vllm_rollout

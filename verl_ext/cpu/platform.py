@@ -116,8 +116,7 @@ class PlatformCPU(PlatformBase):
         return True
 
     def is_platform_available(self, use_smi_check: bool = False) -> bool:
-        # Never auto-detected: only an explicit VERL_PLATFORM=cpu selects the CPU platform
-        # (verl checks the env var before probing registered platforms).
+        # never auto-detected: only an explicit VERL_PLATFORM=cpu selects it (verl reads it before probing)
         return False
 
     def current_device(self) -> str:  # type: ignore[override]
@@ -138,7 +137,7 @@ class PlatformCPU(PlatformBase):
         return "gloo"
 
     def visible_devices_envvar(self) -> str:
-        # No device masking exists for CPU; a dedicated name keeps verl's env plumbing harmless.
+        # no device masking on CPU; a dedicated name keeps verl's env plumbing harmless
         return "VERL_CPU_VISIBLE_DEVICES"
 
     @contextmanager
@@ -147,13 +146,11 @@ class PlatformCPU(PlatformBase):
             yield
 
     def ray_resource_name(self) -> str:
-        # A per-node device resource, like "GPU": verl places one placement group per node by it, so on
-        # a multi-node cluster the ranks spread over the nodes exactly as GPU ranks do.
+        # per node, like "GPU": verl's placement groups (one per node) spread the ranks over nodes as on GPUs
         return DEVICE_RESOURCE
 
     def ray_resource_options(self, num_gpus: float) -> dict[str, Any]:
-        # A worker's share of its device slot, and as much of a CPU (the slot's bundle holds
-        # max_colocate_count CPUs for the colocated worker groups).
+        # a worker's share of its device slot, and as much of a CPU (a slot's bundle holds max_colocate_count CPUs)
         return {"num_cpus": num_gpus, "resources": {DEVICE_RESOURCE: num_gpus}}
 
     def ray_noset_envvars(self) -> list[str]:

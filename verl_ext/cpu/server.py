@@ -133,7 +133,6 @@ class HFCpuServer:
         from verl.utils.config import omega_conf_to_dataclass
         from verl.workers.config import HFModelConfig, RolloutConfig
 
-        # RolloutReplica passes the model config as the raw DictConfig (converted as vLLM's server does)
         self.config = omega_conf_to_dataclass(config, dataclass_type=RolloutConfig)
         self.model_config = omega_conf_to_dataclass(model_config, dataclass_type=HFModelConfig)
         self.rollout_mode = rollout_mode
