@@ -1,10 +1,6 @@
-"""Which knobs each loss mode reads, declared once, and the check that refuses the rest.
-
-A knob (:data:`KNOBS`) is a key of ``actor_rollout_ref.actor.policy_loss`` or of verl's actor that some loss
-reads. Each divclip constraint declares its knobs with ``define_constraint(reads=...)``, each of verl's modes in
-:data:`verl_ext.verl_modes.VERL_MODE_READS`, each opt-in feature in :data:`FEATURES`. :func:`check_knobs_read`
-refuses a knob set away from its default that neither the mode nor a switched-on feature reads (before Ray
-starts, run by ``recipe.config_checks``).
+"""Which knobs (:data:`KNOBS`: keys of the policy-loss config or verl's actor) each loss mode reads, and the check
+that refuses one set away from its default that neither the mode nor a switched-on feature reads. Declared by
+``define_constraint(reads=...)``, :data:`verl_ext.verl_modes.VERL_MODE_READS` and :data:`FEATURES`.
 """
 
 from __future__ import annotations
@@ -47,7 +43,6 @@ class Knob:
 
     @property
     def key(self) -> str:
-        """The full config key."""
         return f"{POLICY_LOSS_KEY}.{self.name}" if self.owner == "policy_loss" else f"{ACTOR_KEY}.{self.name}"
 
     @property

@@ -1,9 +1,6 @@
-"""verl plugin: imported by ``import verl`` through the ``verl.plugins`` entry point.
-
-Registers the divclip policy-loss modes in every process that imports verl, Ray workers included, so configs can
-say ``policy_loss.loss_mode=kl3`` anywhere; with ``DIVCLIP_RECORD_KEYS`` it installs the key-read recorder, with
-``VERL_PLATFORM=cpu`` the CPU support (docs/cpu_end_to_end.md). verl swallows plugin import errors at DEBUG
-level; :func:`require_registered` is the loud check that entry points (``recipe.main``) call first.
+"""verl plugin (the ``verl.plugins`` entry point): registers the divclip loss modes in every process that imports
+verl, Ray workers included. verl swallows plugin import errors at DEBUG level, so entry points call
+:func:`require_registered` first.
 """
 
 from __future__ import annotations
@@ -32,11 +29,8 @@ ENTRY_POINT_VALUE = "verl_ext.plugin"
 
 
 def require_registered() -> None:
-    """Raise with the cause unless every process that runs ``import verl`` gets the modes.
-
-    Checks this process's registry, and that the ``verl.plugins`` entry point is installed
-    and not disabled by ``VERL_USE_EXTERNAL_PLUGINS`` -- a Ray worker only imports verl.
-    """
+    """Raise with the cause unless every process that runs ``import verl`` gets the modes: this process's registry,
+    and the ``verl.plugins`` entry point installed and not disabled by ``VERL_USE_EXTERNAL_PLUGINS``."""
     from importlib.metadata import entry_points
 
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY

@@ -1,9 +1,6 @@
-"""Opt-in, rate-limited per-token dump for the ERC Figure 3 scatter.
-
-ERC's Figure 3 plots, per sampled token, pi_old's probability against the entropy ratio, with ERC's clipped tokens
-apart. verl's loggers only take scalars, so the actor loss calls :meth:`TokenDumpWriter.maybe_dump` and this module
-writes a small, seeded random sample of a step's tokens to a JSONL file that ``python -m recipe.plots scatter``
-reads: dumping every token would cost more I/O than the step. docs/evaluation.md has the format and the limits.
+"""Opt-in, rate-limited per-token dump for the ERC Figure 3 scatter (pi_old's probability against the entropy
+ratio): verl's loggers take only scalars, so a seeded sample of a step's tokens goes to a JSONL file that
+``python -m recipe.plots scatter`` reads. docs/evaluation.md has the format and the limits.
 """
 
 from __future__ import annotations
@@ -65,12 +62,8 @@ class TokenDumpWriter:
         clipped_mask: torch.Tensor,
         response_mask: torch.Tensor,
     ) -> int:
-        """Write up to the step's remaining budget of valid tokens; returns the rows written.
-
-        All four tensors must have the same shape (``(batch, response_length)`` in the loss);
-        only positions where ``response_mask`` is true are candidates. Nothing is computed
-        on steps that are not dumped.
-        """
+        """Write up to the step's remaining budget of the tokens where ``response_mask`` is true; returns the rows
+        written. The four tensors share one shape (``(batch, response_length)``). Computes nothing off dump steps."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"TokenDumpWriter.maybe_dump: step must be an integer >= 0, got {step!r}")
         if not self.wants(step):
@@ -104,9 +97,7 @@ class TokenDumpWriter:
                 self.skipped_nonfinite += 1
                 continue
             lines.append(json.dumps({"step": step, "prob": prob, "entropy_ratio": ratio, "clipped": clip}))
-        # The budget counts the tokens considered, so a burst of non-finite values cannot make
-        # a step dump more than max_tokens_per_step candidates.
-        # Only the current step's count is needed; older steps are forgotten (bounded memory).
+        # the budget counts the tokens considered, non-finite ones included; older steps are forgotten
         self._written_at_step = {step: self._written_at_step.get(step, 0) + len(probs)}
         if lines:
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,8 @@
-"""verl on CPU-only machines: the ``cpu`` platform, Ray's CPU resource check, the ``hf_cpu`` rollout.
+"""verl on CPU-only machines (support code, not the method): the recipe's trainer and its tests run without a GPU.
 
-Support code, not the method: it lets the recipe's trainer (and every test of it) run end to end without a GPU.
 Only :mod:`verl_ext.plugin` (lazily, under ``VERL_PLATFORM=cpu``), CPU-only tools and tests import it, so a GPU
 node never does; it imports verl, torch, Ray and transformers but nothing else of ``verl_ext``. This ``__init__``
-imports only the standard library: a submodule (or :func:`setup_cpu_process`) pulls in verl.
-docs/cpu_platform.md, docs/cpu_end_to_end.md, docs/vllm_cpu.md.
+imports only the standard library. docs/cpu_platform.md, docs/cpu_end_to_end.md, docs/vllm_cpu.md.
 """
 
 from __future__ import annotations
@@ -35,13 +33,8 @@ def cpu_platform_selected() -> bool:
 
 
 def setup_cpu_process() -> None:
-    """Everything a process needs for verl's trainer on CPU: platform, Ray pools, ``hf_cpu`` rollout,
-    ``cpu_gloo`` checkpoint engine.
-
-    The ``verl.plugins`` entry point (:mod:`verl_ext.plugin`) calls it in every process that imports
-    verl. Also usable as ``ray_kwargs.ray_init.runtime_env.worker_process_setup_hook`` or from an
-    entry point that cannot rely on the plugin. No-op without ``VERL_PLATFORM=cpu``.
-    """
+    """Everything a process needs for verl's trainer on CPU (no-op without ``VERL_PLATFORM=cpu``); the plugin
+    calls it in every process that imports verl. Also usable as a Ray ``worker_process_setup_hook``."""
     if not cpu_platform_selected():
         return
     from verl_ext.cpu.ray_resources import enable_cpu_ray
@@ -52,9 +45,8 @@ def setup_cpu_process() -> None:
         from verl_ext.cpu.platform import register_cpu_platform
 
         register_cpu_platform()
-    # else: verl_ext.cpu.platform is itself importing verl right now (its importer registers the
-    # platform once it has finished importing, e.g. recipe/bench/harness.py); calling into the
-    # half-initialised module here would fail.
+    # else: verl_ext.cpu.platform is itself importing verl right now, half-initialised (its importer registers
+    # the platform once it has finished importing, e.g. recipe/bench/harness.py)
     enable_cpu_ray()
     register_cpu_rollout()
     from verl_ext.cpu.vllm_rollout import register_cpu_vllm_rollout

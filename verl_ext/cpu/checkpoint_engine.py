@@ -1,10 +1,7 @@
-"""``cpu_gloo``: verl's checkpoint engine for the cpu platform, moving weights over a gloo process group.
+"""``cpu_gloo``: verl's checkpoint engine for the cpu platform (``separate_async``'s standalone rollout pool).
 
-For ``separate_async``'s standalone rollout pool (verl's engines need GPUs). On each sync verl calls ``prepare``,
-:meth:`~CpuGlooCheckpointEngine.build_topology`, ``init_process_group``, ``send_weights`` / ``receive_weights`` and
-``finalize``: actor rank 0 broadcasts buckets of raw bytes to the rollout workers over a gloo group of their own
-(bit-equal tensors); the other actor ranks only walk the weight generator, whose items are FSDP collectives.
-Registered in ``CheckpointEngineRegistry`` when imported. docs/cpu_platform.md.
+Actor rank 0 broadcasts buckets of raw bytes to the rollout workers over a gloo group of their own (bit-equal
+tensors). Registered in ``CheckpointEngineRegistry`` when imported. docs/cpu_platform.md.
 """
 
 from __future__ import annotations
@@ -61,7 +58,7 @@ async def _contiguous_cpu(weights: Weights) -> AsyncGenerator[tuple[str, torch.T
 
 @CheckpointEngineRegistry.register(CHECKPOINT_ENGINE_NAME)
 class CpuGlooCheckpointEngine(CheckpointEngine):
-    """Checkpoint engine that broadcasts the actor's weights to the rollout workers over gloo (module docstring).
+    """Broadcasts the actor's weights to the rollout workers over gloo.
 
     Args:
         bucket_size: the largest bucket in bytes (verl passes ``update_weights_bucket_megabytes << 20``).
@@ -143,10 +140,8 @@ class CpuGlooCheckpointEngine(CheckpointEngine):
 
     @torch.no_grad()
     async def send_weights(self, weights: Weights, global_steps: Optional[int] = None) -> dict[str, float]:
-        """Broadcast ``weights`` in buckets from the source; the other actor ranks only walk the generator.
-
-        Returns the source's transfer figures (``checkpoint_engine/cpu_gloo/*``), ``{}`` elsewhere.
-        """
+        """Broadcast ``weights`` in buckets from the source; the other actor ranks only walk the generator. Returns
+        the source's transfer figures (``checkpoint_engine/cpu_gloo/*``), ``{}`` elsewhere."""
         if self.rank is None:
             raise RuntimeError("cpu_gloo: send_weights before init_process_group")
         if self.rank < 0:

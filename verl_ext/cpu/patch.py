@@ -1,10 +1,5 @@
-"""One way for the CPU layer to replace a function of verl (or of vLLM): checked against its signature, once.
-
-The CPU platform changes two of verl's functions for the process (``ray_resources``: the Ray resource check;
-``platform``: the FSDP2 save that must copy on CPU) and one of vLLM's CPU build (``vllm_worker``: its linear
-layers keep their weights for the next weight sync). :func:`patch_checked` does it for all three: it refuses a
-release whose function no longer takes the parameters the replacement was written for, naming it, and marks
-the replacement so that a second call changes nothing.
+"""The CPU layer's one way to replace a function of verl or vLLM (the three are listed in docs/engine.md, "Every
+patch of verl"): checked against its signature, once.
 """
 
 from __future__ import annotations

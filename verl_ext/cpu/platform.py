@@ -1,9 +1,7 @@
-"""A ``cpu`` platform for verl 0.9.1, so recipes can be debugged (and CI-tested) without a GPU.
+"""A ``cpu`` platform for verl 0.9.1 (``VERL_PLATFORM=cpu``), so recipes can be debugged and tested without a GPU.
 
-Through verl's own extension points, without editing verl: :class:`PlatformCPU`, registered as ``cpu`` and
-selected only by ``VERL_PLATFORM=cpu``; verl's FSDP engines registered for ``device="cpu"`` (FSDP2; FSDP1 refused
-by name), lazily, once verl's engine module has been imported; the Ray workers' process-group backend
-(``cpu:gloo``); and ``fsdp2_sharded_save_to_cpu`` made to copy on CPU. docs/cpu_platform.md.
+Through verl's own extension points: :class:`PlatformCPU`, and verl's FSDP engines registered for ``device="cpu"``
+(FSDP2; FSDP1 refused by name) once verl's engine module is imported. docs/cpu_platform.md.
 """
 
 from __future__ import annotations
@@ -24,10 +22,7 @@ from typing import Any, Optional
 import torch
 from verl.plugin.platform import PlatformBase, PlatformRegistry
 
-from verl_ext.cpu import (
-    DEVICE_RESOURCE,
-    PLATFORM_NAME,
-)  # PLATFORM_NAME: the VERL_PLATFORM value that selects this platform
+from verl_ext.cpu import DEVICE_RESOURCE, PLATFORM_NAME
 from verl_ext.cpu.patch import patch_checked
 
 logger = logging.getLogger(__name__)
@@ -35,11 +30,6 @@ logger = logging.getLogger(__name__)
 _ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 _lock = threading.Lock()
 _engines_registered = False
-
-
-# ----------------------------------------------------------------------------------------------
-# torch.<device>-like namespace for CPU
-# ----------------------------------------------------------------------------------------------
 
 
 def _rss_bytes() -> int:
@@ -70,13 +60,9 @@ def _noop(*args: Any, **kwargs: Any) -> None:
 
 
 def _build_cpu_device_module() -> types.ModuleType:
-    """A ``torch.cuda``-shaped namespace backed by ``torch.cpu``.
-
-    verl calls ``get_torch_device().<fn>`` for ~20 functions; ``torch.cpu`` has the stream/sync ones
-    but not the memory/RNG ones. Memory statistics report host RSS (there is no separate allocator to
-    ask): ``memory_allocated``/``memory_reserved`` are the current RSS and ``max_memory_*`` the peak
-    RSS, so verl's ``perf/max_memory_*`` metrics stay meaningful on CPU.
-    """
+    """A ``torch.cuda``-shaped namespace for verl's ``get_torch_device()`` calls, backed by ``torch.cpu``; memory
+    statistics report host RSS (``memory_*`` current, ``max_memory_*`` peak), so verl's ``perf/max_memory_*``
+    metrics stay meaningful on CPU."""
     mod = types.ModuleType("verl_ext.cpu.platform.device_module")
     mod.__doc__ = "torch.cuda-like API for the verl_ext CPU platform"
     for name in ("Event", "Stream", "StreamContext", "current_stream", "is_available", "stream", "synchronize"):
@@ -105,23 +91,13 @@ def _build_cpu_device_module() -> types.ModuleType:
 _CPU_DEVICE_MODULE = _build_cpu_device_module()
 
 
-# ----------------------------------------------------------------------------------------------
-# The platform
-# ----------------------------------------------------------------------------------------------
-
-
 class PlatformCPU(PlatformBase):
-    """verl platform for plain CPU processes (gloo collectives, no accelerator).
-
-    Selected with ``VERL_PLATFORM=cpu``. ``current_device()`` returns the string ``"cpu"`` rather
-    than an index because verl passes ``get_device_id()`` straight to ``Tensor.to``/``torch.device``,
-    where an integer would mean ``cuda:<i>``.
-    """
+    """verl platform for plain CPU processes (gloo collectives, no accelerator). ``current_device()`` is
+    ``"cpu"``, not an index: verl passes it to ``Tensor.to``/``torch.device``, where an integer means ``cuda:<i>``."""
 
     def __init__(self) -> None:
         super().__init__()
-        # Instantiated only when get_platform() resolves to "cpu": the one moment the backend
-        # patch is needed (and known to be wanted).
+        # instantiated only when get_platform() resolves to "cpu": the one moment the patch is known to be wanted
         _patch_process_group_backend()
 
     @property
@@ -140,8 +116,7 @@ class PlatformCPU(PlatformBase):
         return True
 
     def is_platform_available(self, use_smi_check: bool = False) -> bool:
-        # Never auto-detected: only an explicit VERL_PLATFORM=cpu selects the CPU platform
-        # (verl checks the env var before probing registered platforms).
+        # never auto-detected: only an explicit VERL_PLATFORM=cpu selects it (verl reads it before probing)
         return False
 
     def current_device(self) -> str:  # type: ignore[override]
@@ -153,8 +128,7 @@ class PlatformCPU(PlatformBase):
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
 
-    def manual_seed_all(self, seed: int) -> None:
-        torch.manual_seed(seed)
+    manual_seed_all = manual_seed
 
     def get_device_capability(self, device_index: int = 0) -> tuple[Optional[int], Optional[int]]:
         return None, None
@@ -163,7 +137,7 @@ class PlatformCPU(PlatformBase):
         return "gloo"
 
     def visible_devices_envvar(self) -> str:
-        # No device masking exists for CPU; a dedicated name keeps verl's env plumbing harmless.
+        # no device masking on CPU; a dedicated name keeps verl's env plumbing harmless
         return "VERL_CPU_VISIBLE_DEVICES"
 
     @contextmanager
@@ -172,13 +146,11 @@ class PlatformCPU(PlatformBase):
             yield
 
     def ray_resource_name(self) -> str:
-        # A per-node device resource, like "GPU": verl places one placement group per node by it, so on
-        # a multi-node cluster the ranks spread over the nodes exactly as GPU ranks do.
+        # per node, like "GPU": verl's placement groups (one per node) spread the ranks over nodes as on GPUs
         return DEVICE_RESOURCE
 
     def ray_resource_options(self, num_gpus: float) -> dict[str, Any]:
-        # A worker's share of its device slot, and as much of a CPU (the slot's bundle holds
-        # max_colocate_count CPUs for the colocated worker groups).
+        # a worker's share of its device slot, and as much of a CPU (a slot's bundle holds max_colocate_count CPUs)
         return {"num_cpus": num_gpus, "resources": {DEVICE_RESOURCE: num_gpus}}
 
     def ray_noset_envvars(self) -> list[str]:
@@ -196,11 +168,6 @@ class PlatformCPU(PlatformBase):
     cudart = _nothing
 
 
-# ----------------------------------------------------------------------------------------------
-# Engine registration (lazy) and the FSDP1 guard
-# ----------------------------------------------------------------------------------------------
-
-
 def _register_engines(transformer_impl: types.ModuleType) -> None:
     """Register verl's FSDP engines for ``device="cpu"`` (FSDP2) and a loud guard for FSDP1."""
     global _engines_registered
@@ -213,8 +180,7 @@ def _register_engines(transformer_impl: types.ModuleType) -> None:
         value_cls = transformer_impl.FSDPEngineWithValueHead
         for model_type, cls in (("language_model", lm_cls), ("value_model", value_cls)):
             registry = EngineRegistry._engines.setdefault(model_type, {})
-            # Re-running after a partial registration (e.g. a test reloading verl) must not trip
-            # EngineRegistry's duplicate-key assertion, so skip keys that already exist.
+            # skip existing keys: a re-run after a partial registration must not trip the duplicate-key assertion
             if PLATFORM_NAME not in registry.get("fsdp2", {}):
                 EngineRegistry.register(model_type=model_type, backend="fsdp2", device=PLATFORM_NAME)(cls)
             if PLATFORM_NAME not in registry.get("fsdp", {}):
@@ -310,11 +276,8 @@ def _patch_process_group_backend() -> None:
 
 
 def register_cpu_platform() -> None:
-    """Register the ``cpu`` platform and the CPU FSDP2 engines with verl. Idempotent.
-
-    Call it once per process before verl resolves its platform (the ``verl.plugins`` entry point
-    does, during ``import verl``); then run with ``VERL_PLATFORM=cpu``. Safe to call again.
-    """
+    """Register the ``cpu`` platform and the CPU FSDP2 engines with verl (idempotent), before verl resolves its
+    platform: the ``verl.plugins`` entry point does, during ``import verl``."""
     if PlatformRegistry.get(PLATFORM_NAME) is not PlatformCPU:
         PlatformRegistry.register(platform=PLATFORM_NAME)(PlatformCPU)
 

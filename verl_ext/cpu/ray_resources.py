@@ -1,10 +1,6 @@
-"""verl's Ray resource pools and worker groups on CPU-only machines (``VERL_PLATFORM=cpu``).
-
-verl's pools ask each node for the platform's device resource, here ``cpu_device``, which needs nothing more;
-its resource check counts only ``GPU``/``NPU``. :func:`enable_cpu_ray` replaces that check, on the cpu platform
-only, by the same question of ``cpu_device``: every node entry of every pool its own node with enough slots and
-CPUs, plus :data:`SPARE_CPUS`; its errors say how to give Ray the resource. The replacement delegates to verl's
-check on every other platform and checks its signature first (:mod:`verl_ext.cpu.patch`). docs/cpu_platform.md.
+"""verl's Ray resource pools on CPU-only machines: verl's resource check counts only ``GPU``/``NPU``, so on the cpu
+platform :func:`enable_cpu_ray` replaces it by the same question of ``cpu_device`` (every node entry of every pool
+its own node with enough slots and CPUs, plus :data:`SPARE_CPUS`). docs/cpu_platform.md.
 """
 
 from __future__ import annotations
@@ -93,7 +89,7 @@ def _patch_resource_check() -> None:
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def _check_resource_available(self: Any) -> None:
-            # Decided per call, from the platform actually resolved in this process.
+            # decided per call, from the platform this process resolved
             from verl.plugin.platform import get_platform
 
             if get_platform().ray_resource_name() == DEVICE_RESOURCE:
@@ -112,13 +108,8 @@ def _patch_resource_check() -> None:
 
 
 def enable_cpu_ray() -> bool:
-    """Make verl's Ray resource pools usable on the ``cpu`` platform. Idempotent.
-
-    Active only when ``VERL_PLATFORM=cpu`` (returns ``False`` and changes nothing otherwise);
-    returns ``True`` once enabled. Call it in every process that creates resource pools (the
-    trainer's ``TaskRunner`` actor and anything that launches standalone rollout replicas);
-    the ``verl.plugins`` entry point runs in all of them.
-    """
+    """Make verl's Ray resource pools usable on the ``cpu`` platform (idempotent) in every process that creates
+    them (the ``verl.plugins`` entry point runs in all). ``False``, changing nothing, without ``VERL_PLATFORM=cpu``."""
     global _enabled
     if not cpu_platform_selected():
         return False

@@ -1,10 +1,6 @@
-"""``hf_cpu``: a CPU rollout backend for verl 0.9.1 built on Hugging Face transformers.
-
-verl generates only through inference servers that need an accelerator here, so a small transformers server
-(:class:`verl_ext.cpu.server.HFCpuServer`) runs the policy on CPU, and this module plugs it into verl's seams for
-its own backends, so the v1 trainers run unchanged: :class:`HFCpuReplica` (``RolloutReplicaRegistry``),
-:class:`HFCpuServerAdapter` (``_ROLLOUT_REGISTRY``; it ships each weight sync to the server in buckets over the
-Ray object store) and :func:`register_cpu_rollout`. Unsupported settings raise. docs/cpu_end_to_end.md.
+"""``hf_cpu``: a CPU rollout backend for verl 0.9.1, a transformers server (:mod:`verl_ext.cpu.server`) plugged
+into verl's registries for its own backends, so the v1 trainers run unchanged. Unsupported settings raise.
+docs/cpu_end_to_end.md.
 """
 
 from __future__ import annotations
@@ -19,11 +15,9 @@ _ADAPTER_FQN = f"{__name__}.HFCpuServerAdapter"
 _lock = threading.Lock()
 
 
-# ----------------------------------------------------------------------------------------------
-# Registration. Defined before the module imports verl: importing this module can itself trigger
+# Registration is defined before the module imports verl: importing this module can itself trigger
 # ``import verl``, whose ``verl.plugins`` entry point calls register_cpu_rollout() on this
 # still-initialising module; verl's registries hold a loader and a dotted path, resolved later.
-# ----------------------------------------------------------------------------------------------
 
 
 def _load_replica() -> type:
@@ -31,12 +25,8 @@ def _load_replica() -> type:
 
 
 def register_cpu_rollout() -> None:
-    """Register ``hf_cpu`` with verl's rollout registries. Idempotent; cheap (no model is loaded).
-
-    Must run in every process that resolves the rollout by name: the trainer process
-    (``LLMServerManager`` -> ``RolloutReplicaRegistry``) and the actor workers
-    (``get_rollout_class`` -> ``_ROLLOUT_REGISTRY``); the ``verl.plugins`` entry point does.
-    """
+    """Register ``hf_cpu`` with verl's rollout registries (idempotent, loads no model) in every process that
+    resolves the rollout by name: the trainer's and the actor workers'; the ``verl.plugins`` entry point does."""
     from verl.workers.rollout.base import _ROLLOUT_REGISTRY
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
@@ -62,25 +52,14 @@ logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
 
-# ----------------------------------------------------------------------------------------------
-# The adapter in the actor worker (BaseRollout) and the replica (RolloutReplica)
-# ----------------------------------------------------------------------------------------------
-
-
 def server_actor_name(replica_rank: int, node_rank: int = 0) -> str:
     """Ray actor name of a replica's server (how the adapter finds it, as vLLM's adapter does)."""
     return f"{SERVER_NAME_PREFIX}{replica_rank}_{node_rank}"
 
 
 class HFCpuServerAdapter(BaseRollout):
-    """The rollout object inside each actor worker: forwards weights to the replica's server.
-
-    Built by ``ActorRolloutRefWorker.init_model`` through ``get_rollout_class("hf_cpu", "async")``
-    (or by ``CheckpointEngineWorker`` in standalone mode). ``update_weights`` is called with the
-    actor engine's ``get_per_tensor_param()`` generator on every actor rank after each training
-    step (sync trainer: ``CheckpointEngineManager.update_weights`` -> ``ActorRolloutRefWorker.
-    update_weights``).
-    """
+    """The rollout object inside each actor worker (``get_rollout_class("hf_cpu", "async")``): forwards each
+    weight sync to the replica's server in buckets over the Ray object store."""
 
     def __init__(
         self, config: Any, model_config: Any, device_mesh: Any, replica_rank: int = -1, *args: Any, **kwargs: Any
@@ -127,11 +106,8 @@ class HFCpuServerAdapter(BaseRollout):
         peft_config: Any = None,
         **kwargs: Any,
     ) -> None:
-        """Stream ``(name, full_tensor)`` pairs to the server in buckets, then apply them.
-
-        Every rank must exhaust ``weights``: with FSDP each item is produced by a collective
-        (``DTensor.full_tensor``). Only the replica's leader rank sends.
-        """
+        """Stream ``(name, full_tensor)`` pairs to the server in buckets, then apply them. Only the leader rank
+        sends, but every rank must exhaust ``weights``: with FSDP each item is a collective."""
         if wire_format != "named_tensors":
             raise NotImplementedError(f"hf_cpu rollout only takes wire_format='named_tensors', got {wire_format!r}")
         if peft_config is not None:

@@ -1,9 +1,8 @@
-"""Sampling for the ``hf_cpu`` rollout: vLLM's sampling semantics over plain transformers.
+"""Sampling for the ``hf_cpu`` rollout: vLLM's sampling semantics over plain transformers (torch only).
 
-Pure functions of a model and token ids (torch only); the server calls :func:`generate_batch`. As verl uses vLLM:
-``temperature == 0`` is greedy, ``top_k <= 0`` / ``top_p == 1`` are off, generation stops at an EOS id (kept)
-unless ``ignore_eos``; log-probs are the sampled tokens' under ``processed_logprobs`` (after temperature, top-k
-and top-p: the distribution drawn from) or ``raw_logprobs`` (the model's log-softmax).
+As verl uses vLLM: ``temperature == 0`` is greedy, ``top_k <= 0`` / ``top_p == 1`` are off, an EOS id stops (kept)
+unless ``ignore_eos``; log-probs are the sampled tokens' under ``processed_logprobs`` (the distribution drawn
+from) or ``raw_logprobs`` (the model's log-softmax).
 """
 
 from __future__ import annotations
@@ -31,11 +30,8 @@ class SamplingSpec:
 
 
 def sampling_spec_from_params(params: dict[str, Any]) -> SamplingSpec:
-    """Parse the ``sampling_params`` dict verl's agent loop sends (vLLM conventions).
-
-    Unknown keys raise: silently ignoring e.g. ``stop`` or ``n`` would produce samples that do
-    not follow the requested distribution.
-    """
+    """Parse the ``sampling_params`` dict verl's agent loop sends (vLLM conventions). Unknown keys raise: ignoring
+    e.g. ``stop`` or ``n`` would produce samples that do not follow the requested distribution."""
     allowed = {
         "temperature",
         "top_p",
@@ -106,17 +102,10 @@ def generate_batch(
     logprobs_mode: str = "processed_logprobs",
     should_stop: Optional[Callable[[], bool]] = None,
 ) -> list[tuple[list[int], Optional[list[float]], str]]:
-    """Sample continuations for left-padded ``prompts`` with a KV cache.
-
-    Returns one ``(token_ids, log_probs or None, finish_reason)`` per prompt, where
-    ``finish_reason`` is ``"stop"`` (an EOS id was sampled; it is included, as vLLM does),
-    ``"length"`` (``max_tokens`` reached) or ``"abort"`` (``should_stop()`` returned true before the
-    row finished; the row keeps the tokens sampled so far). Rows that finished keep being fed (their
-    outputs are discarded) so the batch stays rectangular; the loop ends when every row is done.
-
-    ``should_stop`` is asked before every decoding step (the first included), so an abort lands on
-    a token boundary: every returned token comes with its log-prob, and no step is half applied.
-    """
+    """Sample continuations for left-padded ``prompts`` with a KV cache: one ``(token_ids, log_probs or None,
+    finish_reason)`` per prompt, ``finish_reason`` being ``"stop"`` (an EOS id, included as vLLM does),
+    ``"length"`` or ``"abort"`` (``should_stop()``, asked before every decoding step, returned true first: the row
+    keeps its tokens so far, each with its log-prob). Finished rows keep being fed so the batch stays rectangular."""
     if logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
         raise NotImplementedError(
             f"hf_cpu rollout supports logprobs_mode processed_logprobs|raw_logprobs, got {logprobs_mode!r}"

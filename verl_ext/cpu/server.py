@@ -1,10 +1,7 @@
-"""The ``hf_cpu`` generation server: a transformers copy of the policy behind verl's rollout-server calls.
+"""The ``hf_cpu`` generation server: one Ray actor per replica answering what verl asks of a vLLM server.
 
-One :class:`HFCpuServer` Ray actor per replica answers what verl asks of a vLLM server: token-in/token-out
-``generate`` (concurrent requests batched, :mod:`verl_ext.cpu.sampling`), weight loading, the trainers' control
-calls and partial rollout (abort, resume). It imports nothing of :mod:`verl_ext.cpu.rollout`: a Ray worker that
-unpickles the class imports this module first, and ``import verl`` then imports the rollout module.
-docs/cpu_end_to_end.md, docs/cpu_platform.md ("Asynchronous trainer modes").
+It imports nothing of :mod:`verl_ext.cpu.rollout`: a Ray worker that unpickles the class imports this module
+first, and ``import verl`` then imports the rollout module. docs/cpu_platform.md ("Asynchronous trainer modes").
 """
 
 from __future__ import annotations
@@ -28,8 +25,7 @@ logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
 
 def _log_to_stderr() -> None:
-    """Give this module's logger a stderr handler in the server process, where nothing configures logging
-    (Ray forwards the actor's stderr to the driver); as ``verl.utils.logging_utils`` does for verl's logger."""
+    """A stderr handler for this module's logger (nothing configures logging in the server process)."""
     if not logger.handlers:
         handler = logging.StreamHandler(stream=sys.stderr)
         handler.setFormatter(logging.Formatter("%(levelname)s:%(asctime)s:%(message)s"))
@@ -64,22 +60,12 @@ class GenerationResult:
     """The trainer step of the weights that generated ``token_ids``."""
 
 
-# ----------------------------------------------------------------------------------------------
-# The policy copy the server generates with
-# ----------------------------------------------------------------------------------------------
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    from verl.utils.torch_dtypes import PrecisionType
-
-    return PrecisionType.to_dtype(name)
-
-
 def load_hf_model(
     model_path: str, dtype: str = "float32", trust_remote_code: bool = False, override_config: Optional[dict] = None
 ) -> torch.nn.Module:
     """Load the policy for generation on CPU (``sdpa`` attention, eval mode, no grad)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from verl.utils.torch_dtypes import PrecisionType
 
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     for key, value in (override_config or {}).items():
@@ -88,7 +74,7 @@ def load_hf_model(
     model = AutoModelForCausalLM.from_pretrained(
         model_path,
         config=config,
-        dtype=_torch_dtype(dtype),
+        dtype=PrecisionType.to_dtype(dtype),
         attn_implementation="sdpa",
         trust_remote_code=trust_remote_code,
     )
@@ -122,17 +108,9 @@ def eos_token_ids(model_path: str, model: torch.nn.Module, trust_remote_code: bo
     return sorted(ids)
 
 
-# ----------------------------------------------------------------------------------------------
-# The server (a Ray actor)
-# ----------------------------------------------------------------------------------------------
-
-
 class HFCpuServer:
-    """Token-in/token-out generation server holding a transformers copy of the policy on CPU.
-
-    Implements the methods verl calls on a rollout server handle (``generate``, partial rollout, the memory and
-    profiling calls, no-ops on CPU, ``set_global_steps``) and the weight-loading calls of
-    :class:`verl_ext.cpu.rollout.HFCpuServerAdapter`.
+    """Token-in/token-out generation server: the calls verl makes on a rollout server handle, and the
+    weight-loading calls of :class:`verl_ext.cpu.rollout.HFCpuServerAdapter`.
 
     Args:
         config: ``actor_rollout_ref.rollout`` (dataclass or DictConfig).
@@ -155,8 +133,6 @@ class HFCpuServer:
         from verl.utils.config import omega_conf_to_dataclass
         from verl.workers.config import HFModelConfig, RolloutConfig
 
-        # RolloutReplica passes the rollout config as a dataclass and the model config as the raw
-        # DictConfig (as for vLLM's server, which converts it the same way).
         self.config = omega_conf_to_dataclass(config, dataclass_type=RolloutConfig)
         self.model_config = omega_conf_to_dataclass(model_config, dataclass_type=HFModelConfig)
         self.rollout_mode = rollout_mode
@@ -197,14 +173,9 @@ class HFCpuServer:
         self._param_names = {name for name, _ in self.model.named_parameters()} | {
             name for name, _ in self.model.named_buffers()
         }
-        self.stats = {
-            "requests": 0,
-            "batches": 0,
-            "generated_tokens": 0,
-            "weight_updates": 0,
-            "aborted_requests": 0,
-            "rejected_requests": 0,
-        }
+        self.stats = dict.fromkeys(
+            ("requests", "batches", "generated_tokens", "weight_updates", "aborted_requests", "rejected_requests"), 0
+        )
 
     # -- address / lifecycle -------------------------------------------------------------
 
@@ -242,17 +213,10 @@ class HFCpuServer:
         return self._recheck_gate
 
     async def abort_all_requests(self, reject_request: bool = False, **kwargs: Any) -> dict[str, Any]:
-        """Stop every in-flight request at the next token boundary and pause admission.
-
-        Each waiting ``generate`` returns the tokens generated so far (``stop_reason="aborted"``) before
-        this returns, so the weights can change right after. Requests that arrive later wait for
-        :meth:`resume_generation`; with ``reject_request=True`` they, and those already waiting, return at
-        once, aborted and empty.
-        ``kwargs`` (vLLM's ``reset_prefix_cache``) have no meaning here: there is no cache across batches.
-
-        Returns:
-            ``{"aborted_count": n, "request_ids": [...]}``, the requests cut short by this call.
-        """
+        """Stop every in-flight request at the next token boundary (each returns its tokens so far, aborted,
+        before this returns) and pause admission until :meth:`resume_generation`; with ``reject_request``
+        waiting and later requests return at once, aborted and empty. ``kwargs`` (vLLM's ``reset_prefix_cache``):
+        no cache here. Returns ``{"aborted_count": n, "request_ids": [...]}`` of the requests cut short."""
         self._gate_open = False
         self._rejecting = bool(reject_request)
         if self._rejecting:

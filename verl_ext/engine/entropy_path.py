@@ -1,9 +1,5 @@
-"""The fp32 entropy feature: what one forward step swaps so that verl's entropy call sites use ours.
-
-On an engine whose loss declared ``entropy_as_mask`` (ERC), :func:`entropy_swaps` points verl's two call sites
-(``self.compute_entropy_from_logits`` and ``verl_F.entropy_from_logits``) at
-:func:`verl_ext.core.entropy.entropy_fp32` for one step, in both passes, and turns ``entropy_checkpointing`` off
-on a copy of the engine's config. With ``use_fused_kernels`` nothing is swapped. docs/engine.md, docs/losses.md.
+"""The fp32 entropy feature (ERC's ``entropy_as_mask``): verl's two entropy call sites pointed at
+:func:`verl_ext.core.entropy.entropy_fp32` for one step, ``entropy_checkpointing`` off. docs/engine.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""What the seam relies on in verl, checked before anything is wrapped, and where the seam reads it.
-
-:func:`check_verl` (run first by ``seam.install``) refuses a verl other than :data:`SUPPORTED_VERL` and checks
-:data:`SYMBOLS`; :func:`check_engine_instance` and :func:`check_infer_batch_outputs` check the engine's attributes
-and ``infer_batch``'s result when they are used. A mismatch raises :class:`VerlMismatchError` naming what differs
-and both verl versions. verl is imported lazily (only :func:`resolve` does). docs/engine.md.
+"""What the seam relies on in verl (its version, :data:`SYMBOLS`, the engine's attributes, ``infer_batch``'s
+result), checked before it is used; a mismatch raises :class:`VerlMismatchError` naming what differs and both
+verl versions. verl is imported lazily (only :func:`resolve` does). docs/engine.md ("What is wrapped").
 """
 
 from __future__ import annotations
@@ -38,11 +35,9 @@ class VerlMismatchError(RuntimeError):
 
 @dataclass(frozen=True)
 class Symbol:
-    """A verl attribute the seam depends on.
-
-    ``module`` and ``path`` locate it (``path`` may be dotted: ``Class.method``). ``params``: the leading
-    parameter names a callable must accept, in order (``None``: only its presence is checked).
-    ``fields``: names a dataclass must declare (config fields the seam reads)."""
+    """A verl attribute the seam depends on (``path`` may be dotted: ``Class.method``). ``params``: the leading
+    parameter names a callable must accept, in order (``None``: only its presence is checked); ``fields``: names
+    a dataclass must declare."""
 
     module: str
     path: str
@@ -174,13 +169,10 @@ def _mismatch(symbol: Symbol, what: str, version: Optional[str] = None) -> VerlM
 
 
 def check_verl_version(installed: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> None:
-    """Refuse a verl release other than :data:`SUPPORTED_VERL`, unless ``environ`` (default: the process's
-    environment as it is at the call) sets :data:`ALLOW_UNSUPPORTED_VERL_ENV` to ``1`` (then log a warning and
-    go on).
-
-    Why refuse although every name is checked: the other checks see names, signatures and layouts, not
-    behaviour -- a release that keeps them all and changes, say, how verl packs micro-batches would break
-    pack_old_log_prob_as_update's bit-identity without any of them noticing."""
+    """Refuse a verl release other than :data:`SUPPORTED_VERL`, unless ``environ`` (default: ``os.environ`` at
+    the call) sets :data:`ALLOW_UNSUPPORTED_VERL_ENV` to ``1`` (then warn). The other checks see names, not
+    behaviour: a release that changes how verl packs micro-batches would break pack_old_log_prob_as_update's
+    bit-identity unseen."""
     installed = installed or verl_version()
     if installed == SUPPORTED_VERL:
         return
@@ -235,7 +227,7 @@ def check_symbol(symbol: Symbol, modules: Optional[Mapping[str, Any]] = None) ->
 
 
 def check_symbols(modules: Optional[Mapping[str, Any]] = None, symbols: tuple[Symbol, ...] = SYMBOLS) -> None:
-    """Check every symbol of :data:`SYMBOLS` (see :func:`check_symbol`); the first mismatch raises."""
+    """:func:`check_symbol` on each of ``symbols``; the first mismatch raises."""
     for symbol in symbols:
         check_symbol(symbol, modules)
 
@@ -246,10 +238,6 @@ def check_verl(modules: Optional[Mapping[str, Any]] = None) -> None:
     check_verl_version()
     check_symbols(modules)
 
-
-# ------------------------------------------------------------------------------------------------
-# The engine instance, and the results the seam consumes
-# ------------------------------------------------------------------------------------------------
 
 ENGINE_INSTANCE_ATTRIBUTES: dict[str, str] = {
     "engine_config": "swapped per step by the fp32 entropy (a copy without entropy_checkpointing)",
@@ -290,9 +278,8 @@ from ``actor.ppo_*`` and its fused kernels from ``model``); ``()`` for what is s
 
 
 def engine_attribute(engine: Any, path: str) -> Any:
-    """``engine``'s attribute at the dotted ``path``, a row of :data:`ENGINE_INSTANCE_ATTRIBUTES`. The
-    features read the engine through this, not ``getattr(..., default)``: an attribute verl renamed raises,
-    naming it, instead of reading as the default and turning a feature or a refusal off."""
+    """``engine``'s attribute at the dotted ``path``, a row of :data:`ENGINE_INSTANCE_ATTRIBUTES`: an attribute
+    verl renamed raises, naming it, where ``getattr(..., default)`` would silently turn a feature or refusal off."""
     value = _attribute(engine, path)
     key_reads.record(*ENGINE_ATTRIBUTE_KEYS[path], depth=1)
     return value

@@ -1,10 +1,8 @@
 """pi_old from the update's own first forward: the old-log-prob pass skipped where it would repeat it bit for bit.
 
-With the pass packed as the update (:mod:`verl_ext.engine.packing`), the update's first mini-batch computes, before
-any optimizer step, exactly what the pass would for its rows (verl#3996). The pass skips those rows
-(:func:`skipped_mini_batch`, placeholders: NaN, top-k ids -1), the update hands its loss its own detached values
-as pi_old (:func:`substituting_loss`) and keeps them, and :func:`collect` answers the trainer's second
-``_compute_old_log_prob`` from them. Where it is not exact it is not taken. docs/losses.md, docs/engine.md.
+With the pass packed as the update, the update's first mini-batch computes exactly what the pass would for its rows
+(verl#3996): the pass skips them, the update hands its loss its own detached values as pi_old and keeps them for
+the trainer's second ``_compute_old_log_prob`` (:func:`collect`). Not taken where not exact. docs/engine.md.
 """
 
 from __future__ import annotations
@@ -80,9 +78,8 @@ class OldFromUpdate:
         return pass_fields(self.topk_k)
 
     def skipped_share(self, rows: list[int]) -> float:
-        """The share of an update micro-batch's rows whose old pass was skipped, their pi_old the update's own
-        forward (``actor/divclip/path/old_log_prob_from_update``; its step mean says whether, and how much of, the
-        skip was taken: 0 without it)."""
+        """The share of an update micro-batch's rows whose pi_old is the update's own forward
+        (``actor/divclip/path/old_log_prob_from_update``; 0 without the skip)."""
         return len(set(rows) & self.from_update) / len(rows) if rows else 0.0
 
     def capture(self, rows: list[int], model_output: dict[str, torch.Tensor]) -> None:
@@ -113,9 +110,9 @@ watches the step change.)"""
 def skipped_mini_batch(
     engine: Any, data: TensorDict, groups: list[torch.Tensor], fingerprints: list[tuple[int, int]]
 ) -> Optional[int]:
-    """In the old pass: the first-epoch mini-batch whose forward the pass leaves to the update (None: it runs
-    every one). With :data:`OLD_FROM_UPDATE_KEY` and an exact engine, :data:`SUPPLYING_MINI_BATCH`; sets up the
-    engine's pending state whenever the key is there (the collect then returns the pass's own values)."""
+    """In the old pass: the first-epoch mini-batch whose forward the pass leaves to the update (None: none).
+    Sets up the engine's pending state whenever :data:`OLD_FROM_UPDATE_KEY` is there (even when nothing is
+    skipped: the collect then returns the pass's own values)."""
     from verl.utils import tensordict_utils as tu
 
     setattr(engine, _STATE_ATTR, None)
@@ -140,11 +137,9 @@ def skipped_mini_batch(
 def keep_pass_outputs(
     engine: Any, tokens: list[int], responses: list[int], groups: list[torch.Tensor], outputs: list[Any]
 ) -> None:
-    """The pass's outputs, per row, into the pending state. The rows it skipped get placeholders: NaN over each
-    row's ``tokens`` (log-probs, entropy) or its ``responses`` tokens x (k + 1) buckets (pi_old's top-k
-    log-masses), -1 for the top-k ids, on the device and in the dtype of the pass's outputs (one nested tensor
-    holds both)."""
-    state: Optional[OldFromUpdate] = getattr(engine, _STATE_ATTR, None)
+    """The pass's outputs, per row, into the pending state; the skipped rows get placeholders (NaN, top-k ids -1)
+    shaped as the pass's rows, on the device and in the dtype of its outputs (one nested tensor holds both)."""
+    state = state_of(engine)
     if state is None:
         return
     for rows, out in zip(groups, outputs, strict=False):
@@ -168,14 +163,17 @@ def keep_pass_outputs(
             state.values[name][row] = torch.full(shapes[name](row), fill, dtype=dtype, device=device)
 
 
-def placeholder_output(engine: Any, size: int) -> dict[str, Any]:
-    """The pass's result for the whole batch from the pending state (placeholders where the update supplies)."""
-    state: OldFromUpdate = getattr(engine, _STATE_ATTR)
+def _batch_output(state: OldFromUpdate, size: int) -> dict[str, Any]:
     model_output = {
         name: torch.nested.as_nested_tensor([state.values[name][row] for row in range(size)], layout=torch.jagged)
         for name in state.fields
     }
     return {"model_output": model_output, "loss": [], "metrics": {}}
+
+
+def placeholder_output(engine: Any, size: int) -> dict[str, Any]:
+    """The pass's result for the whole batch from the pending state (placeholders where the update supplies)."""
+    return _batch_output(getattr(engine, _STATE_ATTR), size)
 
 
 def state_of(engine: Any) -> Optional[OldFromUpdate]:
@@ -184,7 +182,7 @@ def state_of(engine: Any) -> Optional[OldFromUpdate]:
 
 
 def pending(engine: Any) -> Optional[OldFromUpdate]:
-    state: Optional[OldFromUpdate] = getattr(engine, _STATE_ATTR, None)
+    state = state_of(engine)
     return state if state is not None and state.from_update else None
 
 
@@ -279,7 +277,7 @@ def finish_update(engine: Any) -> None:
 def collect(engine: Any, fingerprints: list[tuple[int, int]]) -> dict[str, Any]:
     """The trainer's call after the update (its batch's ``fingerprints``): the pass's values for every row, then
     the state is dropped."""
-    state: Optional[OldFromUpdate] = getattr(engine, _STATE_ATTR, None)
+    state = state_of(engine)
     setattr(engine, _STATE_ATTR, None)
     if state is None:
         raise OldFromUpdateError(f"{POLICY_KEY}: collected, but this rank ran no old-log-prob pass with the key")
@@ -287,18 +285,10 @@ def collect(engine: Any, fingerprints: list[tuple[int, int]]) -> dict[str, Any]:
         raise OldFromUpdateError(f"{POLICY_KEY}: the collected batch is not the one whose old-log-prob pass ran")
     if state.captured != set(state.from_update):
         raise OldFromUpdateError(f"{POLICY_KEY}: collected before the update supplied every skipped row")
-    size = len(fingerprints)
-    return {
-        "model_output": {
-            name: torch.nested.as_nested_tensor([state.values[name][r] for r in range(size)], layout=torch.jagged)
-            for name in state.fields
-        },
-        "loss": [],
-        "metrics": {},
-    }
+    return _batch_output(state, len(fingerprints))
 
 
 def old_pass_rows(engine: Any) -> Optional[int]:
     """Rows the last old-log-prob pass with the key computed on this rank (None: no such pass pending)."""
-    state: Optional[OldFromUpdate] = getattr(engine, _STATE_ATTR, None)
+    state = state_of(engine)
     return None if state is None else state.forwards

@@ -1,10 +1,6 @@
-"""On-policy exactness: the old-log-prob pass packed as the update, observed where it is used, and the mark
-of the on-policy mini-batch.
-
-:func:`infer_as_update` runs the old-log-prob pass as the update's first epoch (verl's own split and micro-batch
-packing), so before the first optimizer step every ratio is exactly 1 (verl#6280); it records what it packed
-(:class:`PackingRecord`), which the update checks (:class:`UpdateObserver`). :func:`marking_on_policy` /
-:func:`marking_first_mini_batch` mark the update's first mini-batch for the on-policy gauge. docs/losses.md.
+"""pack_old_log_prob_as_update: the old-log-prob pass packed as the update's first epoch, so that every ratio
+before the first optimizer step is exactly 1 (verl#6280); the update checks it against the pass's
+:class:`PackingRecord`. Also the mark of the update's on-policy first mini-batch (the gauge). docs/losses.md.
 """
 
 from __future__ import annotations
@@ -58,14 +54,9 @@ class PackingMismatchError(RuntimeError):
 
 @dataclass(frozen=True)
 class UpdatePacking:
-    """How ``TrainingWorker.train_mini_batch`` will split the batch (its first epoch).
-
-    Args:
-        mini_batch_size: sequences per mini-batch over all data-parallel ranks
-            (``actor.ppo_mini_batch_size * rollout.n``, as the v1 trainer passes it).
-        seed: ``actor.data_loader_seed`` (each rank adds its data-parallel rank, like verl).
-        shuffle: ``actor.shuffle``.
-    """
+    """How ``TrainingWorker.train_mini_batch`` will split the batch (its first epoch). ``mini_batch_size``:
+    sequences over all data-parallel ranks (``actor.ppo_mini_batch_size * rollout.n``, as the v1 trainer passes
+    it); ``seed``: ``actor.data_loader_seed`` (each rank adds its data-parallel rank, like verl)."""
 
     mini_batch_size: int
     seed: int
@@ -101,11 +92,6 @@ def first_epoch_mini_batches(size: int, mini_batch_size_per_gpu: int, seed: int,
     return [mini_batch["row"] for mini_batch in iterator]
 
 
-# ------------------------------------------------------------------------------------------------
-# What a pass packed
-# ------------------------------------------------------------------------------------------------
-
-
 def row_token_counts(data: TensorDict) -> list[int]:
     """Tokens per row (prompt + response) of a batch or micro-batch in verl's no-padding layout."""
     input_ids = data["input_ids"]
@@ -115,9 +101,8 @@ def row_token_counts(data: TensorDict) -> list[int]:
 
 
 def row_fingerprints(data: TensorDict) -> list[tuple[int, int]]:
-    """``(tokens, checksum)`` per row: the checksum weighs each token id by its position, so two batches
-    whose rows differ in content or order differ here (rows with identical tokens compute identical
-    logits, so they need not be told apart)."""
+    """``(tokens, checksum)`` per row, the checksum weighing each token id by its position: rows that differ in
+    content or order differ here (identical rows compute identical logits, so need not be told apart)."""
     input_ids = data["input_ids"]
     if getattr(input_ids, "is_nested", False):
         offsets = input_ids.offsets().cpu()
@@ -234,17 +219,9 @@ def record_micro_batch(engine: Any, micro_batch: TensorDict) -> None:
         recording.append(PackedMicroBatch.of(micro_batch))
 
 
-# ------------------------------------------------------------------------------------------------
-# What the update finds
-# ------------------------------------------------------------------------------------------------
-
-
 class UpdateObserver:
-    """Compares one update call's first-epoch mini-batches and micro-batches with the old pass's record.
-
-    ``first_epoch``: the update's mini-batches per epoch (verl's ``train_mini_batch`` split). Mini-batches
-    are counted by :meth:`start_mini_batch`, micro-batches by :meth:`observe`; the first difference
-    raises :class:`PackingMismatchError` naming what the old pass packed and what the update runs."""
+    """Compares one update call's first-epoch mini-batches and micro-batches with the old pass's record; the
+    first difference raises :class:`PackingMismatchError`. ``first_epoch``: the update's mini-batches per epoch."""
 
     def __init__(self, record: PackingRecord, first_epoch: int) -> None:
         self.record = record
@@ -340,9 +317,8 @@ def update_mini_batches_per_epoch(worker: Any, data: TensorDict) -> int:
 
 
 def observing_update(worker: Any, data: TensorDict, pack_old_log_prob_as_update: bool) -> Optional[UpdateObserver]:
-    """Before an update call: take the engine's record (each record serves one update) and, with
-    ``pack_old_log_prob_as_update`` asked for, start comparing; the rows get :data:`ROW_KEY`. Returns None when
-    nothing is compared (the packing is off, or a direct caller without a packed old pass)."""
+    """Before an update call: take the engine's record (each serves one update) and, with the packing on, start
+    comparing (the rows get :data:`ROW_KEY`); None when nothing is compared."""
     from verl.utils import tensordict_utils as tu
 
     engine = worker.engine
@@ -381,11 +357,6 @@ def observed_packing(engine: Any, micro_batch: TensorDict, forward_only: bool) -
         return False
     observer.observe(micro_batch)
     return True
-
-
-# ------------------------------------------------------------------------------------------------
-# The update call: observed, and its on-policy mini-batch marked
-# ------------------------------------------------------------------------------------------------
 
 
 def is_on_policy(data: TensorDict) -> bool:

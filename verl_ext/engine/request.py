@@ -1,9 +1,6 @@
-"""What a loss asks of the engine that runs it: the declarations the seam reads at ``set_loss_fn``.
-
-A loss reaches verl's actor workers pickled, so its needs travel on the function: one :class:`EngineRequest`
-(:data:`REQUEST_ATTR`) on a ``functools.partial``, from which the seam sets the engine's features for both
-passes (the old-log-prob pass has no loss of its own). A loss without it (verl's ``ppo_loss``) asks for
-nothing. Also the strategies the seam covers (:data:`SUPPORTED_STRATEGIES`). Imports no verl or torch.
+"""What a loss asks of the engine that runs it: an :class:`EngineRequest` carried on the (pickled) loss function,
+from which the seam sets the engine's features for both passes (the old-log-prob pass has no loss of its own).
+Imports no verl or torch.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The one seam between verl-divclip and verl 0.9.1's actor engine: :func:`install`, and what it wraps.
 
-:func:`install` checks verl (:func:`verl_ext.engine.guard.check_verl`), then wraps ``TrainingWorker.set_loss_fn``,
-``train_mini_batch``, ``train_batch`` and ``FSDPEngineWithLMHead.infer_batch`` / ``forward_step`` once each, at
-class level, and installs the dispatchers of verl's two module globals. Each wrapper runs the features of the
-engine (:func:`set_features`); an engine without any runs verl's code. What each wrapper does, the order of one
-forward step and why wrappers rather than an engine subclass: docs/engine.md.
+Each wrapper runs the engine's features (:func:`set_features`); an engine without any runs verl's code. What each
+wrapper does, the order of one forward step and why wrappers rather than an engine subclass: docs/engine.md.
 """
 
 from __future__ import annotations
@@ -49,11 +46,6 @@ logger = logging.getLogger(__name__)
 _FEATURES_ATTR = "_divclip_features"
 
 
-# ------------------------------------------------------------------------------------------------
-# The engine's features
-# ------------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class EngineFeatures:
     """What an engine's forward steps do, set from its loss's request (:func:`set_features`)."""
@@ -63,10 +55,8 @@ class EngineFeatures:
     entropy_fn: Optional[Callable[..., torch.Tensor]]  #: the fp32 entropy of both passes, or None (verl's)
 
     def step_path(self, pack_old_log_prob_as_update: bool, old_log_prob_from_update: float) -> dict[str, float]:
-        """The ``actor/divclip/path/*`` record of a step of this engine (1.0 / 0.0 per feature);
-        ``pack_old_log_prob_as_update``: what the update found (:func:`verl_ext.engine.packing.observed_packing`);
-        ``old_log_prob_from_update``: the share of the step's rows whose pi_old the update supplied
-        (:meth:`verl_ext.engine.old_from_update.OldFromUpdate.skipped_share`)."""
+        """The ``actor/divclip/path/*`` record of a step of this engine (1.0 / 0.0 per feature, but
+        ``old_log_prob_from_update``: the share of the step's rows whose pi_old the update supplied)."""
         return {
             "seam": 1.0,
             "entropy_fp32": float(self.request.vocab_pass or self.entropy_path is EntropyPath.DIVCLIP_FP32),
@@ -92,9 +82,8 @@ def is_covered(engine: Any) -> bool:
 
 
 def set_features(engine: Any, request: EngineRequest) -> EngineFeatures:
-    """Make every forward step of ``engine`` serve ``request`` (both passes). Called by the wrapped
-    ``TrainingWorker.set_loss_fn``; tests and benchmarks may call it directly. Refuses an engine the seam
-    does not cover when anything is requested."""
+    """Make every forward step of ``engine`` serve ``request`` (both passes); refuses an engine the seam does not
+    cover when anything is requested. Called by the wrapped ``set_loss_fn``, and by tests and benchmarks."""
     if request.any:
         if not is_covered(engine):
             raise ValueError(
@@ -124,11 +113,6 @@ def set_pack_old_log_prob_as_update(engine: Any, enabled: bool) -> None:
     current = features_of(engine)
     request = current.request if current is not None else EngineRequest()
     set_features(engine, dataclasses.replace(request, pack_old_log_prob_as_update=bool(enabled)))
-
-
-# ------------------------------------------------------------------------------------------------
-# One forward step
-# ------------------------------------------------------------------------------------------------
 
 
 def logprobs_swap(entropy_detached: bool, topk: Optional[TopKStep]) -> Swap:
@@ -193,11 +177,6 @@ def _forward_step(
         return original(engine, micro_batch, loss_function=loss, forward_only=forward_only)
 
 
-# ------------------------------------------------------------------------------------------------
-# The wrappers, installed once
-# ------------------------------------------------------------------------------------------------
-
-
 def _wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     original = getattr(owner, name)
     if hasattr(original, ORIGINAL_ATTR):
@@ -236,7 +215,9 @@ def _train_batch(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _infer_batch(original: Callable[..., Any]) -> Callable[..., Any]:
     def infer_batch(self: Any, data: Any, loss_function: Any = None) -> Any:
-        if tu_flag(data, COLLECT_KEY):  # old_log_prob_from_update: the pass's values, completed by the update
+        from verl.utils import tensordict_utils as tu
+
+        if tu.get_non_tensor_data(data=data, key=COLLECT_KEY, default=False):  # the values completed by the update
             return collect(self, row_fingerprints(data))
         features = features_of(self)
         if features is None or not features.request.pack_old_log_prob_as_update:
@@ -244,12 +225,6 @@ def _infer_batch(original: Callable[..., Any]) -> Callable[..., Any]:
         return infer_as_update(self, data, loss_function, original)
 
     return infer_batch
-
-
-def tu_flag(data: Any, key: str) -> bool:
-    from verl.utils import tensordict_utils as tu
-
-    return bool(tu.get_non_tensor_data(data=data, key=key, default=False))
 
 
 def _engine_forward_step(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -260,13 +235,9 @@ def _engine_forward_step(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install(modules: Optional[Mapping[str, Any]] = None) -> None:
-    """Install the seam into verl (idempotent; inert for engines whose loss asks for nothing).
-
-    ``modules`` maps verl module names to stand-ins (tests install into altered copies of verl's classes);
-    by default verl's own modules. verl is checked first (:func:`verl_ext.engine.guard.check_verl`: an
-    unsupported release is refused unless ``DIVCLIP_ALLOW_UNSUPPORTED_VERL=1``; every symbol it wraps or calls,
-    with its parameters), so a mismatch raises before anything is wrapped. Then verl's two module globals the steps
-    override get their dispatchers (:func:`verl_ext.engine.swap.install_dispatch`)."""
+    """Install the seam into verl (idempotent; inert for engines whose loss asks for nothing): check verl
+    (:func:`verl_ext.engine.guard.check_verl`) before wrapping anything, wrap, install the two dispatchers.
+    ``modules``: stand-ins for verl's modules by name (tests install into altered copies of verl's classes)."""
     import importlib
 
     check_verl(modules)

@@ -1,9 +1,5 @@
-"""One forward step's attribute swaps, applied together and restored on every exit path.
-
-Each feature of the seam lists what it replaces for one step as :class:`Swap` objects; :func:`swapped` applies
-them, refuses two swaps of one attribute and restores every attribute, also when the step raises. A module
-global is never rebound per step: :func:`install_dispatch` replaces it once by a dispatcher that calls the
-current thread's override (a context variable), so steps of two threads may run side by side. docs/engine.md.
+"""One forward step's attribute swaps, applied together and restored on every exit path; a module global is never
+rebound per step but dispatched to the current thread's override. docs/engine.md ("Two engines in one process").
 """
 
 from __future__ import annotations

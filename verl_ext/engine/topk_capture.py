@@ -1,10 +1,6 @@
-"""pi_old's top-k for ``kl_full`` and the KL3-vs-trust-region diagnostic: stored by the old-log-prob pass,
-evaluated under pi_theta in the update (the math: :mod:`verl_ext.core.coarsened_kl`).
-
-The old pass, asked with :data:`CAPTURE_KEY`, adds :data:`OLD_TOPK_LOG_PROBS` / :data:`OLD_TOPK_IDS` to its model
-output; an update step whose micro-batch carries the ids adds :data:`NEW_TOPK_LOG_PROBS`. Both in verl's response
-layout, from verl's logits (:meth:`TopKStep.on_logits`) or, under the vocabulary pass, the LM head's input
-(:class:`TopKStep` is a :class:`~verl_ext.engine.vocab_pass_step.HeadObserver`). docs/losses.md.
+"""pi_old's top-k for ``kl_full`` and its diagnostic: stored by the old-log-prob pass (asked with
+:data:`CAPTURE_KEY`), evaluated under pi_theta in the update, both in verl's response layout, from verl's logits or
+the vocabulary pass's LM-head input (the math: :mod:`verl_ext.core.coarsened_kl`). docs/losses.md.
 """
 
 from __future__ import annotations
@@ -39,9 +35,8 @@ def old_topk_request(policy: Any) -> int:
 
 @contextmanager
 def capturing_old_topk(extra_info: MutableMapping[str, Any], k: int) -> Iterator[None]:
-    """Set :data:`CAPTURE_KEY` = k in a batch's ``extra_info`` for the block (the old-log-prob pass)
-    and remove it after, so no later pass (the reference policy's, which may share the actor's
-    engine under LoRA) overwrites pi_old's top-k. ``k = 0``: nothing to capture, nothing set."""
+    """Set :data:`CAPTURE_KEY` = k (> 0) in a batch's ``extra_info`` for the old-log-prob pass only, so no later
+    pass (the reference policy's, which may share the actor's engine under LoRA) overwrites pi_old's top-k."""
     if k <= 0:
         yield
         return
@@ -70,10 +65,8 @@ def response_rows(micro_batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class TopKStep:
-    """What one forward step captures: from the logits verl hands to ``logprobs_from_logits``
-    (materialised path), or from the LM head's input under the vocabulary pass (a
-    :class:`verl_ext.engine.vocab_pass_step.HeadObserver`: pi_old's ids come from the pass's top-k, the
-    log-masses from :func:`verl_ext.core.vocab_pass.bucket_log_masses` on the response rows)."""
+    """What one forward step captures: from the logits verl hands to ``logprobs_from_logits``, or, as a
+    :class:`~verl_ext.engine.vocab_pass_step.HeadObserver`, from the LM head's input under the vocabulary pass."""
 
     def __init__(
         self, micro_batch: Any, capture_k: int, old_ids: Optional[torch.Tensor], supplies_old: bool = False
@@ -130,10 +123,8 @@ class TopKStep:
             assert top_ids is not None  # requested_top_k asked the pass for them
             ids = top_ids[rows, : self.capture_k]  # another observer may have asked for more
             old = (bucket_log_masses(hidden_rows, weight, ids, temperature_rows), ids.to(torch.int32))
-        new = None
         ids = old[1] if self.supplies_old and old is not None else self.old_ids
-        if ids is not None:
-            new = bucket_log_masses(hidden_rows, weight, ids.to(hidden.device), temperature_rows)
+        new = None if ids is None else bucket_log_masses(hidden_rows, weight, ids.to(hidden.device), temperature_rows)
         if self.supplies_old and old is not None:
             old = (old[0].detach(), old[1])  # pi_old: what the pass would have stored, without the graph
         self._store(offsets, old, new)
@@ -145,10 +136,9 @@ class TopKStep:
 
 
 def topk_step(micro_batch: Any, loss_function: Any, supply_k: int = 0) -> Optional[TopKStep]:
-    """What this forward step does with pi_old's top-k: capture it (the old-log-prob pass asks with
-    :data:`CAPTURE_KEY`), evaluate pi_theta on its stored ids (the update, when the micro-batch carries
-    :data:`OLD_TOPK_IDS`), both on the ids it captures (``supply_k``: an update step that supplies pi_old of
-    rows whose pass was skipped, :mod:`verl_ext.engine.old_from_update`), or nothing (``None``)."""
+    """What this forward step does with pi_old's top-k: capture it (the old pass), evaluate pi_theta on the
+    stored ids (the update), both (``supply_k``: an update step that supplies pi_old, old_log_prob_from_update),
+    or nothing (``None``)."""
     from verl.utils import tensordict_utils as tu
 
     if supply_k:

@@ -1,10 +1,6 @@
-"""The vocabulary pass inside verl 0.9.1's actor engine (``FSDPEngineWithLMHead``).
-
-With ``policy_loss.vocab_pass=true`` every forward step of the actor computes ``log pi(y_t)`` and the entropy
-with :func:`verl_ext.core.vocab_pass.vocab_pass`, never the logits: for one step (:func:`vocab_pass_swaps`) the LM
-head's ``forward`` returns ``[log pi, H]`` (still called by the model, so FSDP's hooks fire),
-``prepare_model_inputs`` hands it labels and temperatures, and ``prepare_model_outputs`` turns it into verl's
-outputs. A :class:`HeadObserver` may see the head's input. Unservable combinations raise. docs/losses.md.
+"""The vocabulary pass inside verl 0.9.1's actor engine: ``log pi(y_t)`` and the entropy from
+:func:`verl_ext.core.vocab_pass.vocab_pass`, never the logits. The LM head's ``forward`` is swapped, not bypassed,
+so FSDP's hooks still fire. Unservable combinations raise. docs/engine.md ("One forward step"), docs/losses.md.
 """
 
 from __future__ import annotations
@@ -90,7 +86,6 @@ def _head_forward(head: torch.nn.Module, state: _StepState, hidden_states: torch
     """The LM head's forward during a vocabulary-pass step: ``[log pi(y_t), H_t]`` per token."""
     if state.labels is None or state.temperature is None:
         raise RuntimeError("the vocabulary-pass head was called outside a prepared forward step")
-    hidden = hidden_states
     if state.valid is not None:  # padded path: only the real tokens, in verl's packed order
         hidden = hidden_states[state.valid]
     else:
