@@ -77,8 +77,38 @@ DUPLICATE = "duplicate problem (same answer)"
 CONFLICT = "conflicting answers for one problem"
 
 
+class RowCounts:
+    """The counts :class:`Summary` and ``openmath.SFTSummary`` keep (as dataclass fields), printed and written alike."""
+
+    rows_read: int
+    rows_written: int
+    dropped: Counter[str]
+    output: str
+
+    def count_lines(self) -> list[str]:
+        return [
+            f"rows read: {self.rows_read}",
+            f"rows written: {self.rows_written}",
+            f"rows dropped: {sum(self.dropped.values())}",
+            *(f"  {reason}: {count}" for reason, count in self.dropped.most_common()),
+        ]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**vars(self), "dropped": dict(self.dropped)}
+
+    def write(self, rows: list[dict[str, Any]], path: Path, description: str) -> None:
+        """Write ``rows`` to ``path`` and count them; no rows is an error and nothing is written."""
+        if not rows:
+            raise DataPrepError(
+                f"{description}: no usable rows (read {self.rows_read}; dropped {dict(self.dropped)}); "
+                "refusing to write an empty parquet"
+            )
+        self.rows_written = len(rows)
+        self.output = str(write_parquet(rows, path))
+
+
 @dataclass
-class Summary:
+class Summary(RowCounts):
     layout: str = ""
     rows_read: int = 0
     rows_written: int = 0
@@ -87,20 +117,10 @@ class Summary:
     output: str = ""
 
     def lines(self) -> list[str]:
-        lines = [
-            f"layout: {self.layout}",
-            f"rows read: {self.rows_read}",
-            f"rows written: {self.rows_written}",
-            f"rows dropped: {sum(self.dropped.values())}",
-        ]
-        lines += [f"  {reason}: {count}" for reason, count in self.dropped.most_common()]
+        lines = [f"layout: {self.layout}", *self.count_lines()]
         if self.conflicting_problems:
             lines.append(f"problems dropped for conflicting answers: {self.conflicting_problems}")
-        lines.append(f"output: {self.output}")
-        return lines
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**vars(self), "dropped": dict(self.dropped)}
+        return [*lines, f"output: {self.output}"]
 
 
 _WHITESPACE = re.compile(r"\s+")
@@ -234,14 +254,8 @@ def convert(
         raise DataPrepError(
             f"{records.description}: {dict(summary.dropped)}; every {dataset} problem counts, so nothing was written"
         )
-    if not kept:
-        raise DataPrepError(
-            f"{records.description}: no usable rows (read {summary.rows_read}; dropped {dict(summary.dropped)}); "
-            "refusing to write an empty parquet"
-        )
     rows = [to_verl_row(spec, template, item, index) for index, item in enumerate(kept)]
-    summary.rows_written = len(rows)
-    summary.output = str(write_parquet(rows, Path(output_dir) / spec.filename))
+    summary.write(rows, Path(output_dir) / spec.filename, records.description)
     return summary
 
 

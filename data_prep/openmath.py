@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from data_prep.convert import _progress, write_parquet
+from data_prep.convert import RowCounts, _progress
 from data_prep.io import DataPrepError, open_input
 from data_prep.sft_tokens import encode_pair
 from data_prep.templates import apply_template
@@ -43,7 +43,7 @@ NOT_SAMPLED = "beyond the sample size"
 
 
 @dataclass
-class SFTSummary:
+class SFTSummary(RowCounts):
     rows_read: int = 0
     rows_written: int = 0
     dropped: Counter[str] = field(default_factory=Counter)
@@ -51,18 +51,8 @@ class SFTSummary:
     output: str = ""
 
     def lines(self) -> list[str]:
-        lines = [
-            f"rows read: {self.rows_read}",
-            f"rows written: {self.rows_written}",
-            f"rows dropped: {sum(self.dropped.values())}",
-        ]
-        lines += [f"  {reason}: {count}" for reason, count in self.dropped.most_common()]
-        lines.append(f"evaluation problems excluded against: {self.excluded_problems}")
-        lines.append(f"output: {self.output}")
-        return lines
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**vars(self), "dropped": dict(self.dropped)}
+        excluded = f"evaluation problems excluded against: {self.excluded_problems}"
+        return [*self.count_lines(), excluded, f"output: {self.output}"]
 
 
 _NON_ALNUM = re.compile(r"[\W_]+", re.UNICODE)
@@ -245,13 +235,7 @@ def convert_openmath(
                 },
             }
         )
-    if not rows:
-        raise DataPrepError(
-            f"{records.description}: no usable rows (read {summary.rows_read}; dropped {dict(summary.dropped)}); "
-            "refusing to write an empty parquet"
-        )
-    summary.rows_written = len(rows)
-    summary.output = str(write_parquet(rows, Path(output_dir) / OUTPUT_FILE))
+    summary.write(rows, Path(output_dir) / OUTPUT_FILE, records.description)
     return summary
 
 

@@ -111,13 +111,15 @@ def read_token_dump(paths: Sequence[str | os.PathLike[str]]) -> list[dict[str, A
 # -- figures -----------------------------------------------------------------------------
 
 
-def _labels(paths: Sequence[str | os.PathLike[str]], labels: str | None) -> list[str]:
-    if labels is None:
-        return [Path(p).stem for p in paths]
-    names = [s.strip() for s in labels.split(",")]
-    if len(names) != len(paths):
-        raise ValueError(f"--labels has {len(names)} names for {len(paths)} logs")
-    return names
+def _read_logs(
+    logs: Sequence[str | os.PathLike[str]], labels: str | None, smooth: int
+) -> tuple[list[str], list[dict[int, dict[str, float]]]]:
+    """The runs' names (``labels``, else the file stems) and logs, after checking ``smooth``."""
+    names = [Path(p).stem for p in logs] if labels is None else [s.strip() for s in labels.split(",")]
+    if len(names) != len(logs):
+        raise ValueError(f"--labels has {len(names)} names for {len(logs)} logs")
+    moving_average([], smooth)  # validates smooth
+    return names, [read_file_logger(p) for p in logs]
 
 
 def _plot_series(ax: Any, steps: list[int], values: list[float], label: str, color: Any, smooth: int) -> None:
@@ -136,9 +138,7 @@ def plot_curves(
     The validation panel shows per run the mean over its sets of ``val-core/<set>/<acc|reward>/mean@k`` (each set
     when a single run is plotted); a run without validation is noted in the panel.
     """
-    names = _labels(logs, labels)
-    moving_average([], smooth)  # validates smooth
-    loaded = [read_file_logger(p) for p in logs]
+    names, loaded = _read_logs(logs, labels, smooth)
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for (key, title), ax in zip(CURVE_PANELS, axes.flat, strict=False):
@@ -191,9 +191,7 @@ def plot_clipfrac(
 ) -> Path:
     """Clip fractions per step: ratio clipping (left) and ERC entropy-ratio clipping (right); a log
     without any clip-fraction metric is an error naming the keys looked for."""
-    names = _labels(logs, labels)
-    moving_average([], smooth)
-    loaded = [read_file_logger(p) for p in logs]
+    names, loaded = _read_logs(logs, labels, smooth)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     styles = ["-", "--", ":", "-."]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
