@@ -17,7 +17,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+from recipe.main import CONFIG_DIR, hydra_argv
+
 MESSAGES_COLUMN = "messages"
 
 
@@ -241,8 +242,6 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["merge"]:
         sys.exit(merge_main(argv[1:]))
-    from recipe.main import hydra_argv
-
     sys.argv = [sys.argv[0]] + hydra_argv(argv)
     _hydra_main()
 

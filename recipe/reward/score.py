@@ -292,7 +292,10 @@ def compute_score(
     keyword, ``think`` mode or a non-numeric score), or ``RuntimeError`` (workers failed to start 3 times).
     """
     if __name__ != CANONICAL_MODULE:
-        return _canonical_module().compute_score(
+        # verl loads this file by path under a private module name that workers cannot import and that would get a
+        # pool of its own: every call goes to the one copy imported as recipe.reward.score (importable: the import
+        # of recipe.reward.workers above put the repository root on the path if needed)
+        return importlib.import_module(CANONICAL_MODULE).compute_score(
             data_source,
             solution_str,
             ground_truth,
@@ -353,13 +356,6 @@ async def compute_score_async(
     """Coroutine form for verl's async reward loop: the blocking wait runs in a thread,
     so one slow item never stalls the event loop."""
     return await asyncio.to_thread(compute_score, data_source, solution_str, ground_truth, extra_info, **kwargs)
-
-
-def _canonical_module() -> Any:
-    """This file imported as ``recipe.reward.score``: verl loads it by path under a private module name that
-    workers cannot import and that would get a pool of its own, so every call is routed to this one copy
-    (importable: the import of :mod:`recipe.reward.workers` above put the repository root on the path if needed)."""
-    return importlib.import_module(CANONICAL_MODULE)
 
 
 __all__ = [
