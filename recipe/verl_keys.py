@@ -55,11 +55,8 @@ VERL_ALONE = "verl reads it; the product's code never does (no recorded run read
 
 def row_of(key: str) -> Optional[KeyRule]:
     """The row whose key is ``key``'s longest dotted prefix, or ``None`` when no row covers it."""
-    best: Optional[KeyRule] = None
-    for rule in RULES:
-        if key_under(key, rule.key) and (best is None or len(rule.key) > len(best.key)):
-            best = rule
-    return best
+    covering = [rule for rule in RULES if key_under(key, rule.key)]
+    return max(covering, key=lambda rule: len(rule.key), default=None)
 
 
 def classify(key: str) -> KeyRule:
@@ -428,17 +425,13 @@ CLASS_TITLE = {
 }
 
 
-def _leaf_counts() -> Counter[KeyClass]:
-    return Counter(classify(key).key_class for key in verl_leaf_keys(compose_verl_schema()))
-
-
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
 def render_doc() -> str:
     """docs/verl_features.md: the table, grouped by class, with the count of verl's leaf keys per class."""
-    counts = _leaf_counts()
+    counts = Counter(classify(key).key_class for key in verl_leaf_keys(compose_verl_schema()))
     total = sum(counts.values())
     reads, reads_date = read_keys(), json.loads(READ_KEYS_PATH.read_text())["date"]
     lines = [
