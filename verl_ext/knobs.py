@@ -219,10 +219,7 @@ def features_on(mode: str, actor: Any) -> list[Feature]:
 
 def knobs_read(mode: str, actor: Any) -> set[str]:
     """The knobs read under ``mode`` with ``actor``'s features: the mode's own and the switched-on features'."""
-    names = set(mode_reads(mode))
-    for feature in features_on(mode, actor):
-        names |= set(feature.reads)
-    return names
+    return set(mode_reads(mode)).union(*(feature.reads for feature in features_on(mode, actor)))
 
 
 def readers(name: str) -> tuple[list[str], list[str]]:
@@ -232,8 +229,7 @@ def readers(name: str) -> tuple[list[str], list[str]]:
 
 
 def _equal(a: Any, b: Any) -> bool:
-    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
-    if numbers:
+    if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b)):
         return float(a) == float(b) or (math.isnan(float(a)) and math.isnan(float(b)))
     return a == b
 
