@@ -44,19 +44,18 @@ RECORD_TESTS = (
 RECORD_CHECKS = "reads_only_recorded_keys"
 
 
-def record(tests: tuple[str, ...] = RECORD_TESTS, folder: Optional[Path] = None) -> dict[str, list[str]]:
-    """Run ``tests`` with the recorder on (records under ``folder``, a fresh one by default): ``key -> the
-    product modules that read it``, verl keys and the project's alike. Raises if the tests fail."""
+def record(tests: tuple[str, ...] = RECORD_TESTS) -> dict[str, list[str]]:
+    """Run ``tests`` with the recorder on (records under a fresh folder): ``key -> the product modules that
+    read it``, verl keys and the project's alike. Raises if the tests fail."""
     with tempfile.TemporaryDirectory(prefix="divclip_keys_") as scratch:
-        where = Path(folder or scratch)
-        env = {**os.environ, RECORD_ENV: str(where)}
+        env = {**os.environ, RECORD_ENV: scratch}
         env.pop("RAY_ADDRESS", None)
         # the tests comparing a run's reads with the committed record are left out: that record is being made
         options = ("-q", "-p", "no:xdist", "-p", "no:cacheprovider", "-k", f"not {RECORD_CHECKS}")
         proc = subprocess.run([sys.executable, "-m", "pytest", *options, *tests], cwd=ROOT, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"the recorded tests failed (pytest exit {proc.returncode}): nothing written")
-        return {key: sorted(modules) for key, modules in sorted(read_records(where).items())}
+        return {key: sorted(modules) for key, modules in sorted(read_records(Path(scratch)).items())}
 
 
 @lru_cache(maxsize=1)
