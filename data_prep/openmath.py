@@ -115,10 +115,6 @@ def assistant_text(summary: str, answer: str) -> str:
     return f"{summary}\n\nAnswer: {answer}"
 
 
-def _priority(seed: int, key: str) -> bytes:
-    return hashlib.blake2b(f"{seed}\x00{key}".encode(), digest_size=16).digest()
-
-
 @dataclass(order=True)
 class _Candidate:
     neg_priority: bytes  # max-heap on priority via the complement: the heap top is the worst kept
@@ -192,7 +188,8 @@ def convert_openmath(
             summary.dropped[EVAL_OVERLAP] += 1
             continue
         extras = {k: str(row[k]) for k in ("problem_source", "generation_model") if row.get(k) is not None}
-        candidate = _Candidate(bytes(255 - b for b in _priority(seed, key)), key, problem, text, answer, extras)
+        priority = hashlib.blake2b(f"{seed}\x00{key}".encode(), digest_size=16).digest()
+        candidate = _Candidate(bytes(255 - b for b in priority), key, problem, text, answer, extras)
         kept = in_heap.get(key)
         if kept is not None:
             summary.dropped[OTHER_SOLUTION] += 1

@@ -68,12 +68,6 @@ def check_train_files(config: DictConfig) -> None:
             )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _init_process_group(device: str) -> None:
     """torchrun's environment if present, else a single local process; gloo on CPU, verl's
     ``cpu:gloo,<device>:<nccl>`` backend otherwise."""
@@ -81,7 +75,9 @@ def _init_process_group(device: str) -> None:
 
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    with socket.socket() as sock:  # a free port
+        sock.bind(("127.0.0.1", 0))
+        os.environ.setdefault("MASTER_PORT", str(int(sock.getsockname()[1])))
     if device == "cpu":
         torch.distributed.init_process_group(backend="gloo")
     else:
