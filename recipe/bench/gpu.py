@@ -75,6 +75,18 @@ GAUGE_METRICS = (
 )
 
 
+ON_POLICY: dict[str, dict[str, float]] = {
+    "erc": {
+        "actor/divclip/erc/ratio_min": 1.0,
+        "actor/divclip/erc/ratio_max": 1.0,
+        "actor/divclip/erc/clipfrac_upper": 0.0,
+        "actor/divclip/erc/clipfrac_lower": 0.0,
+    },
+    "kl_full": {"actor/divclip/kl_full_mean": 0.0, "actor/divclip/kl_full_max": 0.0, "actor/pg_clipfrac": 0.0},
+}
+"""The first update's figures when it is exactly on-policy, for ERC's variants and kl_full's."""
+
+
 def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     """Inside the child process: one variant's passes and updates under ``args.strategy``; returns its figures."""
     from recipe.bench.harness import compute_log_prob, update_actor, with_old
@@ -138,24 +150,10 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
         "share_entropy_below_1e-3": float((old_entropy < 1e-3).float().mean()),
         "share_entropy_below_1e-6": float((old_entropy < 1e-6).float().mean()),
     }
-    if spec["erc"]:
+    on_policy = ON_POLICY["erc"] if spec["erc"] else ON_POLICY.get(mode)
+    if on_policy is not None:
         result["first_update"] = first
-        result["on_policy_invariant"] = bool(
-            all(v == 1.0 for v in first["actor/divclip/erc/ratio_min"] + first["actor/divclip/erc/ratio_max"])
-            and all(
-                v == 0.0 for v in first["actor/divclip/erc/clipfrac_upper"] + first["actor/divclip/erc/clipfrac_lower"]
-            )
-        )
-    if mode == "kl_full":
-        result["first_update"] = first
-        result["on_policy_invariant"] = bool(
-            all(
-                v == 0.0
-                for v in first["actor/divclip/kl_full_mean"]
-                + first["actor/divclip/kl_full_max"]
-                + first["actor/pg_clipfrac"]
-            )
-        )
+        result["on_policy_invariant"] = all(v == want for key, want in on_policy.items() for v in first[key])
     return result
 
 
