@@ -56,13 +56,10 @@ def _longest_ratio(candidate: Optional[dict[str, Any]], base: Optional[dict[str,
     if base["stopped"] != "resolved" or not base["tokens"]:
         return None, f"the baseline's search stopped on its {base['stopped']} bound at {base['tokens']} tokens"
     value = round(candidate["tokens"] / base["tokens"], 3)
-    if candidate["stopped"] != "resolved" and value < _target("longest_vs_no_entropy").limit:
+    limit = next(target.limit for target in TARGETS if target.figure == "longest_vs_no_entropy")
+    if candidate["stopped"] != "resolved" and value < limit:
         return None, f"a lower bound ({value:.3f}x): the search stopped on its {candidate['stopped']} bound"
     return value, ""
-
-
-def _target(figure: str) -> Target:
-    return next(target for target in TARGETS if target.figure == figure)
 
 
 def ratios(losses: dict[str, Any], packing: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from recipe.bench.acceptance_report import GAUGE, TARGETS
 from recipe.bench.gpu_workload import (
+    Clock,
     MemoryMeter,
     UpdatePhases,
     actor_loss,
@@ -50,22 +51,6 @@ def _loss(name: str, sequences: int, k: int) -> Any:
     erc = name.startswith("divclip_erc")
     mode = None if erc or name == "no_entropy" else "kl3" if name == "divclip_kl3" else "kl_full"
     return actor_loss(sequences, k, erc, mode, vocab_pass=name.endswith("vocab_pass"))
-
-
-class _Clock:
-    """Seconds of one phase, the device's queued work included (``meter.sync()`` on both ends)."""
-
-    def __init__(self, meter: MemoryMeter) -> None:
-        self.meter = meter
-
-    def __enter__(self) -> _Clock:
-        self.meter.sync()
-        self.start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.meter.sync()
-        self.seconds = time.perf_counter() - self.start
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -243,12 +228,12 @@ def run_losses(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
             worker.set_loss_fn(losses[name])
             if round_ == 0:  # each loss's old-log-prob pass, timed once, compiled in the warm-up
                 mark = phases.mark()
-                with _Clock(meter) as clock:
+                with Clock(meter) as clock:
                     top_k = args.k if "kl_full" in name else 0
                     data[name] = with_old(batch, compute_log_prob(worker, batch, old_topk=top_k))
                 old[name] = {"seconds": clock.seconds, "peak_bytes": pass_memory(phases.since(mark))}
             mark = phases.mark()
-            with _Clock(meter) as clock:
+            with Clock(meter) as clock:
                 update_actor(worker, data[name], calculate_entropy=name.startswith("divclip_erc"))
             seconds[name].append(clock.seconds)
             memory[name].append(update_memory(phases.since(mark)))
@@ -339,7 +324,7 @@ def run_packing(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
         for arm in PACKING_ARMS:
             set_pack_old_log_prob_as_update(worker.engine, arm == "aligned")
             mark = phases.mark()
-            with _Clock(meter) as clock:
+            with Clock(meter) as clock:
                 old = compute_log_prob(worker, batch, packing=packing)
             if round_ >= args.warmup:
                 seconds[arm].append(clock.seconds)

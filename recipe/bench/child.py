@@ -103,8 +103,23 @@ LIVE_RSS_ENV: tuple[tuple[str, str], ...] = (("MALLOC_MMAP_THRESHOLD_", str(64 <
 allocation over 64 KiB returns it on free, so the RSS peak tracks live memory (docs/benchmarks.md)."""
 
 
-def run_memory_child(module: str, argv: list[str], variant: str) -> dict[str, Any]:
-    """:func:`child_result` with :data:`LIVE_RSS_ENV`, naming the variant."""
+MICRO_BATCH_OPTIONS = ("--tokens", "--vocab", "--hidden", "--sequences")
+"""The options a memory benchmark's child gets for its micro-batch and tiny model
+(``recipe.bench.harness.bench_micro_batch``)."""
+
+
+def add_micro_batch_options(parser: argparse.ArgumentParser) -> None:
+    """:data:`MICRO_BATCH_OPTIONS` with the memory benchmarks' defaults."""
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens in the update's micro-batch")
+    parser.add_argument("--vocab", type=int, default=151_936, help="vocabulary size (Qwen: 151936)")
+    parser.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny model")
+    parser.add_argument("--sequences", type=int, default=4, help="sequences the tokens are split into")
+
+
+def run_memory_child(module: str, variant: str, args: argparse.Namespace, *options: str) -> dict[str, Any]:
+    """:func:`child_result` of ``module --_child variant`` under :data:`LIVE_RSS_ENV`, handed the parent's
+    :data:`MICRO_BATCH_OPTIONS` and ``options`` (:func:`forwarded`)."""
+    argv = ["--_child", variant, *forwarded(args, *MICRO_BATCH_OPTIONS, *options)]
     env = {key: os.environ.get(key, default) for key, default in LIVE_RSS_ENV}
     return child_result(module, argv, f"variant {variant}", env)
 

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from recipe.bench.child import forwarded, gib, peak_rss_bytes, rss_bytes, run_memory_child, subset
+from recipe.bench.child import add_micro_batch_options, gib, peak_rss_bytes, rss_bytes, run_memory_child, subset
 
 VARIANTS: tuple[str, ...] = (
     "a_no_entropy",
@@ -80,18 +80,10 @@ def _run_variant(variant: str, tokens: int, vocab: int, hidden: int, sequences: 
     }
 
 
-def _spawn(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    argv = ["--_child", variant, *forwarded(args, "--tokens", "--vocab", "--hidden", "--sequences")]
-    return run_memory_child("recipe.bench.entropy_memory", argv, variant)
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipe.bench entropy-memory", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object per variant")
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens in the update's micro-batch")
-    parser.add_argument("--vocab", type=int, default=151_936, help="vocabulary size (Qwen: 151936)")
-    parser.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny model")
-    parser.add_argument("--sequences", type=int, default=4, help="sequences the tokens are split into")
+    add_micro_batch_options(parser)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset to run")
     parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -100,7 +92,8 @@ def main(argv: list[str]) -> int:
         print(json.dumps(_run_variant(args._child, args.tokens, args.vocab, args.hidden, args.sequences)))
         return 0
 
-    results = [_spawn(v, args) for v in subset(parser, "--variants", args.variants, VARIANTS, allow_none=True)]
+    variants = subset(parser, "--variants", args.variants, VARIANTS, allow_none=True)
+    results = [run_memory_child("recipe.bench.entropy_memory", v, args) for v in variants]
     base = next((r for r in results if r["variant"] == "a_no_entropy"), None)
     date = _dt.date.today().isoformat()
     for r in results:

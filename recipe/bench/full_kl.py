@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from recipe.bench.child import forwarded, gib, peak_rss_bytes, rss_bytes, run_memory_child
+from recipe.bench.child import add_micro_batch_options, gib, peak_rss_bytes, rss_bytes, run_memory_child
 
 VARIANTS: tuple[str, ...] = ("kl3", "kl_full")
 
@@ -110,19 +110,10 @@ def _run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _spawn(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    options = ("--phase", "--vocab-pass", "--tokens", "--vocab", "--hidden", "--sequences", "--k")
-    argv = ["--_child", variant, *forwarded(args, *options)]
-    return run_memory_child("recipe.bench.full_kl", argv, variant)
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipe.bench full-kl", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object per variant, then the bytes")
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens in the update's micro-batch")
-    parser.add_argument("--vocab", type=int, default=151_936, help="vocabulary size (Qwen: 151936)")
-    parser.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny model")
-    parser.add_argument("--sequences", type=int, default=4, help="sequences the tokens are split into")
+    add_micro_batch_options(parser)
     parser.add_argument("--k", type=int, default=32, help="kl_full_top_k")
     parser.add_argument("--phase", choices=PHASES, default="update", help="the pass that is measured")
     parser.add_argument("--vocab-pass", action="store_true", help="both variants through the vocabulary pass")
@@ -137,7 +128,9 @@ def main(argv: list[str]) -> int:
     date = _dt.date.today().isoformat()
     results = []
     for repeat in range(args.repeats):
-        runs = {v: _spawn(v, args) for v in VARIANTS}
+        runs = {
+            v: run_memory_child("recipe.bench.full_kl", v, args, "--phase", "--vocab-pass", "--k") for v in VARIANTS
+        }
         base = runs["kl3"]
         for r in runs.values():
             r.update(

@@ -13,12 +13,12 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Optional
 
 from recipe.bench.child import peak_rss_bytes, run_child, subset, without_options
 from recipe.bench.gpu_workload import (
+    Clock,
     MemoryMeter,
     actor_loss,
     add_model_options,
@@ -75,6 +75,18 @@ GAUGE_METRICS = (
 )
 
 
+ON_POLICY: dict[str, dict[str, float]] = {
+    "erc": {
+        "actor/divclip/erc/ratio_min": 1.0,
+        "actor/divclip/erc/ratio_max": 1.0,
+        "actor/divclip/erc/clipfrac_upper": 0.0,
+        "actor/divclip/erc/clipfrac_lower": 0.0,
+    },
+    "kl_full": {"actor/divclip/kl_full_mean": 0.0, "actor/divclip/kl_full_max": 0.0, "actor/pg_clipfrac": 0.0},
+}
+"""The first update's figures when it is exactly on-policy, for ERC's variants and kl_full's."""
+
+
 def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     """Inside the child process: one variant's passes and updates under ``args.strategy``; returns its figures."""
     from recipe.bench.harness import compute_log_prob, update_actor, with_old
@@ -101,14 +113,12 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
     mode = spec.get("mode")
     worker.set_loss_fn(actor_loss(args.sequences, args.k, spec["erc"], mode, spec.get("vocab_pass", False)))
     batch = probe_batch(args, args.sequences)
-    cuda, sync = args.device == "cuda", MemoryMeter(args.device).sync
-    sync()
+    cuda, meter = args.device == "cuda", MemoryMeter(args.device)
+    meter.sync()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    old = compute_log_prob(worker, batch, old_topk=args.k if mode == "kl_full" else 0)
-    sync()
-    old_seconds = time.perf_counter() - start
+    with Clock(meter) as old_pass:
+        old = compute_log_prob(worker, batch, old_topk=args.k if mode == "kl_full" else 0)
     old_peak = torch.cuda.max_memory_allocated() if cuda else None
     batch = with_old(batch, old)  # old_log_probs, entropy (and pi_old's top-k for kl_full)
     old_entropy = old["entropy"].values().float()
@@ -118,16 +128,14 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
     seconds: list[float] = []
     first: dict[str, Any] = {}
     for step in range(args.warmup + args.repeats):
-        sync()
-        start = time.perf_counter()
-        metrics = update_actor(worker, batch, calculate_entropy=spec["entropy"])
-        sync()
+        with Clock(meter) as update:
+            metrics = update_actor(worker, batch, calculate_entropy=spec["entropy"])
         if step == 0:
             first = {
                 k: [float(v) for v in metrics[k]] for k in ERC_METRICS + KL_FULL_METRICS + GAUGE_METRICS if k in metrics
             }
         if step >= args.warmup:
-            seconds.append(time.perf_counter() - start)
+            seconds.append(update.seconds)
     peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
     result: dict[str, Any] = {
         "variant": name,
@@ -137,29 +145,15 @@ def run_variant(name: str, model_path: str, args: argparse.Namespace) -> dict[st
         "peak_bytes": int(peak),
         "update_seconds_median": statistics.median(seconds),
         "update_seconds": [round(s, 4) for s in seconds],
-        "old_log_prob_seconds": round(old_seconds, 4),
+        "old_log_prob_seconds": round(old_pass.seconds, 4),
         "old_log_prob_peak_bytes": old_peak,
         "share_entropy_below_1e-3": float((old_entropy < 1e-3).float().mean()),
         "share_entropy_below_1e-6": float((old_entropy < 1e-6).float().mean()),
     }
-    if spec["erc"]:
+    on_policy = ON_POLICY["erc"] if spec["erc"] else ON_POLICY.get(mode)
+    if on_policy is not None:
         result["first_update"] = first
-        result["on_policy_invariant"] = bool(
-            all(v == 1.0 for v in first["actor/divclip/erc/ratio_min"] + first["actor/divclip/erc/ratio_max"])
-            and all(
-                v == 0.0 for v in first["actor/divclip/erc/clipfrac_upper"] + first["actor/divclip/erc/clipfrac_lower"]
-            )
-        )
-    if mode == "kl_full":
-        result["first_update"] = first
-        result["on_policy_invariant"] = bool(
-            all(
-                v == 0.0
-                for v in first["actor/divclip/kl_full_mean"]
-                + first["actor/divclip/kl_full_max"]
-                + first["actor/pg_clipfrac"]
-            )
-        )
+        result["on_policy_invariant"] = all(v == want for key, want in on_policy.items() for v in first[key])
     return result
 
 

@@ -208,6 +208,22 @@ class MemoryMeter:
         raise RuntimeError(f"{PROC_STATUS} has no {key} line: the CPU memory meter needs Linux")
 
 
+class Clock:
+    """Seconds of one phase (``.seconds``), the device's queued work included (``meter.sync()`` on both ends)."""
+
+    def __init__(self, meter: MemoryMeter) -> None:
+        self.meter = meter
+
+    def __enter__(self) -> Clock:
+        self.meter.sync()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.meter.sync()
+        self.seconds = time.perf_counter() - self.start
+
+
 @dataclass(frozen=True)
 class Phase:
     """One phase of verl's engine as :class:`UpdatePhases` saw it: ``name`` is ``"forward_backward"``,

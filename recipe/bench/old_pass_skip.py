@@ -14,11 +14,10 @@ import datetime as _dt
 import json
 import statistics
 import sys
-import time
 from typing import Any
 
 from recipe.bench.child import child_result, forwarded, subset
-from recipe.bench.gpu_workload import MemoryMeter
+from recipe.bench.gpu_workload import Clock, MemoryMeter
 
 SHAPES: dict[str, dict[str, Any]] = {
     # mini-batches per step (the update's first epoch) and epochs; loss of the configs
@@ -71,33 +70,31 @@ def _run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
         policy = DivClipPolicyLossConfig(**shape["mode"])
         worker.set_loss_fn(build_actor_loss(make_actor_config(policy_loss=policy, calculate_entropy=erc)))
         packing = UpdatePacking(mini_batch_size=mini_batch, seed=1, shuffle=True)
-        sync = MemoryMeter(args.device).sync
+        meter = MemoryMeter(args.device)
 
         def one_step(skip: bool) -> dict[str, float]:
-            times: dict[str, float] = {}
-            sync()
-            start = time.perf_counter()
-            old = compute_log_prob(worker, batch, packing=packing, old_from_update=skip)
-            sync()
-            times["old_pass_s"] = time.perf_counter() - start
-            times["old_pass_rows"] = float(old_pass_rows(worker.engine) if skip else len(batch))
+            with Clock(meter) as old_pass:
+                old = compute_log_prob(worker, batch, packing=packing, old_from_update=skip)
+            rows = float(old_pass_rows(worker.engine) if skip else len(batch))  # before the collect ends the pass
             data = with_old(batch, old)
-            start = time.perf_counter()
-            update_actor(
-                worker,
-                data,
-                calculate_entropy=erc,
-                mini_batch_size=mini_batch,
-                epochs=shape["epochs"],
-                shuffle=True,
-                seed=1,
-            )
-            if skip:
-                compute_log_prob(worker, batch, packing=packing, collect=True)
-            sync()
-            times["update_s"] = time.perf_counter() - start  # with the skip: the collect too
-            times["actor_s"] = times["old_pass_s"] + times["update_s"]
-            return times
+            with Clock(meter) as update:  # with the skip: the collect too
+                update_actor(
+                    worker,
+                    data,
+                    calculate_entropy=erc,
+                    mini_batch_size=mini_batch,
+                    epochs=shape["epochs"],
+                    shuffle=True,
+                    seed=1,
+                )
+                if skip:
+                    compute_log_prob(worker, batch, packing=packing, collect=True)
+            return {
+                "old_pass_s": old_pass.seconds,
+                "old_pass_rows": rows,
+                "update_s": update.seconds,
+                "actor_s": old_pass.seconds + update.seconds,
+            }
 
         rounds: dict[bool, list[dict[str, float]]] = {False: [], True: []}
         for round_ in range(args.rounds + 1):

@@ -37,22 +37,19 @@ MODES = ("erc", "clip", "kl3", "gspo")
 that ``loss_mode`` without ERC (``gspo`` is verl's own mode through it)."""
 
 
-def _policy_config(mode: str) -> Any:
-    from verl_ext.config import DivClipPolicyLossConfig
-
-    if mode == "erc":
-        return DivClipPolicyLossConfig(loss_mode="clip", erc_beta_low=ERC_BETA, erc_beta_high=ERC_BETA)
-    return DivClipPolicyLossConfig(loss_mode=mode)
-
-
 def _loss(mode: str) -> Any:
     """The divclip actor loss for ``mode`` (see :data:`MODES`), as the trainer installs it."""
     from recipe.bench.harness import make_actor_config
     from verl_ext.actor_loss import build_actor_loss
+    from verl_ext.config import DivClipPolicyLossConfig
 
+    if mode == "erc":
+        policy = DivClipPolicyLossConfig(loss_mode="clip", erc_beta_low=ERC_BETA, erc_beta_high=ERC_BETA)
+    else:
+        policy = DivClipPolicyLossConfig(loss_mode=mode)
     low, high = GSPO_BAND if mode == "gspo" else (0.2, 0.28)
     return build_actor_loss(
-        make_actor_config(policy_loss=_policy_config(mode), clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=10.0)
+        make_actor_config(policy_loss=policy, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=10.0)
     )
 
 

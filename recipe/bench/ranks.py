@@ -32,17 +32,14 @@ def single_rank_env(port: Optional[int] = None, device: str = "cpu") -> None:
     leaves verl's platform detection alone."""
     if device == "cpu":
         select_cpu_platform()
+    if not port:
+        _STORES.append(rendezvous_store())
     os.environ.update(
         RANK="0",
         LOCAL_RANK="0",
         WORLD_SIZE="1",
         LOCAL_WORLD_SIZE="1",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port or _served_store_port()),
+        MASTER_PORT=str(port or _STORES[-1].port),
         **({} if port else AGENT_STORE_ENV),
     )
-
-
-def _served_store_port() -> int:
-    _STORES.append(rendezvous_store())
-    return int(_STORES[-1].port)

@@ -46,11 +46,10 @@ def synthetic_cot(rng: random.Random, answer: str, target_chars: int) -> str:
 
 def load_math500(path: Path) -> list[dict[str, str]]:
     """The ``solution``/``answer`` rows of a MATH-500 JSONL file; a bad line is named with its number."""
-    numbered = [
-        (number, line) for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()
-    ]
     rows = []
-    for number, line in numbered:
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError:

@@ -73,7 +73,7 @@ def measure(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl_ext.core.coarsened_kl import check_top_k
+    from verl_ext.core.coarsened_kl import check_top_k, stored_bytes_per_token
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -105,8 +105,6 @@ def measure(
         raise ValueError("--data: no row produced a response token")
     tail_mass = torch.exp(torch.cat(tails))  # (tokens, len(ks))
     entropy = torch.cat(entropies)
-    from verl_ext.core.coarsened_kl import stored_bytes_per_token
-
     per_k = []
     for column, k in enumerate(ks):
         t = tail_mass[:, column]
