@@ -20,9 +20,10 @@ __all__ = ["TokenDumpWriter", "DUMP_KEYS"]
 DUMP_KEYS = ("step", "prob", "entropy_ratio", "clipped")
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"TokenDumpWriter: {name} must be an integer >= 1, got {value!r}")
+def _checked_int(where: str, name: str, value: object, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise ValueError(f"{where}: {name} must be an integer{bound}, got {value!r}")
     return value
 
 
@@ -38,11 +39,9 @@ class TokenDumpWriter:
     """
 
     def __init__(self, path: str | os.PathLike[str], every_n_steps: int, max_tokens_per_step: int, seed: int = 0):
-        self.every_n_steps = _positive_int("every_n_steps", every_n_steps)
-        self.max_tokens_per_step = _positive_int("max_tokens_per_step", max_tokens_per_step)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"TokenDumpWriter: seed must be an integer, got {seed!r}")
-        self.seed = seed
+        self.every_n_steps = _checked_int("TokenDumpWriter", "every_n_steps", every_n_steps, 1)
+        self.max_tokens_per_step = _checked_int("TokenDumpWriter", "max_tokens_per_step", max_tokens_per_step, 1)
+        self.seed = _checked_int("TokenDumpWriter", "seed", seed)
         raw = os.fspath(path)
         if not raw:
             raise ValueError("TokenDumpWriter: path is empty")
@@ -64,8 +63,7 @@ class TokenDumpWriter:
     ) -> int:
         """Write up to the step's remaining budget of the tokens where ``response_mask`` is true; returns the rows
         written. The four tensors share one shape (``(batch, response_length)``). Computes nothing off dump steps."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"TokenDumpWriter.maybe_dump: step must be an integer >= 0, got {step!r}")
+        _checked_int("TokenDumpWriter.maybe_dump", "step", step, 0)
         if not self.wants(step):
             return 0
         shapes = {

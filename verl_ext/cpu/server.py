@@ -60,6 +60,18 @@ class GenerationResult:
     """The trainer step of the weights that generated ``token_ids``."""
 
 
+def _token_output(result: GenerationResult) -> TokenOutput:
+    return TokenOutput(
+        token_ids=result.token_ids,
+        log_probs=result.log_probs,
+        stop_reason=STOP_REASONS[result.finish_reason],
+        num_preempted=0,
+        # no tokens, no version: an aborted request that had not started leaves the versions its
+        # merged response spans (FullyAsyncLLMServerClient's min/max_global_steps) to the later pieces
+        extra_fields={"global_steps": result.global_steps if result.token_ids else None},
+    )
+
+
 def load_hf_model(
     model_path: str, dtype: str = "float32", trust_remote_code: bool = False, override_config: Optional[dict] = None
 ) -> torch.nn.Module:
@@ -357,13 +369,7 @@ class HFCpuServer:
         spec = sampling_spec_from_params(params)
         max_tokens = self._max_tokens(len(prompt), params)
         if not await self._admitted_or_rejected():
-            return TokenOutput(
-                token_ids=[],
-                log_probs=[] if spec.want_logprobs else None,
-                stop_reason="aborted",
-                num_preempted=0,
-                extra_fields={"global_steps": None},
-            )
+            return _token_output(GenerationResult([], [] if spec.want_logprobs else None, "abort", None))
         # no await from the gate check to the queue: abort_all_requests sees every admitted request
         loop = asyncio.get_running_loop()
         request = GenerationRequest(prompt, spec, max_tokens, request_id, loop.create_future())
@@ -375,16 +381,7 @@ class HFCpuServer:
             self._wakeup = asyncio.Event()
             self._batcher = loop.create_task(self._run_batches())
         self._wakeup.set()
-        result: GenerationResult = await request.future
-        return TokenOutput(
-            token_ids=result.token_ids,
-            log_probs=result.log_probs,
-            stop_reason=STOP_REASONS[result.finish_reason],
-            num_preempted=0,
-            # no tokens, no version: an aborted request that had not started leaves the versions its
-            # merged response spans (FullyAsyncLLMServerClient's min/max_global_steps) to the later pieces
-            extra_fields={"global_steps": result.global_steps if result.token_ids else None},
-        )
+        return _token_output(await request.future)
 
     async def _run_batches(self) -> None:
         """Background task: gather queued requests, group by sampling spec, generate in a thread."""

@@ -10,7 +10,7 @@ import importlib
 import inspect
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -204,18 +204,14 @@ def resolve(symbol: Symbol, modules: Optional[Mapping[str, Any]] = None) -> Any:
     return owner
 
 
-def _parameter_names(function: Callable[..., Any]) -> list[str]:
-    original = getattr(function, "__divclip_original__", function)  # a seam wrapper reports verl's own signature
-    return list(inspect.signature(original).parameters)
-
-
 def check_symbol(symbol: Symbol, modules: Optional[Mapping[str, Any]] = None) -> Any:
     """Resolve ``symbol`` and check its form; returns the object. Raises :class:`VerlMismatchError`."""
     found = resolve(symbol, modules)
     if symbol.params is not None:
         if not callable(found):
             raise _mismatch(symbol, f"it is a {type(found).__name__}, not a function")
-        names = _parameter_names(found)
+        original = getattr(found, "__divclip_original__", found)  # a seam wrapper reports verl's own signature
+        names = list(inspect.signature(original).parameters)
         if names[: len(symbol.params)] != list(symbol.params):
             raise _mismatch(symbol, f"its parameters are ({', '.join(names)}), not ({', '.join(symbol.params)}, ...)")
     if symbol.fields:
@@ -257,19 +253,17 @@ ENGINE_INSTANCE_ATTRIBUTES: dict[str, str] = {
 features read or swap: dotted path -> why."""
 
 _ACTOR = "actor_rollout_ref.actor"
+_READ_KEYS = {
+    "engine_config.entropy_checkpointing": f"{_ACTOR}.fsdp_config.entropy_checkpointing",
+    "engine_config.use_torch_compile": f"{_ACTOR}.fsdp_config.use_torch_compile",
+    "engine_config.use_fused_kernels": "actor_rollout_ref.model.use_fused_kernels",
+    "engine_config.max_token_len_per_gpu": f"{_ACTOR}.ppo_max_token_len_per_gpu",
+    "engine_config.micro_batch_size_per_gpu": f"{_ACTOR}.ppo_micro_batch_size_per_gpu",
+    "model_config.use_fused_kernels": "actor_rollout_ref.model.use_fused_kernels",
+    "use_ulysses_sp": f"{_ACTOR}.fsdp_config.ulysses_sequence_parallel_size",
+}
 ENGINE_ATTRIBUTE_KEYS: dict[str, tuple[str, ...]] = {
-    "engine_config": (),
-    "engine_config.entropy_checkpointing": (f"{_ACTOR}.fsdp_config.entropy_checkpointing",),
-    "engine_config.use_torch_compile": (f"{_ACTOR}.fsdp_config.use_torch_compile",),
-    "engine_config.use_fused_kernels": ("actor_rollout_ref.model.use_fused_kernels",),
-    "engine_config.max_token_len_per_gpu": (f"{_ACTOR}.ppo_max_token_len_per_gpu",),
-    "engine_config.micro_batch_size_per_gpu": (f"{_ACTOR}.ppo_micro_batch_size_per_gpu",),
-    "model_config.use_fused_kernels": ("actor_rollout_ref.model.use_fused_kernels",),
-    "use_ulysses_sp": (f"{_ACTOR}.fsdp_config.ulysses_sequence_parallel_size",),
-    "module": (),
-    "compute_entropy_from_logits": (),
-    "prepare_model_inputs": (),
-    "prepare_model_outputs": (),
+    path: (_READ_KEYS[path],) if path in _READ_KEYS else () for path in ENGINE_INSTANCE_ATTRIBUTES
 }
 """The verl config key each row of :data:`ENGINE_INSTANCE_ATTRIBUTES` carries into the actor engine (verl
 0.9.1's ``ActorRolloutRefWorker`` builds ``engine_config`` from ``actor.fsdp_config`` and sets its batch sizes

@@ -148,19 +148,15 @@ def keep_pass_outputs(
                 raise OldFromUpdateError(f"{POLICY_KEY}: the old-log-prob pass returned no {name!r}")
             for row, value in zip(rows.tolist(), out["model_output"][name].unbind(), strict=False):
                 state.values[name][row] = value
-    shapes = {
-        "log_probs": lambda row: (tokens[row],),
-        "entropy": lambda row: (tokens[row],),
-        OLD_TOPK_LOG_PROBS: lambda row: (responses[row], state.topk_k + 1),
-        OLD_TOPK_IDS: lambda row: (responses[row], state.topk_k),
-    }
+    topk_widths = {OLD_TOPK_LOG_PROBS: state.topk_k + 1, OLD_TOPK_IDS: state.topk_k}  # log_probs, entropy: per token
     for name in state.fields:
         computed = next((v for v in state.values[name] if v is not None), None)
         dtype = computed.dtype if computed is not None else (torch.int32 if name == OLD_TOPK_IDS else torch.float32)
         device = computed.device if computed is not None else None
         fill = -1 if name == OLD_TOPK_IDS else math.nan
         for row in state.from_update:
-            state.values[name][row] = torch.full(shapes[name](row), fill, dtype=dtype, device=device)
+            shape = (responses[row], topk_widths[name]) if name in topk_widths else (tokens[row],)
+            state.values[name][row] = torch.full(shape, fill, dtype=dtype, device=device)
 
 
 def _batch_output(state: OldFromUpdate, size: int) -> dict[str, Any]:

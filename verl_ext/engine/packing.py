@@ -152,6 +152,11 @@ def infer_as_update(engine: Any, data: TensorDict, loss_function: Any, infer: Ca
 
     size = len(data)
     packing = tu.get_non_tensor_data(data=data, key=UPDATE_PACKING_KEY, default=None)
+    max_token_len, micro_batch_size = (
+        engine_attribute(engine, f"engine_config.{name}")
+        for name in ("max_token_len_per_gpu", "micro_batch_size_per_gpu")
+    )
+    record, skip = None, None
     if packing is None:  # a direct caller: one mini-batch, in order (train_mini_batch(mini_batch_size=len))
         groups = [torch.arange(size)]
     else:
@@ -159,29 +164,23 @@ def infer_as_update(engine: Any, data: TensorDict, loss_function: Any, infer: Ca
         groups = first_epoch_mini_batches(
             size, int(packing["mini_batch_size"]) // dp_size, int(packing["seed"]) + dp_rank, bool(packing["shuffle"])
         )
-    record = PackingRecord(row_fingerprints(data)) if packing is not None else None
-    max_token_len, micro_batch_size = (
-        engine_attribute(engine, f"engine_config.{name}")
-        for name in ("max_token_len_per_gpu", "micro_batch_size_per_gpu")
-    )
-    # old_log_prob_from_update: the mini-batch whose pi_old its own update forward supplies is not run here
-    skip = skipped_mini_batch(engine, data, groups, row_fingerprints(data)) if packing is not None else None
-    run = [rows for index, rows in enumerate(groups) if index != skip]
-    outputs = []
+        record = PackingRecord(row_fingerprints(data))
+        # old_log_prob_from_update: the mini-batch whose pi_old its own update forward supplies is not run here
+        skip = skipped_mini_batch(engine, data, groups, record.fingerprints)
+    run, outputs = [], []
     for index, rows in enumerate(groups):
-        if index == skip:
-            if record is not None:
-                record.mini_batches.append(None)
-            continue
-        part = tu.index_select_tensor_dict(data, rows)
-        part[ROW_KEY] = rows.clone()
-        tu.assign_non_tensor(part, max_token_len_per_gpu=max_token_len, micro_batch_size_per_gpu=micro_batch_size)
-        recorded: list[PackedMicroBatch] = []
-        setattr(engine, _RECORDING_ATTR, recorded)
-        try:
-            outputs.append(infer(engine, part, loss_function))
-        finally:
-            setattr(engine, _RECORDING_ATTR, None)
+        recorded: Optional[list[PackedMicroBatch]] = None  # stays None for the skipped mini-batch
+        if index != skip:
+            part = tu.index_select_tensor_dict(data, rows)
+            part[ROW_KEY] = rows.clone()
+            tu.assign_non_tensor(part, max_token_len_per_gpu=max_token_len, micro_batch_size_per_gpu=micro_batch_size)
+            recorded = []
+            setattr(engine, _RECORDING_ATTR, recorded)
+            try:
+                outputs.append(infer(engine, part, loss_function))
+            finally:
+                setattr(engine, _RECORDING_ATTR, None)
+            run.append(rows)
         if record is not None:
             record.mini_batches.append(recorded)
     if record is not None:  # the trainer's old pass (a reference pass on the same engine keeps it: no key)
@@ -197,26 +196,16 @@ def infer_as_update(engine: Any, data: TensorDict, loss_function: Any, infer: Ca
     if any(out is None for out in outputs):
         return None
 
-    order = torch.cat(groups).tolist()
+    piece_of_row = torch.cat(groups).argsort().tolist()  # the outputs hold the rows in the groups' order
     model_output: dict[str, torch.Tensor] = {}
     for key in outputs[0]["model_output"]:
         pieces = [row for out in outputs for row in out["model_output"][key].unbind()]
-        placed: list[Optional[torch.Tensor]] = [None] * size
-        for position, row in zip(order, pieces, strict=False):
-            placed[position] = row
-        model_output[key] = torch.nested.as_nested_tensor(placed, layout=torch.jagged)
+        model_output[key] = torch.nested.as_nested_tensor([pieces[i] for i in piece_of_row], layout=torch.jagged)
     metrics: dict[str, list[Any]] = {}
     for out in outputs:
         for key, value in out.get("metrics", {}).items():
             metrics.setdefault(key, []).extend(value if isinstance(value, list) else [value])
     return {"model_output": model_output, "loss": [loss for out in outputs for loss in out["loss"]], "metrics": metrics}
-
-
-def record_micro_batch(engine: Any, micro_batch: TensorDict) -> None:
-    """In an old-log-prob pass run by :func:`infer_as_update`: note the micro-batch the engine computes."""
-    recording = getattr(engine, _RECORDING_ATTR, None)
-    if recording is not None and ROW_KEY in micro_batch.keys():
-        recording.append(PackedMicroBatch.of(micro_batch))
 
 
 class UpdateObserver:
@@ -350,7 +339,9 @@ def observed_packing(engine: Any, micro_batch: TensorDict, forward_only: bool) -
     """One forward step of ``engine``: record it (old pass) or compare it (update); whether the step's update
     call was found packed as the old pass (``actor/divclip/path/pack_old_log_prob_as_update``)."""
     if forward_only:
-        record_micro_batch(engine, micro_batch)
+        recording = getattr(engine, _RECORDING_ATTR, None)  # set in an old-log-prob pass run by infer_as_update
+        if recording is not None and ROW_KEY in micro_batch.keys():
+            recording.append(PackedMicroBatch.of(micro_batch))
         return False
     observer: Optional[UpdateObserver] = getattr(engine, _OBSERVER_ATTR, None)
     if observer is None:

@@ -143,11 +143,10 @@ def topk_step(micro_batch: Any, loss_function: Any, supply_k: int = 0) -> Option
 
     if supply_k:
         return TopKStep(micro_batch, supply_k, None, supplies_old=True)
-    capture_k = 0
+    capture_k, old_ids = 0, None
     if loss_function is None:  # a forward-only pass without loss: the old-log-prob pass asks with CAPTURE_KEY
         capture_k = int(tu.get_non_tensor_data(data=micro_batch, key=CAPTURE_KEY, default=0) or 0)
-    old_ids = None
-    if loss_function is not None and OLD_TOPK_IDS in micro_batch.keys():
+    elif OLD_TOPK_IDS in micro_batch.keys():
         ids = micro_batch[OLD_TOPK_IDS]
         if not ids.is_nested:
             raise ValueError(

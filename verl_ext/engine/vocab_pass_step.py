@@ -138,8 +138,7 @@ def _prepare_vocab_pass_outputs(engine: Any, observers: Sequence[HeadObserver]) 
         from verl.utils import tensordict_utils as tu
 
         calculate_entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
-        distillation_only = tu.get_non_tensor_data(data=micro_batch, key="distillation_only", default=False)
-        if distillation_only:
+        if tu.get_non_tensor_data(data=micro_batch, key="distillation_only", default=False):
             raise ValueError(f"{VOCAB_PASS_KEY}=true cannot serve distillation-only steps (they need the logits)")
         packed = output.logits.reshape(-1, 2)
         log_probs, entropy = packed[:, 0], packed[:, 1]
