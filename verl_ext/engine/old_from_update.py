@@ -148,14 +148,17 @@ def keep_pass_outputs(
                 raise OldFromUpdateError(f"{POLICY_KEY}: the old-log-prob pass returned no {name!r}")
             for row, value in zip(rows.tolist(), out["model_output"][name].unbind(), strict=False):
                 state.values[name][row] = value
-    topk_widths = {OLD_TOPK_LOG_PROBS: state.topk_k + 1, OLD_TOPK_IDS: state.topk_k}  # log_probs, entropy: per token
+    # a placeholder row per field: per token (width None) or per response token x the top-k width; a field
+    # without a row here raises KeyError rather than getting a guessed shape
+    widths = {"log_probs": None, "entropy": None, OLD_TOPK_LOG_PROBS: state.topk_k + 1, OLD_TOPK_IDS: state.topk_k}
     for name in state.fields:
         computed = next((v for v in state.values[name] if v is not None), None)
         dtype = computed.dtype if computed is not None else (torch.int32 if name == OLD_TOPK_IDS else torch.float32)
         device = computed.device if computed is not None else None
         fill = -1 if name == OLD_TOPK_IDS else math.nan
         for row in state.from_update:
-            shape = (responses[row], topk_widths[name]) if name in topk_widths else (tokens[row],)
+            width = widths[name]
+            shape = (tokens[row],) if width is None else (responses[row], width)
             state.values[name][row] = torch.full(shape, fill, dtype=dtype, device=device)
 
 
