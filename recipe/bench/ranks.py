@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 from recipe.bench.harness import select_cpu_platform
 
@@ -27,19 +27,18 @@ def rendezvous_store() -> Any:
 AGENT_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
-def single_rank_env(port: Optional[int] = None, device: str = "cpu") -> None:
-    """Environment for an in-process single rank (what Ray would set for a 1-worker group); ``device="cuda"``
-    leaves verl's platform detection alone."""
+def single_rank_env(device: str = "cpu") -> None:
+    """Environment for an in-process single rank (what Ray would set for a 1-worker group), its rendezvous store
+    served from this process; ``device="cuda"`` leaves verl's platform detection alone."""
     if device == "cpu":
         select_cpu_platform()
-    if not port:
-        _STORES.append(rendezvous_store())
+    _STORES.append(rendezvous_store())
     os.environ.update(
         RANK="0",
         LOCAL_RANK="0",
         WORLD_SIZE="1",
         LOCAL_WORLD_SIZE="1",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port or _STORES[-1].port),
-        **({} if port else AGENT_STORE_ENV),
+        MASTER_PORT=str(_STORES[-1].port),
+        **AGENT_STORE_ENV,
     )
