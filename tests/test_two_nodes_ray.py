@@ -778,7 +778,7 @@ def test_resume_continues_from_the_last_complete_checkpoint_and_repeats_no_promp
         before, after = load_shards(saved, rank), load_shards(written, rank)
         # the premise: an update before the checkpoint had a gradient (zero saved moments and no gradient after
         # them fit a fresh optimizer too: the checks below could not fail)
-        assert any(_f64(s["exp_avg_sq"]).abs().max() > 0 for s in before[0]["state"].values()), (rank, "zero moments")
+        assert any(_f64(s["exp_avg_sq"]).max() > 0 for s in before[0]["state"].values()), (rank, "zero moments")
         misfits, elements = adam_misfits(before, after)
         assert misfits == 0, f"rank {rank}: {misfits} of {elements} elements do not continue the saved optimizer state"
         steps = {int(s["step"]) for s in after[0]["state"].values()}
